@@ -1,0 +1,171 @@
+"""Recipe loading: every mistake is a ConfigError naming the file and the key, and a resolved recipe
+round-trips through YAML."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megarl.config import Config, ConfigError, config_to_dict, dump_config, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def recipe(tmp_path, monkeypatch):
+    """Write a recipe (YAML text) next to an existing model directory and train file; return its path."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+
+    def write(body: str = "") -> Path:
+        path = tmp_path / "q.yaml"
+        path.write_text("model:\n  path: model\ndata:\n  train_path: train.jsonl\n" + body)
+        return path
+
+    return write
+
+
+def error_of(path, overrides=()) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return str(info.value)
+
+
+def test_minimal_recipe_gets_defaults_and_absolute_paths(recipe, tmp_path):
+    cfg = load_config(recipe())
+    assert cfg.model.path == str(tmp_path / "model")
+    assert cfg.data.train_path == str(tmp_path / "train.jsonl")
+    assert cfg.rollout == type(cfg.rollout)()
+    assert cfg.algo.name == "grpo" and cfg.optim.lr == 1e-6
+
+
+def test_float_without_dot_in_file_and_int_for_float(recipe):
+    cfg = load_config(recipe("optim:\n  lr: 3e-6\nrollout:\n  temperature: 1\n"))
+    assert cfg.optim.lr == 3e-6
+    assert cfg.rollout.temperature == 1.0 and type(cfg.rollout.temperature) is float
+
+
+def test_unknown_key_in_file_suggests_the_near_name(recipe):
+    path = recipe("rollout:\n  temprature: 0.5\n")
+    assert error_of(path) == f"{path}: rollout.temprature: unknown key (did you mean 'temperature'?)"
+
+
+def test_unknown_key_in_override_names_the_override(recipe):
+    path = recipe()
+    assert error_of(path, ["rollout.temprature=0.5"]) == (
+        f"{path}: override 'rollout.temprature=0.5': rollout.temprature: unknown key (did you mean 'temperature'?)"
+    )
+    assert error_of(path, ["rolout.temperature=1"]) == (
+        f"{path}: override 'rolout.temperature=1': rolout: unknown key (did you mean 'rollout'?)"
+    )
+
+
+def test_wrong_types_name_key_expected_type_and_value(recipe):
+    path = recipe("train:\n  steps: ten\n")
+    assert error_of(path) == f"{path}: train.steps: expected int, got 'ten' (str)"
+    path = recipe("log:\n  progress: 1\n")
+    assert error_of(path) == f"{path}: log.progress: expected bool, got 1 (int)"
+    path = recipe()
+    assert error_of(path, ["model.dtype=bfloat"]) == (
+        f"{path}: override 'model.dtype=bfloat': model.dtype: expected one of 'float32', 'bfloat16', 'float16',"
+        " got 'bfloat' (str) (did you mean 'bfloat16'?)"
+    )
+
+
+def test_missing_required_key(recipe, tmp_path):
+    path = tmp_path / "q.yaml"
+    path.write_text("data:\n  train_path: train.jsonl\n")
+    assert error_of(path) == f"{path}: model.path: required key missing (expected str)"
+
+
+def test_missing_model_dir_and_train_file(recipe, tmp_path):
+    path = recipe()
+    assert error_of(path, ["model.path=nowhere"]) == (
+        f"{path}: override 'model.path=nowhere': model.path: directory not found: {tmp_path / 'nowhere'}"
+    )
+    path.write_text("model:\n  path: model\ndata:\n  train_path: missing.jsonl\n")
+    assert error_of(path) == f"{path}: data.train_path: file not found: {tmp_path / 'missing.jsonl'}"
+    path.write_text("model:\n  path: train.jsonl\ndata:\n  train_path: model\n")
+    assert error_of(path) == f"{path}: model.path: not a directory: {tmp_path / 'train.jsonl'}"
+
+
+def test_impossible_values_name_the_field(recipe):
+    path = recipe("rollout:\n  temperature: 0\n")
+    assert error_of(path) == f"{path}: rollout.temperature: must be > 0, got 0.0"
+    path = recipe()
+    assert error_of(path, ["rollout.top_p=1.5"]) == (
+        f"{path}: override 'rollout.top_p=1.5': rollout.top_p: must be in (0, 1], got 1.5"
+    )
+    assert error_of(path, ["parallel.tp=0"]).endswith("parallel.tp: must be >= 1, got 0")
+
+
+def test_cross_section_check_names_the_keys_and_numbers(recipe):
+    path = recipe("rollout:\n  n_samples: 3\n")
+    assert error_of(path, ["data.prompts_per_step=6", "train.micro_batch_size=4"]) == (
+        f"{path}: rollout.n_samples * data.prompts_per_step = 3 * 6 = 18 samples per step"
+        " is not divisible by train.micro_batch_size = 4"
+    )
+    assert error_of(path, ["rollout.n_samples=1", "algo.name=rloo"]) == (
+        f"{path}: algo.name = 'rloo' compares samples within a group and needs rollout.n_samples >= 2, got 1"
+    )
+
+
+def test_yaml_syntax_error_names_file_and_line(recipe):
+    path = recipe("rollout:\n  temperature: [0.5\n")
+    message = error_of(path)
+    assert message.startswith(f"{path}: line 7, column 1: invalid YAML:")
+    assert "flow sequence that starts on line 6" in message
+
+
+def test_key_given_twice_is_an_error_not_a_silent_overwrite(recipe):
+    path = recipe("model:\n  path: model\n")
+    assert error_of(path) == f"{path}: line 5, column 1: invalid YAML: duplicate key 'model'"
+
+
+def test_missing_recipe_and_malformed_override(recipe, tmp_path):
+    assert error_of(tmp_path / "nope.yaml") == f"{tmp_path / 'nope.yaml'}: recipe file not found"
+    path = recipe("seed: 0\n")
+    assert error_of(path, ["train.steps"]) == f"{path}: override 'train.steps': expected key.path=value"
+    assert error_of(path, ["seed.x=1"]) == f"{path}: override 'seed.x=1': seed: is 0 (int), not a section"
+
+
+def test_overrides_set_nested_values_parsed_as_yaml(recipe):
+    cfg = load_config(
+        recipe("seed: 3\n"),
+        ["optim.lr=1e-5", "rollout.n_samples=2", "model.megatron.recompute=[1, 2]", "data.eval_path=null",
+         "log.tensorboard=true", "run_dir=runs/x"],
+    )
+    assert cfg.optim.lr == 1e-5 and cfg.rollout.n_samples == 2 and cfg.seed == 3
+    assert cfg.model.megatron == {"recompute": [1, 2]}
+    assert cfg.data.eval_path is None and cfg.log.tensorboard is True and cfg.run_dir == "runs/x"
+
+
+def test_dump_and_load_round_trip(recipe, tmp_path):
+    cfg = load_config(recipe(), ["optim.lr=1e-5", "model.megatron.num_layers=2", "data.eval_path=train.jsonl"])
+    dump_config(cfg, tmp_path / "run" / "recipe.yaml")
+    os.chdir(tmp_path / "run")  # the dumped paths are absolute, so they load from anywhere
+    assert load_config("recipe.yaml") == cfg
+    assert config_to_dict(cfg)["optim"]["lr"] == 1e-5
+
+
+def test_config_is_frozen(recipe):
+    cfg = load_config(recipe())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.rollout.temperature = 0.5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.seed = 1
+    assert isinstance(cfg, Config)
+
+
+def test_import_pulls_in_no_heavy_backend():
+    heavy = ["torch", "megatron", "sglang", "transformer_engine", "apex", "ray"]
+    code = (
+        "import sys, megarl.config\n"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(heavy)!r}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
