@@ -1,0 +1,181 @@
+"""Run real megatron-core on a machine without CUDA (gloo process groups, CPU tensors).
+
+megatron-core assumes CUDA in a few dozen places: `torch.cuda.current_device()` as an allocation device,
+the CUDA RNG in tensor_parallel/random.py, literal `device="cuda"` scalars in the schedules, optimizer and
+grad clipping, `.type() == 'torch.cuda.FloatTensor'` asserts, and CUDA streams in DDP. `install()`
+redirects exactly those to the CPU. Everything it changes is process-global, so it refuses to run when a
+CUDA device is usable: on a GPU machine megatron runs untouched.
+
+Also here: two megatron/torch issues that bite any run without Transformer Engine (`te_general_gemm`
+referenced unbound in the MoE router utils; numpy split sizes passed to `all_to_all_single`), fixed
+only on the CPU path because GPU images ship Transformer Engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import types
+
+import torch
+
+_installed = False
+_CPU = torch.device("cpu")
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor",
+                    "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+# Modules that create tensors with a literal device="cuda"; they get a torch whose factories map it to CPU.
+_LITERAL_CUDA_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.utils",
+    "megatron.core.transformer.utils",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.rerun_state_machine",
+    "megatron.core.utils",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.finalize_model_grads",
+)
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like", "empty_like")
+
+
+def is_installed() -> bool:
+    return _installed
+
+
+def install() -> None:
+    """Redirect megatron-core's CUDA-only calls to the CPU. Idempotent; an error on a CUDA machine."""
+    global _installed
+    if _installed:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("megarl.engine.cpu_compat must not be installed on a machine with a usable CUDA device")
+    _patch_torch_cuda()
+    _patch_megatron_rng()
+    for name in _LITERAL_CUDA_MODULES:
+        importlib.import_module(name).torch = _CpuTorch()
+    _patch_cuda_type_asserts()
+    _patch_moe_without_te()
+    _installed = True
+
+
+class _Stream:
+    """Stands in for torch.cuda.Stream/Event: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+    def query(self):
+        return True
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: _CPU
+    cuda.synchronize = lambda *args, **kwargs: None
+    cuda.empty_cache = lambda: None
+    cuda.Stream = _Stream
+    cuda.Event = _Stream
+    cuda.current_stream = lambda *args, **kwargs: _Stream()
+    cuda.default_stream = lambda *args, **kwargs: _Stream()
+    cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+    cuda.nvtx = types.SimpleNamespace(range_push=lambda *a, **k: None, range_pop=lambda *a, **k: None,
+                                      range=lambda *a, **k: contextlib.nullcontext())
+    # Megatron seeds "the CUDA generator" for its model-parallel RNG streams; on CPU that is the CPU
+    # generator, so tensor-parallel ranks still get the distinct streams Megatron intends.
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    # torch.manual_seed itself calls cuda.manual_seed_all: seed the CPU generator directly.
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = lambda seed: None
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+
+
+def _patch_megatron_rng() -> None:
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+
+
+class _CpuTorch(types.ModuleType):
+    """`torch`, except that the tensor factories treat device="cuda" as the CPU."""
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        value = getattr(torch, name)
+        if name in _FACTORIES:
+            return functools.partial(_on_cpu, value)
+        return value
+
+
+def _on_cpu(factory, *args, **kwargs):
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type == "cuda":
+        kwargs["device"] = _CPU
+    return factory(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    """Within the block, `tensor.type()` names CPU float tensors as their CUDA twins."""
+    original = torch.Tensor.type
+
+    def cuda_named_type(self, *args, **kwargs):
+        name = original(self, *args, **kwargs)
+        return _CUDA_TYPE_NAMES.get(name, name) if not args and not kwargs else name
+
+    torch.Tensor.type = cuda_named_type
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _with_cuda_type_names(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _cuda_type_names():
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+def _patch_cuda_type_asserts() -> None:
+    # The optimizers sort parameters by `.type()` name and clip_grads asserts it; only those calls see
+    # CUDA type names, nothing else in the process does.
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    clip_grads.clip_grad_by_total_norm_fp32 = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    optimizer.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
+    dist_opt = distrib_optimizer.DistributedOptimizer
+    dist_opt._build_model_and_main_param_groups = classmethod(
+        _with_cuda_type_names(dist_opt._build_model_and_main_param_groups.__func__))
+    fp16_opt = optimizer.Float16OptimizerWithFloat16Params
+    fp16_opt.__init__ = _with_cuda_type_names(fp16_opt.__init__)
+
+
+def _patch_moe_without_te() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    original = torch.distributed.all_to_all_single
+
+    @functools.wraps(original)
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        to_list = lambda sizes: None if sizes is None else [int(s) for s in sizes]  # noqa: E731
+        return original(output, input, to_list(output_split_sizes), to_list(input_split_sizes), *args, **kwargs)
+
+    torch.distributed.all_to_all_single = all_to_all_single

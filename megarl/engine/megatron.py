@@ -1,0 +1,467 @@
+"""The Megatron-core train engine: a GPTModel built from a HuggingFace checkpoint directory.
+
+This module is the only one that reads Megatron's global `parallel_state`; it hands explicit process
+groups (`ParallelGroups`) to everything else. One `TrainEngine` is one model (actor, reference or, later,
+critic) with its HF weights loaded directly from safetensors, token logprobs through the vocab-parallel
+cross entropy, and training through Megatron DDP, `get_megatron_optimizer` and
+`get_forward_backward_func`.
+
+Sequences are [B, T] token ids, right padded. Logprobs are aligned with the tokens: `logprobs[b, t]` is
+log p(tokens[b, t] | tokens[b, :t]) at the sampling temperature, and column 0 is 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from megarl.models import layout
+from megarl.models.arch import ModelShape, padded_vocab_size, read_shape
+from megarl.models.names import NameTable, name_rules
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A loss function sees one micro-batch: logprobs [b, T] and that micro-batch's slice of every extra
+# tensor; it returns its contribution to the global loss and to each summed statistic.
+LossFn = Callable[[Tensor, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """Process groups and ranks handed to the rest of megarl (None group = a size-1 axis)."""
+
+    tp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    mp: dist.ProcessGroup          # tensor x pipeline: the ranks that hold one copy of the model
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    pp_last_global_rank: int       # global rank of the last pipeline stage of this rank's pipeline
+    mp_src_global_rank: int        # global rank of this model-parallel group's first rank
+
+    @property
+    def is_pp_last(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0) -> ParallelGroups:
+    """Initialize torch.distributed (torchrun env, else a one-process group) and Megatron's parallel state."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    cuda = torch.cuda.is_available()
+    if not dist.is_initialized():
+        if "RANK" in os.environ:
+            if cuda:
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group("nccl" if cuda else "gloo")
+        else:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if not cuda:
+        from megarl.engine import cpu_compat
+
+        cpu_compat.install()
+    world = dist.get_world_size()
+    if world % (tp * pp * cp) != 0:
+        raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     context_parallel_size=cp, expert_model_parallel_size=ep)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+    pp_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+    mp_ranks = dist.get_process_group_ranks(ps.get_model_parallel_group())
+    return ParallelGroups(
+        tp=ps.get_tensor_model_parallel_group(), pp=ps.get_pipeline_model_parallel_group(),
+        dp=ps.get_data_parallel_group(), mp=ps.get_model_parallel_group(),
+        tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
+        pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp,
+        dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+        pp_last_global_rank=pp_ranks[-1], mp_src_global_rank=min(mp_ranks),
+    )
+
+
+def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megatron: dict):
+    """Megatron TransformerConfig for an HF architecture; `megatron` holds extra fields from the recipe."""
+    from megatron.core.transformer import TransformerConfig
+
+    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(megatron) - known)
+    if unknown:
+        raise ValueError(f"model.megatron: unknown TransformerConfig field(s): {', '.join(unknown)}")
+    torch_dtype = _DTYPES[dtype]
+    kwargs = dict(
+        num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
+        num_query_groups=shape.kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn,
+        normalization="RMSNorm", layernorm_epsilon=shape.norm_eps, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        params_dtype=torch_dtype, pipeline_dtype=torch_dtype,
+        bf16=torch_dtype == torch.bfloat16, fp16=torch_dtype == torch.float16,
+        variable_seq_lengths=True, moe_token_dispatcher_type="alltoall", perform_initialization=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+    )
+    if not torch.cuda.is_available():
+        # Fused kernels are CUDA code; their unfused twins compute the same function.
+        kwargs.update(bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+                      persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False)
+    kwargs.update(megatron)
+    return TransformerConfig(**kwargs)
+
+
+def uses_transformer_engine() -> bool:
+    """Transformer Engine layers when TE imports and a GPU is present; the local spec otherwise."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups):
+    """One GPTModel chunk for this pipeline stage (weights uninitialized)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                          get_gpt_layer_with_transformer_engine_spec)
+
+    if uses_transformer_engine():
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_norm)
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(shape.vocab_size, tp=groups.tp_size),
+        max_sequence_length=shape.max_position,
+        pre_process=groups.pp_rank == 0, post_process=groups.is_pp_last,
+        parallel_output=True, share_embeddings_and_output_weights=shape.tied_embeddings,
+        position_embedding_type="rope", rotary_base=int(shape.rope_theta),
+        rope_scaling=shape.llama3_rope_factor is not None,
+        rope_scaling_factor=shape.llama3_rope_factor or 8.0,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+class SafetensorsDir:
+    """Lazy read access to the tensors of an HF checkpoint directory (single file or sharded index)."""
+
+    def __init__(self, model_dir: str | Path):
+        from safetensors import safe_open
+
+        model_dir = Path(model_dir)
+        index = model_dir / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = ["model.safetensors"]
+        self._handles, self._where = {}, {}
+        for name in files:
+            path = model_dir / name
+            if not path.exists():
+                raise FileNotFoundError(f"{path}: weight file listed for the checkpoint is missing")
+            handle = safe_open(str(path), framework="pt")
+            self._handles[name] = handle
+            for key in handle.keys():
+                self._where[key] = name
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> Tensor:
+        if name not in self._where:
+            raise KeyError(f"tensor {name!r} not found in the checkpoint")
+        return self._handles[self._where[name]].get_tensor(name)
+
+
+def _global_name(local_name: str, layer_offset: int) -> str:
+    """Megatron names layers per pipeline stage from 0; the name table uses global indices."""
+    parts = local_name.split(".")
+    if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers":
+        parts[2] = str(int(parts[2]) + layer_offset)
+    return ".".join(parts)
+
+
+def _tp_split(param: Tensor) -> int | None:
+    return param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+
+
+class TrainEngine:
+    """One Megatron model (actor or reference) over this rank's share of the parallel layout.
+
+    With `optim` None the model is frozen (reference): no DDP wrapper, no optimizer, no gradients.
+    """
+
+    def __init__(self, *, model_dir: str, dtype: str, megatron: dict, groups: ParallelGroups, optim=None):
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        self.groups = groups
+        self.shape = read_shape(model_dir)
+        self.config = transformer_config(self.shape, dtype=dtype, tp=groups.tp_size, pp=groups.pp_size,
+                                         megatron=megatron)
+        self.module = build_gpt(self.shape, self.config, groups=groups)
+        self.names = NameTable(name_rules(self.shape, te_spec=uses_transformer_engine()))
+        self._layer_offset = get_transformer_layer_offset(self.config)
+        self.load_hf(model_dir)
+        self.optim = optim
+        if optim is None:
+            self.module.requires_grad_(False)
+            self.module.eval()
+            self.model, self.optimizer = self.module, None
+        else:
+            self.model, self.optimizer = self._wrap_for_training(optim)
+        self.step = 0
+
+    # ---- weights ----------------------------------------------------------------------------------
+    def load_hf(self, model_dir: str | Path) -> None:
+        """Copy an HF checkpoint into this rank's shards. Every Megatron parameter must be covered."""
+        source = SafetensorsDir(model_dir)
+        with torch.no_grad():
+            for local_name, param in self.module.named_parameters():
+                name = _global_name(local_name, self._layer_offset)
+                if name == "output_layer.weight" and self.shape.tied_embeddings:
+                    hf_names = ("model.embed_tokens.weight",)  # last pipeline stage's copy of tied weights
+                    rule_fuse = None
+                else:
+                    rule, _ = self.names.lookup(name)
+                    hf_names, rule_fuse = self.names.hf_names(name), rule.fuse
+                full = self._fuse([source.get(n) for n in hf_names], rule_fuse)
+                if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                    full = _pad_rows(full, param.shape[0] * self.groups.tp_size)
+                shard = layout.shard(full, dim=_tp_split(param), rank=self.groups.tp_rank,
+                                     size=self.groups.tp_size, gate_up=rule_fuse == "gate_up")
+                if shard.shape != param.shape:
+                    raise ValueError(f"{model_dir}: {hf_names} gives shape {tuple(shard.shape)} for {name}, "
+                                     f"expected {tuple(param.shape)}")
+                param.copy_(shard)
+
+    def _fuse(self, parts: list[Tensor], fuse: str | None) -> Tensor:
+        match fuse:
+            case None:
+                return parts[0]
+            case "qkv":
+                return layout.join_qkv(*parts, groups=self.shape.kv_heads, head_dim=self.shape.head_dim)
+            case "gate_up":
+                return layout.join_gate_up(*parts)
+        raise ValueError(f"unknown fused layout {fuse!r}")
+
+    def hf_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """Full HF-named tensors of this model, one at a time (TP shards all-gathered).
+
+        Every rank of a pipeline stage takes part in the gathers; every rank yields the full tensors of
+        its own stage's layers, so the rank that feeds a rollout engine must also receive the other
+        stages' tensors (`pipeline_hf_tensors`).
+        """
+        for local_name, param in self.module.named_parameters():
+            name = _global_name(local_name, self._layer_offset)
+            if name == "output_layer.weight" and self.shape.tied_embeddings:
+                continue
+            rule, _ = self.names.lookup(name)
+            dim = _tp_split(param)
+            data = param.detach()
+            if dim is not None and self.groups.tp_size > 1:
+                shards = [torch.empty_like(data) for _ in range(self.groups.tp_size)]
+                dist.all_gather(shards, data.contiguous(), group=self.groups.tp)
+                data = layout.unshard(shards, dim=dim, gate_up=rule.fuse == "gate_up")
+            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                data = data[: self.shape.vocab_size]
+            yield from zip(self.names.hf_names(name), self._split(data, rule.fuse))
+
+    def _split(self, full: Tensor, fuse: str | None) -> tuple[Tensor, ...]:
+        match fuse:
+            case None:
+                return (full,)
+            case "qkv":
+                return layout.split_qkv(full, groups=self.shape.kv_heads, head_dim=self.shape.head_dim)
+            case "gate_up":
+                return layout.split_gate_up(full)
+        raise ValueError(f"unknown fused layout {fuse!r}")
+
+    def pipeline_hf_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """`hf_tensors` of every pipeline stage, delivered in stage order to every rank of the pipeline.
+
+        Each stage in turn sends its tensors one at a time over the pipeline group (a name broadcast,
+        then the tensor), so no rank ever holds more than one extra full tensor.
+        """
+        if self.groups.pp_size == 1:
+            yield from self.hf_tensors()
+            return
+        pp_ranks = dist.get_process_group_ranks(self.groups.pp)
+        for stage, src in enumerate(pp_ranks):
+            mine = self.hf_tensors() if stage == self.groups.pp_rank else None
+            while True:
+                item = next(mine, None) if mine is not None else None
+                header = [None if item is None else (item[0], tuple(item[1].shape), item[1].dtype)]
+                dist.broadcast_object_list(header, src=src, group=self.groups.pp)
+                if header[0] is None:
+                    break
+                name, shape, dtype = header[0]
+                tensor = item[1].contiguous() if item is not None else torch.empty(
+                    shape, dtype=dtype, device=_device())
+                dist.broadcast(tensor, src=src, group=self.groups.pp)
+                yield name, tensor
+
+    # ---- training setup -----------------------------------------------------------------------------
+    def _wrap_for_training(self, optim):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        ddp = DistributedDataParallel(
+            config=self.config,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                     use_distributed_optimizer=optim.distributed),
+            module=self.module,
+        )
+        opt_config = OptimizerConfig(
+            optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.beta1,
+            adam_beta2=optim.beta2, adam_eps=optim.eps, clip_grad=optim.grad_clip,
+            bf16=self.config.bf16, fp16=self.config.fp16, params_dtype=self.config.params_dtype,
+            use_distributed_optimizer=optim.distributed,
+        )
+        optimizer = get_megatron_optimizer(opt_config, [ddp])
+        self.config.finalize_model_grads_func = _finalize_grads
+        self.config.no_sync_func = ddp.no_sync
+        return ddp, optimizer
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    # ---- compute ------------------------------------------------------------------------------------
+    def _run(self, tokens: Tensor, extras: dict[str, Tensor], loss_fn: LossFn | None, *, temperature: float,
+             micro_batch_size: int, forward_only: bool) -> tuple[Tensor | None, dict[str, Tensor]]:
+        """Run the pipeline schedule over micro-batches; returns (logprobs [B, T] or None, summed stats)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        device = _device()
+        batch, seq_len = tokens.shape
+        if batch % micro_batch_size != 0:
+            raise ValueError(f"batch of {batch} sequences is not divisible by micro_batch_size {micro_batch_size}")
+        n_micro = batch // micro_batch_size
+        micro = [
+            {"tokens": tokens[i: i + micro_batch_size].to(device),
+             **{k: v[i: i + micro_batch_size].to(device) for k, v in extras.items()}}
+            for i in range(0, batch, micro_batch_size)
+        ]
+        logprob_chunks: list[Tensor] = []
+        stat_sums: dict[str, Tensor] = {}
+        # Megatron divides each micro-batch loss by the number of micro-batches and DDP averages over DP
+        # ranks; loss functions here already return contributions normalized by global counts, so the
+        # scale below undoes both averages and the gradient is exactly that of the global loss.
+        loss_scale = float(n_micro * self.groups.dp_size)
+
+        def loss_func(mb, logits):
+            # logits [b, T, V/tp]; target of position t is token t+1
+            targets = mb["tokens"][:, 1:]
+            nll = vocab_parallel_cross_entropy(logits[:, :-1].float() / temperature, targets)
+            logprobs = F.pad(-nll, (1, 0))  # [b, T], column 0 has no prediction
+            if loss_fn is None:
+                logprob_chunks.append(logprobs.detach())
+                return logprobs.sum() * 0.0, {}
+            loss, stats = loss_fn(logprobs, mb)
+            for key, value in stats.items():
+                stat_sums[key] = stat_sums.get(key, 0.0) + value.detach().float()
+            if forward_only:
+                logprob_chunks.append(logprobs.detach())
+            return loss * loss_scale, {}
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            positions = torch.arange(seq_len, device=device).unsqueeze(0).expand(mb["tokens"].shape[0], -1)
+            logits = model(mb["tokens"], positions, None)
+            return logits, partial(loss_func, mb)
+
+        self.model.train(not forward_only)
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
+            num_microbatches=n_micro, seq_length=seq_len, micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+        )
+        logprobs = torch.cat(logprob_chunks) if logprob_chunks else None
+        return logprobs, stat_sums
+
+    @torch.no_grad()
+    def logprobs(self, tokens: Tensor, *, temperature: float, micro_batch_size: int) -> Tensor:
+        """Token logprobs [B, T] of `tokens` [B, T] on every rank of the pipeline."""
+        out, _ = self._run(tokens, {}, None, temperature=temperature, micro_batch_size=micro_batch_size,
+                           forward_only=True)
+        return self._from_last_stage(out, tokens.shape).cpu()
+
+    def train_step(self, tokens: Tensor, extras: dict[str, Tensor], loss_fn: LossFn, *, temperature: float,
+                   micro_batch_size: int) -> dict[str, float]:
+        """One optimizer step on this rank's share [B, T] of the global batch.
+
+        Returns `loss_fn`'s statistics summed over micro-batches and DP ranks (each one a contribution
+        normalized by global counts, so the sums are global means), plus `grad_norm`.
+        """
+        _, stats = self._run(tokens, extras, loss_fn, temperature=temperature,
+                             micro_batch_size=micro_batch_size, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.step += 1
+        metrics = self._reduce_stats(stats)
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        if not ok:
+            metrics["skipped_step"] = 1.0
+        return metrics
+
+    def _from_last_stage(self, tensor: Tensor | None, shape) -> Tensor:
+        if self.groups.pp_size == 1:
+            return tensor
+        if tensor is None:
+            tensor = torch.empty(shape, dtype=torch.float32, device=_device())
+        dist.broadcast(tensor, src=self.groups.pp_last_global_rank, group=self.groups.pp)
+        return tensor
+
+    def _reduce_stats(self, stats: dict[str, Tensor]) -> dict[str, float]:
+        """Sum statistics over DP ranks and send them from the last pipeline stage to every rank."""
+        keys = [sorted(stats)] if self.groups.is_pp_last else [None]
+        if self.groups.pp_size > 1:
+            dist.broadcast_object_list(keys, src=self.groups.pp_last_global_rank, group=self.groups.pp)
+        values = torch.stack([torch.as_tensor(stats.get(k, 0.0), dtype=torch.float64) for k in keys[0]]) \
+            if keys[0] else torch.zeros(0, dtype=torch.float64)
+        values = values.to(_device())
+        if self.groups.pp_size > 1:
+            dist.broadcast(values, src=self.groups.pp_last_global_rank, group=self.groups.pp)
+        if self.groups.dp_size > 1:
+            dist.all_reduce(values, group=self.groups.dp)
+        return {k: float(v) for k, v in zip(keys[0], values.tolist())}
+
+
+def _finalize_grads(model, num_tokens=None, **kwargs):
+    from megatron.core.distributed import finalize_model_grads
+
+    return finalize_model_grads(model, num_tokens, **kwargs)
+
+
+def _pad_rows(full: Tensor, rows: int) -> Tensor:
+    """Zero rows appended to a vocabulary matrix up to Megatron's padded size."""
+    if full.shape[0] == rows:
+        return full
+    return torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])])
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
