@@ -1,0 +1,38 @@
+"""Per-token KL estimators and entropy."""
+
+import torch
+from torch import Tensor
+
+KL_KINDS = ("k1", "k2", "k3")
+
+
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, *, kind: str) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman 2020, "Approximating KL divergence").
+
+    logprobs, ref_logprobs: `[B, T]` log-probabilities of the sampled tokens under pi and pi_ref.
+    Returns `[B, T]`, no reduction (the caller masks and aggregates). With d = ref_logprobs - logprobs:
+      "k1": -d                      unbiased, can be negative
+      "k2": 0.5 * d**2              biased, low variance, always >= 0
+      "k3": exp(d) - d - 1          unbiased, always >= 0
+    """
+    if kind not in KL_KINDS:
+        raise ValueError(f"unknown KL estimator kind {kind!r}; expected one of {', '.join(KL_KINDS)}")
+    log_ratio = ref_logprobs - logprobs
+    if kind == "k1":
+        return -log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
+    # expm1 keeps k3 accurate when the policies are close and d is tiny
+    return torch.expm1(log_ratio) - log_ratio
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy -sum_v p_v log p_v of softmax(logits) over the last dim.
+
+    logits: `[..., V]` -> `[...]`, in the dtype of `logits` (upcast before calling for bf16 inputs).
+    Stable for large logits (log_softmax) and for -inf logits (masked vocabulary padding): those are
+    clamped to the dtype's lowest finite value so 0 * log 0 gives 0 instead of NaN, in value and gradient.
+    """
+    logits = logits.clamp(min=torch.finfo(logits.dtype).min)
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)

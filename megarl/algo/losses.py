@@ -1,0 +1,175 @@
+"""Policy, value, preference and SFT losses.
+
+Token losses are returned per token, `[B, T]`, 0 on masked tokens; the caller reduces them with
+`megarl.algo.aggregate.aggregate`, which owns every denominator. Stats are detached, per token (or per pair),
+0 on masked tokens, for the caller to aggregate the same way (e.g. clip fraction = token-mean of "clipped").
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from megarl.algo.aggregate import masked_mean
+from megarl.algo.kl import kl_estimate
+
+DPO_KINDS = ("sigmoid", "ipo")
+
+
+def _clipped_surrogate(
+    ratio: Tensor, advantages: Tensor, *, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """PPO's pessimistic surrogate -min(r*A, clip(r, 1-low, 1+high)*A) and where the clipped branch won."""
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError(f"clip ranges must be >= 0, got {clip_low=}, {clip_high=}")
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    # strictly greater: a tie (ratio inside the range, or A = 0) keeps the unclipped gradient
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def ppo_clip_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+    rollout_logprobs: Tensor | None = None,
+    tis_cap: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token PPO clipped surrogate loss (Schulman et al. 2017).
+
+    logprobs: `[B, T]` current policy (with grad); old_logprobs: `[B, T]` policy that scored the advantages;
+    advantages, mask: `[B, T]`. ratio = exp(logprobs - old_logprobs).
+    loss = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)); separate low/high ranges are DAPO's
+    clip-higher (Yu et al. 2025).
+    dual_clip (> 1, Ye et al. 2020): for A < 0 the loss is also capped at -dual_clip * A.
+    tis_cap with rollout_logprobs `[B, T]` (truncated importance sampling, Yao et al. 2025): the loss is
+    multiplied by the detached weight min(exp(old_logprobs - rollout_logprobs), tis_cap), correcting for the
+    rollout engine sampling from a slightly different distribution than the trainer computes.
+    Returns (loss `[B, T]`, stats): "clipped" 1.0 where clipping (either bound or dual-clip) zeroed the
+    gradient, "ratio", "approx_kl" (k3 estimate of KL(new || old)), plus "tis_weight" when TIS is on.
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    if tis_cap is not None and rollout_logprobs is None:
+        raise ValueError("tis_cap needs rollout_logprobs")
+    valid = mask.bool()
+    # padding may hold arbitrary logprobs; zero the log-ratio there so exp cannot overflow into the graph
+    log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0)
+    ratio = torch.exp(log_ratio)
+    loss, clipped = _clipped_surrogate(ratio, advantages, clip_low=clip_low, clip_high=clip_high)
+    if dual_clip is not None:
+        cap = -dual_clip * advantages
+        dual = (advantages < 0) & (loss > cap)
+        loss = torch.where(dual, cap, loss)
+        clipped = clipped | dual
+    stats = {}
+    if tis_cap is not None:
+        weight = torch.exp(torch.where(valid, old_logprobs - rollout_logprobs, 0.0)).clamp(max=tis_cap).detach()
+        loss = loss * weight
+        stats["tis_weight"] = torch.where(valid, weight, 0.0)
+    stats["clipped"] = (clipped & valid).to(loss.dtype)
+    stats["ratio"] = torch.where(valid, ratio.detach(), 0.0)
+    stats["approx_kl"] = torch.where(valid, kl_estimate(logprobs.detach(), old_logprobs, kind="k3"), 0.0)
+    return torch.where(valid, loss, 0.0), stats
+
+
+def gspo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages_seq: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token GSPO loss with a sequence-level importance ratio (Zheng et al. 2025, GSPO-token form).
+
+    logprobs, old_logprobs, mask: `[B, T]`; advantages_seq: `[B]`.
+    s_i = exp(mean over valid tokens of (logprobs - old_logprobs)), denominator = valid tokens of sequence i.
+    s_i,t = sg(s_i) * exp(logprobs - sg(logprobs)): its value is s_i on every token and its gradient is per
+    token; loss_t = max(-A_i * s_i,t, -A_i * clip(s_i,t, 1 - clip_low, 1 + clip_high)).
+    Aggregate with "seq-mean-token-mean" to get GSPO's objective and gradient exactly.
+    Returns (loss `[B, T]`, stats): "clipped", "ratio" (s_i on each valid token), "approx_kl" (k3, per token).
+    """
+    valid = mask.bool()
+    log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0)
+    seq_ratio = torch.exp(masked_mean(log_ratio, valid, dim=-1))  # [B]
+    token_ratio = seq_ratio.detach()[:, None] * torch.exp(logprobs - logprobs.detach())
+    advantages = advantages_seq[:, None].to(token_ratio.dtype)
+    loss, clipped = _clipped_surrogate(token_ratio, advantages, clip_low=clip_low, clip_high=clip_high)
+    stats = {
+        "clipped": (clipped & valid).to(loss.dtype),
+        "ratio": torch.where(valid, token_ratio.detach(), 0.0),
+        "approx_kl": torch.where(valid, kl_estimate(logprobs.detach(), old_logprobs, kind="k3"), 0.0),
+    }
+    return torch.where(valid, loss, 0.0), stats
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float | None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token clipped value loss (PPO2 baselines; Schulman et al. 2017).
+
+    values: `[B, T]` current critic (with grad); old_values, returns, mask: `[B, T]`.
+    loss = 0.5 * max((v - R)^2, (clip(v, old - clip, old + clip) - R)^2); clip=None: 0.5 * (v - R)^2.
+    Returns (loss `[B, T]`, stats): "vf_clipped" 1.0 where the clipped term was strictly larger.
+    """
+    valid = mask.bool()
+    loss = 0.5 * (values - returns).square()
+    vf_clipped = torch.zeros_like(valid)
+    if clip is not None:
+        clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+        clipped_loss = 0.5 * (clipped_values - returns).square()
+        vf_clipped = clipped_loss > loss
+        loss = torch.maximum(loss, clipped_loss)
+    stats = {"vf_clipped": (vf_clipped & valid).to(loss.dtype)}
+    return torch.where(valid, loss, 0.0), stats
+
+
+def dpo_loss(
+    policy_chosen_logps: Tensor,
+    policy_rejected_logps: Tensor,
+    ref_chosen_logps: Tensor,
+    ref_rejected_logps: Tensor,
+    *,
+    beta: float,
+    kind: str = "sigmoid",
+    label_smoothing: float = 0.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-pair preference loss. All inputs `[B]`: summed response logprobs of each pair.
+
+    h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected).
+      "sigmoid" (DPO, Rafailov et al. 2023): -(1 - eps) * logsigmoid(beta * h) - eps * logsigmoid(-beta * h),
+                eps = label_smoothing (conservative DPO; 0 gives plain DPO).
+      "ipo" (Azar et al. 2023): (h - 1 / (2 * beta))^2; label_smoothing must be 0.
+    Returns (loss `[B]`, stats `[B]`): "chosen_rewards" = beta * (policy_chosen - ref_chosen),
+    "rejected_rewards" likewise, "reward_accuracy" = 1.0 where chosen_rewards > rejected_rewards.
+    """
+    if kind not in DPO_KINDS:
+        raise ValueError(f"unknown DPO loss kind {kind!r}; expected one of {', '.join(DPO_KINDS)}")
+    if kind == "ipo" and label_smoothing != 0.0:
+        raise ValueError("label_smoothing applies to the 'sigmoid' DPO loss only")
+    chosen = policy_chosen_logps - ref_chosen_logps
+    rejected = policy_rejected_logps - ref_rejected_logps
+    h = chosen - rejected
+    if kind == "sigmoid":
+        loss = -(1.0 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    else:
+        loss = (h - 1.0 / (2.0 * beta)).square()
+    chosen_rewards = beta * chosen.detach()
+    rejected_rewards = beta * rejected.detach()
+    stats = {
+        "chosen_rewards": chosen_rewards,
+        "rejected_rewards": rejected_rewards,
+        "reward_accuracy": (chosen_rewards > rejected_rewards).to(chosen_rewards.dtype),
+    }
+    return loss, stats
+
+
+def sft_loss(logprobs: Tensor, mask: Tensor) -> Tensor:
+    """Per-token negative log-likelihood: logprobs, mask `[B, T]` -> `[B, T]` = -logprobs, 0 on masked tokens."""
+    return torch.where(mask.bool(), -logprobs, 0.0)
