@@ -127,6 +127,7 @@ class OptimConfig:
     eps: float = 1e-8  # Adam denominator epsilon
     grad_clip: float = 1.0  # global gradient-norm clip; 0 = off
     warmup_steps: int = 0  # linear learning-rate warmup, in optimizer steps
+    distributed: bool = True  # shard optimizer state over data-parallel ranks (Megatron distributed optimizer)
 
     def check(self) -> None:
         _positive(self, "lr", "eps")

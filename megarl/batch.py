@@ -1,0 +1,67 @@
+"""`RolloutBatch`: the one object that carries an RL step from generation to training.
+
+Generation creates it; every later stage returns `batch.replace(new_field=...)`, which refuses to
+overwrite a field an earlier stage set. A batch can be saved and loaded, so any stage can be replayed
+alone (train on a saved rollout without generating again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    tokens: Tensor                        # [B, T] prompt + response ids, right padded
+    response_mask: Tensor                 # [B, T] 1.0 on response tokens (EOS included), else 0
+    prompt_lens: Tensor                   # [B] prompt length in tokens
+    group_ids: Tensor                     # [B] samples of the same prompt share an id
+    rollout_logprobs: Tensor              # [B, T] the rollout engine's logprobs on response tokens, else 0
+    responses: list[str]                  # [B] decoded responses
+    answers: list[str]                    # [B] reference answers of the prompts
+    finish_reasons: list[str]             # [B] "stop" or "length"
+    rewards: Tensor | None = None         # [B]
+    old_logprobs: Tensor | None = None    # [B, T] trainer logprobs before the update
+    ref_logprobs: Tensor | None = None    # [B, T] reference-model logprobs
+    advantages: Tensor | None = None      # [B, T]
+
+    def replace(self, **fields) -> RolloutBatch:
+        """A copy with new fields set; setting a field that is already set is an error."""
+        for name in fields:
+            if getattr(self, name) is not None:
+                raise ValueError(f"RolloutBatch.{name} is already set; a later stage must not overwrite it")
+        return dataclasses.replace(self, **fields)
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def response_lens(self) -> Tensor:
+        return self.response_mask.sum(-1).long()  # [B]
+
+    def save(self, path: str | Path) -> None:
+        torch.save({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> RolloutBatch:
+        return cls(**torch.load(path, weights_only=True))
+
+
+def pack_sequences(prompts: list[list[int]], responses: list[list[int]], response_logprobs: list[list[float]],
+                   *, pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Concatenate prompt and response ids, right padded: tokens [B, T] long, response_mask [B, T],
+    logprobs [B, T] (response logprobs placed on their tokens)."""
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    batch = len(prompts)
+    tokens = torch.full((batch, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((batch, width))
+    logprobs = torch.zeros((batch, width))
+    for i, (p, r, lp) in enumerate(zip(prompts, responses, response_logprobs)):
+        tokens[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
+        mask[i, len(p): len(p) + len(r)] = 1.0
+        logprobs[i, len(p): len(p) + len(r)] = torch.tensor(lp, dtype=torch.float32)
+    return tokens, mask, logprobs

@@ -1,0 +1,365 @@
+"""The RL loop: one step is generate -> reward -> old/ref logprobs -> advantages -> train -> push weights.
+
+Everything that depends on the recipe is resolved when `RLRun` is built; `rl_step` reads like the
+algorithm, one line per phase, in the order the hardware sees them. Every rank runs the same code
+(SPMD under torchrun); the rollout engine lives on the first rank of each model-parallel group, which
+shares the generated batch with the other ranks of its group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from tqdm import tqdm
+
+from megarl.algo.advantages import broadcast_to_tokens, grpo_advantages
+from megarl.algo.aggregate import LossNorm, aggregate, global_loss_norm
+from megarl.algo.kl import kl_estimate
+from megarl.algo.losses import ppo_clip_loss, sft_loss
+from megarl.batch import RolloutBatch, pack_sequences
+from megarl.checkpoint import save_hf
+from megarl.config import Config, dump_config
+from megarl.data.prompts import PromptRow, PromptSampler, load_prompts
+from megarl.engine.megatron import ParallelGroups, TrainEngine, init_parallel
+from megarl.handoff import push_weights
+from megarl.metrics import MetricsWriter, PhaseTimer
+from megarl.rewards.exact import exact_answer_reward
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RLRun:
+    """Everything one RL run holds, built once from the recipe."""
+
+    cfg: Config
+    groups: ParallelGroups
+    tokenizer: object
+    train_rows: list[PromptRow]
+    eval_rows: list[PromptRow]
+    sampler: PromptSampler
+    actor: TrainEngine
+    reference: TrainEngine | None
+    rollout: object | None            # the engine, on the first rank of the model-parallel group only
+    prompts_per_rank: int
+    weight_version: int = 0
+
+    @property
+    def is_rollout_rank(self) -> bool:
+        return self.rollout is not None
+
+
+# ---- one step -----------------------------------------------------------------------------------------
+def rl_step(run: RLRun, step: int) -> dict[str, float]:
+    cfg, timer = run.cfg, PhaseTimer()
+    with timer("generate"):
+        batch = generate(run, [run.train_rows[i] for i in run.sampler.next_batch(run.prompts_per_rank)],
+                         n_samples=cfg.rollout.n_samples)
+    with timer("reward"):
+        batch, reward_failures = score(batch)
+    with timer("logprobs"):
+        batch = compute_logprobs(run, batch)
+    with timer("advantages"):
+        batch = batch.replace(advantages=broadcast_to_tokens(
+            grpo_advantages(batch.rewards, batch.group_ids, std_norm=cfg.algo.std_norm), batch.response_mask))
+    with timer("train"):
+        train_metrics = train_policy(run, batch, step=step)
+    with timer("push"):
+        push_stats = push_policy(run)
+    with timer("eval"):
+        eval_metrics = evaluate(run) if run.eval_rows and step % cfg.data.eval_every == 0 else {}
+    seconds = sum(timer.seconds.values())
+    return {
+        **batch_metrics(run, batch, reward_failures=reward_failures),
+        **train_metrics, **eval_metrics, **timer.metrics(),
+        "handoff/bytes": float(push_stats["bytes"]),
+        "throughput/tokens_per_s": global_sum(run, float(batch.tokens.ne(run.tokenizer.pad_token_id).sum()
+                                                          + batch.response_mask.sum())) / seconds,
+    }
+
+
+# ---- phases -------------------------------------------------------------------------------------------
+def generate(run: RLRun, rows: list[PromptRow], *, n_samples: int) -> RolloutBatch:
+    """Sample `n_samples` responses for each row on this group's rollout engine; all ranks get the batch."""
+    cfg = run.cfg.rollout
+    prompts = [encode_prompt(run, row) for row in rows for _ in range(n_samples)]
+    result = [None]
+    if run.is_rollout_rank:
+        gen = run.rollout.generate(prompts, temperature=cfg.temperature, top_p=cfg.top_p,
+                                   max_new_tokens=cfg.max_new_tokens, eos_id=run.tokenizer.eos_token_id,
+                                   pad_id=run.tokenizer.pad_token_id)
+        result = [gen]
+    if dist.get_world_size(run.groups.mp) > 1:
+        dist.broadcast_object_list(result, src=run.groups.mp_src_global_rank, group=run.groups.mp)
+    gen = result[0]
+    tokens, mask, rollout_logprobs = pack_sequences(prompts, gen.response_ids, gen.logprobs,
+                                                    pad_id=run.tokenizer.pad_token_id)
+    return RolloutBatch(
+        tokens=tokens, response_mask=mask, rollout_logprobs=rollout_logprobs,
+        prompt_lens=torch.tensor([len(p) for p in prompts]),
+        group_ids=torch.arange(len(rows)).repeat_interleave(n_samples),
+        responses=[run.tokenizer.decode(r, skip_special_tokens=True) for r in gen.response_ids],
+        answers=[row.answer for row in rows for _ in range(n_samples)],
+        finish_reasons=gen.finish_reasons,
+    )
+
+
+def score(batch: RolloutBatch) -> tuple[RolloutBatch, int]:
+    """Exact-answer rewards [B]; a reward that raises or returns NaN scores 0 and is counted."""
+    rewards, failures = [], 0
+    for response, answer in zip(batch.responses, batch.answers):
+        try:
+            value = float(exact_answer_reward(response, answer))
+            if math.isnan(value):
+                raise ValueError("reward is NaN")
+        except Exception as e:  # noqa: BLE001 - a reward must never end the run
+            if failures == 0:
+                log.warning("reward failed on response %r: %s", response[:200], e)
+            value, failures = 0.0, failures + 1
+        rewards.append(value)
+    return batch.replace(rewards=torch.tensor(rewards)), failures
+
+
+def compute_logprobs(run: RLRun, batch: RolloutBatch) -> RolloutBatch:
+    kwargs = dict(temperature=run.cfg.rollout.temperature, micro_batch_size=run.cfg.train.micro_batch_size)
+    old = run.actor.logprobs(batch.tokens, **kwargs) * batch.response_mask
+    ref = run.reference.logprobs(batch.tokens, **kwargs) * batch.response_mask if run.reference else None
+    return batch.replace(old_logprobs=old, ref_logprobs=ref)
+
+
+def policy_loss(logprobs: Tensor, mb: dict[str, Tensor], *, algo, norm: LossNorm) -> tuple[Tensor, dict]:
+    """PPO-clip policy loss (+ KL to the reference as a loss term) of one micro-batch, as a contribution
+    to the global-batch loss; statistics are token means over the global batch."""
+    mask = mb["response_mask"]
+    per_token, stats = ppo_clip_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask,
+                                     clip_low=algo.clip_low, clip_high=algo.clip_high)
+    loss = aggregate(per_token, mask, mode=algo.loss_agg, norm=norm)
+    token_mean = partial(aggregate, mask=mask, mode="token-mean", norm=norm)
+    out = {"pg_loss": loss.detach(), "clipfrac": token_mean(stats["clipped"]),
+           "ppo_kl": token_mean(stats["approx_kl"])}
+    if "ref_logprobs" in mb:
+        kl = token_mean(kl_estimate(logprobs, mb["ref_logprobs"], kind=algo.kl_estimator))
+        loss = loss + algo.kl_coef * kl
+        out["kl"] = kl.detach()
+    out["loss"] = loss.detach()
+    return loss, out
+
+
+def train_policy(run: RLRun, batch: RolloutBatch, *, step: int) -> dict[str, float]:
+    cfg = run.cfg
+    norm = dataclasses.replace(global_loss_norm(batch.response_mask, group=run.groups.dp),
+                               max_len=cfg.rollout.max_new_tokens)
+    extras = {"response_mask": batch.response_mask, "old_logprobs": batch.old_logprobs,
+              "advantages": batch.advantages}
+    if batch.ref_logprobs is not None:
+        extras["ref_logprobs"] = batch.ref_logprobs
+    run.actor.set_lr(learning_rate(cfg.optim, run.actor.step))
+    metrics: dict[str, float] = {}
+    for _ in range(cfg.algo.epochs):
+        metrics = run.actor.train_step(batch.tokens, extras, partial(policy_loss, algo=cfg.algo, norm=norm),
+                                       temperature=cfg.rollout.temperature,
+                                       micro_batch_size=cfg.train.micro_batch_size)
+    if not math.isfinite(metrics["loss"]) or not math.isfinite(metrics["grad_norm"]):
+        path = Path(cfg.run_dir) / f"bad_batch_step{step}_rank{dist.get_rank()}.pt"
+        batch.save(path)
+        raise FloatingPointError(f"step {step}: loss {metrics['loss']}, grad norm {metrics['grad_norm']} "
+                                 f"is not finite; the batch is saved to {path} to replay it")
+    return metrics
+
+
+def push_policy(run: RLRun) -> dict:
+    """Hand the updated weights to the rollout engine (every rank of the pipeline joins the gathers)."""
+    run.weight_version += 1
+    tensors = run.actor.pipeline_hf_tensors()
+    if run.is_rollout_rank:
+        return push_weights(run.rollout, tensors, bucket_bytes=run.cfg.rollout.bucket_bytes,
+                            version=run.weight_version)
+    nbytes = sum(t.numel() * t.element_size() for _, t in tensors)  # drive the collectives
+    return {"bytes": nbytes}
+
+
+def evaluate(run: RLRun) -> dict[str, float]:
+    """Mean reward on the fixed held-out prompts (this rank's share), one sample each, as in training."""
+    rows = run.eval_rows[run.groups.dp_rank:: run.groups.dp_size]
+    batch, _ = score(generate(run, rows, n_samples=1))
+    total = global_sum(run, float(batch.rewards.sum()))
+    return {"eval/reward_mean": total / global_sum(run, float(len(batch)))}
+
+
+def batch_metrics(run: RLRun, batch: RolloutBatch, *, reward_failures: int) -> dict[str, float]:
+    """Reward, length and rollout-vs-trainer logprob drift over the global batch."""
+    mask = batch.response_mask.bool()
+    diff = (batch.rollout_logprobs - batch.old_logprobs).abs()[mask]
+    n = global_sum(run, float(len(batch)))
+    tokens = global_sum(run, float(mask.sum()))
+    diff_max = torch.tensor([float(diff.max()) if diff.numel() else 0.0])
+    if run.groups.dp_size > 1:
+        dist.all_reduce(diff_max, op=dist.ReduceOp.MAX, group=run.groups.dp)
+    return {
+        "reward/mean": global_sum(run, float(batch.rewards.sum())) / n,
+        "reward/failures": global_sum(run, float(reward_failures)),
+        "response/len_mean": tokens / n,
+        "response/truncated_frac": global_sum(run, float(sum(r == "length" for r in batch.finish_reasons))) / n,
+        "rollout/logprob_diff_mean": global_sum(run, float(diff.sum())) / max(tokens, 1.0),
+        "rollout/logprob_diff_max": float(diff_max),
+    }
+
+
+# ---- helpers ----------------------------------------------------------------------------------------
+def encode_prompt(run: RLRun, row: PromptRow) -> list[int]:
+    if run.cfg.data.chat_template:
+        return list(run.tokenizer.apply_chat_template([{"role": "user", "content": row.prompt}],
+                                                      add_generation_prompt=True, tokenize=True))
+    return run.tokenizer(row.prompt, add_special_tokens=False)["input_ids"]
+
+
+def global_sum(run: RLRun, value: float) -> float:
+    if run.groups.dp_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, group=run.groups.dp)
+    return float(t)
+
+
+def learning_rate(optim, step: int) -> float:
+    """Linear warmup over `optim.warmup_steps` optimizer steps, then constant."""
+    if optim.warmup_steps and step < optim.warmup_steps:
+        return optim.lr * (step + 1) / optim.warmup_steps
+    return optim.lr
+
+
+def make_rollout_engine(cfg: Config, model_dir: str):
+    match cfg.rollout.engine:
+        case "native":
+            from megarl.rollout.native import NativeEngine
+
+            return NativeEngine(model_dir, dtype=cfg.model.dtype, seed=cfg.seed + dist.get_rank())
+        case "sglang":
+            raise NotImplementedError("rollout.engine: sglang is not available in this version; use native")
+    raise ValueError(f"rollout.engine: unknown engine {cfg.rollout.engine!r}")
+
+
+# ---- supervised warm start -----------------------------------------------------------------------------
+def sft_warmup(cfg: Config, groups: ParallelGroups, tokenizer, rows: list[PromptRow]) -> str:
+    """Supervised steps on the train set's answers; returns the HF directory RL starts from.
+
+    The result is exported to RUN_DIR/warmup, so the actor, the reference and the rollout engine all
+    start from the same weights, and a rerun reuses it instead of training again.
+    """
+    out = Path(cfg.run_dir) / "warmup"
+    if (out / "megarl_checkpoint.json").exists():
+        log.info("reusing supervised warm start in %s", out)
+        return str(out)
+    optim = dataclasses.replace(cfg.optim, lr=cfg.warmup.lr, warmup_steps=0)
+    engine = TrainEngine(model_dir=cfg.model.path, dtype=cfg.model.dtype, megatron=cfg.model.megatron,
+                         groups=groups, optim=optim)
+    sampler = PromptSampler(len(rows), seed=cfg.seed + 1, dp_rank=groups.dp_rank, dp_size=groups.dp_size)
+    per_rank = cfg.warmup.batch_size // groups.dp_size
+    bar = tqdm(total=cfg.warmup.sft_steps, desc="sft warm start", dynamic_ncols=True,
+               disable=not (cfg.log.progress and dist.get_rank() == 0))
+    for _ in range(cfg.warmup.sft_steps):
+        examples = [rows[i] for i in sampler.next_batch(per_rank)]
+        prompts = [tokenizer(r.prompt, add_special_tokens=False)["input_ids"] for r in examples]
+        answers = [tokenizer(r.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                   for r in examples]
+        tokens, mask, _ = pack_sequences(prompts, answers, [[0.0] * len(a) for a in answers],
+                                         pad_id=tokenizer.pad_token_id)
+        loss_fn = partial(supervised_loss, norm=global_loss_norm(mask, group=groups.dp))
+        metrics = engine.train_step(tokens, {"response_mask": mask}, loss_fn, temperature=1.0,
+                                    micro_batch_size=math.gcd(per_rank, cfg.train.micro_batch_size))
+        bar.set_postfix({"nll": f"{metrics['loss']:.3f}"}, refresh=False)
+        bar.update(1)
+    bar.close()
+    export_policy(engine, groups, source_dir=cfg.model.path, out_dir=out,
+                  meta={"stage": "sft_warmup", "steps": cfg.warmup.sft_steps})
+    return str(out)
+
+
+def supervised_loss(logprobs: Tensor, mb: dict[str, Tensor], *, norm: LossNorm) -> tuple[Tensor, dict]:
+    """Masked NLL of the response tokens, token mean over the global batch."""
+    loss = aggregate(sft_loss(logprobs, mb["response_mask"]), mb["response_mask"], mode="token-mean", norm=norm)
+    return loss, {"loss": loss.detach()}
+
+
+def export_policy(engine: TrainEngine, groups: ParallelGroups, *, source_dir: str, out_dir: Path,
+                  meta: dict) -> None:
+    """Write the model as an HF checkpoint from global rank 0; its model-parallel peers join the gathers."""
+    if groups.dp_rank == 0:
+        tensors = engine.pipeline_hf_tensors()
+        if dist.get_rank() == 0:
+            save_hf(tensors, source_dir=source_dir, out_dir=out_dir, meta=meta)
+        else:
+            for _ in tensors:
+                pass
+    dist.barrier()
+
+
+# ---- the run ---------------------------------------------------------------------------------------------
+def build_run(cfg: Config) -> RLRun:
+    from transformers import AutoTokenizer
+
+    groups = init_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep, cp=cfg.parallel.cp,
+                           seed=cfg.seed)
+    global_batch = cfg.data.prompts_per_step
+    if global_batch % groups.dp_size:
+        raise ValueError(f"data.prompts_per_step={global_batch} is not divisible by the data-parallel size "
+                         f"{groups.dp_size}")
+    prompts_per_rank = global_batch // groups.dp_size
+    if (prompts_per_rank * cfg.rollout.n_samples) % cfg.train.micro_batch_size:
+        raise ValueError(f"samples per rank {prompts_per_rank * cfg.rollout.n_samples} "
+                         f"(data.prompts_per_step / dp * rollout.n_samples) is not divisible by "
+                         f"train.micro_batch_size={cfg.train.micro_batch_size}")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    data = cfg.data
+    train_rows = load_prompts(data.train_path, prompt_key=data.prompt_key, answer_key=data.answer_key)
+    eval_rows = load_prompts(data.eval_path, prompt_key=data.prompt_key,
+                             answer_key=data.answer_key)[: data.eval_prompts] if data.eval_path else []
+    model_dir = sft_warmup(cfg, groups, tokenizer, train_rows) if cfg.warmup.sft_steps else cfg.model.path
+    actor = TrainEngine(model_dir=model_dir, dtype=cfg.model.dtype, megatron=cfg.model.megatron, groups=groups,
+                        optim=cfg.optim)
+    reference = None
+    if cfg.algo.kl_coef > 0:
+        reference = TrainEngine(model_dir=model_dir, dtype=cfg.model.dtype, megatron=cfg.model.megatron,
+                                groups=groups)
+    rollout = make_rollout_engine(cfg, model_dir) if dist.get_rank() == groups.mp_src_global_rank else None
+    sampler = PromptSampler(len(train_rows), seed=cfg.seed, shuffle=data.shuffle, dp_rank=groups.dp_rank,
+                            dp_size=groups.dp_size)
+    return RLRun(cfg=cfg, groups=groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
+                 sampler=sampler, actor=actor, reference=reference, rollout=rollout,
+                 prompts_per_rank=prompts_per_rank)
+
+
+def train(cfg: Config) -> Path:
+    """Run the recipe; returns the directory of the final checkpoint."""
+    run_dir = Path(cfg.run_dir)
+    run = build_run(cfg)
+    if dist.get_rank() == 0:
+        dump_config(cfg, run_dir / "recipe.yaml")
+    writer = MetricsWriter(run_dir, total_steps=cfg.train.steps, enabled=dist.get_rank() == 0,
+                           progress=cfg.log.progress, tensorboard=cfg.log.tensorboard)
+    final = run_dir / "checkpoints" / "final"
+    try:
+        push_policy(run)  # version 1: the trainer's own weights, which also proves the name table
+        for step in range(1, cfg.train.steps + 1):
+            metrics = rl_step(run, step)
+            if step % cfg.log.every_steps == 0 or step == cfg.train.steps:
+                writer.write(step, metrics)
+            if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+                export_policy(run.actor, run.groups, source_dir=cfg.model.path,
+                              out_dir=run_dir / "checkpoints" / f"step{step:06d}", meta={"step": step})
+        if cfg.checkpoint.save_final:
+            export_policy(run.actor, run.groups, source_dir=cfg.model.path, out_dir=final,
+                          meta={"step": cfg.train.steps})
+    finally:
+        writer.close()
+        if run.rollout is not None:
+            run.rollout.shutdown()
+    return final

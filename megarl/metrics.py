@@ -1,0 +1,90 @@
+"""Run observability: per-phase timers, `RUN_DIR/metrics.jsonl`, a console progress bar, TensorBoard.
+
+Only the logging rank (global rank 0) writes; every rank may time phases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from pathlib import Path
+
+
+class PhaseTimer:
+    """`with timer("generate"): ...` records `timing/generate_s`; phases keep their first-use order."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing/{phase}_s": s for phase, s in self.seconds.items()}
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to metrics.jsonl; shows a progress bar with the key numbers."""
+
+    CONSOLE_KEYS = ("reward/mean", "eval/reward_mean", "loss", "kl", "grad_norm")
+
+    def __init__(self, run_dir: str | Path, *, total_steps: int, enabled: bool, progress: bool,
+                 tensorboard: bool, start_step: int = 0, desc: str = "rl"):
+        self.enabled = enabled
+        self._bar = None
+        self._tb = None
+        self._file = None
+        if not enabled:
+            return
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc=desc, dynamic_ncols=True)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:  # tensorboard is an optional extra
+                raise RuntimeError("log.tensorboard is true but tensorboard is not installed: "
+                                   "pip install 'megarl[tensorboard]'") from e
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, step)
+        if self._bar is not None:
+            shown = {k.split("/")[-1] if k != "eval/reward_mean" else "eval": f"{metrics[k]:.3g}"
+                     for k in self.CONSOLE_KEYS if k in metrics}
+            self._bar.set_postfix(shown, refresh=False)
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._file is not None:
+            self._file.close()
+
+
+def _plain(value):
+    """JSON has no NaN/inf: write them as strings so a bad value is visible, not a parse error."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value

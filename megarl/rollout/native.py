@@ -1,0 +1,129 @@
+"""The native rollout engine: a transformers causal LM sampling in-process (CPU or GPU).
+
+It has the interface every rollout engine has (generate, update_weights, release/resume memory, flush
+cache) and serves when SGLang is not installed; on small models it also starts fastest.
+
+Logprobs are those of the distribution sampling draws from before top-p truncation, i.e.
+log_softmax(logits / temperature), which is what SGLang reports and what the trainer recomputes; with
+top_p = 1 they are exactly the sampling distribution.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What an engine returns for each prompt it was given, in order."""
+
+    response_ids: list[list[int]]        # generated token ids, EOS included when it stopped on EOS
+    logprobs: list[list[float]]          # one per response token
+    finish_reasons: list[str]            # "stop" (EOS) or "length" (max_new_tokens)
+
+
+class NativeEngine:
+    """A transformers model that samples batches and takes weights pushed by the trainer."""
+
+    def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0, device: str | None = None):
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(self.device).eval()
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.weight_version = 0
+        self._params = dict(self.model.named_parameters())
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], *, temperature: float, top_p: float, max_new_tokens: int,
+                 eos_id: int, pad_id: int) -> Generation:
+        """Sample one response per prompt (repeat a prompt to get a group)."""
+        batch = len(prompts)
+        width = max(len(p) for p in prompts)
+        # Left padding keeps every prompt's last token in the last column, so one step feeds one column.
+        ids = torch.full((batch, width), pad_id, dtype=torch.long)
+        attention = torch.zeros((batch, width), dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            ids[i, width - len(prompt):] = torch.tensor(prompt)
+            attention[i, width - len(prompt):] = 1
+        ids, attention = ids.to(self.device), attention.to(self.device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        out_ids = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=self.device)
+        out_logprobs = torch.zeros((batch, max_new_tokens), device=self.device)
+        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
+        cache = None
+        step_ids = ids
+        for t in range(max_new_tokens):
+            out = self.model(input_ids=step_ids, attention_mask=attention, position_ids=positions,
+                             past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            logprobs = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)  # [B, V]
+            token = self._sample(logprobs, top_p)
+            token = torch.where(done, torch.full_like(token, pad_id), token)
+            out_ids[:, t] = token
+            out_logprobs[:, t] = torch.where(done, 0.0, logprobs.gather(-1, token[:, None]).squeeze(-1))
+            lengths += (~done).long()
+            done |= token == eos_id
+            if bool(done.all()):
+                break
+            step_ids = token[:, None]
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+            positions = positions[:, -1:] + 1
+        return Generation(
+            response_ids=[out_ids[i, : lengths[i]].tolist() for i in range(batch)],
+            logprobs=[out_logprobs[i, : lengths[i]].tolist() for i in range(batch)],
+            finish_reasons=["stop" if bool(out_ids[i, lengths[i] - 1] == eos_id) else "length"
+                            for i in range(batch)],
+        )
+
+    def _sample(self, logprobs: Tensor, top_p: float) -> Tensor:
+        """Draw from the distribution truncated to the smallest set with mass >= top_p."""
+        probs = logprobs.exp()
+        if top_p < 1.0:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above each token
+            sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+
+    @torch.no_grad()
+    def update_weights(self, buckets: Iterable[list[tuple[str, Tensor]]], *, version: int) -> None:
+        """Copy HF-named full tensors into the model, bucket by bucket; every parameter must arrive."""
+        missing = set(self._params)
+        for bucket in buckets:
+            for name, tensor in bucket:
+                target = self._params.get(name)
+                if target is None:
+                    if name == "lm_head.weight":  # tied to the embedding: arrives under that name
+                        continue
+                    raise KeyError(f"rollout model has no parameter {name!r}")
+                if target.shape != tensor.shape:
+                    raise ValueError(f"{name}: pushed shape {tuple(tensor.shape)} != {tuple(target.shape)}")
+                target.copy_(tensor.to(target.device, target.dtype))
+                missing.discard(name)
+        if missing:
+            raise ValueError(f"weight push of version {version} missed parameters: {sorted(missing)[:5]}")
+        self.weight_version = version
+
+    # The memory choreography of co-located engines; a native engine keeps its memory.
+    def release_memory(self) -> None:
+        log.debug("native engine: release_memory skipped (engine keeps its memory)")
+
+    def resume_memory(self) -> None:
+        log.debug("native engine: resume_memory skipped (engine keeps its memory)")
+
+    def flush_cache(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
