@@ -81,8 +81,8 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
         **batch_metrics(run, batch, reward_failures=reward_failures),
         **train_metrics, **eval_metrics, **timer.metrics(),
         "handoff/bytes": float(push_stats["bytes"]),
-        "throughput/tokens_per_s": global_sum(run, float(batch.tokens.ne(run.tokenizer.pad_token_id).sum()
-                                                          + batch.response_mask.sum())) / seconds,
+        "throughput/tokens_per_s": global_sum(run, float(batch.prompt_lens.sum() + batch.response_mask.sum()))
+        / seconds,
     }
 
 
@@ -90,7 +90,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
 def generate(run: RLRun, rows: list[PromptRow], *, n_samples: int) -> RolloutBatch:
     """Sample `n_samples` responses for each row on this group's rollout engine; all ranks get the batch."""
     cfg = run.cfg.rollout
-    prompts = [encode_prompt(run, row) for row in rows for _ in range(n_samples)]
+    prompts = [ids for row in rows for ids in [encode_prompt(run, row)] * n_samples]
     result = [None]
     if run.is_rollout_rank:
         gen = run.rollout.generate(prompts, temperature=cfg.temperature, top_p=cfg.top_p,

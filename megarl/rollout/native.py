@@ -10,6 +10,7 @@ top_p = 1 they are exactly the sampling distribution.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -41,6 +42,9 @@ class NativeEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.weight_version = 0
         self._params = dict(self.model.named_parameters())
+        # transformers 5.20+ names the KV cache argument `cache`; earlier releases `past_key_values`.
+        forward_args = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, temperature: float, top_p: float, max_new_tokens: int,
@@ -64,8 +68,8 @@ class NativeEngine:
         step_ids = ids
         for t in range(max_new_tokens):
             out = self.model(input_ids=step_ids, attention_mask=attention, position_ids=positions,
-                             past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+                             use_cache=True, **{self._cache_arg: cache})
+            cache = out.cache if self._cache_arg == "cache" else out.past_key_values
             logprobs = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)  # [B, V]
             token = self._sample(logprobs, top_p)
             token = torch.where(done, torch.full_like(token, pad_id), token)
