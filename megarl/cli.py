@@ -12,7 +12,7 @@ import logging
 import sys
 import warnings
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError, RecipeError, load_config
 
 
 def _quiet_expected_warnings() -> None:
@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> None:
 
             try:
                 final = train(cfg)
+            except RecipeError as e:
+                print(f"megarl: recipe error: {args.recipe}: {e}", file=sys.stderr)
+                sys.exit(2)
             except DataError as e:
                 print(f"megarl: data error: {e}", file=sys.stderr)
                 sys.exit(2)

@@ -42,6 +42,11 @@ class ConfigError(Exception):
     """A recipe that cannot be run; the message names the file, the dotted key and the problem."""
 
 
+class RecipeError(ValueError):
+    """A recipe value that cannot work with this launch or model (world size, model architecture), found
+    when the run starts but before any work. The message names the keys; the CLI adds the file."""
+
+
 class FieldError(ValueError):
     """Raised by a section's `check()` when one field has an impossible value."""
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from megarl.config import RecipeError
 from megarl.models import layout
 from megarl.models.arch import ModelShape, padded_vocab_size, read_shape
 from megarl.models.names import NameTable, name_rules
@@ -101,10 +102,7 @@ def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megat
     """Megatron TransformerConfig for an HF architecture; `megatron` holds extra fields from the recipe."""
     from megatron.core.transformer import TransformerConfig
 
-    known = {f.name for f in dataclasses.fields(TransformerConfig)}
-    unknown = sorted(set(megatron) - known)
-    if unknown:
-        raise ValueError(f"model.megatron: unknown TransformerConfig field(s): {', '.join(unknown)}")
+    check_megatron_fields(megatron)
     torch_dtype = _DTYPES[dtype]
     kwargs = dict(
         num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
@@ -124,6 +122,15 @@ def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megat
                       persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False)
     kwargs.update(megatron)
     return TransformerConfig(**kwargs)
+
+
+def check_megatron_fields(megatron: dict) -> None:
+    """The recipe's `model.megatron` keys must be TransformerConfig fields."""
+    from megatron.core.transformer import TransformerConfig
+
+    unknown = sorted(set(megatron) - {f.name for f in dataclasses.fields(TransformerConfig)})
+    if unknown:
+        raise RecipeError(f"model.megatron: unknown TransformerConfig field(s): {', '.join(unknown)}")
 
 
 def uses_transformer_engine() -> bool:

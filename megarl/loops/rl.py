@@ -26,11 +26,12 @@ from megarl.algo.kl import kl_estimate
 from megarl.algo.losses import ppo_clip_loss, sft_loss
 from megarl.batch import RolloutBatch, pack_sequences
 from megarl.checkpoint import save_hf
-from megarl.config import Config, dump_config
+from megarl.config import Config, RecipeError, dump_config
 from megarl.data.prompts import PromptRow, PromptSampler, load_prompts
-from megarl.engine.megatron import ParallelGroups, TrainEngine, init_parallel
+from megarl.engine.megatron import ParallelGroups, TrainEngine, check_megatron_fields, init_parallel
 from megarl.handoff import push_weights
 from megarl.metrics import MetricsWriter, PhaseTimer
+from megarl.models.arch import read_shape
 from megarl.rewards.exact import exact_answer_reward
 
 log = logging.getLogger(__name__)
@@ -303,26 +304,23 @@ def export_policy(engine: TrainEngine, groups: ParallelGroups, *, source_dir: st
 
 
 # ---- the run ---------------------------------------------------------------------------------------------
-def build_run(cfg: Config) -> RLRun:
-    from transformers import AutoTokenizer
+def check_launch(cfg: Config, groups: ParallelGroups) -> None:
+    """Batch sizes against this launch's data-parallel size; RecipeError names the keys."""
+    check_megatron_fields(cfg.model.megatron)
+    dp = groups.dp_size
+    if cfg.data.prompts_per_step % dp:
+        raise RecipeError(f"data.prompts_per_step={cfg.data.prompts_per_step} is not divisible by the "
+                          f"data-parallel size {dp} (world size / (parallel.tp * parallel.pp * parallel.cp))")
+    samples = cfg.data.prompts_per_step // dp * cfg.rollout.n_samples
+    if samples % cfg.train.micro_batch_size:
+        raise RecipeError(f"samples per data-parallel rank {samples} (data.prompts_per_step / {dp} * "
+                          f"rollout.n_samples) is not divisible by train.micro_batch_size={cfg.train.micro_batch_size}")
+    if cfg.warmup.sft_steps and cfg.warmup.batch_size % dp:
+        raise RecipeError(f"warmup.batch_size={cfg.warmup.batch_size} is not divisible by the data-parallel size {dp}")
 
-    groups = init_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep, cp=cfg.parallel.cp,
-                           seed=cfg.seed)
-    global_batch = cfg.data.prompts_per_step
-    if global_batch % groups.dp_size:
-        raise ValueError(f"data.prompts_per_step={global_batch} is not divisible by the data-parallel size "
-                         f"{groups.dp_size}")
-    prompts_per_rank = global_batch // groups.dp_size
-    if (prompts_per_rank * cfg.rollout.n_samples) % cfg.train.micro_batch_size:
-        raise ValueError(f"samples per rank {prompts_per_rank * cfg.rollout.n_samples} "
-                         f"(data.prompts_per_step / dp * rollout.n_samples) is not divisible by "
-                         f"train.micro_batch_size={cfg.train.micro_batch_size}")
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    data = cfg.data
-    train_rows = load_prompts(data.train_path, prompt_key=data.prompt_key, answer_key=data.answer_key)
-    eval_rows = load_prompts(data.eval_path, prompt_key=data.prompt_key,
-                             answer_key=data.answer_key)[: data.eval_prompts] if data.eval_path else []
-    model_dir = sft_warmup(cfg, groups, tokenizer, train_rows) if cfg.warmup.sft_steps else cfg.model.path
+
+def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: list[PromptRow],
+              eval_rows: list[PromptRow], model_dir: str) -> RLRun:
     actor = TrainEngine(model_dir=model_dir, dtype=cfg.model.dtype, megatron=cfg.model.megatron, groups=groups,
                         optim=cfg.optim)
     reference = None
@@ -330,17 +328,36 @@ def build_run(cfg: Config) -> RLRun:
         reference = TrainEngine(model_dir=model_dir, dtype=cfg.model.dtype, megatron=cfg.model.megatron,
                                 groups=groups)
     rollout = make_rollout_engine(cfg, model_dir) if dist.get_rank() == groups.mp_src_global_rank else None
-    sampler = PromptSampler(len(train_rows), seed=cfg.seed, shuffle=data.shuffle, dp_rank=groups.dp_rank,
+    sampler = PromptSampler(len(train_rows), seed=cfg.seed, shuffle=cfg.data.shuffle, dp_rank=groups.dp_rank,
                             dp_size=groups.dp_size)
     return RLRun(cfg=cfg, groups=groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
                  sampler=sampler, actor=actor, reference=reference, rollout=rollout,
-                 prompts_per_rank=prompts_per_rank)
+                 prompts_per_rank=cfg.data.prompts_per_step // groups.dp_size)
 
 
 def train(cfg: Config) -> Path:
     """Run the recipe; returns the directory of the final checkpoint."""
+    from transformers import AutoTokenizer
+
     run_dir = Path(cfg.run_dir)
-    run = build_run(cfg)
+    try:
+        read_shape(cfg.model.path)
+    except ValueError as e:
+        raise RecipeError(f"model.path: {e}") from None
+    try:
+        groups = init_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep, cp=cfg.parallel.cp,
+                               seed=cfg.seed)
+    except ValueError as e:
+        raise RecipeError(f"parallel: {e}") from None
+    check_launch(cfg, groups)
+    data = cfg.data
+    train_rows = load_prompts(data.train_path, prompt_key=data.prompt_key, answer_key=data.answer_key)
+    eval_rows = load_prompts(data.eval_path, prompt_key=data.prompt_key,
+                             answer_key=data.answer_key)[: data.eval_prompts] if data.eval_path else []
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    model_dir = sft_warmup(cfg, groups, tokenizer, train_rows) if cfg.warmup.sft_steps else cfg.model.path
+    run = build_run(cfg, groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
+                    model_dir=model_dir)
     if dist.get_rank() == 0:
         dump_config(cfg, run_dir / "recipe.yaml")
     writer = MetricsWriter(run_dir, total_steps=cfg.train.steps, enabled=dist.get_rank() == 0,
