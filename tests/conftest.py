@@ -1,0 +1,104 @@
+"""Shared fixtures: tiny checkpoints and arithmetic data made once per session, and one process-wide
+Megatron parallel state for the tests that build a TrainEngine in this process.
+
+Megatron's `parallel_state` is process-global and `init_parallel` makes a one-process gloo group, so every
+in-process engine test shares the `groups` fixture; anything that needs its own process state (the CLI, a
+fresh interpreter) runs in a subprocess with a timeout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SUBPROCESS_TIMEOUT_S = 120  # every subprocess call of the suite is bounded; a hang fails instead of stalling
+
+# Without Transformer Engine/apex (every CPU run) megatron warns at import about the fallbacks it uses.
+_EXPECTED_WARNINGS = (
+    ".*Transformer Engine and Apex are not installed.*",
+    ".*Apex is not installed.*",
+    ".*is deprecated. Please use `torch.distributed.*",
+    ".*full scope is deprecated.*",
+)
+
+
+def pytest_configure(config):
+    for pattern in _EXPECTED_WARNINGS:
+        config.addinivalue_line("filterwarnings", f"ignore:{pattern}")
+
+
+def subprocess_env() -> dict[str, str]:
+    """The environment for child processes: this checkout first on the path, never the model hub."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)  # a child must start its own one-process group, not join ours
+    return env
+
+
+def run_python(args: list[str], *, cwd: Path | str | None = None,
+               timeout_s: float = SUBPROCESS_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """`python ARGS` in a fresh interpreter, output captured, bounded by `timeout_s`."""
+    return subprocess.run([sys.executable, *args], cwd=cwd or REPO, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=timeout_s)
+
+
+def _tiny_model_tool():
+    spec = importlib.util.spec_from_file_location("make_tiny_model", REPO / "tools" / "make_tiny_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny_models")
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tiny_models) -> Path:
+    """Tiny Qwen2 (hidden 64, 2 layers, GQA 4/2, random qkv bias, tied embeddings), seed 0."""
+    return _tiny_model_tool().make_tiny_model(tiny_models / "qwen2_seed0", arch="qwen2", seed=0)
+
+
+@pytest.fixture(scope="session")
+def qwen2_other_dir(tiny_models) -> Path:
+    """Same architecture as `qwen2_dir`, different weights (seed 1): the target of weight-push tests."""
+    return _tiny_model_tool().make_tiny_model(tiny_models / "qwen2_seed1", arch="qwen2", seed=1)
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tiny_models) -> Path:
+    """Tiny Llama (no bias, untied output layer), seed 0."""
+    return _tiny_model_tool().make_tiny_model(tiny_models / "llama_seed0", arch="llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def arithmetic_dir(tmp_path_factory) -> Path:
+    """train.jsonl and heldout.jsonl written by `python -m megarl.data.arithmetic`."""
+    out = tmp_path_factory.mktemp("arithmetic")
+    result = run_python(["-m", "megarl.data.arithmetic", "--out", str(out)], timeout_s=60)
+    assert result.returncode == 0, result.stderr
+    assert (out / "train.jsonl").is_file() and (out / "heldout.jsonl").is_file()
+    return out
+
+
+@pytest.fixture(scope="session")
+def groups():
+    """Megatron's parallel state for this process: one rank, TP=1, PP=1 (gloo on CPU)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megarl.engine.megatron import init_parallel
+
+    yield init_parallel(tp=1, pp=1, seed=0)
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,140 @@
+"""`megarl train` end to end in a subprocess on a tiny model: metrics, rollout/trainer agreement, the
+exported checkpoint, overrides, and recipe or data errors that exit with code 2 naming file and key/line."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import run_python
+
+pytestmark = pytest.mark.timeout(180)
+
+TRAIN_TIMEOUT_S = 150  # a 3-step tiny run takes ~7 s alone; leave room for a loaded 2-core machine
+PHASES = ("generate", "reward", "logprobs", "advantages", "train", "push")
+REQUIRED_METRICS = ("step", "reward/mean", "loss", "kl", "clipfrac", "grad_norm", "rollout/logprob_diff_mean",
+                    "rollout/logprob_diff_max", "throughput/tokens_per_s", "eval/reward_mean",
+                    *(f"timing/{phase}_s" for phase in PHASES))
+
+
+def write_recipe(path: Path, *, model_dir: Path, data_dir: Path, run_dir: Path, train_path: Path | None = None,
+                 extra: str = "") -> Path:
+    path.write_text(
+        f"model:\n  path: {model_dir}\n"
+        f"data:\n  train_path: {train_path or data_dir / 'train.jsonl'}\n"
+        f"  eval_path: {data_dir / 'heldout.jsonl'}\n  prompts_per_step: 4\n  eval_prompts: 8\n"
+        f"run_dir: {run_dir}\n"
+        "rollout:\n  n_samples: 4\n  max_new_tokens: 4\n"
+        "train:\n  steps: 3\n  micro_batch_size: 8\n"
+        "algo:\n  kl_coef: 0.01\n"
+        "warmup:\n  sft_steps: 2\n  batch_size: 8\n"
+        "log:\n  progress: false\n" + extra
+    )
+    return path
+
+
+def megarl_train(recipe: Path, *overrides: str, cwd: Path, timeout_s: float = TRAIN_TIMEOUT_S):
+    return run_python(["-m", "megarl", "train", str(recipe), *overrides], cwd=cwd, timeout_s=timeout_s)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, qwen2_dir, arithmetic_dir) -> Path:
+    """RUN_DIR of one 3-step run of the tiny recipe (with a 2-step supervised warm start)."""
+    root = tmp_path_factory.mktemp("cli_run")
+    run_dir = root / "run"
+    recipe = write_recipe(root / "tiny.yaml", model_dir=qwen2_dir, data_dir=arithmetic_dir, run_dir=run_dir)
+    result = megarl_train(recipe, cwd=root)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return run_dir
+
+
+def test_train_writes_finite_metrics_for_every_step(trained_run):
+    records = read_metrics(trained_run)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        missing = [k for k in REQUIRED_METRICS if k not in record]
+        assert not missing, missing
+        bad = {k: v for k, v in record.items() if not (isinstance(v, (int, float)) and math.isfinite(v))}
+        assert not bad, bad
+        assert record["throughput/tokens_per_s"] > 0
+
+
+def test_rollout_logprobs_match_the_trainer_every_step(trained_run):
+    # The native engine and the trainer compute the same fp32 function on the same pushed weights.
+    for record in read_metrics(trained_run):
+        assert 0 <= record["rollout/logprob_diff_mean"] <= record["rollout/logprob_diff_max"] <= 1e-4, record
+
+
+def test_final_checkpoint_loads_in_transformers_and_recipe_is_saved(trained_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = trained_run / "checkpoints" / "final"
+    model = AutoModelForCausalLM.from_pretrained(str(final))
+    tokenizer = AutoTokenizer.from_pretrained(str(final))
+    assert model.config.model_type == "qwen2"
+    assert tokenizer.decode(tokenizer("12+34=")["input_ids"]) == "12+34="
+    assert (trained_run / "recipe.yaml").is_file()
+
+
+def test_command_line_override_takes_effect(tmp_path, qwen2_dir, arithmetic_dir):
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "tiny.yaml", model_dir=qwen2_dir, data_dir=arithmetic_dir, run_dir=run_dir)
+    result = megarl_train(recipe, "train.steps=2", "warmup.sft_steps=0", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
+    assert yaml.safe_load((run_dir / "recipe.yaml").read_text())["train"]["steps"] == 2
+    assert not (run_dir / "warmup").exists()
+
+
+# Each case: (text appended to the recipe, overrides, substrings stderr must name).
+CONFIG_ERRORS = {
+    "unknown_key_in_file": ("optim:\n  lrr: 0.001\n", [], ["optim.lrr", "unknown key", "did you mean 'lr'"]),
+    "unknown_key_as_override": ("", ["rollout.temprature=0.5"], ["rollout.temprature", "unknown key",
+                                                                  "override 'rollout.temprature=0.5'"]),
+    "wrong_type": ("checkpoint:\n  every_steps: often\n", [], ["checkpoint.every_steps", "expected int", "'often'"]),
+    "impossible_value": ("", ["rollout.temperature=0"], ["rollout.temperature", "must be > 0"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_ERRORS))
+def test_recipe_error_exits_2_naming_file_and_key(case, tmp_path, qwen2_dir, arithmetic_dir):
+    extra, overrides, expected = CONFIG_ERRORS[case]
+    recipe = write_recipe(tmp_path / "bad.yaml", model_dir=qwen2_dir, data_dir=arithmetic_dir,
+                          run_dir=tmp_path / "run", extra=extra)
+    result = megarl_train(recipe, *overrides, cwd=tmp_path, timeout_s=60)
+    assert result.returncode == 2, result.stderr
+    for text in (str(recipe), *expected):
+        assert text in result.stderr, (text, result.stderr)
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()  # stopped before any work
+
+
+def test_missing_model_dir_exits_2_naming_file_and_key(tmp_path, arithmetic_dir):
+    missing = tmp_path / "no_such_model"
+    recipe = write_recipe(tmp_path / "bad.yaml", model_dir=missing, data_dir=arithmetic_dir,
+                          run_dir=tmp_path / "run")
+    result = megarl_train(recipe, cwd=tmp_path, timeout_s=60)
+    assert result.returncode == 2, result.stderr
+    for text in (str(recipe), "model.path", str(missing)):
+        assert text in result.stderr, (text, result.stderr)
+    assert "Traceback" not in result.stderr
+
+
+def test_malformed_data_row_exits_2_naming_file_and_line(tmp_path, qwen2_dir, arithmetic_dir):
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": \n'
+                     '{"prompt": "3+3=", "answer": "6"}\n')
+    recipe = write_recipe(tmp_path / "bad_data.yaml", model_dir=qwen2_dir, data_dir=arithmetic_dir,
+                          run_dir=tmp_path / "run", train_path=train)
+    result = megarl_train(recipe, cwd=tmp_path, timeout_s=120)
+    assert result.returncode == 2, result.stderr[-4000:]
+    assert f"{train}:2" in result.stderr and "invalid JSON" in result.stderr, result.stderr[-4000:]
+    assert "Traceback" not in result.stderr

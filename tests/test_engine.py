@@ -1,0 +1,249 @@
+"""The Megatron train engine on tiny HF checkpoints (fp32, one rank on gloo): parity with transformers,
+bit-exact HF round trip, the weight push into the native rollout engine, the step-0 contract, and
+micro-batch invariance of a training step.
+
+Tolerances: 1e-4 on logits/logprobs is DESIGN's contract for two fp32 implementations of the same function
+(different matmul/softmax orders give ~1e-7 here); equality where the same code runs on the same weights.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import run_python
+
+pytestmark = pytest.mark.timeout(120)
+
+FP32_TOL = 1e-4  # DESIGN contract 1/2: two fp32 implementations of one function
+N_TOKENS = 98  # real tokens of the tiny tokenizer (the embedding is padded to 128 rows)
+
+
+def make_engine(model_dir, groups, *, train: bool):
+    from megarl.config import OptimConfig
+    from megarl.engine.megatron import TrainEngine
+
+    optim = OptimConfig(lr=1e-3, weight_decay=0.0, grad_clip=1.0, distributed=True) if train else None
+    return TrainEngine(model_dir=str(model_dir), dtype="float32", megatron={}, groups=groups, optim=optim)
+
+
+def fixed_tokens(batch: int = 4, seq_len: int = 16, seed: int = 1234) -> torch.Tensor:
+    """[B, T] token ids drawn from the real vocabulary with a private generator."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, N_TOKENS, (batch, seq_len), generator=gen)
+
+
+def response_mask(tokens: torch.Tensor, prompt_len: int = 5) -> torch.Tensor:
+    """[B, T] 1.0 on the response tokens; responses of different lengths, like a real rollout."""
+    batch, seq_len = tokens.shape
+    mask = torch.zeros(batch, seq_len)
+    for i in range(batch):
+        mask[i, prompt_len: seq_len - i] = 1.0
+    return mask
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """Engine-aligned logprobs [B, T] from logits [B, T, V]: column t scores token t, column 0 is 0."""
+    lp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    lp = lp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    return torch.nn.functional.pad(lp, (1, 0))
+
+
+@torch.no_grad()
+def hf_logits(model_dir, tokens):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return model(tokens).logits
+
+
+@torch.no_grad()
+def native_logprobs(engine, tokens):
+    """The rollout engine's own model, scored directly (temperature 1)."""
+    logits = engine.model(tokens.to(engine.device)).logits.cpu()
+    return token_logprobs(logits, tokens)
+
+
+def engine_weights(engine) -> dict[str, torch.Tensor]:
+    return {name: t.detach().cpu().clone() for name, t in engine.hf_tensors()}
+
+
+@pytest.fixture(params=["qwen2", "llama"])
+def model_dir(request):
+    return request.getfixturevalue(f"{request.param}_dir")
+
+
+# ---- contract 1: Megatron == transformers ----------------------------------------------------------------
+def test_logprobs_and_logits_equal_transformers(model_dir, groups):
+    engine = make_engine(model_dir, groups, train=False)
+    tokens = fixed_tokens()
+    ref_logits = hf_logits(model_dir, tokens)
+
+    for temperature in (1.0, 0.7):
+        logprobs = engine.logprobs(tokens, temperature=temperature, micro_batch_size=2)
+        assert logprobs.shape == tokens.shape
+        assert torch.equal(logprobs[:, 0], torch.zeros(tokens.shape[0]))
+        expected = token_logprobs(ref_logits, tokens, temperature=temperature)
+        assert (logprobs - expected).abs().max() <= FP32_TOL, temperature
+
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand(tokens.shape[0], -1)
+    with torch.no_grad():
+        logits = engine.module(tokens, positions, None).cpu()  # [B, T, padded V]
+    vocab = ref_logits.shape[-1]
+    assert logits.shape[:2] == tokens.shape
+    assert (logits[..., :vocab] - ref_logits).abs().max() <= FP32_TOL
+
+
+def test_every_megatron_parameter_has_one_name_rule(model_dir, groups):
+    from megarl.models.names import name_rules
+
+    engine = make_engine(model_dir, groups, train=False)
+    expected = set()
+    for rule in name_rules(engine.shape):
+        layers = range(engine.shape.layers) if "{}" in rule.megatron else [None]
+        expected |= {rule.megatron.replace("{}", str(i)) for i in layers}
+    assert {name for name, _ in engine.module.named_parameters()} == expected
+
+
+# ---- contract 5: HF -> Megatron -> HF is bit-exact -------------------------------------------------------
+def test_hf_tensors_reproduce_the_checkpoint_bit_exact(model_dir, groups):
+    engine = make_engine(model_dir, groups, train=False)
+    checkpoint = load_file(str(model_dir / "model.safetensors"))
+    names = [name for name, _ in engine.hf_tensors()]
+    assert len(names) == len(set(names)), "a tensor was yielded twice"
+    out = engine_weights(engine)
+    assert set(out) == set(checkpoint)
+    for name, tensor in checkpoint.items():
+        assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), name
+
+
+# ---- contract 2: after a push the rollout engine computes the trainer's logprobs -------------------------
+def test_push_makes_rollout_engine_equal_trainer_before_and_after_a_train_step(qwen2_dir, qwen2_other_dir,
+                                                                               groups):
+    from megarl.algo.aggregate import global_loss_norm
+    from megarl.config import AlgoConfig
+    from megarl.handoff import push_weights
+    from megarl.loops.rl import policy_loss
+    from megarl.rollout.native import NativeEngine
+
+    actor = make_engine(qwen2_dir, groups, train=True)
+    rollout = NativeEngine(str(qwen2_other_dir), dtype="float32", seed=0, device="cpu")
+    tokens = fixed_tokens()
+    trainer_lp = actor.logprobs(tokens, temperature=1.0, micro_batch_size=4)
+    # The two checkpoints differ, so the comparison below can fail.
+    assert (native_logprobs(rollout, tokens) - trainer_lp).abs().max() > 1e-2
+
+    stats = push_weights(rollout, actor.hf_tensors(), bucket_bytes=16 * 1024, version=1)
+    assert stats["buckets"] >= 5 and stats["tensors"] == len(load_file(str(qwen2_dir / "model.safetensors")))
+    assert rollout.weight_version == 1
+    assert (native_logprobs(rollout, tokens) - trainer_lp).abs().max() <= FP32_TOL
+
+    # One optimizer step on a PPO loss with nonzero advantages, then push again.
+    before = engine_weights(actor)
+    mask = response_mask(tokens)
+    extras = {"response_mask": mask, "old_logprobs": trainer_lp * mask,
+              "advantages": torch.linspace(-1.0, 1.0, tokens.shape[0])[:, None] * mask}
+    metrics = actor.train_step(tokens, extras, partial(policy_loss, algo=AlgoConfig(), norm=global_loss_norm(mask)),
+                               temperature=1.0, micro_batch_size=4)
+    assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    after = engine_weights(actor)
+    assert any(not torch.equal(before[k], after[k]) for k in before), "the train step changed no weight"
+    updated_lp = actor.logprobs(tokens, temperature=1.0, micro_batch_size=4)
+    assert (updated_lp - trainer_lp).abs().max() > FP32_TOL  # stale rollout weights would now be caught
+
+    push_weights(rollout, actor.hf_tensors(), bucket_bytes=16 * 1024, version=2)
+    assert rollout.weight_version == 2
+    assert (native_logprobs(rollout, tokens) - updated_lp).abs().max() <= FP32_TOL
+
+
+# ---- contract 3: step 0 is on-policy ----------------------------------------------------------------------
+def test_step0_reference_equals_actor_and_ppo_is_on_policy(qwen2_dir, groups):
+    from megarl.algo.aggregate import global_loss_norm
+    from megarl.algo.losses import ppo_clip_loss
+    from megarl.config import AlgoConfig
+    from megarl.loops.rl import policy_loss
+
+    reference = make_engine(qwen2_dir, groups, train=False)
+    actor = make_engine(qwen2_dir, groups, train=True)
+    tokens = fixed_tokens()
+    mask = response_mask(tokens)
+    actor_lp = actor.logprobs(tokens, temperature=1.0, micro_batch_size=2)
+    ref_lp = reference.logprobs(tokens, temperature=1.0, micro_batch_size=2)
+    assert torch.equal(actor_lp, ref_lp)  # same weights, same code: identical, not just close
+
+    old, ref = actor_lp * mask, ref_lp * mask
+    advantages = torch.linspace(-1.0, 1.0, tokens.shape[0])[:, None] * mask
+    _, stats = ppo_clip_loss(old, old, advantages, mask, clip_low=0.2, clip_high=0.2)
+    assert torch.equal(stats["ratio"], mask)  # ratio exactly 1 on every response token, 0 elsewhere
+    assert stats["clipped"].sum() == 0 and stats["approx_kl"].abs().max() == 0
+
+    algo = AlgoConfig(kl_coef=0.1)
+    metrics = actor.train_step(tokens, {"response_mask": mask, "old_logprobs": old, "ref_logprobs": ref,
+                                        "advantages": advantages},
+                               partial(policy_loss, algo=algo, norm=global_loss_norm(mask)),
+                               temperature=1.0, micro_batch_size=2)
+    # The training forward recomputes the logprobs; 1e-7 allows fp32 rounding of a different kernel order.
+    assert metrics["clipfrac"] == 0.0
+    assert abs(metrics["kl"]) <= 1e-7
+    assert abs(metrics["ppo_kl"]) <= 1e-7
+    assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
+
+
+# ---- micro-batch invariance ------------------------------------------------------------------------------
+def test_train_step_is_invariant_to_micro_batch_size(qwen2_dir, groups):
+    from megarl.algo.aggregate import global_loss_norm
+    from megarl.config import AlgoConfig
+    from megarl.loops.rl import policy_loss
+
+    tokens = fixed_tokens()
+    mask = response_mask(tokens)
+    reference = make_engine(qwen2_dir, groups, train=False)
+    base = reference.logprobs(tokens, temperature=1.0, micro_batch_size=4)
+    # Off-policy old logprobs so the ratio moves and some tokens clip: every loss branch contributes.
+    noise = 0.3 * torch.randn(tokens.shape, generator=torch.Generator().manual_seed(7))
+    extras = {"response_mask": mask, "old_logprobs": (base + noise) * mask, "ref_logprobs": base * mask,
+              "advantages": torch.linspace(-1.0, 1.0, tokens.shape[0])[:, None] * mask}
+    loss_fn = partial(policy_loss, algo=AlgoConfig(kl_coef=0.1), norm=global_loss_norm(mask))
+
+    results = {}
+    for micro_batch_size in (2, 4):
+        actor = make_engine(qwen2_dir, groups, train=True)
+        results[micro_batch_size] = actor.train_step(tokens, extras, loss_fn, temperature=1.0,
+                                                     micro_batch_size=micro_batch_size)
+    small, full = results[2], results[4]
+    assert full["clipfrac"] > 0
+    # rel 1e-5: the same global sums in a different order, in fp32
+    for key in ("loss", "grad_norm", "kl", "clipfrac"):
+        assert small[key] == pytest.approx(full[key], rel=1e-5, abs=1e-9), key
+
+
+# ---- the CPU compatibility layer -------------------------------------------------------------------------
+def test_cpu_compat_is_installed_only_because_cuda_is_absent(groups):
+    from megarl.engine import cpu_compat
+
+    assert cpu_compat.is_installed() == (not torch.cuda.is_available())
+
+
+def test_cpu_compat_refuses_to_install_on_a_cuda_machine():
+    code = (
+        "import sys, torch\n"
+        "original_current_device = torch.cuda.current_device\n"
+        "torch.cuda.is_available = lambda: True\n"
+        "from megarl.engine import cpu_compat\n"
+        "try:\n"
+        "    cpu_compat.install()\n"
+        "except RuntimeError as e:\n"
+        "    assert 'CUDA' in str(e), e\n"
+        "    assert not cpu_compat.is_installed()\n"
+        "    assert torch.cuda.current_device is original_current_device  # nothing was patched\n"
+        "    print('refused')\n"
+        "    sys.exit(0)\n"
+        "sys.exit('install() did not refuse')\n"
+    )
+    result = run_python(["-c", code], timeout_s=60)
+    assert result.returncode == 0, result.stderr
+    assert "refused" in result.stdout

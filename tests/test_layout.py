@@ -1,0 +1,142 @@
+"""HF <-> Megatron tensor layouts and name tables: fused qkv and gate/up both ways, TP shard/unshard,
+and name rules that cover the tiny checkpoints exactly, for the local and the Transformer Engine spec."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megarl.models.arch import read_shape
+from megarl.models.layout import join_gate_up, join_qkv, shard, split_gate_up, split_qkv, unshard
+from megarl.models.names import NameTable, name_rules
+
+
+def distinct(*shape: int, offset: float = 0.0) -> torch.Tensor:
+    """A tensor whose entries all differ, so any misplaced element shows."""
+    n = 1
+    for s in shape:
+        n *= s
+    return torch.arange(n, dtype=torch.float32).reshape(shape) + offset
+
+
+# ---- fused qkv --------------------------------------------------------------------------------------------
+def test_join_qkv_orders_query_heads_then_key_then_value_per_group():
+    # heads=4, groups=2, head_dim=1: group g holds query heads 2g, 2g+1, then key head g, then value head g.
+    q = torch.tensor([[0.0, 0.5], [1.0, 1.5], [2.0, 2.5], [3.0, 3.5]])  # [heads*hd, in]
+    k = torch.tensor([[10.0, 10.5], [11.0, 11.5]])  # [groups*hd, in]
+    v = torch.tensor([[20.0, 20.5], [21.0, 21.5]])
+    qkv = join_qkv(q, k, v, groups=2, head_dim=1)
+    assert qkv[:, 0].tolist() == [0.0, 1.0, 10.0, 20.0, 2.0, 3.0, 11.0, 21.0]
+    assert torch.equal(qkv[:, 1], qkv[:, 0] + 0.5)  # rows move whole
+    bias = join_qkv(q[:, 0], k[:, 0], v[:, 0], groups=2, head_dim=1)
+    assert bias.tolist() == [0.0, 1.0, 10.0, 20.0, 2.0, 3.0, 11.0, 21.0]
+
+
+def test_join_qkv_keeps_each_head_dim_block_contiguous():
+    # heads=2, groups=1, head_dim=2: [q0 (2 rows), q1 (2 rows), k (2 rows), v (2 rows)]
+    q, k, v = distinct(4), distinct(2, offset=10), distinct(2, offset=20)
+    assert join_qkv(q, k, v, groups=1, head_dim=2).tolist() == [0, 1, 2, 3, 10, 11, 20, 21]
+
+
+@pytest.mark.parametrize("heads,groups,head_dim", [(4, 2, 16), (4, 4, 8), (8, 1, 4), (6, 3, 2)])
+def test_qkv_round_trip_weights_and_biases(heads, groups, head_dim):
+    hidden = 12
+    q = distinct(heads * head_dim, hidden)
+    k = distinct(groups * head_dim, hidden, offset=1e4)
+    v = distinct(groups * head_dim, hidden, offset=2e4)
+    fused = join_qkv(q, k, v, groups=groups, head_dim=head_dim)
+    assert fused.shape == ((heads + 2 * groups) * head_dim, hidden)
+    for got, want in zip(split_qkv(fused, groups=groups, head_dim=head_dim), (q, k, v)):
+        assert torch.equal(got, want)
+    biases = q[:, 0], k[:, 0], v[:, 0]
+    fused_bias = join_qkv(*biases, groups=groups, head_dim=head_dim)
+    assert fused_bias.shape == ((heads + 2 * groups) * head_dim,)
+    for got, want in zip(split_qkv(fused_bias, groups=groups, head_dim=head_dim), biases):
+        assert torch.equal(got, want)
+
+
+# ---- fused gate/up ----------------------------------------------------------------------------------------
+def test_gate_up_round_trip_weights_and_biases():
+    gate, up = distinct(6, 4), distinct(6, 4, offset=100)
+    fc1 = join_gate_up(gate, up)
+    assert torch.equal(fc1, torch.cat([gate, up]))  # [gate; up]
+    got_gate, got_up = split_gate_up(fc1)
+    assert torch.equal(got_gate, gate) and torch.equal(got_up, up)
+    got_gate, got_up = split_gate_up(join_gate_up(gate[:, 0], up[:, 0]))
+    assert torch.equal(got_gate, gate[:, 0]) and torch.equal(got_up, up[:, 0])
+
+
+# ---- tensor-parallel shards -------------------------------------------------------------------------------
+@pytest.mark.parametrize("dim", [0, 1])
+def test_shard_unshard_round_trip(dim):
+    full = distinct(8, 6)
+    shards = [shard(full, dim=dim, rank=r, size=2) for r in range(2)]
+    assert torch.equal(shards[0], full.narrow(dim, 0, full.shape[dim] // 2))
+    assert torch.equal(shards[1], full.narrow(dim, full.shape[dim] // 2, full.shape[dim] // 2))
+    assert torch.equal(unshard(shards, dim=dim), full)
+
+
+def test_gate_up_shards_split_each_half_separately():
+    gate, up = distinct(4, 3), distinct(4, 3, offset=100)
+    fc1 = join_gate_up(gate, up)  # rows [g0 g1 g2 g3 u0 u1 u2 u3]
+    shards = [shard(fc1, dim=0, rank=r, size=2, gate_up=True) for r in range(2)]
+    assert torch.equal(shards[0], torch.cat([gate[:2], up[:2]]))  # rank 0: [g0 g1; u0 u1]
+    assert torch.equal(shards[1], torch.cat([gate[2:], up[2:]]))
+    assert torch.equal(unshard(shards, dim=0, gate_up=True), fc1)
+
+
+def test_replicated_tensors_are_not_split():
+    full = distinct(4)
+    assert torch.equal(shard(full, dim=None, rank=1, size=2), full)
+    assert torch.equal(unshard([full, full], dim=None), full)
+
+
+# ---- name tables ------------------------------------------------------------------------------------------
+@pytest.fixture(params=["qwen2", "llama"])
+def model_dir(request):
+    return request.getfixturevalue(f"{request.param}_dir")
+
+
+def test_local_spec_rules_cover_every_hf_tensor_exactly_once(model_dir):
+    shape = read_shape(model_dir)
+    covered = Counter()
+    for rule in name_rules(shape, te_spec=False):
+        layers = range(shape.layers) if "{}" in rule.megatron else [None]
+        for layer in layers:
+            covered.update(n.replace("{}", str(layer)) for n in rule.hf)
+    checkpoint = set(load_file(str(model_dir / "model.safetensors")))
+    assert set(covered) == checkpoint
+    assert all(count == 1 for count in covered.values()), [n for n, c in covered.items() if c > 1]
+
+
+def test_te_spec_maps_fused_norm_weights_to_the_hf_norms(qwen2_dir):
+    table = NameTable(name_rules(read_shape(qwen2_dir), te_spec=True))
+    assert table.hf_names("decoder.layers.1.self_attention.linear_qkv.layer_norm_weight") == (
+        "model.layers.1.input_layernorm.weight",)
+    assert table.hf_names("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") == (
+        "model.layers.0.post_attention_layernorm.weight",)
+    # The fused linear weights themselves keep their local-spec names under TE.
+    assert table.hf_names("decoder.layers.0.self_attention.linear_qkv.weight") == tuple(
+        f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv")
+
+
+def test_layer_rules_fill_in_the_global_layer_index(llama_dir):
+    table = NameTable(name_rules(read_shape(llama_dir)))
+    rule, layer = table.lookup("decoder.layers.17.mlp.linear_fc1.weight")
+    assert layer == 17 and rule.fuse == "gate_up"
+    assert table.hf_names("decoder.layers.17.mlp.linear_fc1.weight") == (
+        "model.layers.17.mlp.gate_proj.weight", "model.layers.17.mlp.up_proj.weight")
+    assert table.hf_names("output_layer.weight") == ("lm_head.weight",)
+
+
+@pytest.mark.parametrize("name", ["decoder.layers.0.self_attention.linear_qkv.bias_typo",
+                                  "decoder.layers.x.input_layernorm.weight", "output_layer.weight",
+                                  "embedding.position_embeddings.weight"])
+def test_unknown_megatron_name_raises_key_error_naming_it(qwen2_dir, name):
+    # qwen2 ties its embeddings, so it has no output_layer rule.
+    table = NameTable(name_rules(read_shape(qwen2_dir)))
+    with pytest.raises(KeyError, match=name.replace(".", r"\.")):
+        table.lookup(name)
