@@ -32,10 +32,10 @@ from typing import Any, Literal
 import yaml
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-AlgoName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo", "gspo", "dapo"]
+AlgoName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 # Algorithms whose baseline is computed within a group of samples of the same prompt.
-GROUP_BASELINE_ALGOS = ("grpo", "dr_grpo", "rloo", "gspo", "dapo")
+GROUP_BASELINE_ALGOS = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 
 
 class ConfigError(Exception):
@@ -115,7 +115,6 @@ class AlgoConfig:
     kl_coef: float = 0.0  # weight of the KL penalty to the reference policy; 0 = no reference model
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # KL estimator (Schulman's k1/k2/k3)
     loss_agg: LossAgg = "token-mean"  # how per-token losses reduce to one number
-    entropy_coef: float = 0.0  # weight of the entropy bonus
     epochs: int = 1  # optimizer passes over each rollout batch
 
     def check(self) -> None:

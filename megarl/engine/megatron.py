@@ -84,6 +84,10 @@ def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0) 
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                      context_parallel_size=cp, expert_model_parallel_size=ep)
+    current = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+    if current != (tp, pp):
+        raise RuntimeError(f"Megatron's parallel state is already initialized with tp, pp = {current}, "
+                           f"not the requested {(tp, pp)}")
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     pp_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -20,7 +21,8 @@ import torch.distributed as dist
 from torch import Tensor
 from tqdm import tqdm
 
-from megarl.algo.advantages import broadcast_to_tokens, grpo_advantages
+from megarl.algo.advantages import (broadcast_to_tokens, grpo_advantages, reinforce_pp_baseline_advantages,
+                                     rloo_advantages)
 from megarl.algo.aggregate import LossNorm, aggregate, global_loss_norm
 from megarl.algo.kl import kl_estimate
 from megarl.algo.losses import ppo_clip_loss, sft_loss
@@ -51,6 +53,7 @@ class RLRun:
     reference: TrainEngine | None
     rollout: object | None            # the engine, on the first rank of the model-parallel group only
     prompts_per_rank: int
+    advantages: Callable[[Tensor, Tensor, Tensor], Tensor]  # (rewards [B], group_ids [B], mask [B, T]) -> [B, T]
     weight_version: int = 0
 
     @property
@@ -69,8 +72,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
     with timer("logprobs"):
         batch = compute_logprobs(run, batch)
     with timer("advantages"):
-        batch = batch.replace(advantages=broadcast_to_tokens(
-            grpo_advantages(batch.rewards, batch.group_ids, std_norm=cfg.algo.std_norm), batch.response_mask))
+        batch = batch.replace(advantages=run.advantages(batch.rewards, batch.group_ids, batch.response_mask))
     with timer("train"):
         train_metrics = train_policy(run, batch, step=step)
     with timer("push"):
@@ -237,6 +239,23 @@ def learning_rate(optim, step: int) -> float:
     return optim.lr
 
 
+def advantage_fn(algo, groups: ParallelGroups) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """The recipe's advantage estimator as (rewards [B], group_ids [B], response_mask [B, T]) -> [B, T]."""
+    def per_sequence(estimator):
+        return lambda rewards, group_ids, mask: broadcast_to_tokens(estimator(rewards, group_ids), mask)
+
+    match algo.name:
+        case "grpo":
+            return per_sequence(partial(grpo_advantages, std_norm=algo.std_norm))
+        case "dr_grpo":
+            return per_sequence(partial(grpo_advantages, std_norm=False))
+        case "rloo":
+            return per_sequence(rloo_advantages)
+        case "reinforce_pp":
+            return partial(reinforce_pp_baseline_advantages, group=groups.dp)
+    raise RecipeError(f"algo.name: unknown estimator {algo.name!r}")
+
+
 def make_rollout_engine(cfg: Config, model_dir: str):
     match cfg.rollout.engine:
         case "native":
@@ -332,7 +351,8 @@ def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: lis
                             dp_size=groups.dp_size)
     return RLRun(cfg=cfg, groups=groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
                  sampler=sampler, actor=actor, reference=reference, rollout=rollout,
-                 prompts_per_rank=cfg.data.prompts_per_step // groups.dp_size)
+                 prompts_per_rank=cfg.data.prompts_per_step // groups.dp_size,
+                 advantages=advantage_fn(cfg.algo, groups))
 
 
 def train(cfg: Config) -> Path:
