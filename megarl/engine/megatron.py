@@ -117,8 +117,11 @@ def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megat
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         params_dtype=torch_dtype, pipeline_dtype=torch_dtype,
         bf16=torch_dtype == torch.bfloat16, fp16=torch_dtype == torch.float16,
-        variable_seq_lengths=True, moe_token_dispatcher_type="alltoall", perform_initialization=False,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+        # Initialization is overwritten by the checkpoint, but it is also what tags each weight with its
+        # tensor-parallel split (`tensor_model_parallel`, `partition_dim`), which grad-norm and the
+        # weight gathers rely on.
+        perform_initialization=True, use_cpu_initialization=not torch.cuda.is_available(),
     )
     if not torch.cuda.is_available():
         # Fused kernels are CUDA code; their unfused twins compute the same function.

@@ -1,0 +1,83 @@
+"""Run under torchrun by test_parallel.py: two optimizer steps of a policy loss on a fixed global batch.
+
+Every layout (TP, PP, DP and their combinations) gets the same global batch: each DP rank takes its
+contiguous slice. Rank 0 writes the numbers and the full HF state dict after training to --out, so the
+test can compare every layout against the single-rank run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+warnings.filterwarnings("ignore")
+
+from megarl.algo.aggregate import global_loss_norm  # noqa: E402
+from megarl.config import AlgoConfig, OptimConfig  # noqa: E402
+from megarl.engine.megatron import TrainEngine, init_parallel  # noqa: E402
+from megarl.loops.rl import policy_loss  # noqa: E402
+
+GLOBAL_BATCH, SEQ_LEN = 8, 12
+
+
+def global_batch(vocab: int) -> dict[str, torch.Tensor]:
+    """A fixed batch: random tokens, responses of different lengths, advantages of both signs."""
+    gen = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(3, vocab, (GLOBAL_BATCH, SEQ_LEN), generator=gen)
+    mask = torch.zeros(GLOBAL_BATCH, SEQ_LEN)
+    for i in range(GLOBAL_BATCH):
+        mask[i, 4: 6 + i % 6] = 1.0
+    advantages = torch.randn(GLOBAL_BATCH, 1, generator=gen).expand(-1, SEQ_LEN) * mask
+    return {"tokens": tokens, "response_mask": mask, "advantages": advantages.contiguous()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    args = parser.parse_args()
+
+    groups = init_parallel(tp=args.tp, pp=args.pp, seed=0)
+    optim = OptimConfig(lr=1e-3, grad_clip=1.0, distributed=True)
+    actor = TrainEngine(model_dir=args.model, dtype="float32", megatron={}, groups=groups, optim=optim)
+    reference = TrainEngine(model_dir=args.model, dtype="float32", megatron={}, groups=groups)
+    batch = global_batch(actor.shape.vocab_size)
+    per_rank = GLOBAL_BATCH // groups.dp_size
+    mine = {k: v[groups.dp_rank * per_rank: (groups.dp_rank + 1) * per_rank] for k, v in batch.items()}
+    tokens = mine.pop("tokens")
+    kwargs = dict(temperature=1.0, micro_batch_size=args.micro_batch_size)
+
+    logprobs0 = reference.logprobs(tokens, **kwargs)
+    mine["old_logprobs"] = logprobs0 * mine["response_mask"]
+    mine["ref_logprobs"] = mine["old_logprobs"]
+    norm = global_loss_norm(mine["response_mask"], group=groups.dp)
+    loss_fn = partial(policy_loss, algo=AlgoConfig(kl_coef=0.1, clip_low=0.2, clip_high=0.28), norm=norm)
+    steps = [actor.train_step(tokens, mine, loss_fn, **kwargs) for _ in range(2)]
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (groups.dp_rank, groups.tp_rank, groups.pp_rank, logprobs0.tolist()))
+    tensors = dict(actor.pipeline_hf_tensors()) if groups.dp_rank == 0 else {}
+    if dist.get_rank() == 0:
+        # The full logprobs of the global batch, in DP order, from TP rank 0 of each DP replica.
+        by_dp = {dp: lp for dp, tp, pp, lp in gathered if tp == 0 and pp == 0}
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        full_lp = [row for dp in sorted(by_dp) for row in by_dp[dp]]
+        (out / "result.json").write_text(json.dumps({"steps": steps, "logprobs": full_lp,
+                                                     "tokens": batch["tokens"].tolist()}))
+        torch.save({k: v.clone() for k, v in tensors.items()}, out / "weights.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
