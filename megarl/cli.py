@@ -51,7 +51,10 @@ def main(argv: list[str] | None = None) -> None:
             except DataError as e:
                 print(f"megarl: data error: {e}", file=sys.stderr)
                 sys.exit(2)
-            print(f"megarl: done; final checkpoint in {final}")
+            import torch.distributed as dist
+
+            if dist.get_rank() == 0:
+                print(f"megarl: done; final checkpoint in {final}")
 
 
 if __name__ == "__main__":
