@@ -98,12 +98,16 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling mass, in (0, 1]
     max_new_tokens: int = 64  # generation length limit per sample
     bucket_bytes: int = 64 * 2**20  # weight handoff bucket size
+    tp: int = 1  # tensor-parallel size of each SGLang engine (independent of parallel.tp)
+    mem_fraction: float = 0.5  # SGLang's static memory fraction (weights + KV cache) on GPU
 
     def check(self) -> None:
-        _at_least(self, 1, "n_samples", "max_new_tokens")
+        _at_least(self, 1, "n_samples", "max_new_tokens", "tp")
         _positive(self, "temperature", "bucket_bytes")
         if not 0 < self.top_p <= 1:
             raise FieldError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0 < self.mem_fraction < 1:
+            raise FieldError("mem_fraction", f"must be in (0, 1), got {self.mem_fraction}")
 
 
 @dataclass(frozen=True)

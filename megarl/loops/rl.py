@@ -60,6 +60,9 @@ class RLRun:
     def is_rollout_rank(self) -> bool:
         return self.rollout is not None
 
+    def trainer_engines(self) -> list[TrainEngine]:
+        return [self.actor] + ([self.reference] if self.reference is not None else [])
+
 
 # ---- one step -----------------------------------------------------------------------------------------
 def rl_step(run: RLRun, step: int) -> dict[str, float]:
@@ -67,6 +70,11 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
     with timer("generate"):
         batch = generate(run, [run.train_rows[i] for i in run.sampler.next_batch(run.prompts_per_rank)],
                          n_samples=cfg.rollout.n_samples)
+    with timer("release_rollout"):
+        on_rollout_rank(run, "release_memory")
+    with timer("wake_trainer"):
+        for engine in run.trainer_engines():
+            engine.onload()
     with timer("reward"):
         batch, reward_failures = score(batch)
     with timer("logprobs"):
@@ -75,8 +83,14 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
         batch = batch.replace(advantages=run.advantages(batch.rewards, batch.group_ids, batch.response_mask))
     with timer("train"):
         train_metrics = train_policy(run, batch, step=step)
+    with timer("sleep_trainer"):
+        run.actor.offload_training_state()
     with timer("push"):
         push_stats = push_policy(run)
+    with timer("wake_rollout"):
+        for engine in run.trainer_engines():
+            engine.offload_params()
+        on_rollout_rank(run, "resume_cache")
     with timer("eval"):
         eval_metrics = evaluate(run) if run.eval_rows and step % cfg.data.eval_every == 0 else {}
     seconds = sum(timer.seconds.values())
@@ -183,6 +197,7 @@ def push_policy(run: RLRun) -> dict:
     run.weight_version += 1
     tensors = run.actor.pipeline_hf_tensors()
     if run.is_rollout_rank:
+        run.rollout.resume_weights()
         return push_weights(run.rollout, tensors, bucket_bytes=run.cfg.rollout.bucket_bytes,
                             version=run.weight_version)
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)  # drive the collectives
@@ -217,6 +232,12 @@ def batch_metrics(run: RLRun, batch: RolloutBatch, *, reward_failures: int) -> d
 
 
 # ---- helpers ----------------------------------------------------------------------------------------
+def on_rollout_rank(run: RLRun, method: str) -> None:
+    """Call a memory method of the rollout engine on the rank that holds it."""
+    if run.is_rollout_rank:
+        getattr(run.rollout, method)()
+
+
 def encode_prompt(run: RLRun, row: PromptRow) -> list[int]:
     if run.cfg.data.chat_template:
         return list(run.tokenizer.apply_chat_template([{"role": "user", "content": row.prompt}],
@@ -263,7 +284,11 @@ def make_rollout_engine(cfg: Config, model_dir: str):
 
             return NativeEngine(model_dir, dtype=cfg.model.dtype, seed=cfg.seed + dist.get_rank())
         case "sglang":
-            raise NotImplementedError("rollout.engine: sglang is not available in this version; use native")
+            from megarl.rollout.sglang_engine import SGLangEngine
+
+            return SGLangEngine(model_dir, dtype=cfg.model.dtype, seed=cfg.seed + dist.get_rank(),
+                                tp_size=cfg.rollout.tp, mem_fraction=cfg.rollout.mem_fraction,
+                                base_gpu_id=torch.cuda.current_device() if torch.cuda.is_available() else 0)
     raise ValueError(f"rollout.engine: unknown engine {cfg.rollout.engine!r}")
 
 

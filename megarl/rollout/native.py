@@ -122,8 +122,11 @@ class NativeEngine:
     def release_memory(self) -> None:
         log.debug("native engine: release_memory skipped (engine keeps its memory)")
 
-    def resume_memory(self) -> None:
-        log.debug("native engine: resume_memory skipped (engine keeps its memory)")
+    def resume_weights(self) -> None:
+        log.debug("native engine: resume_weights skipped (engine keeps its memory)")
+
+    def resume_cache(self) -> None:
+        log.debug("native engine: resume_cache skipped (engine keeps its memory)")
 
     def flush_cache(self) -> None:
         pass
