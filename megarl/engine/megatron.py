@@ -13,7 +13,6 @@ log p(tokens[b, t] | tokens[b, :t]) at the sampling temperature, and column 0 is
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -30,6 +29,7 @@ from megarl.config import RecipeError
 from megarl.models import layout
 from megarl.models.arch import ModelShape, padded_vocab_size, read_shape
 from megarl.models.names import NameTable, name_rules
+from megarl.models.safetensors_dir import SafetensorsDir
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +63,14 @@ class ParallelGroups:
 
 def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0) -> ParallelGroups:
     """Initialize torch.distributed (torchrun env, else a one-process group) and Megatron's parallel state."""
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        from megarl.engine import cpu_compat
+
+        cpu_compat.load_cuda_driver_stand_in()  # before megatron's imports, which may load CUDA kernels
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    cuda = torch.cuda.is_available()
     if not dist.is_initialized():
         if "RANK" in os.environ:
             if cuda:
@@ -75,8 +79,6 @@ def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0) 
         else:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if not cuda:
-        from megarl.engine import cpu_compat
-
         cpu_compat.install()
     world = dist.get_world_size()
     if world % (tp * pp * cp) != 0:
@@ -174,38 +176,6 @@ def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups):
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
-
-
-class SafetensorsDir:
-    """Lazy read access to the tensors of an HF checkpoint directory (single file or sharded index)."""
-
-    def __init__(self, model_dir: str | Path):
-        from safetensors import safe_open
-
-        model_dir = Path(model_dir)
-        index = model_dir / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        else:
-            files = ["model.safetensors"]
-        self._handles, self._where = {}, {}
-        for name in files:
-            path = model_dir / name
-            if not path.exists():
-                raise FileNotFoundError(f"{path}: weight file listed for the checkpoint is missing")
-            handle = safe_open(str(path), framework="pt")
-            self._handles[name] = handle
-            for key in handle.keys():
-                self._where[key] = name
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._where
-
-    def get(self, name: str) -> Tensor:
-        if name not in self._where:
-            raise KeyError(f"tensor {name!r} not found in the checkpoint")
-        return self._handles[self._where[name]].get_tensor(name)
 
 
 def _global_name(local_name: str, layer_offset: int) -> str:

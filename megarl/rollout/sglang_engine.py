@@ -12,58 +12,25 @@ or shared memory on CPU) and sent once per rollout TP rank inside SGLang's weigh
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import subprocess
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from megarl.engine import cpu_compat
+from megarl.models.safetensors_dir import SafetensorsDir
 from megarl.rollout.native import Generation
 
 log = logging.getLogger(__name__)
 
-# CUDA driver stand-in for CPU-only machines: SGLang's CPU mode still imports its kernel package, which
-# links against libcuda; every entry point here reports "no device", which is the truth on such a machine.
-_DRIVER_STUB_C = """
-#define CUDA_ERROR_NO_DEVICE 100
-int cuInit(unsigned int flags) { return CUDA_ERROR_NO_DEVICE; }
-int cuDriverGetVersion(int *v) { if (v) *v = 0; return CUDA_ERROR_NO_DEVICE; }
-int cuDeviceGetCount(int *n) { if (n) *n = 0; return CUDA_ERROR_NO_DEVICE; }
-int cuPointerGetAttribute(void *d, int a, unsigned long long p) { return CUDA_ERROR_NO_DEVICE; }
-"""
-
 
 def prepare_cpu_process() -> None:
-    """Make SGLang importable in this process and its children on a machine without a CUDA driver.
-
-    Sets SGLang's CPU-mode switch and, when no `libcuda.so.1` can be loaded, builds the stand-in above,
-    loads it into this process and puts its folder on LD_LIBRARY_PATH for the scheduler processes.
-    """
+    """SGLang's CPU mode, for this process and the scheduler processes it spawns."""
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-    try:
-        ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
-        return
-    except OSError:
-        pass
-    folder = Path(os.environ.get("MEGARL_CACHE", Path.home() / ".cache" / "megarl")) / "cuda-driver-stub"
-    lib = folder / "libcuda.so.1"
-    if not lib.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            src = Path(tmp) / "stub.c"
-            src.write_text(_DRIVER_STUB_C)
-            built = Path(tmp) / "libcuda.so.1"
-            subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(built), str(src)],
-                           check=True, capture_output=True)
-            os.replace(built, lib)  # atomic: concurrent ranks never load a half-written library
-    ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
-    paths = [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
-    os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([str(folder), *paths])
+    cpu_compat.load_cuda_driver_stand_in()
 
 
 class SGLangEngine:
@@ -86,6 +53,9 @@ class SGLangEngine:
                         disable_overlap_schedule=True, mem_fraction_static=0.05,
                         max_total_tokens=max_total_tokens or 8192)
         self.tp_size = tp_size
+        # SGLang skips tensor names its model does not know; a push is checked against the names of the
+        # checkpoint the engine was started from instead, so a wrong name table fails loudly.
+        self.expected_names = frozenset(SafetensorsDir(model_dir).names())
         self.engine = sglang.Engine(**args)
         self.weight_version = 0
         self._released = False
@@ -113,9 +83,14 @@ class SGLangEngine:
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
+        missing = set(self.expected_names)
         _check(self.engine.begin_weight_update(), "begin_weight_update")
         try:
             for bucket in buckets:
+                unknown = [name for name, _ in bucket if name not in self.expected_names]
+                if unknown:
+                    raise KeyError(f"weight push of version {version}: the rollout model has no tensor {unknown[0]!r}")
+                missing.difference_update(name for name, _ in bucket)
                 # Widest dtypes first keeps every tensor's byte offset a multiple of its item size.
                 ordered = sorted(bucket, key=lambda item: -item[1].element_size())
                 flat = FlattenedTensorBucket(named_tensors=[(n, t.detach().contiguous()) for n, t in ordered])
@@ -127,6 +102,8 @@ class SGLangEngine:
                 del flat, payload, per_rank  # SGLang has copied the bucket once the call returned
         finally:
             _check(self.engine.end_weight_update(), "end_weight_update")
+        if missing:
+            raise ValueError(f"weight push of version {version} missed tensors: {sorted(missing)[:5]}")
         self.weight_version = version
 
     def flush_cache(self) -> None:
