@@ -1,11 +1,20 @@
-"""Addition problems for the quickstart: train and held-out splits that share no pair of operands.
+"""Little-endian addition problems for the quickstart: train and held-out splits that share no operand pair.
 
-    python -m megarl.data.arithmetic --out DIR [--seed N] [--digits 2] [--train-size 4000] [--heldout-size 256]
+    python -m megarl.data.arithmetic --out DIR [--seed N] [--digits 3] [--train-size 20000] [--heldout-size 256]
 
-Each row is `{"prompt": "37+45=", "answer": "82"}`. Operands are drawn from [0, 10**digits). A problem is held
-out as an unordered pair: when `37+45=` is held out, so is `45+37=`, so a model cannot pass a held-out problem by
-remembering its mirror image from training. What transfers from train to held-out is the digit-wise procedure,
-which is what makes a rising held-out reward an honest sign of learning rather than of memorising.
+Every number is written least-significant digit first and zero-padded to a fixed width: operands with `digits`
+digits, the sum with `digits + 1`. So 41 + 278 = 319 with 3 digits is the row
+
+    {"prompt": "140+872=", "answer": "9130"}
+
+Little-endian order is what lets a two-layer model learn the procedure from a few hundred SFT steps: each answer
+digit depends on the column it sits in and on the carry out of the digit written just before it, the same
+positions for every problem. In the usual order the first digit written depends on the carry of the whole sum.
+
+A problem is held out as an unordered pair: when `140+872=` is held out, so is `872+140=`, so no held-out
+problem can be answered by recalling its mirror image from training. With 3 digits there are 500,500 pairs and
+the train split sees a few percent of them; only the digit-wise procedure carries over to held-out problems,
+which is what makes a rising held-out reward an honest sign of learning.
 """
 
 from __future__ import annotations
@@ -16,31 +25,38 @@ import random
 from pathlib import Path
 
 
-def addition_row(a: int, b: int) -> dict[str, str]:
-    """The JSONL row of the problem a + b."""
-    return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+def little_endian(n: int, width: int) -> str:
+    """`n` zero-padded to `width` digits, least significant digit first: little_endian(41, 3) == "140"."""
+    return str(n).zfill(width)[::-1]
 
 
-def make_arithmetic_splits(out_dir: str | Path, *, seed: int = 0, digits: int = 2, train_size: int = 4000,
+def addition_row(a: int, b: int, *, digits: int) -> dict[str, str]:
+    """The JSONL row of the problem a + b, operands `digits` wide and the sum `digits + 1` wide."""
+    return {"prompt": f"{little_endian(a, digits)}+{little_endian(b, digits)}=",
+            "answer": little_endian(a + b, digits + 1)}
+
+
+def make_arithmetic_splits(out_dir: str | Path, *, seed: int = 0, digits: int = 3, train_size: int = 20000,
                            heldout_size: int = 256) -> tuple[Path, Path]:
-    """Write `train.jsonl` and `heldout.jsonl` under `out_dir` and return their paths.
+    """Write `train.jsonl` and `heldout.jsonl` under `out_dir` and return their paths (train first).
 
-    Unordered operand pairs {a, b} are shuffled with `seed`; the first pairs give `heldout_size` held-out
-    problems (both orders of a pair count, so a pair may contribute two rows) and the remaining pairs give
-    `train_size` train problems. Same arguments, same bytes.
+    Unordered operand pairs {a, b} with a, b in [0, 10**digits) are shuffled with `seed`. The first pairs fill
+    the held-out split and the following ones the train split; a pair contributes both of its orders to the
+    split it lands in (truncating a split may drop one order, never move it to the other split). Same
+    arguments, same bytes.
     """
     n = 10 ** digits
     pairs = [(a, b) for a in range(n) for b in range(a, n)]
+    if 2 * len(pairs) - n < heldout_size + train_size:
+        raise ValueError(f"{digits}-digit addition has {n * n} problems, fewer than the "
+                         f"{heldout_size} held-out + {train_size} train asked for")
     random.Random(seed).shuffle(pairs)
     heldout, train = [], []
     for a, b in pairs:
         if len(train) >= train_size:
             break
-        rows = heldout if len(heldout) < heldout_size else train
-        rows.extend(addition_row(x, y) for x, y in ([(a, b)] if a == b else [(a, b), (b, a)]))
-    if len(heldout) < heldout_size or len(train) < train_size:
-        raise ValueError(f"{digits}-digit addition has {n * n} problems, fewer than the "
-                         f"{heldout_size} held-out + {train_size} train asked for")
+        split = heldout if len(heldout) < heldout_size else train
+        split.extend(addition_row(x, y, digits=digits) for x, y in ([(a, b)] if a == b else [(a, b), (b, a)]))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = out_dir / "train.jsonl", out_dir / "heldout.jsonl"
@@ -53,8 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="directory for train.jsonl and heldout.jsonl")
     parser.add_argument("--seed", type=int, default=0, help="seed of the pair shuffle")
-    parser.add_argument("--digits", type=int, default=2, help="operands are in [0, 10**digits)")
-    parser.add_argument("--train-size", type=int, default=4000, help="rows in train.jsonl")
+    parser.add_argument("--digits", type=int, default=3, help="operands are in [0, 10**digits)")
+    parser.add_argument("--train-size", type=int, default=20000, help="rows in train.jsonl")
     parser.add_argument("--heldout-size", type=int, default=256, help="rows in heldout.jsonl")
     args = parser.parse_args(argv)
     train, heldout = make_arithmetic_splits(args.out, seed=args.seed, digits=args.digits,

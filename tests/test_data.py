@@ -1,0 +1,147 @@
+"""Prompt data: arithmetic splits, JSONL loading with errors that name file and line, and the sampler's
+determinism, epoch rollover, data-parallel slices and resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megarl.data.arithmetic import little_endian, make_arithmetic_splits
+from megarl.data.prompts import DataError, PromptRow, PromptSampler, load_prompts
+
+
+# ---- arithmetic splits -----------------------------------------------------------------------------------
+def test_splits_are_deterministic_for_a_seed_and_differ_across_seeds(tmp_path):
+    a = make_arithmetic_splits(tmp_path / "a", seed=3, digits=2, train_size=500, heldout_size=64)
+    b = make_arithmetic_splits(tmp_path / "b", seed=3, digits=2, train_size=500, heldout_size=64)
+    c = make_arithmetic_splits(tmp_path / "c", seed=4, digits=2, train_size=500, heldout_size=64)
+    assert [p.read_bytes() for p in a] == [p.read_bytes() for p in b]
+    assert a[0].read_bytes() != c[0].read_bytes()
+
+
+def test_heldout_shares_no_operand_pair_with_train_in_either_order(tmp_path):
+    train_path, heldout_path = make_arithmetic_splits(tmp_path, seed=0, digits=2, train_size=2000,
+                                                      heldout_size=256)
+    def pairs(path):
+        return {frozenset(row.prompt[:-1].split("+")) for row in load_prompts(path)}
+    train, heldout = load_prompts(train_path), load_prompts(heldout_path)
+    assert (len(train), len(heldout)) == (2000, 256)
+    assert len({r.prompt for r in train}) == 2000 and len({r.prompt for r in heldout}) == 256
+    assert not pairs(train_path) & pairs(heldout_path)
+
+
+def test_rows_are_little_endian_sums(tmp_path):
+    assert little_endian(41, 3) == "140" and little_endian(1012, 4) == "2101"
+    train_path, _ = make_arithmetic_splits(tmp_path, seed=1, digits=3, train_size=300, heldout_size=16)
+    for row in load_prompts(train_path):
+        a, b = row.prompt.removesuffix("=").split("+")
+        assert len(a) == len(b) == 3 and len(row.answer) == 4
+        assert int(row.answer[::-1]) == int(a[::-1]) + int(b[::-1]), row
+
+
+def test_too_many_rows_asked_for_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="fewer than"):
+        make_arithmetic_splits(tmp_path, digits=1, train_size=95, heldout_size=10)
+
+
+def test_command_line_writes_both_splits(tmp_path, capsys):
+    from megarl.data.arithmetic import main
+
+    main(["--out", str(tmp_path), "--seed", "2", "--digits", "2", "--train-size", "100", "--heldout-size", "8"])
+    assert len((tmp_path / "train.jsonl").read_text().splitlines()) == 100
+    assert len((tmp_path / "heldout.jsonl").read_text().splitlines()) == 8
+    assert "heldout.jsonl" in capsys.readouterr().out
+
+
+# ---- load_prompts ------------------------------------------------------------------------------------------
+def write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_load_prompts_reads_rows_custom_keys_and_metadata(tmp_path):
+    path = write_lines(tmp_path / "p.jsonl", [json.dumps({"q": "1+1=", "a": "2", "level": 1}), "",
+                                              json.dumps({"q": "2+2=", "a": "4"})])
+    rows = load_prompts(path, prompt_key="q", answer_key="a")
+    assert rows == [PromptRow("1+1=", "2", 0, {"level": 1}), PromptRow("2+2=", "4", 1, {})]
+
+
+@pytest.mark.parametrize("bad_line, what", [
+    ('{"prompt": "2+2=", "answer": ', "invalid JSON"),
+    ('{"answer": "4"}', "missing key 'prompt'"),
+    ('{"prompt": "2+2=", "answer": 4}', "'answer' must be a string, got int"),
+    ('["2+2=", "4"]', "expected a JSON object"),
+])
+def test_malformed_row_names_file_line_and_problem(tmp_path, bad_line, what):
+    path = write_lines(tmp_path / "bad.jsonl", ['{"prompt": "1+1=", "answer": "2"}', "", bad_line])
+    with pytest.raises(DataError) as err:
+        load_prompts(path)
+    assert f"{path}:3" in str(err.value) and what in str(err.value)
+    assert isinstance(err.value, ValueError)
+
+
+def test_empty_file_is_an_error(tmp_path):
+    path = write_lines(tmp_path / "empty.jsonl", ["", "  "])
+    with pytest.raises(DataError, match="empty file") as err:
+        load_prompts(path)
+    assert str(path) in str(err.value)
+
+
+# ---- PromptSampler -----------------------------------------------------------------------------------------
+def draw(sampler, n, batches):
+    return [sampler.next_batch(n) for _ in range(batches)]
+
+
+def test_sampler_is_deterministic_for_a_seed_and_shuffles():
+    first = draw(PromptSampler(10, seed=7), 4, 6)
+    assert first == draw(PromptSampler(10, seed=7), 4, 6)
+    assert first != draw(PromptSampler(10, seed=8), 4, 6)
+    assert sum(first, [])[:10] != list(range(10))
+    assert draw(PromptSampler(10, seed=7, shuffle=False), 5, 2) == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+
+
+def test_each_epoch_is_a_new_permutation_and_epochs_join_across_a_batch():
+    sampler = PromptSampler(10, seed=1)
+    stream = sum(draw(sampler, 4, 5), [])  # 20 indices: a batch (8..11) straddles the epoch boundary
+    epoch0, epoch1 = stream[:10], stream[10:]
+    assert sorted(epoch0) == sorted(epoch1) == list(range(10))
+    assert epoch0 != epoch1
+    assert sampler.state_dict() == {"epoch": 1, "position": 10}
+
+
+def test_batch_larger_than_the_data_spans_epochs():
+    sampler = PromptSampler(3, seed=0)
+    batch = sampler.next_batch(7)
+    assert [sorted(batch[i:i + 3]) for i in (0, 3)] == [[0, 1, 2]] * 2 and len(batch) == 7
+    assert sampler.state_dict() == {"epoch": 2, "position": 1}
+
+
+def test_dp_ranks_get_disjoint_slices_that_cover_the_global_batch():
+    single = PromptSampler(24, seed=5)
+    ranks = [PromptSampler(24, seed=5, dp_rank=r, dp_size=3) for r in range(3)]
+    for _ in range(5):  # 5 global batches of 12 rows cross two epoch boundaries
+        slices = [s.next_batch(4) for s in ranks]
+        assert sum(slices, []) == single.next_batch(12)
+    assert ranks[0].state_dict() == ranks[2].state_dict() == single.state_dict()
+
+
+def test_restored_sampler_continues_like_the_uninterrupted_one():
+    uninterrupted = PromptSampler(10, seed=3, dp_rank=1, dp_size=2)
+    draw(uninterrupted, 3, 4)
+    state = dict(uninterrupted.state_dict())
+    expected = draw(uninterrupted, 3, 6)
+    restored = PromptSampler(10, seed=3, dp_rank=1, dp_size=2)
+    restored.load_state_dict(json.loads(json.dumps(state)))  # states survive a JSON round trip
+    assert draw(restored, 3, 6) == expected
+
+
+@pytest.mark.parametrize("kwargs", [dict(n_rows=0), dict(dp_rank=2, dp_size=2), dict(dp_rank=-1)])
+def test_sampler_rejects_impossible_arguments(kwargs):
+    with pytest.raises(ValueError):
+        PromptSampler(**{"n_rows": 4, "seed": 0, **kwargs})
+
+
+def test_state_that_does_not_fit_the_data_is_rejected():
+    with pytest.raises(ValueError, match="does not fit"):
+        PromptSampler(4, seed=0).load_state_dict({"epoch": 0, "position": 5})
