@@ -177,14 +177,17 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class WarmupConfig:
-    sft_steps: int = 0  # supervised steps on the train set's answers before RL; 0 = none
+    sft_steps: int = 0  # most supervised steps on the train set's answers before RL; 0 = none
     lr: float = 1e-3  # learning rate of those steps
     batch_size: int = 32  # examples per supervised step
+    stop_answer_prob: float = 1.0  # stop early once the mean probability of the whole answer reaches this
 
     def check(self) -> None:
         _at_least(self, 0, "sft_steps")
         _positive(self, "lr")
         _at_least(self, 1, "batch_size")
+        if not 0 < self.stop_answer_prob <= 1:
+            raise FieldError("stop_answer_prob", f"must be in (0, 1], got {self.stop_answer_prob}")
 
 
 @dataclass(frozen=True)

@@ -310,7 +310,7 @@ def sft_warmup(cfg: Config, groups: ParallelGroups, tokenizer, rows: list[Prompt
     per_rank = cfg.warmup.batch_size // groups.dp_size
     bar = tqdm(total=cfg.warmup.sft_steps, desc="sft warm start", dynamic_ncols=True,
                disable=not (cfg.log.progress and dist.get_rank() == 0))
-    for _ in range(cfg.warmup.sft_steps):
+    for step in range(cfg.warmup.sft_steps):
         examples = [rows[i] for i in sampler.next_batch(per_rank)]
         prompts = [tokenizer(r.prompt, add_special_tokens=False)["input_ids"] for r in examples]
         answers = [tokenizer(r.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -320,18 +320,25 @@ def sft_warmup(cfg: Config, groups: ParallelGroups, tokenizer, rows: list[Prompt
         loss_fn = partial(supervised_loss, norm=global_loss_norm(mask, group=groups.dp))
         metrics = engine.train_step(tokens, {"response_mask": mask}, loss_fn, temperature=1.0,
                                     micro_batch_size=math.gcd(per_rank, cfg.train.micro_batch_size))
-        bar.set_postfix({"nll": f"{metrics['loss']:.3f}"}, refresh=False)
+        bar.set_postfix({"nll": f"{metrics['loss']:.3f}", "answer_prob": f"{metrics['answer_prob']:.3f}"},
+                        refresh=False)
         bar.update(1)
+        if metrics["answer_prob"] >= cfg.warmup.stop_answer_prob:
+            break
     bar.close()
+    log.info("supervised warm start: %d steps, answer probability %.3f", step + 1, metrics["answer_prob"])
     export_policy(engine, groups, source_dir=cfg.model.path, out_dir=out,
-                  meta={"stage": "sft_warmup", "steps": cfg.warmup.sft_steps})
+                  meta={"stage": "sft_warmup", "steps": step + 1, "answer_prob": metrics["answer_prob"]})
     return str(out)
 
 
 def supervised_loss(logprobs: Tensor, mb: dict[str, Tensor], *, norm: LossNorm) -> tuple[Tensor, dict]:
-    """Masked NLL of the response tokens, token mean over the global batch."""
-    loss = aggregate(sft_loss(logprobs, mb["response_mask"]), mb["response_mask"], mode="token-mean", norm=norm)
-    return loss, {"loss": loss.detach()}
+    """Masked NLL of the response tokens, token mean over the global batch. Also reports `answer_prob`, the
+    mean over sequences of p(whole answer) at temperature 1: the exact-answer reward sampling would earn."""
+    mask = mb["response_mask"]
+    loss = aggregate(sft_loss(logprobs, mask), mask, mode="token-mean", norm=norm)
+    answer_prob = (logprobs.detach() * mask).sum(-1).exp().sum() / norm.seqs
+    return loss, {"loss": loss.detach(), "answer_prob": answer_prob}
 
 
 def export_policy(engine: TrainEngine, groups: ParallelGroups, *, source_dir: str, out_dir: Path,
