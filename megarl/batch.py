@@ -40,9 +40,6 @@ class RolloutBatch:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
-    def response_lens(self) -> Tensor:
-        return self.response_mask.sum(-1).long()  # [B]
-
     def save(self, path: str | Path) -> None:
         torch.save({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, path)
 

@@ -79,8 +79,3 @@ def _fsync_dir(path: Path) -> None:
         with open(child, "rb") as f:
             os.fsync(f.fileno())
 
-
-def is_complete(path: str | Path) -> bool:
-    """A published checkpoint always has its marker file (written before the rename)."""
-    return (Path(path) / "megarl_checkpoint.json").exists()
-
