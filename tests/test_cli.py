@@ -138,3 +138,15 @@ def test_malformed_data_row_exits_2_naming_file_and_line(tmp_path, qwen2_dir, ar
     assert result.returncode == 2, result.stderr[-4000:]
     assert f"{train}:2" in result.stderr and "invalid JSON" in result.stderr, result.stderr[-4000:]
     assert "Traceback" not in result.stderr
+
+
+def test_layout_that_does_not_divide_the_world_exits_2(tmp_path, qwen2_dir, arithmetic_dir):
+    """A layout that cannot split the launch stops before any work, naming both numbers and the file."""
+    recipe = write_recipe(tmp_path / "bad.yaml", model_dir=qwen2_dir, data_dir=arithmetic_dir,
+                          run_dir=tmp_path / "run")
+    result = megarl_train(recipe, "parallel.tp=2", cwd=tmp_path, timeout_s=60)
+    assert result.returncode == 2, result.stderr
+    assert "world size 1 is not divisible by parallel.tp * parallel.pp * parallel.cp = 2" in result.stderr
+    assert str(recipe) in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()

@@ -140,3 +140,26 @@ def test_unknown_megatron_name_raises_key_error_naming_it(qwen2_dir, name):
     table = NameTable(name_rules(read_shape(qwen2_dir)))
     with pytest.raises(KeyError, match=name.replace(".", r"\.")):
         table.lookup(name)
+
+
+# ---- parallel layout checks ----------------------------------------------------------------------------
+@pytest.mark.parametrize("layout,message", [
+    (dict(tp=2, pp=1, cp=1, world_size=3), "world size 3 is not divisible by parallel.tp * parallel.pp * parallel.cp = 2"),
+    (dict(tp=8, pp=1, cp=1, world_size=8), "attention heads 4 is not divisible by parallel.tp = 8"),
+    (dict(tp=4, pp=1, cp=1, world_size=4), "key/value heads (query groups) 2 is not divisible by parallel.tp = 4"),
+    (dict(tp=1, pp=3, cp=1, world_size=3), "layers 2 is not divisible by parallel.pp = 3"),
+])
+def test_layout_that_does_not_divide_names_both_numbers(qwen2_dir, layout, message):
+    from megarl.models.arch import check_layout, read_shape
+
+    with pytest.raises(ValueError) as err:
+        check_layout(read_shape(qwen2_dir), **layout)
+    assert str(err.value) == message
+
+
+def test_layouts_that_divide_pass(qwen2_dir):
+    from megarl.models.arch import check_layout, read_shape
+
+    shape = read_shape(qwen2_dir)
+    for tp, pp, world in [(1, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 4), (2, 1, 4), (1, 1, 8)]:
+        check_layout(shape, tp=tp, pp=pp, cp=1, world_size=world)

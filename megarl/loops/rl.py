@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -33,7 +34,7 @@ from megarl.data.prompts import PromptRow, PromptSampler, load_prompts
 from megarl.engine.megatron import ParallelGroups, TrainEngine, check_megatron_fields, init_parallel
 from megarl.handoff import push_weights
 from megarl.metrics import MetricsWriter, PhaseTimer
-from megarl.models.arch import read_shape
+from megarl.models.arch import check_layout, read_shape
 from megarl.rewards.exact import exact_answer_reward
 
 log = logging.getLogger(__name__)
@@ -393,9 +394,15 @@ def train(cfg: Config) -> Path:
 
     run_dir = Path(cfg.run_dir)
     try:
-        read_shape(cfg.model.path)
+        shape = read_shape(cfg.model.path)
     except ValueError as e:
         raise RecipeError(f"model.path: {e}") from None
+    par = cfg.parallel
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        check_layout(shape, tp=par.tp, pp=par.pp, cp=par.cp, world_size=world_size)
+    except ValueError as e:
+        raise RecipeError(str(e)) from None
     try:
         groups = init_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep, cp=cfg.parallel.cp,
                                seed=cfg.seed)

@@ -72,3 +72,18 @@ def padded_vocab_size(vocab_size: int, *, tp: int, multiple: int = 128) -> int:
         return vocab_size
     step = multiple * tp
     return -(-vocab_size // step) * step
+
+
+def check_layout(shape: ModelShape, *, tp: int, pp: int, cp: int, world_size: int) -> None:
+    """The parallel layout must split this model and this world evenly; ValueError says which number
+    does not divide which (keys as in the recipe's `parallel:` section)."""
+    checks = [
+        (world_size, tp * pp * cp, f"world size {world_size}", f"parallel.tp * parallel.pp * parallel.cp = {tp * pp * cp}"),
+        (shape.heads, tp, f"attention heads {shape.heads}", f"parallel.tp = {tp}"),
+        (shape.kv_heads, tp, f"key/value heads (query groups) {shape.kv_heads}", f"parallel.tp = {tp}"),
+        (shape.ffn, tp, f"MLP width {shape.ffn}", f"parallel.tp = {tp}"),
+        (shape.layers, pp, f"layers {shape.layers}", f"parallel.pp = {pp}"),
+    ]
+    for number, divisor, what, by in checks:
+        if number % divisor:
+            raise ValueError(f"{what} is not divisible by {by}")
