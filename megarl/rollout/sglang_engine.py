@@ -27,20 +27,16 @@ from megarl.rollout.native import Generation
 log = logging.getLogger(__name__)
 
 
-def prepare_cpu_process() -> None:
-    """SGLang's CPU mode, for this process and the scheduler processes it spawns."""
-    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-    cpu_compat.load_cuda_driver_stand_in()
-
-
 class SGLangEngine:
     """Generate with SGLang; take weights pushed by the trainer; release and resume device memory."""
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0, tp_size: int = 1,
-                 mem_fraction: float = 0.5, base_gpu_id: int = 0, max_total_tokens: int | None = None):
+                 mem_fraction: float = 0.5, base_gpu_id: int = 0):
         self.on_gpu = torch.cuda.is_available()
         if not self.on_gpu:
-            prepare_cpu_process()
+            # SGLang's CPU mode, for this process and the scheduler processes it spawns.
+            os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+            cpu_compat.load_cuda_driver_stand_in()
         import sglang
 
         args = dict(model_path=model_dir, tp_size=tp_size, dtype=dtype, random_seed=seed,
@@ -51,7 +47,7 @@ class SGLangEngine:
             # CPU mode: torch attention, no CUDA graphs, a small fixed KV pool.
             args.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
                         disable_overlap_schedule=True, mem_fraction_static=0.05,
-                        max_total_tokens=max_total_tokens or 8192)
+                        max_total_tokens=8192)
         self.tp_size = tp_size
         # SGLang skips tensor names its model does not know; a push is checked against the names of the
         # checkpoint the engine was started from instead, so a wrong name table fails loudly.
