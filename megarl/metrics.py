@@ -36,7 +36,7 @@ class MetricsWriter:
     CONSOLE_KEYS = ("reward/mean", "eval/reward_mean", "loss", "kl", "grad_norm")
 
     def __init__(self, run_dir: str | Path, *, total_steps: int, enabled: bool, progress: bool,
-                 tensorboard: bool, start_step: int = 0, desc: str = "rl"):
+                 tensorboard: bool):
         self.enabled = enabled
         self._bar = None
         self._tb = None
@@ -49,7 +49,7 @@ class MetricsWriter:
         if progress:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, desc=desc, dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, desc="rl", dynamic_ncols=True)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

@@ -150,3 +150,15 @@ def test_layout_that_does_not_divide_the_world_exits_2(tmp_path, qwen2_dir, arit
     assert str(recipe) in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_chat_template_prompts_are_token_ids_of_the_rendered_turn(qwen2_dir):
+    from transformers import AutoTokenizer
+
+    from megarl.loops.rl import encode_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen2_dir)
+    ids = encode_prompt(tokenizer, "12+35=", chat_template=True)
+    assert all(isinstance(i, int) for i in ids)
+    assert tokenizer.decode(ids) == "<|im_start|>user\n12+35=<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(encode_prompt(tokenizer, "12+35=", chat_template=False)) == "12+35="

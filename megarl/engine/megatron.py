@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # A loss function sees one micro-batch: logprobs [b, T] and that micro-batch's slice of every extra
 # tensor; it returns its contribution to the global loss and to each summed statistic.
+# Parameters with one row per (padded) vocabulary entry: padded on load, truncated on export.
+_VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 LossFn = Callable[[Tensor, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
 
 
@@ -207,7 +209,6 @@ class TrainEngine:
         self.names = NameTable(name_rules(self.shape, te_spec=uses_transformer_engine()))
         self._layer_offset = get_transformer_layer_offset(self.config)
         self.load_hf(model_dir)
-        self.optim = optim
         if optim is None:
             self.module.requires_grad_(False)
             self.module.eval()
@@ -230,7 +231,7 @@ class TrainEngine:
                     rule, _ = self.names.lookup(name)
                     hf_names, rule_fuse = self.names.hf_names(name), rule.fuse
                 full = self._fuse([source.get(n) for n in hf_names], rule_fuse)
-                if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                if name in _VOCAB_PARAMS:
                     full = _pad_rows(full, param.shape[0] * self.groups.tp_size)
                 shard = layout.shard(full, dim=_tp_split(param), rank=self.groups.tp_rank,
                                      size=self.groups.tp_size, gate_up=rule_fuse == "gate_up")
@@ -267,7 +268,7 @@ class TrainEngine:
                 shards = [torch.empty_like(data) for _ in range(self.groups.tp_size)]
                 dist.all_gather(shards, data.contiguous(), group=self.groups.tp)
                 data = layout.unshard(shards, dim=dim, gate_up=rule.fuse == "gate_up")
-            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            if name in _VOCAB_PARAMS:
                 data = data[: self.shape.vocab_size]
             yield from zip(self.names.hf_names(name), self._split(data, rule.fuse))
 
@@ -307,7 +308,8 @@ class TrainEngine:
 
     # ---- training setup -----------------------------------------------------------------------------
     def _wrap_for_training(self, optim):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         ddp = DistributedDataParallel(
@@ -323,7 +325,7 @@ class TrainEngine:
             use_distributed_optimizer=optim.distributed,
         )
         optimizer = get_megatron_optimizer(opt_config, [ddp])
-        self.config.finalize_model_grads_func = _finalize_grads
+        self.config.finalize_model_grads_func = finalize_model_grads
         self.config.no_sync_func = ddp.no_sync
         return ddp, optimizer
 
@@ -471,12 +473,6 @@ class TrainEngine:
         if self.groups.dp_size > 1:
             dist.all_reduce(values, group=self.groups.dp)
         return {k: float(v) for k, v in zip(keys[0], values.tolist())}
-
-
-def _finalize_grads(model, num_tokens=None, **kwargs):
-    from megatron.core.distributed import finalize_model_grads
-
-    return finalize_model_grads(model, num_tokens, **kwargs)
 
 
 def _pad_rows(full: Tensor, rows: int) -> Tensor:

@@ -108,7 +108,8 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
 def generate(run: RLRun, rows: list[PromptRow], *, n_samples: int) -> RolloutBatch:
     """Sample `n_samples` responses for each row on this group's rollout engine; all ranks get the batch."""
     cfg = run.cfg.rollout
-    prompts = [ids for row in rows for ids in [encode_prompt(run, row)] * n_samples]
+    encoded = [encode_prompt(run.tokenizer, row.prompt, chat_template=run.cfg.data.chat_template) for row in rows]
+    prompts = [ids for ids in encoded for _ in range(n_samples)]
     result = [None]
     if run.is_rollout_rank:
         gen = run.rollout.generate(prompts, temperature=cfg.temperature, top_p=cfg.top_p,
@@ -239,11 +240,16 @@ def on_rollout_rank(run: RLRun, method: str) -> None:
         getattr(run.rollout, method)()
 
 
-def encode_prompt(run: RLRun, row: PromptRow) -> list[int]:
-    if run.cfg.data.chat_template:
-        return list(run.tokenizer.apply_chat_template([{"role": "user", "content": row.prompt}],
-                                                      add_generation_prompt=True, tokenize=True))
-    return run.tokenizer(row.prompt, add_special_tokens=False)["input_ids"]
+def encode_prompt(tokenizer, prompt: str, *, chat_template: bool) -> list[int]:
+    """Prompt token ids, wrapped as a user turn in the tokenizer's chat template when asked.
+
+    The template is rendered to text and then tokenized, because `apply_chat_template(tokenize=True)`
+    returns a list in some transformers releases and a BatchEncoding in others.
+    """
+    if chat_template:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                               add_generation_prompt=True, tokenize=False)
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
 
 def global_sum(run: RLRun, value: float) -> float:
@@ -313,7 +319,7 @@ def sft_warmup(cfg: Config, groups: ParallelGroups, tokenizer, rows: list[Prompt
                disable=not (cfg.log.progress and dist.get_rank() == 0))
     for step in range(cfg.warmup.sft_steps):
         examples = [rows[i] for i in sampler.next_batch(per_rank)]
-        prompts = [tokenizer(r.prompt, add_special_tokens=False)["input_ids"] for r in examples]
+        prompts = [encode_prompt(tokenizer, r.prompt, chat_template=cfg.data.chat_template) for r in examples]
         answers = [tokenizer(r.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                    for r in examples]
         tokens, mask, _ = pack_sequences(prompts, answers, [[0.0] * len(a) for a in answers],
