@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -28,7 +29,9 @@ class RolloutBatch:
     rewards: Tensor | None = None         # [B]
     old_logprobs: Tensor | None = None    # [B, T] trainer logprobs before the update
     ref_logprobs: Tensor | None = None    # [B, T] reference-model logprobs
+    values: Tensor | None = None          # [B, T] critic values before the update (ppo)
     advantages: Tensor | None = None      # [B, T]
+    returns: Tensor | None = None         # [B, T] critic targets (ppo)
 
     def replace(self, **fields) -> RolloutBatch:
         """A copy with new fields set; setting a field that is already set is an error."""
@@ -39,6 +42,39 @@ class RolloutBatch:
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
+
+    def select(self, index: Tensor) -> RolloutBatch:
+        """The samples at `index` ([k] long), every field sliced alike."""
+        picked = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor):
+                value = value[index]
+            elif isinstance(value, list):
+                value = [value[i] for i in index.tolist()]
+            picked[f.name] = value
+        return RolloutBatch(**picked)
+
+    @classmethod
+    def concat(cls, batches: list[RolloutBatch], *, pad_id: int) -> RolloutBatch:
+        """One batch of all samples in order; [B, T] fields are right padded to the widest (`pad_id` for
+        tokens, 0 elsewhere). Group ids must already be distinct between batches."""
+        width = max(b.tokens.shape[1] for b in batches)
+        out = {}
+        for f in dataclasses.fields(cls):
+            values = [getattr(b, f.name) for b in batches]
+            if any(v is None for v in values):
+                if not all(v is None for v in values):
+                    raise ValueError(f"RolloutBatch.concat: {f.name} is set in some batches only")
+                out[f.name] = None
+            elif isinstance(values[0], list):
+                out[f.name] = [x for v in values for x in v]
+            elif values[0].dim() == 2:
+                fill = pad_id if f.name == "tokens" else 0
+                out[f.name] = torch.cat([F.pad(v, (0, width - v.shape[1]), value=fill) for v in values])
+            else:
+                out[f.name] = torch.cat(values)
+        return cls(**out)
 
     def save(self, path: str | Path) -> None:
         torch.save({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, path)

@@ -32,10 +32,12 @@ from typing import Any, Literal
 import yaml
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-AlgoName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
+AlgoName = Literal["ppo", "grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 # Algorithms whose baseline is computed within a group of samples of the same prompt.
-GROUP_BASELINE_ALGOS = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+GROUP_BASELINE_ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp_baseline")
+# Algorithms whose advantages are per token, so a KL penalty can be folded into the token rewards.
+TOKEN_REWARD_ALGOS = ("ppo", "reinforce_pp")
 
 
 class ConfigError(Exception):
@@ -112,18 +114,74 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class AlgoConfig:
-    name: AlgoName = "grpo"  # advantage estimator and loss family
-    std_norm: bool = True  # divide group-relative advantages by the group's reward std
+    """The algorithm: `name` chooses the advantage estimator and the policy loss; the other keys are the
+    knobs of the papers, each off by default unless the algorithm is defined by it."""
+
+    name: AlgoName = "grpo"  # ppo (GAE + critic), grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp(_baseline)
+    std_norm: bool = True  # grpo: divide group-relative advantages by the group's reward std
     clip_low: float = 0.2  # PPO ratio clip below: 1 - clip_low
     clip_high: float = 0.2  # PPO ratio clip above: 1 + clip_high (clip-higher when > clip_low)
+    dual_clip: float | None = None  # dual-clip bound c > 1 on the loss of negative advantages; null = off
+    tis_cap: float | None = None  # truncated importance sampling against the rollout engine's logprobs; null = off
     kl_coef: float = 0.0  # weight of the KL penalty to the reference policy; 0 = no reference model
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # KL estimator (Schulman's k1/k2/k3)
+    kl_in_reward: bool = False  # fold the KL into per-token rewards (ppo, reinforce_pp) instead of the loss
+    kl_target: float | None = None  # with kl_in_reward: adapt kl_coef toward this KL per sequence; null = fixed
+    kl_horizon: int = 10000  # adaptive KL controller horizon, in samples
+    entropy_coef: float = 0.0  # entropy bonus weight (token mean); > 0 also logs actor/entropy
+    gamma: float = 1.0  # ppo, reinforce_pp: discount per token
+    lam: float = 0.95  # ppo: GAE lambda
+    dynamic_sampling: bool | None = None  # drop groups whose rewards are all equal and sample more; null = dapo only
+    max_sampling_rounds: int = 4  # dynamic sampling: most generation rounds per step before giving up
+    overlong_buffer: int = 0  # DAPO soft overlong penalty over the last this many tokens before the limit; 0 = off
+    overlong_penalty: float = 1.0  # reward subtracted at the generation limit (scaled linearly in the buffer)
     loss_agg: LossAgg = "token-mean"  # how per-token losses reduce to one number
     epochs: int = 1  # optimizer passes over each rollout batch
 
     def check(self) -> None:
-        _at_least(self, 0, "clip_low", "clip_high", "kl_coef")
-        _at_least(self, 1, "epochs")
+        _at_least(self, 0, "clip_low", "clip_high", "kl_coef", "entropy_coef", "overlong_buffer",
+                  "overlong_penalty")
+        _at_least(self, 1, "epochs", "max_sampling_rounds", "kl_horizon")
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            raise FieldError("dual_clip", f"must be > 1, got {self.dual_clip}")
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise FieldError("tis_cap", f"must be > 0, got {self.tis_cap}")
+        if self.kl_target is not None and not self.kl_target > 0:
+            raise FieldError("kl_target", f"must be > 0, got {self.kl_target}")
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise FieldError(name, f"must be in [0, 1], got {getattr(self, name)}")
+        if self.kl_in_reward and self.name not in TOKEN_REWARD_ALGOS:
+            raise ValueError(f"algo.kl_in_reward needs per-token advantages ({', '.join(TOKEN_REWARD_ALGOS)}); "
+                             f"algo.name = {self.name!r} takes the KL as a loss term (kl_in_reward: false)")
+        if self.kl_target is not None and not (self.kl_in_reward and self.kl_coef > 0):
+            raise ValueError("algo.kl_target adapts the KL coefficient in the reward: it needs "
+                             "algo.kl_in_reward: true and algo.kl_coef > 0 (the initial coefficient)")
+        if self.name == "gspo":
+            if self.loss_agg != "seq-mean-token-mean":
+                raise ValueError(f"algo.name = 'gspo' optimizes a mean over sequences of the sequence-level "
+                                 f"ratio: algo.loss_agg must be seq-mean-token-mean, got {self.loss_agg!r}")
+            if self.dual_clip is not None or self.tis_cap is not None:
+                raise ValueError("algo.dual_clip and algo.tis_cap are token-level corrections; "
+                                 "algo.name = 'gspo' clips the sequence ratio and takes neither")
+
+    @property
+    def uses_dynamic_sampling(self) -> bool:
+        return self.name == "dapo" if self.dynamic_sampling is None else self.dynamic_sampling
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """The value model of PPO: the policy's checkpoint (or `path`) with a scalar head, its own optimizer."""
+
+    path: str | None = field(default=None, metadata={"path": "dir"})  # HF checkpoint; null = model.path
+    lr: float = 1e-5  # critic Adam learning rate (other Adam settings come from optim)
+    value_clip: float | None = 0.2  # clip new values to old +- this in the value loss; null = unclipped
+
+    def check(self) -> None:
+        _positive(self, "lr")
+        if self.value_clip is not None and not self.value_clip > 0:
+            raise FieldError("value_clip", f"must be > 0, got {self.value_clip}")
 
 
 @dataclass(frozen=True)
@@ -218,6 +276,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # model-parallel layout
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation
     algo: AlgoConfig = field(default_factory=AlgoConfig)  # advantages and loss
+    critic: CriticConfig = field(default_factory=CriticConfig)  # value model (algo.name: ppo)
     optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer
     reward: RewardConfig = field(default_factory=RewardConfig)  # scoring
     train: TrainConfig = field(default_factory=TrainConfig)  # training schedule
@@ -232,7 +291,7 @@ class Config:
                 f"rollout.n_samples * data.prompts_per_step = {n} * {prompts} = {n * prompts} samples per step"
                 f" is not divisible by train.micro_batch_size = {micro}"
             )
-        if self.algo.name in GROUP_BASELINE_ALGOS and n < 2:
+        if (self.algo.name in GROUP_BASELINE_ALGOS or self.algo.uses_dynamic_sampling) and n < 2:
             raise ValueError(
                 f"algo.name = {self.algo.name!r} compares samples within a group and needs"
                 f" rollout.n_samples >= 2, got {n}"

@@ -102,3 +102,23 @@ def groups():
     ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+QUICKSTART_TIMEOUT_S = 900  # ~2.5 min on 2 cores; the README promises at most 10
+
+
+def quickstart(out: Path, *args: str, timeout_s: float = QUICKSTART_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """`bash tools/quickstart.sh --out OUT ARGS` with this environment's `megarl` first on the PATH."""
+    env = subprocess_env()
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]])
+    return subprocess.run(["bash", str(REPO / "tools" / "quickstart.sh"), "--out", str(out), *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+@pytest.fixture(scope="session")
+def quickstart_out(tmp_path_factory) -> Path:
+    """OUT of one full quickstart run: OUT/model, OUT/data, and OUT/run with its warm start and metrics."""
+    out = tmp_path_factory.mktemp("quickstart")
+    proc = quickstart(out, "log.progress=false")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out

@@ -247,3 +247,138 @@ def test_cpu_compat_refuses_to_install_on_a_cuda_machine():
     result = run_python(["-c", code], timeout_s=60)
     assert result.returncode == 0, result.stderr
     assert "refused" in result.stdout
+
+
+# ---- critic: a scalar head on the same trunk ----------------------------------------------------------------
+def with_score_head(model_dir, out_dir, *, seed: int = 3):
+    """A copy of `model_dir` as a one-label sequence-classification checkpoint (a reward model's layout):
+    the trunk's weights plus a random `score.weight` [1, hidden]."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(model_dir, out_dir)
+    tensors = load_file(str(out_dir / "model.safetensors"))
+    hidden = tensors["model.embed_tokens.weight"].shape[1]
+    tensors["score.weight"] = torch.randn(1, hidden, generator=torch.Generator().manual_seed(seed))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = json.loads((out_dir / "config.json").read_text())
+    config["architectures"] = ["Qwen2ForSequenceClassification"]
+    config["num_labels"] = 1
+    (out_dir / "config.json").write_text(json.dumps(config))
+    return out_dir
+
+
+def test_critic_values_equal_transformers_sequence_classifier(qwen2_dir, groups, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from megarl.engine.megatron import TrainEngine
+
+    scored = with_score_head(qwen2_dir, tmp_path / "scored")
+    critic = TrainEngine(model_dir=str(scored), dtype="float32", megatron={}, groups=groups, value_head=True)
+    tokens = fixed_tokens()
+    values = critic.values(tokens, micro_batch_size=2)
+    assert values.shape == tokens.shape and torch.equal(values[:, 0], torch.zeros(tokens.shape[0]))
+    hf = AutoModelForSequenceClassification.from_pretrained(str(scored), dtype=torch.float32).eval()
+    hf.config.pad_token_id = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+    with torch.no_grad():
+        hidden = hf.model(tokens).last_hidden_state
+        per_position = hf.score(hidden)[..., 0]  # [B, T]: the head on every position, not only the last
+    # column t of the critic is the value of the prefix tokens[:t], i.e. the head on position t - 1
+    assert (values[:, 1:] - per_position[:, :-1]).abs().max() <= FP32_TOL
+    with pytest.raises(ValueError, match="not a causal LM"):
+        next(critic.hf_tensors())
+    with pytest.raises(ValueError, match="use values"):
+        critic.logprobs(tokens, temperature=1.0, micro_batch_size=2)
+
+
+def test_critic_without_a_score_head_starts_at_zero_and_fits_returns(qwen2_dir, groups):
+    from megarl.algo.aggregate import global_loss_norm
+    from megarl.config import OptimConfig
+    from megarl.engine.megatron import TrainEngine
+    from megarl.loops.rl import critic_loss
+
+    critic = TrainEngine(model_dir=str(qwen2_dir), dtype="float32", megatron={}, groups=groups,
+                         optim=OptimConfig(lr=1e-2), value_head=True)
+    tokens = fixed_tokens()
+    mask = response_mask(tokens)
+    old_values = critic.values(tokens, micro_batch_size=4)
+    assert torch.equal(old_values, torch.zeros_like(old_values))
+    returns = torch.linspace(-1.0, 1.0, tokens.shape[0])[:, None] * mask
+    extras = {"response_mask": mask, "values": old_values * mask, "returns": returns}
+    loss_fn = partial(critic_loss, value_clip=None, norm=global_loss_norm(mask))
+    losses = [critic.train_step(tokens, extras, loss_fn, temperature=1.0, micro_batch_size=2)["critic/loss"]
+              for _ in range(20)]
+    # at V = 0 the loss is the token mean of 0.5 * R^2, computed here from the returns themselves
+    assert losses[0] == pytest.approx(float(0.5 * returns.square().sum() / mask.sum()), rel=1e-6)
+    assert losses[-1] < 0.25 * losses[0]
+
+
+# ---- entropy over the vocabulary -------------------------------------------------------------------------
+def test_entropy_bonus_equals_transformers_entropy_and_its_gradient(qwen2_dir, groups):
+    """The engine's entropy (vocab-parallel formula) and its gradient against autograd through the HF model."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.algo.aggregate import aggregate, global_loss_norm
+    from megarl.algo.kl import entropy_from_logits
+
+    tokens = fixed_tokens()
+    mask = response_mask(tokens)
+    norm = global_loss_norm(mask)
+
+    def entropy_loss(logprobs, mb, *, entropy):
+        mean = aggregate(entropy, mb["response_mask"], mode="token-mean", norm=norm)
+        return -mean, {"entropy": mean.detach()}
+
+    actor = make_engine(qwen2_dir, groups, train=True)
+    before = engine_weights(actor)
+    metrics = actor.train_step(tokens, {"response_mask": mask}, entropy_loss, temperature=0.7,
+                               micro_batch_size=2, entropy=True)
+
+    hf = AutoModelForCausalLM.from_pretrained(str(qwen2_dir), dtype=torch.float32)
+    logits = hf(tokens).logits[:, :-1] / 0.7
+    entropy = torch.nn.functional.pad(entropy_from_logits(logits), (1, 0))
+    expected = (entropy * mask).sum() / mask.sum()
+    assert metrics["entropy"] == pytest.approx(float(expected), abs=FP32_TOL)
+    (-expected).backward()
+    hf_norm = torch.sqrt(sum(p.grad.square().sum() for p in hf.parameters() if p.grad is not None))
+    # grad-norm clipping does not change the norm it reports; 1e-4 relative: fp32 sums in another order
+    assert metrics["grad_norm"] == pytest.approx(float(hf_norm), rel=1e-4)
+    assert any(not torch.equal(before[k], v) for k, v in engine_weights(actor).items())
+
+
+# ---- a vocabulary Megatron must pad -----------------------------------------------------------------------
+def test_vocabulary_padding_takes_no_probability_mass(qwen2_dir, groups, tmp_path):
+    """A 100-token vocabulary is padded to 128 rows; the padding must not change logprobs or entropy."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from megarl.algo.kl import entropy_from_logits
+    from megarl.models.arch import padded_vocab_size
+
+    small = tmp_path / "vocab100"
+    shutil.copytree(qwen2_dir, small)
+    tensors = load_file(str(small / "model.safetensors"))
+    tensors = {k: (v[:100].contiguous() if k in ("model.embed_tokens.weight", "lm_head.weight") else v)
+               for k, v in tensors.items()}
+    save_file(tensors, str(small / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((small / "config.json").read_text())
+    config["vocab_size"] = 100
+    (small / "config.json").write_text(json.dumps(config))
+    assert padded_vocab_size(100, tp=1) > 100
+
+    engine = make_engine(small, groups, train=False)
+    tokens = fixed_tokens()
+    ref_logits = hf_logits(small, tokens)
+    assert (engine.logprobs(tokens, temperature=1.0, micro_batch_size=2)
+            - token_logprobs(ref_logits, tokens)).abs().max() <= FP32_TOL
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand(tokens.shape[0], -1)
+    with torch.no_grad():
+        logits = engine.module(tokens, positions, None)
+        _, extra = engine._token_logprobs(logits, tokens, temperature=1.0, entropy=True)
+    expected = torch.nn.functional.pad(entropy_from_logits(ref_logits[:, :-1]), (1, 0))
+    assert (extra["entropy"] - expected).abs().max() <= FP32_TOL

@@ -34,11 +34,12 @@ from megarl.models.safetensors_dir import SafetensorsDir
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# A loss function sees one micro-batch: logprobs [b, T] and that micro-batch's slice of every extra
-# tensor; it returns its contribution to the global loss and to each summed statistic.
 # Parameters with one row per (padded) vocabulary entry: padded on load, truncated on export.
 _VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
-LossFn = Callable[[Tensor, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
+# A loss function sees one micro-batch: the head's output [b, T] (logprobs, or values of a critic) and
+# that micro-batch's slice of every extra tensor; it returns its contribution to the global loss and to
+# each summed statistic.
+LossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
 
 
 @dataclass(frozen=True)
@@ -192,20 +193,49 @@ def _tp_split(param: Tensor) -> int | None:
     return param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
 
 
-class TrainEngine:
-    """One Megatron model (actor or reference) over this rank's share of the parallel layout.
+class ValueHead(torch.nn.Module):
+    """A scalar head in place of GPTModel's output layer: hidden [s, b, h] -> values [s, b, 1].
 
-    With `optim` None the model is frozen (reference): no DDP wrapper, no optimizer, no gradients.
+    Called the way GPTModel calls its output layer. The weight is replicated across tensor-parallel
+    ranks (their hidden states are identical without sequence parallelism), like a norm weight, so
+    Megatron counts it once in the gradient norm and DDP averages it over data-parallel ranks only.
     """
 
-    def __init__(self, *, model_dir: str, dtype: str, megatron: dict, groups: ParallelGroups, optim=None):
+    def __init__(self, hidden: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden, dtype=dtype, device=_device()))
+
+    def forward(self, hidden_states: Tensor, weight=None, runtime_gather_output=None) -> tuple[Tensor, None]:
+        return F.linear(hidden_states, self.weight), None
+
+
+# HF sequence-classification checkpoints (reward models) name their scalar head this way.
+_HF_SCORE = "score.weight"
+
+
+class TrainEngine:
+    """One Megatron model (actor, reference or critic) over this rank's share of the parallel layout.
+
+    With `optim` None the model is frozen (reference): no DDP wrapper, no optimizer, no gradients.
+    `value_head=True` makes a critic: the vocabulary projection is replaced by a scalar head, read from
+    the checkpoint's `score.weight` when it has one (a reward model) and zero otherwise, so every value
+    starts at 0.
+    """
+
+    def __init__(self, *, model_dir: str, dtype: str, megatron: dict, groups: ParallelGroups, optim=None,
+                 value_head: bool = False):
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
         self.groups = groups
         self.shape = read_shape(model_dir)
+        if value_head:
+            self.shape = dataclasses.replace(self.shape, tied_embeddings=False)
         self.config = transformer_config(self.shape, dtype=dtype, tp=groups.tp_size, pp=groups.pp_size,
                                          megatron=megatron)
         self.module = build_gpt(self.shape, self.config, groups=groups)
+        self.value_head = value_head
+        if value_head and groups.is_pp_last:
+            self.module.output_layer = ValueHead(self.shape.hidden, self.config.params_dtype)
         self.names = NameTable(name_rules(self.shape, te_spec=uses_transformer_engine()))
         self._layer_offset = get_transformer_layer_offset(self.config)
         self.load_hf(model_dir)
@@ -224,6 +254,10 @@ class TrainEngine:
         with torch.no_grad():
             for local_name, param in self.module.named_parameters():
                 name = _global_name(local_name, self._layer_offset)
+                if self.value_head and name == "output_layer.weight":
+                    if _HF_SCORE in source:
+                        param.copy_(source.get(_HF_SCORE).reshape(param.shape))
+                    continue
                 if name == "output_layer.weight" and self.shape.tied_embeddings:
                     hf_names = ("model.embed_tokens.weight",)  # last pipeline stage's copy of tied weights
                     rule_fuse = None
@@ -257,6 +291,8 @@ class TrainEngine:
         its own stage's layers, so the rank that feeds a rollout engine must also receive the other
         stages' tensors (`pipeline_hf_tensors`).
         """
+        if self.value_head:
+            raise ValueError("a critic is not a causal LM: its weights have no HF causal-LM export")
         for local_name, param in self.module.named_parameters():
             name = _global_name(local_name, self._layer_offset)
             if name == "output_layer.weight" and self.shape.tied_embeddings:
@@ -374,10 +410,15 @@ class TrainEngine:
 
     # ---- compute ------------------------------------------------------------------------------------
     def _run(self, tokens: Tensor, extras: dict[str, Tensor], loss_fn: LossFn | None, *, temperature: float,
-             micro_batch_size: int, forward_only: bool) -> tuple[Tensor | None, dict[str, Tensor]]:
-        """Run the pipeline schedule over micro-batches; returns (logprobs [B, T] or None, summed stats)."""
+             micro_batch_size: int, forward_only: bool, entropy: bool = False
+             ) -> tuple[Tensor | None, dict[str, Tensor]]:
+        """Run the pipeline schedule over micro-batches.
+
+        The head's output per token, [b, T] (logprobs of an LM, values of a critic), goes to `loss_fn`
+        (with `entropy=` [b, T] as well when asked). Returns (the outputs [B, T] when `loss_fn` is None or
+        `forward_only`, else None; the loss function's statistics summed over micro-batches).
+        """
         from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         device = _device()
         batch, seq_len = tokens.shape
@@ -389,33 +430,36 @@ class TrainEngine:
              **{k: v[i: i + micro_batch_size].to(device) for k, v in extras.items()}}
             for i in range(0, batch, micro_batch_size)
         ]
-        logprob_chunks: list[Tensor] = []
+        chunks: list[Tensor] = []
         stat_sums: dict[str, Tensor] = {}
         # Megatron divides each micro-batch loss by the number of micro-batches and DDP averages over DP
         # ranks; loss functions here already return contributions normalized by global counts, so the
         # scale below undoes both averages and the gradient is exactly that of the global loss.
         loss_scale = float(n_micro * self.groups.dp_size)
 
-        def loss_func(mb, logits):
-            # logits [b, T, V/tp]; target of position t is token t+1
-            targets = mb["tokens"][:, 1:]
-            nll = vocab_parallel_cross_entropy(logits[:, :-1].float() / temperature, targets)
-            logprobs = F.pad(-nll, (1, 0))  # [b, T], column 0 has no prediction
+        def loss_func(mb, output):
+            if self.value_head:
+                # the value of the state before token t sits in column t, like the logprob of token t
+                out = F.pad(output[:, :-1, 0].float(), (1, 0))
+                kwargs = {}
+            else:
+                out, kwargs = self._token_logprobs(output, mb["tokens"], temperature=temperature,
+                                                   entropy=entropy)
             if loss_fn is None:
-                logprob_chunks.append(logprobs.detach())
-                return logprobs.sum() * 0.0, {}
-            loss, stats = loss_fn(logprobs, mb)
+                chunks.append(out.detach())
+                return out.sum() * 0.0, {}
+            loss, stats = loss_fn(out, mb, **kwargs)
             for key, value in stats.items():
                 stat_sums[key] = stat_sums.get(key, 0.0) + value.detach().float()
             if forward_only:
-                logprob_chunks.append(logprobs.detach())
+                chunks.append(out.detach())
             return loss * loss_scale, {}
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             positions = torch.arange(seq_len, device=device).unsqueeze(0).expand(mb["tokens"].shape[0], -1)
-            logits = model(mb["tokens"], positions, None)
-            return logits, partial(loss_func, mb)
+            output = model(mb["tokens"], positions, None)
+            return output, partial(loss_func, mb)
 
         self.model.train(not forward_only)
         get_forward_backward_func()(
@@ -423,25 +467,81 @@ class TrainEngine:
             num_microbatches=n_micro, seq_length=seq_len, micro_batch_size=micro_batch_size,
             forward_only=forward_only,
         )
-        logprobs = torch.cat(logprob_chunks) if logprob_chunks else None
-        return logprobs, stat_sums
+        return (torch.cat(chunks) if chunks else None), stat_sums
+
+    def _token_logprobs(self, logits: Tensor, tokens: Tensor, *, temperature: float, entropy: bool
+                        ) -> tuple[Tensor, dict[str, Tensor]]:
+        """logits [b, T, V/tp] -> (logprobs [b, T], {"entropy": [b, T]} when asked); column t scores token t
+        from the prefix before it, column 0 is 0 (no prediction)."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        scaled = self._mask_vocab_padding(logits[:, :-1].float() / temperature)
+        if not entropy:
+            return F.pad(-vocab_parallel_cross_entropy(scaled, tokens[:, 1:]), (1, 0)), {}
+        token_entropy = F.pad(self._vocab_parallel_entropy(scaled), (1, 0))
+        # Megatron's cross entropy works in place on its input: give it a copy of the logits entropy used
+        logprobs = F.pad(-vocab_parallel_cross_entropy(scaled.clone(), tokens[:, 1:]), (1, 0))
+        return logprobs, {"entropy": token_entropy}
+
+    def _mask_vocab_padding(self, logits: Tensor) -> Tensor:
+        """Rows added to make the vocabulary split evenly over TP hold zero weights, so their logit is 0,
+        not -inf: they would take probability mass the HF model does not have. Give them the lowest
+        finite logit instead (finite, so 0 * logit stays 0 in the entropy)."""
+        vocab_slice = logits.shape[-1]
+        first = self.groups.tp_rank * vocab_slice
+        real = max(0, min(vocab_slice, self.shape.vocab_size - first))
+        if real == vocab_slice:
+            return logits
+        padding = torch.arange(vocab_slice, device=logits.device) >= real
+        return logits.masked_fill(padding, torch.finfo(logits.dtype).min)
+
+    def _vocab_parallel_entropy(self, logits: Tensor) -> Tensor:
+        """Entropy [b, T] of softmax over the full vocabulary from this rank's slice logits [b, T, V/tp].
+
+        H = log S + m - (1/S) sum_v exp(z_v - m) z_v with S = sum_v exp(z_v - m) over all slices. The sums
+        are all-reduced forward with an identity backward (every TP rank computes the same loss, so each
+        receives the full gradient of its own slice).
+        """
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        m = logits.detach().max(dim=-1, keepdim=True).values
+        if self.groups.tp_size > 1:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.groups.tp)
+        e = torch.exp(logits - m)
+        sums = torch.stack([e.sum(-1), (e * logits).sum(-1)])
+        if self.groups.tp_size > 1:
+            sums = reduce_from_tensor_model_parallel_region(sums, group=self.groups.tp)
+        return torch.log(sums[0]) + m.squeeze(-1) - sums[1] / sums[0]
 
     @torch.no_grad()
     def logprobs(self, tokens: Tensor, *, temperature: float, micro_batch_size: int) -> Tensor:
         """Token logprobs [B, T] of `tokens` [B, T] on every rank of the pipeline."""
+        if self.value_head:
+            raise ValueError("a critic has no token logprobs; use values()")
         out, _ = self._run(tokens, {}, None, temperature=temperature, micro_batch_size=micro_batch_size,
                            forward_only=True)
         return self._from_last_stage(out, tokens.shape).cpu()
 
+    @torch.no_grad()
+    def values(self, tokens: Tensor, *, micro_batch_size: int) -> Tensor:
+        """A critic's values [B, T]: column t is V(tokens[:t]), the state in which token t was chosen."""
+        if not self.value_head:
+            raise ValueError("values() needs a critic (TrainEngine(value_head=True))")
+        out, _ = self._run(tokens, {}, None, temperature=1.0, micro_batch_size=micro_batch_size,
+                           forward_only=True)
+        return self._from_last_stage(out, tokens.shape).cpu()
+
     def train_step(self, tokens: Tensor, extras: dict[str, Tensor], loss_fn: LossFn, *, temperature: float,
-                   micro_batch_size: int) -> dict[str, float]:
+                   micro_batch_size: int, entropy: bool = False) -> dict[str, float]:
         """One optimizer step on this rank's share [B, T] of the global batch.
 
-        Returns `loss_fn`'s statistics summed over micro-batches and DP ranks (each one a contribution
-        normalized by global counts, so the sums are global means), plus `grad_norm`.
+        `loss_fn(outputs [b, T], micro-batch dict)` sees logprobs (values for a critic), plus
+        `entropy=` [b, T] when `entropy` is True. Returns its statistics summed over micro-batches and DP
+        ranks (each one a contribution normalized by global counts, so the sums are global means), plus
+        `grad_norm`.
         """
         _, stats = self._run(tokens, extras, loss_fn, temperature=temperature,
-                             micro_batch_size=micro_batch_size, forward_only=False)
+                             micro_batch_size=micro_batch_size, forward_only=False, entropy=entropy)
         ok, grad_norm, _ = self.optimizer.step()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()

@@ -22,14 +22,16 @@ import torch.distributed as dist
 from torch import Tensor
 from tqdm import tqdm
 
-from megarl.algo.advantages import (broadcast_to_tokens, grpo_advantages, reinforce_pp_baseline_advantages,
-                                     rloo_advantages)
-from megarl.algo.aggregate import LossNorm, aggregate, global_loss_norm
+from megarl.algo.advantages import (AdaptiveKLController, FixedKLController, broadcast_to_tokens,
+                                     dynamic_sampling_keep, gae, grpo_advantages, kl_penalized_token_rewards,
+                                     overlong_penalty, reinforce_pp_advantages,
+                                     reinforce_pp_baseline_advantages, rloo_advantages, whiten)
+from megarl.algo.aggregate import LossNorm, aggregate, global_loss_norm, masked_mean, masked_sum
 from megarl.algo.kl import kl_estimate
-from megarl.algo.losses import ppo_clip_loss, sft_loss
+from megarl.algo.losses import gspo_loss, ppo_clip_loss, sft_loss, value_loss
 from megarl.batch import RolloutBatch, pack_sequences
 from megarl.checkpoint import save_hf
-from megarl.config import Config, RecipeError, dump_config
+from megarl.config import AlgoConfig, Config, RecipeError, dump_config
 from megarl.data.prompts import PromptRow, PromptSampler, load_prompts
 from megarl.engine.megatron import ParallelGroups, TrainEngine, check_megatron_fields, init_parallel
 from megarl.handoff import push_weights
@@ -38,6 +40,9 @@ from megarl.models.arch import check_layout, read_shape
 from megarl.rewards.exact import exact_answer_reward
 
 log = logging.getLogger(__name__)
+
+# (batch with rewards, old/ref logprobs and values, kl_coef) -> (advantages [B, T], returns [B, T] or None)
+AdvantageFn = Callable[[RolloutBatch, float], tuple[Tensor, Tensor | None]]
 
 
 @dataclass
@@ -51,10 +56,12 @@ class RLRun:
     eval_rows: list[PromptRow]
     sampler: PromptSampler
     actor: TrainEngine
-    reference: TrainEngine | None
+    reference: TrainEngine | None     # when algo.kl_coef > 0
+    critic: TrainEngine | None        # when algo.name is ppo
     rollout: object | None            # the engine, on the first rank of the model-parallel group only
     prompts_per_rank: int
-    advantages: Callable[[Tensor, Tensor, Tensor], Tensor]  # (rewards [B], group_ids [B], mask [B, T]) -> [B, T]
+    advantages: AdvantageFn
+    kl: FixedKLController | AdaptiveKLController
     weight_version: int = 0
 
     @property
@@ -62,30 +69,30 @@ class RLRun:
         return self.rollout is not None
 
     def trainer_engines(self) -> list[TrainEngine]:
-        return [self.actor] + ([self.reference] if self.reference is not None else [])
+        return [e for e in (self.actor, self.reference, self.critic) if e is not None]
 
 
 # ---- one step -----------------------------------------------------------------------------------------
 def rl_step(run: RLRun, step: int) -> dict[str, float]:
     cfg, timer = run.cfg, PhaseTimer()
-    with timer("generate"):
-        batch = generate(run, [run.train_rows[i] for i in run.sampler.next_batch(run.prompts_per_rank)],
-                         n_samples=cfg.rollout.n_samples)
+    batch, sampling = rollout(run, timer)  # generate and score, timed as "generate" and "reward"
     with timer("release_rollout"):
         on_rollout_rank(run, "release_memory")
     with timer("wake_trainer"):
         for engine in run.trainer_engines():
             engine.onload()
-    with timer("reward"):
-        batch, reward_failures = score(batch)
     with timer("logprobs"):
         batch = compute_logprobs(run, batch)
     with timer("advantages"):
-        batch = batch.replace(advantages=run.advantages(batch.rewards, batch.group_ids, batch.response_mask))
+        advantages, returns = run.advantages(batch, run.kl.value)
+        batch = batch.replace(advantages=advantages, returns=returns)
     with timer("train"):
         train_metrics = train_policy(run, batch, step=step)
+        train_metrics |= train_critic(run, batch) if run.critic is not None else {}
     with timer("sleep_trainer"):
-        run.actor.offload_training_state()
+        for engine in (run.actor, run.critic):
+            if engine is not None:
+                engine.offload_training_state()
     with timer("push"):
         push_stats = push_policy(run)
     with timer("wake_rollout"):
@@ -94,10 +101,11 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
         on_rollout_rank(run, "resume_cache")
     with timer("eval"):
         eval_metrics = evaluate(run) if run.eval_rows and step % cfg.data.eval_every == 0 else {}
+    metrics = batch_metrics(run, batch)
+    kl_metrics = update_kl_coef(run, batch, metrics)
     seconds = sum(timer.seconds.values())
     return {
-        **batch_metrics(run, batch, reward_failures=reward_failures),
-        **train_metrics, **eval_metrics, **timer.metrics(),
+        **metrics, **sampling, **kl_metrics, **train_metrics, **eval_metrics, **timer.metrics(),
         "handoff/bytes": float(push_stats["bytes"]),
         "throughput/tokens_per_s": global_sum(run, float(batch.prompt_lens.sum() + batch.response_mask.sum()))
         / seconds,
@@ -105,6 +113,68 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
 
 
 # ---- phases -------------------------------------------------------------------------------------------
+def rollout(run: RLRun, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
+    """Generate and score this rank's share of the step's prompts.
+
+    Rule rewards are scored as soon as a round of generation ends, because dynamic sampling (DAPO,
+    Yu et al. 2025) needs them to decide whether to draw more: groups whose final rewards are all equal
+    have zero advantage and no policy gradient, so they are dropped and another round of prompts is
+    drawn, up to algo.max_sampling_rounds rounds. Kept groups beyond the batch are discarded. A batch
+    still short after the last round is filled with dropped groups (they add no policy gradient but
+    count in loss denominators) and a warning says so.
+    """
+    cfg = run.cfg
+    kept: list[RolloutBatch] = []
+    dropped: list[RolloutBatch] = []
+    failures, n_kept, n_seen, rounds, reward_sum = 0, 0, 0, 0, 0.0
+    while True:
+        rounds += 1
+        with timer("generate"):
+            rows = [run.train_rows[i] for i in run.sampler.next_batch(run.prompts_per_rank)]
+            batch = generate(run, rows, n_samples=cfg.rollout.n_samples)
+        with timer("reward"):
+            batch, round_failures = score(batch)
+        failures += round_failures
+        if not cfg.algo.uses_dynamic_sampling:
+            return batch, {"reward/failures": global_sum(run, float(failures))}
+        # group ids restart at 0 in every round; shift them so groups stay distinct across rounds
+        batch = dataclasses.replace(batch, group_ids=batch.group_ids + n_seen)
+        n_seen += run.prompts_per_rank
+        reward_sum += float(batch.rewards.sum())
+        keep = dynamic_sampling_keep(final_rewards(batch, cfg.algo, max_len=cfg.rollout.max_new_tokens),
+                                     batch.group_ids)
+        kept.append(batch.select(keep.nonzero().squeeze(1)))
+        dropped.append(batch.select((~keep).nonzero().squeeze(1)))
+        n_kept += int(keep.sum()) // cfg.rollout.n_samples
+        if n_kept >= run.prompts_per_rank or rounds == cfg.algo.max_sampling_rounds:
+            break
+    want = run.prompts_per_rank * cfg.rollout.n_samples
+    full = RolloutBatch.concat(kept + dropped, pad_id=run.tokenizer.pad_token_id)
+    filled = max(0, run.prompts_per_rank - n_kept)
+    if filled:
+        log.warning("dynamic sampling: %d of %d groups on this rank still have equal rewards after %d rounds; "
+                    "they fill the batch and add no policy gradient", filled, run.prompts_per_rank, rounds)
+    failures, rounds, n_kept, n_seen, filled, reward_sum = global_sums(
+        run, [float(failures), float(rounds), float(n_kept), float(n_seen), float(filled), reward_sum])
+    return full.select(torch.arange(want)), {
+        "reward/failures": failures,
+        "sampling/rounds": rounds / run.groups.dp_size,
+        "sampling/kept_group_frac": n_kept / n_seen,
+        "sampling/filled_groups": filled,
+        # the policy's reward before filtering; reward/mean is over the kept groups only
+        "sampling/reward_mean": reward_sum / (n_seen * cfg.rollout.n_samples),
+    }
+
+
+def final_rewards(batch: RolloutBatch, algo: AlgoConfig, *, max_len: int) -> Tensor:
+    """The rewards [B] the advantages see: the task score plus DAPO's soft overlong penalty when on."""
+    if not algo.overlong_buffer:
+        return batch.rewards
+    lengths = batch.response_mask.sum(-1)
+    return batch.rewards + overlong_penalty(lengths, max_len=max_len, buffer=algo.overlong_buffer,
+                                            penalty=algo.overlong_penalty).to(batch.rewards.dtype)
+
+
 def generate(run: RLRun, rows: list[PromptRow], *, n_samples: int) -> RolloutBatch:
     """Sample `n_samples` responses for each row on this group's rollout engine; all ranks get the batch."""
     cfg = run.cfg.rollout
@@ -148,50 +218,117 @@ def score(batch: RolloutBatch) -> tuple[RolloutBatch, int]:
 
 
 def compute_logprobs(run: RLRun, batch: RolloutBatch) -> RolloutBatch:
+    """Old (actor), reference and critic outputs [B, T] on the response tokens, before any update."""
     kwargs = dict(temperature=run.cfg.rollout.temperature, micro_batch_size=run.cfg.train.micro_batch_size)
-    old = run.actor.logprobs(batch.tokens, **kwargs) * batch.response_mask
-    ref = run.reference.logprobs(batch.tokens, **kwargs) * batch.response_mask if run.reference else None
-    return batch.replace(old_logprobs=old, ref_logprobs=ref)
+    mask = batch.response_mask
+    old = run.actor.logprobs(batch.tokens, **kwargs) * mask
+    ref = run.reference.logprobs(batch.tokens, **kwargs) * mask if run.reference else None
+    values = run.critic.values(batch.tokens, micro_batch_size=run.cfg.train.micro_batch_size) * mask \
+        if run.critic else None
+    return batch.replace(old_logprobs=old, ref_logprobs=ref, values=values)
 
 
-def policy_loss(logprobs: Tensor, mb: dict[str, Tensor], *, algo, norm: LossNorm) -> tuple[Tensor, dict]:
-    """PPO-clip policy loss (+ KL to the reference as a loss term) of one micro-batch, as a contribution
-    to the global-batch loss; statistics are token means over the global batch."""
+def policy_loss(logprobs: Tensor, mb: dict[str, Tensor], *, algo: AlgoConfig, norm: LossNorm,
+                entropy: Tensor | None = None) -> tuple[Tensor, dict]:
+    """The policy loss of one micro-batch, as a contribution to the global-batch loss: the clipped
+    surrogate (PPO-clip, or GSPO's sequence ratio), plus the KL to the reference as a loss term when
+    `ref_logprobs` is given, minus the entropy bonus when `entropy` [b, T] is given. Statistics are
+    token means over the global batch."""
     mask = mb["response_mask"]
-    per_token, stats = ppo_clip_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask,
-                                     clip_low=algo.clip_low, clip_high=algo.clip_high)
-    loss = aggregate(per_token, mask, mode=algo.loss_agg, norm=norm)
     token_mean = partial(aggregate, mask=mask, mode="token-mean", norm=norm)
+    if algo.name == "gspo":
+        per_token, stats = gspo_loss(logprobs, mb["old_logprobs"], masked_mean(mb["advantages"], mask, dim=-1),
+                                     mask, clip_low=algo.clip_low, clip_high=algo.clip_high)
+    else:
+        per_token, stats = ppo_clip_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask,
+                                         clip_low=algo.clip_low, clip_high=algo.clip_high,
+                                         dual_clip=algo.dual_clip, rollout_logprobs=mb.get("rollout_logprobs"),
+                                         tis_cap=algo.tis_cap)
+    loss = aggregate(per_token, mask, mode=algo.loss_agg, norm=norm)
     out = {"pg_loss": loss.detach(), "clipfrac": token_mean(stats["clipped"]),
            "ppo_kl": token_mean(stats["approx_kl"])}
+    if "tis_weight" in stats:
+        out["tis_weight_mean"] = token_mean(stats["tis_weight"])
     if "ref_logprobs" in mb:
         kl = token_mean(kl_estimate(logprobs, mb["ref_logprobs"], kind=algo.kl_estimator))
         loss = loss + algo.kl_coef * kl
         out["kl"] = kl.detach()
+    if entropy is not None:
+        mean_entropy = token_mean(entropy)
+        loss = loss - algo.entropy_coef * mean_entropy
+        out["entropy"] = mean_entropy.detach()
     out["loss"] = loss.detach()
     return loss, out
 
 
 def train_policy(run: RLRun, batch: RolloutBatch, *, step: int) -> dict[str, float]:
-    cfg = run.cfg
+    cfg, algo = run.cfg, run.cfg.algo
     norm = dataclasses.replace(global_loss_norm(batch.response_mask, group=run.groups.dp),
                                max_len=cfg.rollout.max_new_tokens)
     extras = {"response_mask": batch.response_mask, "old_logprobs": batch.old_logprobs,
               "advantages": batch.advantages}
-    if batch.ref_logprobs is not None:
+    if batch.ref_logprobs is not None and not algo.kl_in_reward:
         extras["ref_logprobs"] = batch.ref_logprobs
+    if algo.tis_cap is not None:
+        extras["rollout_logprobs"] = batch.rollout_logprobs
     run.actor.set_lr(learning_rate(cfg.optim, run.actor.step))
     metrics: dict[str, float] = {}
-    for _ in range(cfg.algo.epochs):
-        metrics = run.actor.train_step(batch.tokens, extras, partial(policy_loss, algo=cfg.algo, norm=norm),
+    for _ in range(algo.epochs):
+        metrics = run.actor.train_step(batch.tokens, extras, partial(policy_loss, algo=algo, norm=norm),
                                        temperature=cfg.rollout.temperature,
-                                       micro_batch_size=cfg.train.micro_batch_size)
-    if not math.isfinite(metrics["loss"]) or not math.isfinite(metrics["grad_norm"]):
-        path = Path(cfg.run_dir) / f"bad_batch_step{step}_rank{dist.get_rank()}.pt"
-        batch.save(path)
-        raise FloatingPointError(f"step {step}: loss {metrics['loss']}, grad norm {metrics['grad_norm']} "
-                                 f"is not finite; the batch is saved to {path} to replay it")
+                                       micro_batch_size=cfg.train.micro_batch_size,
+                                       entropy=algo.entropy_coef > 0)
+    check_finite(run, batch, metrics, step=step, what="policy")
     return metrics
+
+
+def critic_loss(values: Tensor, mb: dict[str, Tensor], *, value_clip: float | None, norm: LossNorm
+                ) -> tuple[Tensor, dict]:
+    """Clipped value loss of one micro-batch, token mean over the global batch. The statistics include the
+    token means of R, R^2, R - V and (R - V)^2, from which `train_critic` forms the explained variance."""
+    mask = mb["response_mask"]
+    per_token, stats = value_loss(values, mb["values"], mb["returns"], mask, clip=value_clip)
+    token_mean = partial(aggregate, mask=mask, mode="token-mean", norm=norm)
+    loss = token_mean(per_token)
+    error = mb["returns"] - values.detach()
+    return loss, {"critic/loss": loss.detach(), "critic/clipfrac": token_mean(stats["vf_clipped"]),
+                  "critic/values_mean": token_mean(values.detach()),
+                  "returns_mean": token_mean(mb["returns"]), "returns_sq_mean": token_mean(mb["returns"].square()),
+                  "error_mean": token_mean(error), "error_sq_mean": token_mean(error.square())}
+
+
+def train_critic(run: RLRun, batch: RolloutBatch) -> dict[str, float]:
+    """Fit the critic to the GAE returns, `algo.epochs` passes like the policy.
+
+    critic/explained_var = 1 - Var(R - V) / Var(R) over the response tokens of the global batch, with the
+    values of the last pass before its update: 0 for a constant critic, 1 for a perfect one.
+    """
+    cfg = run.cfg
+    norm = global_loss_norm(batch.response_mask, group=run.groups.dp)
+    extras = {"response_mask": batch.response_mask, "values": batch.values, "returns": batch.returns}
+    run.critic.set_lr(learning_rate(dataclasses.replace(cfg.optim, lr=cfg.critic.lr), run.critic.step))
+    metrics: dict[str, float] = {}
+    for _ in range(cfg.algo.epochs):
+        metrics = run.critic.train_step(batch.tokens, extras,
+                                        partial(critic_loss, value_clip=cfg.critic.value_clip, norm=norm),
+                                        temperature=1.0, micro_batch_size=cfg.train.micro_batch_size)
+    returns_var = metrics.pop("returns_sq_mean") - metrics.pop("returns_mean") ** 2
+    error_var = metrics.pop("error_sq_mean") - metrics.pop("error_mean") ** 2
+    metrics["explained_var"] = 1.0 - error_var / returns_var if returns_var > 0 else 0.0
+    metrics = {k if k.startswith("critic/") else f"critic/{k}": v for k, v in metrics.items()}
+    check_finite(run, batch, {"loss": metrics["critic/loss"], "grad_norm": metrics["critic/grad_norm"]},
+                 step=run.critic.step, what="critic")
+    return metrics
+
+
+def check_finite(run: RLRun, batch: RolloutBatch, metrics: dict[str, float], *, step: int, what: str) -> None:
+    """A NaN or inf loss stops the run with the batch saved, so the step can be replayed and inspected."""
+    if math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]):
+        return
+    path = Path(run.cfg.run_dir) / f"bad_batch_step{step}_rank{dist.get_rank()}.pt"
+    batch.save(path)
+    raise FloatingPointError(f"step {step}: {what} loss {metrics['loss']}, grad norm {metrics['grad_norm']} "
+                             f"is not finite; the batch is saved to {path} to replay it")
 
 
 def push_policy(run: RLRun) -> dict:
@@ -214,23 +351,39 @@ def evaluate(run: RLRun) -> dict[str, float]:
     return {"eval/reward_mean": total / global_sum(run, float(len(batch)))}
 
 
-def batch_metrics(run: RLRun, batch: RolloutBatch, *, reward_failures: int) -> dict[str, float]:
-    """Reward, length and rollout-vs-trainer logprob drift over the global batch."""
+def batch_metrics(run: RLRun, batch: RolloutBatch) -> dict[str, float]:
+    """Reward, length and rollout-vs-trainer logprob drift over the global batch (one all-reduce)."""
     mask = batch.response_mask.bool()
     diff = (batch.rollout_logprobs - batch.old_logprobs).abs()[mask]
-    n = global_sum(run, float(len(batch)))
-    tokens = global_sum(run, float(mask.sum()))
+    shaping = final_rewards(batch, run.cfg.algo, max_len=run.cfg.rollout.max_new_tokens) - batch.rewards
+    n, tokens, rewards, truncated, diff_sum, penalty = global_sums(run, [
+        float(len(batch)), float(mask.sum()), float(batch.rewards.sum()),
+        float(sum(r == "length" for r in batch.finish_reasons)), float(diff.sum()), float(shaping.sum())])
     diff_max = torch.tensor([float(diff.max()) if diff.numel() else 0.0])
     if run.groups.dp_size > 1:
         dist.all_reduce(diff_max, op=dist.ReduceOp.MAX, group=run.groups.dp)
-    return {
-        "reward/mean": global_sum(run, float(batch.rewards.sum())) / n,
-        "reward/failures": global_sum(run, float(reward_failures)),
+    metrics = {
+        "reward/mean": rewards / n,
         "response/len_mean": tokens / n,
-        "response/truncated_frac": global_sum(run, float(sum(r == "length" for r in batch.finish_reasons))) / n,
-        "rollout/logprob_diff_mean": global_sum(run, float(diff.sum())) / max(tokens, 1.0),
+        "response/truncated_frac": truncated / n,
+        "rollout/logprob_diff_mean": diff_sum / max(tokens, 1.0),
         "rollout/logprob_diff_max": float(diff_max),
     }
+    if run.cfg.algo.overlong_buffer:
+        metrics["reward/overlong_penalty_mean"] = penalty / n
+    return metrics
+
+
+def update_kl_coef(run: RLRun, batch: RolloutBatch, metrics: dict[str, float]) -> dict[str, float]:
+    """Step the KL controller with this batch's KL per sequence (summed over tokens, mean over the global
+    batch, Ziegler et al. 2019) when the KL is part of the reward."""
+    if run.reference is None or not run.cfg.algo.kl_in_reward:
+        return {}
+    kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, kind=run.cfg.algo.kl_estimator)
+    kl_sum, n = global_sums(run, [float(masked_sum(kl, batch.response_mask)), float(len(batch))])
+    coef = run.kl.value
+    run.kl.update(kl_sum / n, int(n))
+    return {"kl/seq_mean": kl_sum / n, "kl/coef": coef}
 
 
 # ---- helpers ----------------------------------------------------------------------------------------
@@ -253,11 +406,16 @@ def encode_prompt(tokenizer, prompt: str, *, chat_template: bool) -> list[int]:
 
 
 def global_sum(run: RLRun, value: float) -> float:
+    return global_sums(run, [value])[0]
+
+
+def global_sums(run: RLRun, values: list[float]) -> list[float]:
+    """Sums over the data-parallel ranks, in one all-reduce (float64: token counts stay exact)."""
     if run.groups.dp_size == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, group=run.groups.dp)
-    return float(t)
+    return t.tolist()
 
 
 def learning_rate(optim, step: int) -> float:
@@ -267,21 +425,54 @@ def learning_rate(optim, step: int) -> float:
     return optim.lr
 
 
-def advantage_fn(algo, groups: ParallelGroups) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
-    """The recipe's advantage estimator as (rewards [B], group_ids [B], response_mask [B, T]) -> [B, T]."""
-    def per_sequence(estimator):
-        return lambda rewards, group_ids, mask: broadcast_to_tokens(estimator(rewards, group_ids), mask)
+def advantage_fn(algo: AlgoConfig, *, max_len: int, group) -> AdvantageFn:
+    """The recipe's advantage estimator, as (batch, kl_coef) -> (advantages [B, T], returns [B, T] or None).
+
+    Sequence rewards are `final_rewards` (task score plus overlong shaping). PPO and REINFORCE++ work on
+    per-token rewards, where a KL penalty in the reward (algo.kl_in_reward) is added; `group` is the DP
+    group over which token advantages are whitened.
+    """
+    def rewards(batch: RolloutBatch) -> Tensor:
+        return final_rewards(batch, algo, max_len=max_len)
+
+    def token_rewards(batch: RolloutBatch, kl_coef: float) -> Tensor:
+        kl = torch.zeros_like(batch.old_logprobs)
+        if algo.kl_in_reward and batch.ref_logprobs is not None:
+            kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, kind=algo.kl_estimator)
+        return kl_penalized_token_rewards(rewards(batch), kl, batch.response_mask, kl_coef=kl_coef)
+
+    def per_sequence(estimator) -> AdvantageFn:
+        return lambda batch, kl_coef: (
+            broadcast_to_tokens(estimator(rewards(batch), batch.group_ids), batch.response_mask), None)
 
     match algo.name:
-        case "grpo":
+        case "ppo":
+            def ppo(batch: RolloutBatch, kl_coef: float) -> tuple[Tensor, Tensor]:
+                adv, returns = gae(token_rewards(batch, kl_coef), batch.values, batch.response_mask,
+                                   gamma=algo.gamma, lam=algo.lam)
+                return whiten(adv, batch.response_mask, group=group), returns
+            return ppo
+        case "grpo" | "dapo" | "gspo":
             return per_sequence(partial(grpo_advantages, std_norm=algo.std_norm))
         case "dr_grpo":
             return per_sequence(partial(grpo_advantages, std_norm=False))
         case "rloo":
             return per_sequence(rloo_advantages)
         case "reinforce_pp":
-            return partial(reinforce_pp_baseline_advantages, group=groups.dp)
+            return lambda batch, kl_coef: (reinforce_pp_advantages(token_rewards(batch, kl_coef),
+                                                                   batch.response_mask, gamma=algo.gamma,
+                                                                   group=group), None)
+        case "reinforce_pp_baseline":
+            return lambda batch, kl_coef: (reinforce_pp_baseline_advantages(rewards(batch), batch.group_ids,
+                                                                            batch.response_mask, group=group),
+                                           None)
     raise RecipeError(f"algo.name: unknown estimator {algo.name!r}")
+
+
+def kl_controller(algo: AlgoConfig) -> FixedKLController | AdaptiveKLController:
+    if algo.kl_target is not None:
+        return AdaptiveKLController(algo.kl_coef, target=algo.kl_target, horizon=algo.kl_horizon)
+    return FixedKLController(algo.kl_coef)
 
 
 def make_rollout_engine(cfg: Config, model_dir: str):
@@ -385,13 +576,19 @@ def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: lis
     if cfg.algo.kl_coef > 0:
         reference = TrainEngine(model_dir=model_dir, dtype=cfg.model.dtype, megatron=cfg.model.megatron,
                                 groups=groups)
+    critic = None
+    if cfg.algo.name == "ppo":
+        critic = TrainEngine(model_dir=cfg.critic.path or model_dir, dtype=cfg.model.dtype,
+                             megatron=cfg.model.megatron, groups=groups,
+                             optim=dataclasses.replace(cfg.optim, lr=cfg.critic.lr), value_head=True)
     rollout = make_rollout_engine(cfg, model_dir) if dist.get_rank() == groups.mp_src_global_rank else None
     sampler = PromptSampler(len(train_rows), seed=cfg.seed, shuffle=cfg.data.shuffle, dp_rank=groups.dp_rank,
                             dp_size=groups.dp_size)
     return RLRun(cfg=cfg, groups=groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
-                 sampler=sampler, actor=actor, reference=reference, rollout=rollout,
+                 sampler=sampler, actor=actor, reference=reference, critic=critic, rollout=rollout,
                  prompts_per_rank=cfg.data.prompts_per_step // groups.dp_size,
-                 advantages=advantage_fn(cfg.algo, groups))
+                 advantages=advantage_fn(cfg.algo, max_len=cfg.rollout.max_new_tokens, group=groups.dp),
+                 kl=kl_controller(cfg.algo))
 
 
 def train(cfg: Config) -> Path:

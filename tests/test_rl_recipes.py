@@ -1,0 +1,58 @@
+"""Every tiny RL recipe under recipes/ runs on CPU and does what its algorithm is for: the reward rises.
+
+Each recipe starts from the quickstart's supervised warm start (copied, so it is trained once per session)
+and runs 60 steps on fresh prompts. The objective measured is the mean reward of the step's samples: each
+step draws 64 prompts never trained on before (3,840 of a 20,000-prompt pool), so it measures the policy on
+new problems, over 256 samples a step (a 10-step mean has a standard error of about 0.01).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import QUICKSTART_TIMEOUT_S, REPO, quickstart
+
+STEPS = 60
+RECIPE_TIMEOUT_S = 600  # about 45 s each on 2 free cores
+
+RECIPES = ["ppo_tiny", "grpo_tiny", "dr_grpo_tiny", "dapo_tiny", "gspo_tiny", "reinforce_pp_tiny", "rloo_tiny"]
+
+
+def run_recipe(out, name: str) -> list[dict]:
+    (out / name).mkdir(exist_ok=True)
+    shutil.copytree(out / "run" / "warmup", out / name / "warmup", dirs_exist_ok=True)
+    proc = quickstart(out, "--recipe", str(REPO / "recipes" / f"{name}.yaml"), f"train.steps={STEPS}",
+                      "log.progress=false", "checkpoint.save_final=false", timeout_s=RECIPE_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+@pytest.mark.timeout(QUICKSTART_TIMEOUT_S + RECIPE_TIMEOUT_S)
+@pytest.mark.parametrize("name", RECIPES)
+def test_tiny_recipe_raises_reward(quickstart_out, name):
+    steps = run_recipe(quickstart_out, name)
+    assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
+    # dynamic sampling keeps only groups with mixed rewards; the policy's own reward is measured before that
+    key = "sampling/reward_mean" if name == "dapo_tiny" else "reward/mean"
+    first = mean(m[key] for m in steps[:10])
+    last = mean(m[key] for m in steps[-10:])
+    # Measured over 60 steps on this machine: a rise of 0.13 to 0.16 for every recipe. 0.08 is about
+    # half of that, and eight standard errors of the difference above zero.
+    assert last - first >= 0.08, (first, last)
+    if name == "ppo_tiny":
+        # the critic starts at V = 0 (explained variance exactly 0) and learns to predict the returns
+        assert steps[0]["critic/explained_var"] == pytest.approx(0.0, abs=1e-6)
+        explained = mean(m["critic/explained_var"] for m in steps[-10:])
+        assert explained >= EXPLAINED_VAR_MIN, [m["critic/explained_var"] for m in steps]
+        assert all(m["kl/coef"] > 0 for m in steps)
+    if name == "dapo_tiny":
+        assert all(0 < m["sampling/kept_group_frac"] <= 1 for m in steps)
+        assert any(m["sampling/rounds"] > 1 for m in steps)  # some steps drew more prompts

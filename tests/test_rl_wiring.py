@@ -1,0 +1,177 @@
+"""How the recipe's algorithm reaches the math: each `algo.name` gives the estimator and loss of its paper,
+reward shaping and KL-in-reward land where they should, and the rollout batch keeps its rows aligned when
+dynamic sampling picks and joins groups. Expected numbers are worked out by hand from the formulas.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.algo.aggregate import LossNorm
+from megarl.batch import RolloutBatch
+from megarl.config import AlgoConfig, ConfigError, load_config
+from megarl.loops.rl import advantage_fn, final_rewards, kl_controller, policy_loss
+
+
+def make_batch(*, rewards, mask, old=None, ref=None, values=None, group_ids=None) -> RolloutBatch:
+    mask = torch.tensor(mask, dtype=torch.float32)
+    batch, width = mask.shape
+    zeros = torch.zeros_like(mask)
+    return RolloutBatch(
+        tokens=torch.arange(batch * width).reshape(batch, width), response_mask=mask,
+        prompt_lens=torch.ones(batch, dtype=torch.long),
+        group_ids=torch.tensor(group_ids if group_ids is not None else [0] * batch),
+        rollout_logprobs=zeros, responses=[f"r{i}" for i in range(batch)], answers=["a"] * batch,
+        finish_reasons=["stop"] * batch, rewards=torch.tensor(rewards, dtype=torch.float32),
+        old_logprobs=torch.tensor(old) if old is not None else zeros,
+        ref_logprobs=torch.tensor(ref) if ref is not None else None,
+        values=torch.tensor(values) if values is not None else None,
+    )
+
+
+def close(actual, expected, tol=1e-5):
+    expected = torch.tensor(expected, dtype=actual.dtype)
+    assert torch.allclose(actual, expected, atol=tol), (actual, expected)
+
+
+# ---- estimators --------------------------------------------------------------------------------------------
+def test_ppo_folds_the_kl_into_token_rewards_then_gae_then_whitens():
+    # one sequence, column 0 is the prompt; k1 KL = old - ref = [0, 0.5, 0]; kl_coef 0.1
+    batch = make_batch(rewards=[1.0], mask=[[0, 1, 1]], old=[[0.0, -1.0, -2.0]], ref=[[0.0, -1.5, -2.0]],
+                       values=[[0.0, 0.5, 0.2]])
+    algo = AlgoConfig(name="ppo", kl_coef=0.1, kl_in_reward=True, kl_estimator="k1", gamma=1.0, lam=1.0)
+    advantages, returns = advantage_fn(algo, max_len=8, group=None)(batch, 0.1)
+    # token rewards [-, -0.05, 1.0]; gamma = lam = 1: A_2 = 1 - 0.2 = 0.8, A_1 = -0.05 + 1 - 0.5 = 0.45
+    close(returns, [[0.0, 0.95, 1.0]])  # returns = A + V, before whitening
+    close(advantages, [[0.0, -1.0, 1.0]], tol=1e-4)  # (A - 0.625) / 0.175
+
+
+def test_ppo_kl_coef_comes_from_the_controller_at_call_time():
+    batch = make_batch(rewards=[0.0], mask=[[0, 1, 1]], old=[[0.0, -1.0, -2.0]], ref=[[0.0, -1.5, -2.0]],
+                       values=[[0.0, 0.0, 0.0]])
+    algo = AlgoConfig(name="ppo", kl_coef=0.1, kl_in_reward=True, kl_estimator="k1", lam=1.0)
+    estimate = advantage_fn(algo, max_len=8, group=None)
+    _, with_kl = estimate(batch, 0.1)
+    _, without = estimate(batch, 0.0)
+    close(with_kl, [[0.0, -0.05, 0.0]])
+    close(without, [[0.0, 0.0, 0.0]])
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("grpo", [1.5, -0.5, -0.5, -0.5]),          # (r - 0.25) / 0.5, unbiased std of [1, 0, 0, 0]
+    ("dapo", [1.5, -0.5, -0.5, -0.5]),
+    ("gspo", [1.5, -0.5, -0.5, -0.5]),
+    ("dr_grpo", [0.75, -0.25, -0.25, -0.25]),   # no std division
+    ("rloo", [1.0, -1 / 3, -1 / 3, -1 / 3]),     # r_i - mean of the other three
+])
+def test_group_estimators_broadcast_sequence_advantages_to_response_tokens(name, expected):
+    mask = [[0, 1, 1]] * 4
+    batch = make_batch(rewards=[1.0, 0.0, 0.0, 0.0], mask=mask)
+    advantages, returns = advantage_fn(AlgoConfig(name=name), max_len=8, group=None)(batch, 0.0)
+    assert returns is None
+    close(advantages, [[0.0, a, a] for a in expected], tol=1e-4)
+
+
+def test_reinforce_pp_baseline_whitens_group_centered_rewards_over_tokens():
+    batch = make_batch(rewards=[1.0, 0.0], mask=[[0, 1, 1], [0, 1, 1]])
+    advantages, _ = advantage_fn(AlgoConfig(name="reinforce_pp_baseline"), max_len=8, group=None)(batch, 0.0)
+    # centered [0.5, -0.5] on four tokens: mean 0, population std 0.5 -> [1, -1]
+    close(advantages, [[0.0, 1.0, 1.0], [0.0, -1.0, -1.0]], tol=1e-4)
+
+
+def test_overlong_shaping_changes_the_rewards_the_advantages_see():
+    # lengths 6, 5, 4, 3 against max_len 6 with a 2-token buffer: penalties -1, -0.5, 0, 0
+    mask = [[1] * n + [0] * (6 - n) for n in (6, 5, 4, 3)]
+    batch = make_batch(rewards=[1.0, 1.0, 0.0, 0.0], mask=mask)
+    algo = AlgoConfig(name="dr_grpo", overlong_buffer=2, overlong_penalty=1.0)
+    close(final_rewards(batch, algo, max_len=6), [0.0, 0.5, 0.0, 0.0])
+    advantages, _ = advantage_fn(algo, max_len=6, group=None)(batch, 0.0)
+    close(advantages[:, 0], [-0.125, 0.375, -0.125, -0.125])  # shaped rewards minus their mean 0.125
+    close(final_rewards(batch, AlgoConfig(), max_len=6), [1.0, 1.0, 0.0, 0.0])  # off by default
+
+
+def test_adaptive_kl_controller_only_with_a_target():
+    assert kl_controller(AlgoConfig(kl_coef=0.2)).value == 0.2
+    adaptive = kl_controller(AlgoConfig(name="ppo", kl_coef=0.2, kl_in_reward=True, kl_target=1.0,
+                                        kl_horizon=100))
+    adaptive.update(2.0, 10)  # error clipped to +0.2: 0.2 * (1 + 0.2 * 10 / 100)
+    assert adaptive.value == pytest.approx(0.204)
+
+
+# ---- policy losses -----------------------------------------------------------------------------------------
+def norm_of(mask: torch.Tensor) -> LossNorm:
+    return LossNorm(tokens=float(mask.sum()), seqs=float(mask.shape[0]), max_len=mask.shape[1])
+
+
+def test_gspo_clips_the_sequence_ratio_not_token_ratios():
+    mask = torch.tensor([[1.0, 1.0]])
+    old = torch.tensor([[0.0, 0.0]])
+    # token ratios e^0.3 and e^-0.3: each is outside [0.8, 1.2], their sequence mean of logs is 0 (ratio 1)
+    logprobs = torch.tensor([[0.3, -0.3]], requires_grad=True)
+    mb = {"response_mask": mask, "old_logprobs": old, "advantages": torch.ones(1, 2)}
+    _, ppo_stats = policy_loss(logprobs, mb, algo=AlgoConfig(name="grpo"), norm=norm_of(mask))
+    _, gspo_stats = policy_loss(logprobs, mb, algo=AlgoConfig(name="gspo", loss_agg="seq-mean-token-mean"),
+                                norm=norm_of(mask))
+    assert ppo_stats["clipfrac"] == pytest.approx(0.5)  # the token with ratio e^0.3 > 1.2 and A > 0
+    assert gspo_stats["clipfrac"] == 0.0
+    assert gspo_stats["loss"] == pytest.approx(-1.0)  # -A * s with s = 1
+
+
+def test_dual_clip_and_tis_reach_the_loss():
+    mask = torch.tensor([[1.0]])
+    mb = {"response_mask": mask, "old_logprobs": torch.tensor([[0.0]]), "advantages": torch.tensor([[-1.0]]),
+          "rollout_logprobs": torch.tensor([[0.5]])}
+    logprobs = torch.tensor([[2.0]], requires_grad=True)  # ratio e^2 = 7.39 with A < 0
+    loss, _ = policy_loss(logprobs, mb, algo=AlgoConfig(), norm=norm_of(mask))
+    assert float(loss) == pytest.approx(7.389056, rel=1e-6)
+    loss, _ = policy_loss(logprobs, mb, algo=AlgoConfig(dual_clip=3.0), norm=norm_of(mask))
+    assert float(loss) == pytest.approx(3.0)  # capped at -c * A
+    # TIS weight min(exp(old - rollout), cap) = exp(-0.5) = 0.6065 multiplies the dual-clipped loss
+    loss, stats = policy_loss(logprobs, mb, algo=AlgoConfig(dual_clip=3.0, tis_cap=2.0), norm=norm_of(mask))
+    assert float(loss) == pytest.approx(3.0 * 0.6065307, rel=1e-6)
+    assert stats["tis_weight_mean"] == pytest.approx(0.6065307, rel=1e-6)
+
+
+def test_entropy_bonus_lowers_the_loss_by_its_weight():
+    mask = torch.tensor([[1.0, 1.0]])
+    mb = {"response_mask": mask, "old_logprobs": torch.zeros(1, 2), "advantages": torch.zeros(1, 2)}
+    entropy = torch.tensor([[2.0, 4.0]])
+    loss, stats = policy_loss(torch.zeros(1, 2), mb, algo=AlgoConfig(entropy_coef=0.1), norm=norm_of(mask),
+                              entropy=entropy)
+    assert stats["entropy"] == pytest.approx(3.0)
+    assert float(loss) == pytest.approx(-0.3)
+
+
+# ---- recipe checks -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides, message", [
+    (["algo.name=gspo"], "loss_agg must be seq-mean-token-mean"),
+    (["algo.name=grpo", "algo.kl_in_reward=true"], "kl_in_reward needs per-token advantages"),
+    (["algo.name=ppo", "algo.kl_target=0.1"], "kl_target adapts"),
+    (["algo.dual_clip=1.0"], "algo.dual_clip: must be > 1"),
+    (["algo.lam=1.5"], "algo.lam: must be in"),
+    (["algo.name=dapo", "rollout.n_samples=1", "train.micro_batch_size=1"], "needs rollout.n_samples >= 2"),
+])
+def test_inconsistent_algorithm_settings_name_the_keys(tmp_path, overrides, message):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1", "answer": "2"}\n')
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {{path: {tmp_path}}}\ndata: {{train_path: {data}}}\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(recipe, overrides)
+
+
+# ---- the batch under dynamic sampling ----------------------------------------------------------------------
+def test_select_and_concat_keep_every_field_aligned():
+    a = make_batch(rewards=[1.0, 0.0], mask=[[0, 1], [0, 1]], group_ids=[0, 0])
+    b = make_batch(rewards=[0.5, 0.5, 0.0], mask=[[0, 1, 1, 0], [0, 1, 1, 1], [0, 1, 0, 0]], group_ids=[1, 1, 2])
+    joined = RolloutBatch.concat([a, b.select(torch.tensor([2, 0]))], pad_id=-1)
+    assert len(joined) == 4 and joined.tokens.shape == (4, 4)
+    assert joined.tokens[:2, 2:].eq(-1).all() and joined.response_mask[:2, 2:].eq(0).all()
+    assert joined.rewards.tolist() == [1.0, 0.0, 0.0, 0.5]
+    assert joined.group_ids.tolist() == [0, 0, 2, 1]
+    assert joined.responses == ["r0", "r1", "r2", "r0"]
+    assert torch.equal(joined.tokens[2], b.tokens[2]) and torch.equal(joined.response_mask[3], b.response_mask[0])
+    assert joined.ref_logprobs is None
+    with pytest.raises(ValueError, match="set in some batches only"):
+        RolloutBatch.concat([a, b.replace(advantages=torch.zeros(3, 4))], pad_id=0)
