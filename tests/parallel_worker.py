@@ -1,8 +1,9 @@
 """Run under torchrun by test_parallel.py: two optimizer steps of a policy loss on a fixed global batch.
 
-Every layout (TP, PP, DP and their combinations) gets the same global batch: each DP rank takes its
+Every layout (TP, PP, DP, EP and their combinations) gets the same global batch: each DP rank takes its
 contiguous slice. Rank 0 writes the numbers and the full HF state dict after training to --out, so the
-test can compare every layout against the single-rank run.
+test can compare every layout against the single-rank run, and whether the handoff of the untrained
+reference reproduced the checkpoint bit for bit.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 warnings.filterwarnings("ignore")
 
@@ -43,10 +45,11 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     args = parser.parse_args()
 
-    groups = init_parallel(tp=args.tp, pp=args.pp, seed=0)
+    groups = init_parallel(tp=args.tp, pp=args.pp, ep=args.ep, seed=0)
     optim = OptimConfig(lr=1e-3, grad_clip=1.0, distributed=True)
     actor = TrainEngine(model_dir=args.model, dtype="float32", megatron={}, groups=groups, optim=optim)
     reference = TrainEngine(model_dir=args.model, dtype="float32", megatron={}, groups=groups)
@@ -63,9 +66,16 @@ def main() -> None:
     loss_fn = partial(policy_loss, algo=AlgoConfig(kl_coef=0.1, clip_low=0.2, clip_high=0.28), norm=norm)
     steps = [actor.train_step(tokens, mine, loss_fn, **kwargs) for _ in range(2)]
 
+    # Every rank drives the gathers (expert-parallel peers sit in other DP ranks); each must see it all.
+    handoff = dict(reference.pipeline_hf_tensors())
+    checkpoint = load_file(str(Path(args.model) / "model.safetensors"))
+    handoff_exact = set(handoff) == set(checkpoint) and all(torch.equal(handoff[k], v) for k, v in checkpoint.items())
+    all_exact = [None] * dist.get_world_size()
+    dist.all_gather_object(all_exact, handoff_exact)
+
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (groups.dp_rank, groups.tp_rank, groups.pp_rank, logprobs0.tolist()))
-    tensors = dict(actor.pipeline_hf_tensors()) if groups.dp_rank == 0 else {}
+    tensors = dict(actor.pipeline_hf_tensors()) if groups.dp_rank == 0 or groups.ep_size > 1 else {}
     if dist.get_rank() == 0:
         # The full logprobs of the global batch, in DP order, from TP rank 0 of each DP replica.
         by_dp = {dp: lp for dp, tp, pp, lp in gathered if tp == 0 and pp == 0}
@@ -73,7 +83,8 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         full_lp = [row for dp in sorted(by_dp) for row in by_dp[dp]]
         (out / "result.json").write_text(json.dumps({"steps": steps, "logprobs": full_lp,
-                                                     "tokens": batch["tokens"].tolist()}))
+                                                     "tokens": batch["tokens"].tolist(),
+                                                     "handoff_exact_on_every_rank": all(all_exact)}))
         torch.save({k: v.clone() for k, v in tensors.items()}, out / "weights.pt")
     dist.barrier()
     dist.destroy_process_group()
