@@ -218,6 +218,24 @@ def test_push_makes_rollout_engine_equal_trainer_before_and_after_a_train_step(q
     assert (native_logprobs(rollout, tokens) - updated_lp).abs().max() <= FP32_TOL
 
 
+def test_push_restores_a_scrambled_rollout_engine_for_every_architecture(model_dir, groups):
+    """The handoff's checkpoint names reach every parameter of the transformers model, including MoE
+    experts that transformers stacks into one [experts, ...] parameter per projection."""
+    from megarl.handoff import push_weights
+    from megarl.rollout.native import NativeEngine
+
+    trainer = make_engine(model_dir, groups, train=False)
+    rollout = NativeEngine(str(model_dir), dtype="float32", seed=0, device="cpu")
+    with torch.no_grad():
+        for param in rollout.model.parameters():
+            param.normal_()  # nothing of the checkpoint survives unless the push writes it
+    tokens = fixed_tokens()
+    trainer_lp = trainer.logprobs(tokens, temperature=1.0, micro_batch_size=4)
+    assert (native_logprobs(rollout, tokens) - trainer_lp).abs().max() > 1e-2
+    push_weights(rollout, trainer.hf_tensors(), bucket_bytes=16 * 1024, version=1)
+    assert (native_logprobs(rollout, tokens) - trainer_lp).abs().max() <= FP32_TOL
+
+
 # ---- contract 3: step 0 is on-policy ----------------------------------------------------------------------
 def test_step0_reference_equals_actor_and_ppo_is_on_policy(qwen2_dir, groups):
     from megarl.algo.aggregate import global_loss_norm
