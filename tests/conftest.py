@@ -81,6 +81,18 @@ def llama_dir(tiny_models) -> Path:
 
 
 @pytest.fixture(scope="session")
+def arch_dir(tiny_models):
+    """`arch_dir("mixtral")`: the tiny checkpoint of that architecture (tools/make_tiny_model.py defaults:
+    hidden 64, 2 layers, GQA 4/2; MoE: 4 experts, top-2), seed 0, made on first use."""
+    def make(arch: str) -> Path:
+        out = tiny_models / f"{arch}_seed0"
+        if not (out / "megarl_tiny.json").exists():
+            _tiny_model_tool().make_tiny_model(out, arch=arch, seed=0)
+        return out
+    return make
+
+
+@pytest.fixture(scope="session")
 def arithmetic_dir(tmp_path_factory) -> Path:
     """train.jsonl and heldout.jsonl written by `python -m megarl.data.arithmetic`."""
     out = tmp_path_factory.mktemp("arithmetic")

@@ -1,8 +1,9 @@
 """Run under torchrun by test_parallel.py: two optimizer steps of a policy loss on a fixed global batch.
 
-Every layout (TP, PP, DP and their combinations) gets the same global batch: each DP rank takes its
+Every layout (TP, PP, DP, EP and their combinations) gets the same global batch: each DP rank takes its
 contiguous slice. Rank 0 writes the numbers and the full HF state dict after training to --out, so the
-test can compare every layout against the single-rank run.
+test can compare every layout against the single-rank run, and whether the handoff of the untrained
+reference reproduced the checkpoint bit for bit.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 warnings.filterwarnings("ignore")
 
 from megarl.algo.aggregate import global_loss_norm  # noqa: E402
 from megarl.config import AlgoConfig, OptimConfig  # noqa: E402
 from megarl.engine.megatron import TrainEngine, init_parallel  # noqa: E402
-from megarl.loops.rl import policy_loss  # noqa: E402
+from megarl.loops.rl import critic_loss, policy_loss  # noqa: E402
 
 GLOBAL_BATCH, SEQ_LEN = 8, 12
 
@@ -43,10 +45,11 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     args = parser.parse_args()
 
-    groups = init_parallel(tp=args.tp, pp=args.pp, seed=0)
+    groups = init_parallel(tp=args.tp, pp=args.pp, ep=args.ep, seed=0)
     optim = OptimConfig(lr=1e-3, grad_clip=1.0, distributed=True)
     actor = TrainEngine(model_dir=args.model, dtype="float32", megatron={}, groups=groups, optim=optim)
     reference = TrainEngine(model_dir=args.model, dtype="float32", megatron={}, groups=groups)
@@ -60,20 +63,42 @@ def main() -> None:
     mine["old_logprobs"] = logprobs0 * mine["response_mask"]
     mine["ref_logprobs"] = mine["old_logprobs"]
     norm = global_loss_norm(mine["response_mask"], group=groups.dp)
-    loss_fn = partial(policy_loss, algo=AlgoConfig(kl_coef=0.1, clip_low=0.2, clip_high=0.28), norm=norm)
-    steps = [actor.train_step(tokens, mine, loss_fn, **kwargs) for _ in range(2)]
+    # the entropy bonus exercises the vocab-parallel entropy and its gradient under TP
+    algo = AlgoConfig(kl_coef=0.1, clip_low=0.2, clip_high=0.28, entropy_coef=0.05)
+    loss_fn = partial(policy_loss, algo=algo, norm=norm)
+    steps = [actor.train_step(tokens, mine, loss_fn, entropy=True, **kwargs) for _ in range(2)]
+
+    # A critic on the same trunk fits the advantages as returns: its scalar head sits on the last stage
+    critic = TrainEngine(model_dir=args.model, dtype="float32", megatron={}, groups=groups, optim=optim,
+                         value_head=True)
+    values = critic.values(tokens, micro_batch_size=args.micro_batch_size) * mine["response_mask"]
+    critic_extras = {"response_mask": mine["response_mask"], "values": values, "returns": mine["advantages"]}
+    critic_fn = partial(critic_loss, value_clip=0.01, norm=norm)  # small: clipping is hit
+    critic_steps = [critic.train_step(tokens, critic_extras, critic_fn, **kwargs) for _ in range(3)]
+    values_sum = critic.values(tokens, micro_batch_size=args.micro_batch_size).sum().reshape(1)
+    dist.all_reduce(values_sum, group=groups.dp)  # over the whole global batch
+    critic_steps.append({"values_sum": float(values_sum)})
+
+    # Every rank drives the gathers (expert-parallel peers sit in other DP ranks); each must see it all.
+    handoff = dict(reference.pipeline_hf_tensors())
+    checkpoint = load_file(str(Path(args.model) / "model.safetensors"))
+    handoff_exact = set(handoff) == set(checkpoint) and all(torch.equal(handoff[k], v) for k, v in checkpoint.items())
+    all_exact = [None] * dist.get_world_size()
+    dist.all_gather_object(all_exact, handoff_exact)
 
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (groups.dp_rank, groups.tp_rank, groups.pp_rank, logprobs0.tolist()))
-    tensors = dict(actor.pipeline_hf_tensors()) if groups.dp_rank == 0 else {}
+    tensors = dict(actor.pipeline_hf_tensors()) if groups.dp_rank == 0 or groups.ep_size > 1 else {}
     if dist.get_rank() == 0:
         # The full logprobs of the global batch, in DP order, from TP rank 0 of each DP replica.
         by_dp = {dp: lp for dp, tp, pp, lp in gathered if tp == 0 and pp == 0}
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         full_lp = [row for dp in sorted(by_dp) for row in by_dp[dp]]
-        (out / "result.json").write_text(json.dumps({"steps": steps, "logprobs": full_lp,
-                                                     "tokens": batch["tokens"].tolist()}))
+        (out / "result.json").write_text(json.dumps({"steps": steps, "critic_steps": critic_steps,
+                                                     "logprobs": full_lp,
+                                                     "tokens": batch["tokens"].tolist(),
+                                                     "handoff_exact_on_every_rank": all(all_exact)}))
         torch.save({k: v.clone() for k, v in tensors.items()}, out / "weights.pt")
     dist.barrier()
     dist.destroy_process_group()

@@ -152,6 +152,18 @@ def test_layout_that_does_not_divide_the_world_exits_2(tmp_path, qwen2_dir, arit
     assert not (tmp_path / "run").exists()
 
 
+def test_experts_that_do_not_divide_by_ep_exit_2(tmp_path, arch_dir, arithmetic_dir):
+    """4 experts cannot split over parallel.ep=3: the launch stops before any work, naming both numbers."""
+    recipe = write_recipe(tmp_path / "bad.yaml", model_dir=arch_dir("mixtral"), data_dir=arithmetic_dir,
+                          run_dir=tmp_path / "run")
+    result = megarl_train(recipe, "parallel.ep=3", cwd=tmp_path, timeout_s=60)
+    assert result.returncode == 2, result.stderr
+    assert "experts 4 is not divisible by parallel.ep = 3" in result.stderr
+    assert str(recipe) in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_chat_template_prompts_are_token_ids_of_the_rendered_turn(qwen2_dir):
     from transformers import AutoTokenizer
 

@@ -72,9 +72,12 @@ def engine_weights(engine) -> dict[str, torch.Tensor]:
     return {name: t.detach().cpu().clone() for name, t in engine.hf_tensors()}
 
 
-@pytest.fixture(params=["qwen2", "llama"])
-def model_dir(request):
-    return request.getfixturevalue(f"{request.param}_dir")
+ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+
+
+@pytest.fixture(params=ARCHS)
+def model_dir(request, arch_dir):
+    return arch_dir(request.param)
 
 
 # ---- contract 1: Megatron == transformers ----------------------------------------------------------------
@@ -99,14 +102,69 @@ def test_logprobs_and_logits_equal_transformers(model_dir, groups):
 
 
 def test_every_megatron_parameter_has_one_name_rule(model_dir, groups):
-    from megarl.models.names import name_rules
+    from megarl.models.names import fill, name_rules
 
     engine = make_engine(model_dir, groups, train=False)
     expected = set()
     for rule in name_rules(engine.shape):
         layers = range(engine.shape.layers) if "{}" in rule.megatron else [None]
-        expected |= {rule.megatron.replace("{}", str(i)) for i in layers}
+        experts = range(engine.shape.experts) if "{e}" in rule.megatron else [None]  # one EP rank: all local
+        expected |= {fill(rule.megatron, layer=i, expert=j) for i in layers for j in experts}
     assert {name for name, _ in engine.module.named_parameters()} == expected
+
+
+# Each MoE router convention is a TransformerConfig field; flipping it (or dropping Qwen2-MoE's shared-expert
+# gate) must move the logits far beyond FP32_TOL, so the parity test above really checks the mapping.
+@pytest.mark.parametrize("arch,wrong", [
+    ("mixtral", {"moe_router_pre_softmax": True}),     # renormalized top-k, not raw softmax probabilities
+    ("qwen2_moe", {"moe_router_pre_softmax": False}),  # norm_topk_prob false: raw softmax probabilities
+    ("qwen3_moe", {"moe_router_pre_softmax": True}),   # norm_topk_prob true
+    ("qwen2_moe", {"moe_shared_expert_gate": False}),  # sigmoid gate on the shared expert
+], ids=["mixtral-pre-softmax", "qwen2_moe-renormalized", "qwen3_moe-pre-softmax", "qwen2_moe-ungated-shared"])
+def test_a_wrong_router_convention_breaks_parity(arch, wrong, arch_dir, groups):
+    from megarl.engine.megatron import TrainEngine
+
+    model_dir = arch_dir(arch)
+    tokens = fixed_tokens()
+    engine = TrainEngine(model_dir=str(model_dir), dtype="float32", megatron=wrong, groups=groups)
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand(tokens.shape[0], -1)
+    with torch.no_grad():
+        logits = engine.module(tokens, positions, None)[..., :N_TOKENS]
+    assert (logits - hf_logits(model_dir, tokens)[..., :N_TOKENS]).abs().max() > 100 * FP32_TOL
+
+
+def test_sequence_longer_than_the_sliding_window_is_refused(arch_dir, groups):
+    # The tiny Mistral has sliding_window 256; full causal attention equals it only up to 256 tokens.
+    engine = make_engine(arch_dir("mistral"), groups, train=False)
+    assert engine.shape.sliding_window == 256
+    engine.logprobs(fixed_tokens(batch=1, seq_len=256), temperature=1.0, micro_batch_size=1)
+    with pytest.raises(ValueError, match="sequence length 257 exceeds the checkpoint's sliding_window 256"):
+        engine.logprobs(fixed_tokens(batch=1, seq_len=257), temperature=1.0, micro_batch_size=1)
+
+
+# ---- the MoE load-balancing loss trains the routers ---------------------------------------------------
+def test_moe_aux_loss_reaches_the_routers_averaged_over_micro_batches(arch_dir, groups):
+    """A policy loss of exactly zero leaves only the router's load-balancing loss: with its HF coefficient
+    the routers get a gradient, with coefficient 0 nothing does. Four copies of one sequence give every
+    micro-batch the same aux loss, so Megatron's 1/n_micro scaling makes the gradient independent of the
+    micro-batch size (a sum over micro-batches would double it at micro_batch_size 2)."""
+    model_dir = arch_dir("mixtral")
+    tokens = fixed_tokens(batch=1).expand(4, -1).contiguous()
+    zero_loss = lambda logprobs, mb: ((logprobs * 0.0).sum(), {})  # noqa: E731
+
+    def grad_norm(megatron: dict, micro_batch_size: int) -> float:
+        from megarl.config import OptimConfig
+        from megarl.engine.megatron import TrainEngine
+
+        optim = OptimConfig(lr=1e-3, weight_decay=0.0, grad_clip=0.0, distributed=True)
+        engine = TrainEngine(model_dir=str(model_dir), dtype="float32", megatron=megatron, groups=groups, optim=optim)
+        assert engine.config.moe_aux_loss_coeff == megatron.get("moe_aux_loss_coeff", 0.02)  # HF's coefficient
+        return engine.train_step(tokens, {}, zero_loss, temperature=1.0, micro_batch_size=micro_batch_size)["grad_norm"]
+
+    one_micro, two_micro = grad_norm({}, 4), grad_norm({}, 2)
+    assert one_micro > 0
+    assert two_micro == pytest.approx(one_micro, rel=1e-5)  # fp32: the same sums in a different order
+    assert grad_norm({"moe_aux_loss_coeff": 0.0}, 4) == 0.0
 
 
 # ---- contract 5: HF -> Megatron -> HF is bit-exact -------------------------------------------------------
@@ -158,6 +216,24 @@ def test_push_makes_rollout_engine_equal_trainer_before_and_after_a_train_step(q
     push_weights(rollout, actor.hf_tensors(), bucket_bytes=16 * 1024, version=2)
     assert rollout.weight_version == 2
     assert (native_logprobs(rollout, tokens) - updated_lp).abs().max() <= FP32_TOL
+
+
+def test_push_restores_a_scrambled_rollout_engine_for_every_architecture(model_dir, groups):
+    """The handoff's checkpoint names reach every parameter of the transformers model, including MoE
+    experts that transformers stacks into one [experts, ...] parameter per projection."""
+    from megarl.handoff import push_weights
+    from megarl.rollout.native import NativeEngine
+
+    trainer = make_engine(model_dir, groups, train=False)
+    rollout = NativeEngine(str(model_dir), dtype="float32", seed=0, device="cpu")
+    with torch.no_grad():
+        for param in rollout.model.parameters():
+            param.normal_()  # nothing of the checkpoint survives unless the push writes it
+    tokens = fixed_tokens()
+    trainer_lp = trainer.logprobs(tokens, temperature=1.0, micro_batch_size=4)
+    assert (native_logprobs(rollout, tokens) - trainer_lp).abs().max() > 1e-2
+    push_weights(rollout, trainer.hf_tensors(), bucket_bytes=16 * 1024, version=1)
+    assert (native_logprobs(rollout, tokens) - trainer_lp).abs().max() <= FP32_TOL
 
 
 # ---- contract 3: step 0 is on-policy ----------------------------------------------------------------------

@@ -11,7 +11,9 @@ from safetensors.torch import load_file
 
 from megarl.models.arch import read_shape
 from megarl.models.layout import join_gate_up, join_qkv, shard, split_gate_up, split_qkv, unshard
-from megarl.models.names import NameTable, name_rules
+from megarl.models.names import NameTable, fill, name_rules
+
+ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def distinct(*shape: int, offset: float = 0.0) -> torch.Tensor:
@@ -95,21 +97,55 @@ def test_replicated_tensors_are_not_split():
 
 
 # ---- name tables ------------------------------------------------------------------------------------------
-@pytest.fixture(params=["qwen2", "llama"])
-def model_dir(request):
-    return request.getfixturevalue(f"{request.param}_dir")
+@pytest.fixture(params=ARCHS)
+def model_dir(request, arch_dir):
+    return arch_dir(request.param)
 
 
-def test_local_spec_rules_cover_every_hf_tensor_exactly_once(model_dir):
+@pytest.mark.parametrize("te_spec", [False, True], ids=["local", "te"])
+def test_rules_cover_every_hf_tensor_exactly_once(model_dir, te_spec):
     shape = read_shape(model_dir)
     covered = Counter()
-    for rule in name_rules(shape, te_spec=False):
+    for rule in name_rules(shape, te_spec=te_spec):
         layers = range(shape.layers) if "{}" in rule.megatron else [None]
+        experts = range(shape.experts) if "{e}" in rule.megatron else [None]
         for layer in layers:
-            covered.update(n.replace("{}", str(layer)) for n in rule.hf)
+            for expert in experts:
+                covered.update(fill(n, layer=layer, expert=expert) for n in rule.hf)
     checkpoint = set(load_file(str(model_dir / "model.safetensors")))
     assert set(covered) == checkpoint
     assert all(count == 1 for count in covered.values()), [n for n, c in covered.items() if c > 1]
+
+
+def test_expert_names_map_local_index_plus_offset_to_the_global_hf_expert(arch_dir):
+    # Expert-parallel rank 1 of 2 with 4 experts holds global experts 2 and 3 as local experts 0 and 1.
+    local = NameTable(name_rules(read_shape(arch_dir("qwen2_moe"))))
+    rule, layer, expert = local.lookup("decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight")
+    assert (layer, expert, rule.fuse) == (1, 1, "gate_up")
+    assert local.hf_names("decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight", expert_offset=2) == (
+        "model.layers.1.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight")
+    assert local.hf_names("decoder.layers.0.mlp.router.weight") == ("model.layers.0.mlp.gate.weight",)
+    assert local.hf_names("decoder.layers.0.mlp.shared_experts.gate_weight") == (
+        "model.layers.0.mlp.shared_expert_gate.weight",)
+    # Mixtral's HF names: block_sparse_moe, w1 = gate, w3 = up, w2 = down.
+    mixtral = NameTable(name_rules(read_shape(arch_dir("mixtral"))))
+    assert mixtral.hf_names("decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight", expert_offset=2) == (
+        "model.layers.0.block_sparse_moe.experts.2.w1.weight", "model.layers.0.block_sparse_moe.experts.2.w3.weight")
+    assert mixtral.hf_names("decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight") == (
+        "model.layers.0.block_sparse_moe.experts.0.w2.weight",)
+
+
+def test_te_spec_names_grouped_experts_and_keeps_the_moe_pre_mlp_norm(arch_dir):
+    # TEGroupedMLP suffixes the expert index to the weight name; MoE layers keep a separate pre-MLP norm.
+    table = NameTable(name_rules(read_shape(arch_dir("qwen3_moe")), te_spec=True))
+    assert table.hf_names("decoder.layers.1.mlp.experts.linear_fc2.weight3") == (
+        "model.layers.1.mlp.experts.3.down_proj.weight",)
+    assert table.hf_names("decoder.layers.0.pre_mlp_layernorm.weight") == (
+        "model.layers.0.post_attention_layernorm.weight",)
+    assert table.hf_names("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight") == (
+        "model.layers.0.input_layernorm.weight",)
+    with pytest.raises(KeyError):
+        table.lookup("decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight")
 
 
 def test_te_spec_maps_fused_norm_weights_to_the_hf_norms(qwen2_dir):
@@ -125,7 +161,7 @@ def test_te_spec_maps_fused_norm_weights_to_the_hf_norms(qwen2_dir):
 
 def test_layer_rules_fill_in_the_global_layer_index(llama_dir):
     table = NameTable(name_rules(read_shape(llama_dir)))
-    rule, layer = table.lookup("decoder.layers.17.mlp.linear_fc1.weight")
+    rule, layer, _ = table.lookup("decoder.layers.17.mlp.linear_fc1.weight")
     assert layer == 17 and rule.fuse == "gate_up"
     assert table.hf_names("decoder.layers.17.mlp.linear_fc1.weight") == (
         "model.layers.17.mlp.gate_proj.weight", "model.layers.17.mlp.up_proj.weight")
@@ -155,6 +191,47 @@ def test_layout_that_does_not_divide_names_both_numbers(qwen2_dir, layout, messa
     with pytest.raises(ValueError) as err:
         check_layout(read_shape(qwen2_dir), **layout)
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize("layout,message", [
+    (dict(tp=1, pp=1, cp=1, ep=3, world_size=3), "experts 4 is not divisible by parallel.ep = 3"),
+    (dict(tp=1, pp=2, cp=1, ep=2, world_size=2),
+     "world size 2 is not divisible by parallel.tp * parallel.ep * parallel.pp = 4"),
+    (dict(tp=2, pp=1, cp=1, ep=4, world_size=4),
+     "world size 4 is not divisible by parallel.tp * parallel.ep * parallel.pp = 8"),
+])
+def test_expert_layout_that_does_not_divide_names_both_numbers(arch_dir, layout, message):
+    from megarl.models.arch import check_layout
+
+    with pytest.raises(ValueError) as err:
+        check_layout(read_shape(arch_dir("mixtral")), **layout)
+    assert str(err.value) == message
+
+
+def test_expert_parallel_needs_experts(qwen2_dir):
+    from megarl.models.arch import check_layout
+
+    with pytest.raises(ValueError, match="parallel.ep = 2 needs a mixture-of-experts model; qwen2 has no experts"):
+        check_layout(read_shape(qwen2_dir), tp=1, pp=1, cp=1, ep=2, world_size=2)
+
+
+def test_qwen_moe_with_dense_layers_is_refused_naming_the_file(arch_dir, tmp_path):
+    import json
+    import shutil
+
+    shutil.copy(arch_dir("qwen2_moe") / "config.json", tmp_path / "config.json")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "mlp_only_layers": [0]}))
+    with pytest.raises(ValueError, match=r"config\.json: dense layers between MoE layers \(mlp_only_layers \[0\]"):
+        read_shape(tmp_path)
+
+
+def test_moe_shapes_read_the_router_convention(arch_dir):
+    mixtral, qwen2_moe, qwen3_moe = (read_shape(arch_dir(a)) for a in ("mixtral", "qwen2_moe", "qwen3_moe"))
+    assert (mixtral.experts, mixtral.topk, mixtral.moe_ffn, mixtral.norm_topk, mixtral.aux_loss_coeff) == (
+        4, 2, 128, True, 0.02)
+    assert (qwen2_moe.moe_ffn, qwen2_moe.shared_ffn, qwen2_moe.norm_topk, qwen2_moe.qkv_bias) == (32, 48, False, True)
+    assert (qwen3_moe.moe_ffn, qwen3_moe.shared_ffn, qwen3_moe.norm_topk, qwen3_moe.qk_norm) == (32, 0, True, True)
 
 
 def test_layouts_that_divide_pass(qwen2_dir):

@@ -1,7 +1,10 @@
 """Write a tiny HuggingFace causal-LM checkpoint, built entirely on this machine.
 
-    python tools/make_tiny_model.py --out DIR [--arch qwen2|llama] [--seed N]
+    python tools/make_tiny_model.py --out DIR [--arch ARCH] [--seed N]
                                     [--hidden 64 --layers 2 --heads 4 --kv-heads 2 --ffn 128]
+                                    [--experts 4 --topk 2 --moe-ffn 32 --shared-ffn 48]
+
+ARCH is one of qwen2, llama, qwen3, mistral (dense) or mixtral, qwen2_moe, qwen3_moe (mixture of experts).
 
 The directory holds config.json, model.safetensors, generation_config.json and tokenizer files that
 `transformers.AutoModelForCausalLM` and `AutoTokenizer` load with no network access. The tokenizer is
@@ -9,7 +12,10 @@ byte-level BPE without merges (every printable ASCII character is one token) plu
 which keeps arithmetic prompts short and the vocabulary small enough for CPU tests.
 
 qwen2 models have a bias on q/k/v and tied embeddings; llama models have no bias and an untied output
-layer, so the two between them cover every weight layout the loaders must handle.
+layer. qwen3 adds per-head q/k RMSNorm; mistral is llama-shaped with a sliding window longer than any
+tiny sequence. The MoE models route each token to --topk of --experts experts: mixtral renormalizes the
+top-k router probabilities (expert width --ffn), qwen2_moe does not and adds a sigmoid-gated shared
+expert (--shared-ffn) and qkv bias, qwen3_moe renormalizes and has q/k norm (expert width --moe-ffn).
 """
 
 from __future__ import annotations
@@ -62,8 +68,13 @@ def build_tokenizer():
     return tok
 
 
-def build_config(arch: str, *, vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int):
-    from transformers import LlamaConfig, Qwen2Config
+ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def build_config(arch: str, *, vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int,
+                 experts: int = 4, topk: int = 2, moe_ffn: int = 32, shared_ffn: int = 48):
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig)
 
     common = dict(
         vocab_size=vocab_size,
@@ -85,11 +96,30 @@ def build_config(arch: str, *, vocab_size: int, hidden: int, layers: int, heads:
             return Qwen2Config(tie_word_embeddings=True, use_sliding_window=False, **common)
         case "llama":
             return LlamaConfig(tie_word_embeddings=False, attention_bias=False, mlp_bias=False, **common)
-    raise ValueError(f"--arch must be qwen2 or llama, got {arch!r}")
+        case "qwen3":
+            return Qwen3Config(tie_word_embeddings=True, use_sliding_window=False, head_dim=hidden // heads, **common)
+        case "mistral":
+            # A window longer than every test sequence: transformers then attends fully causally.
+            return MistralConfig(tie_word_embeddings=False, sliding_window=256, **common)
+        case "mixtral":
+            return MixtralConfig(tie_word_embeddings=False, num_local_experts=experts, num_experts_per_tok=topk,
+                                 router_aux_loss_coef=0.02, **common)
+        case "qwen2_moe":
+            return Qwen2MoeConfig(tie_word_embeddings=False, use_sliding_window=False, num_experts=experts,
+                                  num_experts_per_tok=topk, moe_intermediate_size=moe_ffn,
+                                  shared_expert_intermediate_size=shared_ffn, norm_topk_prob=False,
+                                  decoder_sparse_step=1, router_aux_loss_coef=0.001, **common)
+        case "qwen3_moe":
+            return Qwen3MoeConfig(tie_word_embeddings=False, use_sliding_window=False, head_dim=hidden // heads,
+                                  num_experts=experts, num_experts_per_tok=topk, moe_intermediate_size=moe_ffn,
+                                  norm_topk_prob=True, decoder_sparse_step=1, router_aux_loss_coef=0.001,
+                                  **common)
+    raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
 
 
 def make_tiny_model(out: str | Path, *, arch: str = "qwen2", seed: int = 0, hidden: int = 64, layers: int = 2,
-                    heads: int = 4, kv_heads: int = 2, ffn: int = 128, init_std: float = 0.02) -> Path:
+                    heads: int = 4, kv_heads: int = 2, ffn: int = 128, experts: int = 4, topk: int = 2,
+                    moe_ffn: int = 32, shared_ffn: int = 48, init_std: float = 0.02) -> Path:
     """Create the checkpoint directory `out` and return its path. Same seed, same bytes."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -99,16 +129,22 @@ def make_tiny_model(out: str | Path, *, arch: str = "qwen2", seed: int = 0, hidd
     # Round the vocabulary up to a multiple of 64 so it divides any tensor-parallel size up to 64.
     vocab_size = -(-len(tok) // 64) * 64
     config = build_config(arch, vocab_size=vocab_size, hidden=hidden, layers=layers, heads=heads,
-                          kv_heads=kv_heads, ffn=ffn)
+                          kv_heads=kv_heads, ffn=ffn, experts=experts, topk=topk, moe_ffn=moe_ffn,
+                          shared_ffn=shared_ffn)
     config.initializer_range = init_std
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if arch == "qwen2":
-        # HF initialises biases to zero; random ones make the qkv-bias path observable in parity tests.
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0.0, init_std)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            # HF initialises biases to zero, norms to one and the Qwen MoE routers to zero (every token would
+            # go to the same experts); random ones make each of those paths observable in parity tests.
+            # qwen2 and llama keep their original bytes (only qwen2's qkv bias is drawn), so seeds stay stable.
+            if name.endswith("bias"):
+                param.normal_(0.0, init_std)
+            elif arch not in ("qwen2", "llama") and name.endswith("norm.weight"):
+                param.normal_(1.0, 0.1)
+            elif name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.1)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
@@ -119,16 +155,21 @@ def make_tiny_model(out: str | Path, *, arch: str = "qwen2", seed: int = 0, hidd
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
+    parser.add_argument("--arch", default="qwen2", choices=ARCHS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--ffn", type=int, default=128)
+    parser.add_argument("--ffn", type=int, default=128, help="dense MLP width (mixtral: each expert's width)")
+    parser.add_argument("--experts", type=int, default=4, help="MoE: routed experts per layer")
+    parser.add_argument("--topk", type=int, default=2, help="MoE: experts per token")
+    parser.add_argument("--moe-ffn", type=int, default=32, help="qwen2_moe/qwen3_moe: each expert's width")
+    parser.add_argument("--shared-ffn", type=int, default=48, help="qwen2_moe: shared expert width")
     args = parser.parse_args(argv)
     out = make_tiny_model(args.out, arch=args.arch, seed=args.seed, hidden=args.hidden, layers=args.layers,
-                          heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn)
+                          heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn, experts=args.experts,
+                          topk=args.topk, moe_ffn=args.moe_ffn, shared_ffn=args.shared_ffn)
     print(f"wrote {args.arch} tiny model to {out}")
 
 

@@ -50,12 +50,15 @@ class ParallelGroups:
     pp: dist.ProcessGroup
     dp: dist.ProcessGroup
     mp: dist.ProcessGroup          # tensor x pipeline: the ranks that hold one copy of the model
+    ep: dist.ProcessGroup          # expert parallel: the ranks that split one layer's experts between them
     tp_rank: int
     tp_size: int
     pp_rank: int
     pp_size: int
     dp_rank: int
     dp_size: int
+    ep_rank: int
+    ep_size: int
     pp_last_global_rank: int       # global rank of the last pipeline stage of this rank's pipeline
     mp_src_global_rank: int        # global rank of this model-parallel group's first rank
 
@@ -89,10 +92,16 @@ def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0) 
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                      context_parallel_size=cp, expert_model_parallel_size=ep)
-    current = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-    if current != (tp, pp):
-        raise RuntimeError(f"Megatron's parallel state is already initialized with tp, pp = {current}, "
-                           f"not the requested {(tp, pp)}")
+    current = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+               ps.get_expert_model_parallel_world_size())
+    if current != (tp, pp, ep):
+        raise RuntimeError(f"Megatron's parallel state is already initialized with tp, pp, ep = {current}, "
+                           f"not the requested {(tp, pp, ep)}")
+    tp_ranks = dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
+    # Experts are split over Megatron's expert tensor-parallel group (default size tp); its rank generator
+    # also puts tp innermost, so it holds the TP group's ranks and the weight gathers can use groups.tp.
+    if dist.get_process_group_ranks(ps.get_expert_tensor_parallel_group()) != tp_ranks:
+        raise RuntimeError("Megatron's expert tensor-parallel group differs from the tensor-parallel group")
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     pp_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
@@ -100,14 +109,16 @@ def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0) 
     return ParallelGroups(
         tp=ps.get_tensor_model_parallel_group(), pp=ps.get_pipeline_model_parallel_group(),
         dp=ps.get_data_parallel_group(), mp=ps.get_model_parallel_group(),
+        ep=ps.get_expert_model_parallel_group(),
         tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
         pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp,
         dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep,
         pp_last_global_rank=pp_ranks[-1], mp_src_global_rank=min(mp_ranks),
     )
 
 
-def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megatron: dict):
+def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megatron: dict, ep: int = 1):
     """Megatron TransformerConfig for an HF architecture; `megatron` holds extra fields from the recipe."""
     from megatron.core.transformer import TransformerConfig
 
@@ -119,7 +130,7 @@ def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megat
         normalization="RMSNorm", layernorm_epsilon=shape.norm_eps, gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
         qk_layernorm=shape.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
         params_dtype=torch_dtype, pipeline_dtype=torch_dtype,
         bf16=torch_dtype == torch.bfloat16, fp16=torch_dtype == torch.float16,
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
@@ -128,12 +139,35 @@ def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megat
         # weight gathers rely on.
         perform_initialization=True, use_cpu_initialization=not torch.cuda.is_available(),
     )
+    if shape.is_moe:
+        kwargs.update(_moe_config(shape))
     if not torch.cuda.is_available():
         # Fused kernels are CUDA code; their unfused twins compute the same function.
         kwargs.update(bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
                       persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False)
     kwargs.update(megatron)
     return TransformerConfig(**kwargs)
+
+
+def _moe_config(shape: ModelShape) -> dict:
+    """TransformerConfig MoE fields that route exactly as transformers does (megarl.models.arch).
+
+    Megatron's default router takes the top-k logits and softmaxes over those k: the renormalized top-k
+    probabilities of `norm_topk`. Without renormalization, `moe_router_pre_softmax` softmaxes over all
+    experts before the top-k. Dropless (no capacity factor): every token reaches its k experts, as in HF.
+    """
+    return dict(
+        num_moe_experts=shape.experts, moe_router_topk=shape.topk, moe_ffn_hidden_size=shape.moe_ffn,
+        moe_router_pre_softmax=not shape.norm_topk, moe_router_score_function="softmax",
+        moe_shared_expert_intermediate_size=shape.shared_ffn or None, moe_shared_expert_gate=shape.shared_ffn > 0,
+        # Switch-Transformer load balancing per micro-batch, summed over layers; HF adds it only when
+        # `output_router_logits` and over all layers' tokens at once (and with top-k times Megatron's scale),
+        # so the coefficient means the same strength only roughly. A recipe can override it (model.megatron).
+        moe_router_load_balancing_type="aux_loss" if shape.aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=shape.aux_loss_coeff, moe_expert_capacity_factor=None,
+        # Grouped GEMM needs the CUDA-only grouped_gemm / Transformer Engine kernels.
+        moe_grouped_gemm=uses_transformer_engine(),
+    )
 
 
 def check_megatron_fields(megatron: dict) -> None:
@@ -162,10 +196,13 @@ def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups):
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
 
+    experts = shape.experts or None
     if uses_transformer_engine():
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm,
+                                                          qk_layernorm=shape.qk_norm)
     else:
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_norm)
+        spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=shape.qk_norm,
+                                        normalization="RMSNorm")
     model = GPTModel(
         config=config, transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(shape.vocab_size, tp=groups.tp_size),
@@ -231,13 +268,15 @@ class TrainEngine:
         if value_head:
             self.shape = dataclasses.replace(self.shape, tied_embeddings=False)
         self.config = transformer_config(self.shape, dtype=dtype, tp=groups.tp_size, pp=groups.pp_size,
-                                         megatron=megatron)
+                                         ep=groups.ep_size, megatron=megatron)
         self.module = build_gpt(self.shape, self.config, groups=groups)
         self.value_head = value_head
         if value_head and groups.is_pp_last:
             self.module.output_layer = ValueHead(self.shape.hidden, self.config.params_dtype)
         self.names = NameTable(name_rules(self.shape, te_spec=uses_transformer_engine()))
         self._layer_offset = get_transformer_layer_offset(self.config)
+        # Expert-parallel rank r holds the experts r * experts_per_rank ... (r + 1) * experts_per_rank - 1.
+        self._expert_offset = groups.ep_rank * (self.shape.experts // groups.ep_size)
         self.load_hf(model_dir)
         if optim is None:
             self.module.requires_grad_(False)
@@ -262,8 +301,8 @@ class TrainEngine:
                     hf_names = ("model.embed_tokens.weight",)  # last pipeline stage's copy of tied weights
                     rule_fuse = None
                 else:
-                    rule, _ = self.names.lookup(name)
-                    hf_names, rule_fuse = self.names.hf_names(name), rule.fuse
+                    rule, _, _ = self.names.lookup(name)
+                    hf_names, rule_fuse = self.names.hf_names(name, expert_offset=self._expert_offset), rule.fuse
                 full = self._fuse([source.get(n) for n in hf_names], rule_fuse)
                 if name in _VOCAB_PARAMS:
                     full = _pad_rows(full, param.shape[0] * self.groups.tp_size)
@@ -285,19 +324,22 @@ class TrainEngine:
         raise ValueError(f"unknown fused layout {fuse!r}")
 
     def hf_tensors(self) -> Iterator[tuple[str, Tensor]]:
-        """Full HF-named tensors of this model, one at a time (TP shards all-gathered).
+        """Full HF-named tensors of this model, one at a time (TP shards all-gathered, experts gathered
+        over the expert-parallel group with their global indices).
 
         Every rank of a pipeline stage takes part in the gathers; every rank yields the full tensors of
-        its own stage's layers, so the rank that feeds a rollout engine must also receive the other
-        stages' tensors (`pipeline_hf_tensors`).
+        its own stage's layers, every expert included, so the rank that feeds a rollout engine must also
+        receive the other stages' tensors (`pipeline_hf_tensors`).
         """
         if self.value_head:
             raise ValueError("a critic is not a causal LM: its weights have no HF causal-LM export")
+        ep_ranks = dist.get_process_group_ranks(self.groups.ep)
+        experts_per_rank = self.shape.experts // self.groups.ep_size
         for local_name, param in self.module.named_parameters():
             name = _global_name(local_name, self._layer_offset)
             if name == "output_layer.weight" and self.shape.tied_embeddings:
                 continue
-            rule, _ = self.names.lookup(name)
+            rule, _, expert = self.names.lookup(name)
             dim = _tp_split(param)
             data = param.detach()
             if dim is not None and self.groups.tp_size > 1:
@@ -306,7 +348,18 @@ class TrainEngine:
                 data = layout.unshard(shards, dim=dim, gate_up=rule.fuse == "gate_up")
             if name in _VOCAB_PARAMS:
                 data = data[: self.shape.vocab_size]
-            yield from zip(self.names.hf_names(name), self._split(data, rule.fuse))
+            if expert is None:
+                yield from zip(self.names.hf_names(name), self._split(data, rule.fuse))
+                continue
+            # Every EP rank holds this local expert slot for a different global expert: each rank in turn
+            # broadcasts its copy, so no rank holds more than one extra expert tensor at a time.
+            for ep_rank, src in enumerate(ep_ranks):
+                copy = data
+                if self.groups.ep_size > 1:
+                    copy = data.contiguous() if ep_rank == self.groups.ep_rank else torch.empty_like(data)
+                    dist.broadcast(copy, src=src, group=self.groups.ep)
+                yield from zip(self.names.hf_names(name, expert_offset=ep_rank * experts_per_rank),
+                               self._split(copy, rule.fuse))
 
     def _split(self, full: Tensor, fuse: str | None) -> tuple[Tensor, ...]:
         match fuse:
@@ -422,6 +475,12 @@ class TrainEngine:
 
         device = _device()
         batch, seq_len = tokens.shape
+        window = self.shape.sliding_window
+        if window is not None and seq_len > window:
+            # Megatron's attention here is full causal, which is the checkpoint's sliding-window attention
+            # only while a sequence fits in the window (transformers masks nothing more until then).
+            raise ValueError(f"sequence length {seq_len} exceeds the checkpoint's sliding_window {window}: "
+                             "sliding-window attention is not supported beyond the window")
         if batch % micro_batch_size != 0:
             raise ValueError(f"batch of {batch} sequences is not divisible by micro_batch_size {micro_batch_size}")
         n_micro = batch // micro_batch_size
@@ -435,6 +494,11 @@ class TrainEngine:
         # Megatron divides each micro-batch loss by the number of micro-batches and DDP averages over DP
         # ranks; loss functions here already return contributions normalized by global counts, so the
         # scale below undoes both averages and the gradient is exactly that of the global loss.
+        # The MoE load-balancing loss is not returned here: each router attaches coeff * aux_loss of its
+        # micro-batch to the autograd graph (MoEAuxLossAutoScaler), and the schedule scales its gradient by
+        # 1 / n_micro, then DDP by 1 / dp. Its gradient is therefore that of coeff * (mean over the global
+        # batch's micro-batches of each layer's aux loss), summed over layers: the same for every layout
+        # that keeps micro_batch_size, and part of grad_norm but not of the reported loss.
         loss_scale = float(n_micro * self.groups.dp_size)
 
         def loss_func(mb, output):

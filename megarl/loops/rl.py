@@ -541,8 +541,9 @@ def supervised_loss(logprobs: Tensor, mb: dict[str, Tensor], *, norm: LossNorm) 
 
 def export_policy(engine: TrainEngine, groups: ParallelGroups, *, source_dir: str, out_dir: Path,
                   meta: dict) -> None:
-    """Write the model as an HF checkpoint from global rank 0; its model-parallel peers join the gathers."""
-    if groups.dp_rank == 0:
+    """Write the model as an HF checkpoint from global rank 0; its model-parallel peers join the gathers
+    (with expert parallelism that is every rank: the expert-parallel peers sit in other data-parallel ranks)."""
+    if groups.dp_rank == 0 or groups.ep_size > 1:
         tensors = engine.pipeline_hf_tensors()
         if dist.get_rank() == 0:
             save_hf(tensors, source_dir=source_dir, out_dir=out_dir, meta=meta)
@@ -603,7 +604,7 @@ def train(cfg: Config) -> Path:
     par = cfg.parallel
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        check_layout(shape, tp=par.tp, pp=par.pp, cp=par.cp, world_size=world_size)
+        check_layout(shape, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, world_size=world_size)
     except ValueError as e:
         raise RecipeError(str(e)) from None
     try:

@@ -1,10 +1,17 @@
 """Megatron <-> HuggingFace parameter names, one declarative table per architecture.
 
-`{}` stands for the global layer index. A rule with several HF names is a fused Megatron tensor; `fuse`
-names the layout function that joins and splits it (megarl.models.layout). Norm weights are spelt
-differently by the two Megatron layer specs: the local spec has separate `input_layernorm` and
-`pre_mlp_layernorm` modules, the Transformer Engine spec fuses them into the next linear layer as
-`layer_norm_weight`. Both spellings map to the same HF tensor, so the table works for either spec.
+`{}` stands for the global layer index and `{e}` for an expert index: in a Megatron name the local index
+on this expert-parallel rank, in an HF name the global one (the caller passes the offset, ep_rank *
+experts_per_rank). A rule with several HF names is a fused Megatron tensor; `fuse` names the layout
+function that joins and splits it (megarl.models.layout). Norm weights are spelt differently by the two
+Megatron layer specs: the local spec has separate `input_layernorm` and `pre_mlp_layernorm` modules, the
+Transformer Engine spec fuses them into the next linear layer as `layer_norm_weight`. Both spellings map to
+the same HF tensor, so the table works for either spec. MoE layers keep a separate `pre_mlp_layernorm`
+under both specs (the router and the experts both read its output).
+
+Experts: the local spec's SequentialMLP holds one MLP per local expert
+(`mlp.experts.local_experts.{e}.linear_fc1.weight`); Transformer Engine's TEGroupedMLP holds one grouped
+linear layer whose per-expert weights are `mlp.experts.linear_fc1.weight{e}`.
 """
 
 from __future__ import annotations
@@ -22,16 +29,24 @@ class Rule:
     fuse: str | None = None        # None, "qkv" or "gate_up"
 
 
-def _dense_layer_rules(shape: ModelShape, *, te_spec: bool) -> list[Rule]:
+# HF names of one expert's gate, up and down projections, relative to the MoE block.
+_HF_EXPERT = {"mixtral": ("w1", "w3", "w2")}
+_HF_MOE_BLOCK = {"mixtral": "block_sparse_moe"}
+
+
+def _layer_rules(shape: ModelShape, *, te_spec: bool) -> list[Rule]:
     attn, mlp = "decoder.layers.{}.self_attention", "decoder.layers.{}.mlp"
     hf_attn, hf_mlp, hf_layer = "model.layers.{}.self_attn", "model.layers.{}.mlp", "model.layers.{}"
     input_norm = f"{attn}.linear_qkv.layer_norm_weight" if te_spec else "decoder.layers.{}.input_layernorm.weight"
-    mlp_norm = f"{mlp}.linear_fc1.layer_norm_weight" if te_spec else "decoder.layers.{}.pre_mlp_layernorm.weight"
+    mlp_norm = f"{mlp}.linear_fc1.layer_norm_weight" if te_spec and not shape.is_moe \
+        else "decoder.layers.{}.pre_mlp_layernorm.weight"
     rules = [
         Rule(input_norm, (f"{hf_layer}.input_layernorm.weight",)),
         Rule(f"{attn}.linear_qkv.weight", tuple(f"{hf_attn}.{p}_proj.weight" for p in "qkv"), "qkv"),
         Rule(f"{attn}.linear_proj.weight", (f"{hf_attn}.o_proj.weight",)),
         Rule(mlp_norm, (f"{hf_layer}.post_attention_layernorm.weight",)),
+    ]
+    rules += _moe_rules(shape, te_spec=te_spec) if shape.is_moe else [
         Rule(f"{mlp}.linear_fc1.weight", (f"{hf_mlp}.gate_proj.weight", f"{hf_mlp}.up_proj.weight"), "gate_up"),
         Rule(f"{mlp}.linear_fc2.weight", (f"{hf_mlp}.down_proj.weight",)),
     ]
@@ -43,6 +58,29 @@ def _dense_layer_rules(shape: ModelShape, *, te_spec: bool) -> list[Rule]:
     return rules
 
 
+def _moe_rules(shape: ModelShape, *, te_spec: bool) -> list[Rule]:
+    mlp = "decoder.layers.{}.mlp"
+    hf_block = "model.layers.{}." + _HF_MOE_BLOCK.get(shape.arch, "mlp")
+    gate, up, down = _HF_EXPERT.get(shape.arch, ("gate_proj", "up_proj", "down_proj"))
+    fc1, fc2 = (f"{mlp}.experts.linear_fc1.weight{{e}}", f"{mlp}.experts.linear_fc2.weight{{e}}") if te_spec \
+        else (f"{mlp}.experts.local_experts.{{e}}.linear_fc1.weight", f"{mlp}.experts.local_experts.{{e}}.linear_fc2.weight")
+    expert = hf_block + ".experts.{e}"
+    rules = [
+        Rule(f"{mlp}.router.weight", (f"{hf_block}.gate.weight",)),
+        Rule(fc1, (f"{expert}.{gate}.weight", f"{expert}.{up}.weight"), "gate_up"),
+        Rule(fc2, (f"{expert}.{down}.weight",)),
+    ]
+    if shape.shared_ffn:
+        shared = f"{hf_block}.shared_expert"
+        rules += [
+            Rule(f"{mlp}.shared_experts.linear_fc1.weight", (f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"),
+                 "gate_up"),
+            Rule(f"{mlp}.shared_experts.linear_fc2.weight", (f"{shared}.down_proj.weight",)),
+            Rule(f"{mlp}.shared_experts.gate_weight", (f"{hf_block}.shared_expert_gate.weight",)),
+        ]
+    return rules
+
+
 def name_rules(shape: ModelShape, *, te_spec: bool = False) -> list[Rule]:
     """Every Megatron parameter of the model, with the HF tensors it is made of."""
     rules = [
@@ -51,27 +89,40 @@ def name_rules(shape: ModelShape, *, te_spec: bool = False) -> list[Rule]:
     ]
     if not shape.tied_embeddings:
         rules.append(Rule("output_layer.weight", ("lm_head.weight",)))
-    return rules + _dense_layer_rules(shape, te_spec=te_spec)
+    return rules + _layer_rules(shape, te_spec=te_spec)
+
+
+def fill(template: str, *, layer: int | None = None, expert: int | None = None) -> str:
+    """A rule's name with its `{}` layer and `{e}` expert placeholders filled in."""
+    if layer is not None:
+        template = template.replace("{}", str(layer))
+    if expert is not None:
+        template = template.replace("{e}", str(expert))
+    return template
 
 
 class NameTable:
-    """Looks up the rule of a concrete Megatron name (global layer index filled in)."""
+    """Looks up the rule of a concrete Megatron name (global layer index, local expert index filled in)."""
 
     def __init__(self, rules: list[Rule]):
-        self._exact = {r.megatron: r for r in rules if "{}" not in r.megatron}
-        self._layer = {r.megatron: r for r in rules if "{}" in r.megatron}
+        self._exact = {r.megatron: r for r in rules if "{" not in r.megatron}
+        self._patterns = [(re.compile("^" + re.escape(r.megatron).replace(r"\{\}", r"(?P<layer>\d+)")
+                                      .replace(r"\{e\}", r"(?P<expert>\d+)") + "$"), r)
+                          for r in rules if "{" in r.megatron]
 
-    def lookup(self, megatron_name: str) -> tuple[Rule, int | None]:
-        """The rule for `megatron_name` and its layer index (None outside the layers); KeyError if unknown."""
+    def lookup(self, megatron_name: str) -> tuple[Rule, int | None, int | None]:
+        """The rule for `megatron_name`, its layer index and its (local) expert index, None where the name
+        has none; KeyError if unknown."""
         if megatron_name in self._exact:
-            return self._exact[megatron_name], None
-        match = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", megatron_name)
-        if match:
-            key = "decoder.layers.{}." + match.group(2)
-            if key in self._layer:
-                return self._layer[key], int(match.group(1))
+            return self._exact[megatron_name], None, None
+        for pattern, rule in self._patterns:
+            match = pattern.match(megatron_name)
+            if match:
+                found = match.groupdict()
+                return rule, int(found["layer"]), int(found["expert"]) if "expert" in found else None
         raise KeyError(f"no HF name known for Megatron parameter {megatron_name!r}")
 
-    def hf_names(self, megatron_name: str) -> tuple[str, ...]:
-        rule, layer = self.lookup(megatron_name)
-        return tuple(n.replace("{}", str(layer)) for n in rule.hf) if layer is not None else rule.hf
+    def hf_names(self, megatron_name: str, *, expert_offset: int = 0) -> tuple[str, ...]:
+        """HF names of a Megatron parameter; a local expert index j becomes the global j + expert_offset."""
+        rule, layer, expert = self.lookup(megatron_name)
+        return tuple(fill(n, layer=layer, expert=None if expert is None else expert + expert_offset) for n in rule.hf)

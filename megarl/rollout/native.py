@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -19,6 +20,35 @@ import torch
 from torch import Tensor
 
 log = logging.getLogger(__name__)
+
+
+# transformers 5 keeps a MoE layer's experts as two stacked parameters, `mlp.experts.gate_up_proj`
+# [E, 2*I, H] (each expert's gate rows, then its up rows) and `mlp.experts.down_proj` [E, H, I], while
+# checkpoints, and so the weight handoff, name every expert's projections on their own (Mixtral: w1 gate,
+# w3 up, w2 down, inside `block_sparse_moe`, which transformers calls `mlp`).
+_CHECKPOINT_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(gate_proj|w1|up_proj|w3|down_proj|w2)\.weight$")
+_STACKED = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+            "w3": ("gate_up_proj", 1), "down_proj": ("down_proj", None), "w2": ("down_proj", None)}
+
+
+def _slot(name: str) -> tuple[str, int | None, int | None]:
+    """Where a checkpoint-named tensor goes: (model parameter, expert index, half of gate_up) or (name, None,
+    None) for a tensor that is a whole parameter."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    match = _CHECKPOINT_EXPERT.match(name)
+    if match is None:
+        return name, None, None
+    stacked, half = _STACKED[match.group(3)]
+    return f"{match.group(1)}.experts.{stacked}", int(match.group(2)), half
+
+
+def _slots_of(name: str, param: Tensor) -> set[tuple[str, int | None, int | None]]:
+    """Every slot a full weight push fills in one model parameter."""
+    if name.endswith("experts.gate_up_proj"):
+        return {(name, e, half) for e in range(param.shape[0]) for half in (0, 1)}
+    if name.endswith("experts.down_proj"):
+        return {(name, e, None) for e in range(param.shape[0])}
+    return {(name, None, None)}
 
 
 @dataclass(frozen=True)
@@ -101,21 +131,25 @@ class NativeEngine:
 
     @torch.no_grad()
     def update_weights(self, buckets: Iterable[list[tuple[str, Tensor]]], *, version: int) -> None:
-        """Copy HF-named full tensors into the model, bucket by bucket; every parameter must arrive."""
-        missing = set(self._params)
+        """Copy HF-named full tensors (checkpoint names) into the model, bucket by bucket; every parameter,
+        and every expert of a stacked expert parameter, must arrive."""
+        missing = set().union(*(_slots_of(n, p) for n, p in self._params.items()))
         for bucket in buckets:
             for name, tensor in bucket:
-                target = self._params.get(name)
+                param_name, expert, half = slot = _slot(name)
+                target = self._params.get(param_name)
                 if target is None:
                     if name == "lm_head.weight":  # tied to the embedding: arrives under that name
                         continue
                     raise KeyError(f"rollout model has no parameter {name!r}")
+                if expert is not None:
+                    target = target[expert] if half is None else target[expert].chunk(2, dim=0)[half]
                 if target.shape != tensor.shape:
                     raise ValueError(f"{name}: pushed shape {tuple(tensor.shape)} != {tuple(target.shape)}")
                 target.copy_(tensor.to(target.device, target.dtype))
-                missing.discard(name)
+                missing.discard(slot)
         if missing:
-            raise ValueError(f"weight push of version {version} missed parameters: {sorted(missing)[:5]}")
+            raise ValueError(f"weight push of version {version} missed parameters: {sorted({m[0] for m in missing})[:5]}")
         self.weight_version = version
 
     # The memory choreography of co-located engines; a native engine keeps its memory.

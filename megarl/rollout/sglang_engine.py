@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 from torch import Tensor
