@@ -35,7 +35,7 @@ from megarl.engine.megatron import ParallelGroups, TrainEngine, check_megatron_f
 from megarl.handoff import push_weights
 from megarl.metrics import MetricsWriter, PhaseTimer
 from megarl.models.arch import check_layout, read_shape
-from megarl.rewards.exact import exact_answer_reward
+from megarl.rewards.scorer import Sample, Scorer, build_terms
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class RLRun:
     rollout: object | None            # the engine, on the first rank of the model-parallel group only
     prompts_per_rank: int
     advantages: Callable[[Tensor, Tensor, Tensor], Tensor]  # (rewards [B], group_ids [B], mask [B, T]) -> [B, T]
+    scorer: Scorer                    # the recipe's reward terms, in process or on Ray workers
     weight_version: int = 0
 
     @property
@@ -77,7 +78,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
         for engine in run.trainer_engines():
             engine.onload()
     with timer("reward"):
-        batch, reward_failures = score(batch)
+        batch, reward_failures = score(run.scorer, batch)
     with timer("logprobs"):
         batch = compute_logprobs(run, batch)
     with timer("advantages"):
@@ -128,22 +129,20 @@ def generate(run: RLRun, rows: list[PromptRow], *, n_samples: int) -> RolloutBat
         responses=[run.tokenizer.decode(r, skip_special_tokens=True) for r in gen.response_ids],
         answers=[row.answer for row in rows for _ in range(n_samples)],
         finish_reasons=gen.finish_reasons,
+        prompt_texts=[row.prompt for row in rows for _ in range(n_samples)],
+        metadata=[row.metadata for row in rows for _ in range(n_samples)],
     )
 
 
-def score(batch: RolloutBatch) -> tuple[RolloutBatch, int]:
-    """Exact-answer rewards [B]; a reward that raises or returns NaN scores 0 and is counted."""
-    rewards, failures = [], 0
-    for response, answer in zip(batch.responses, batch.answers):
-        try:
-            value = float(exact_answer_reward(response, answer))
-            if math.isnan(value):
-                raise ValueError("reward is NaN")
-        except Exception as e:  # noqa: BLE001 - a reward must never end the run
-            if failures == 0:
-                log.warning("reward failed on response %r: %s", response[:200], e)
-            value, failures = 0.0, failures + 1
-        rewards.append(value)
+def score(scorer: Scorer, batch: RolloutBatch) -> tuple[RolloutBatch, int]:
+    """The recipe's rewards [B] and the number of samples whose reward failed (scored 0; see Scorer).
+
+    A reward-model term would be computed here, by the trainer over `batch.tokens`, and added to these.
+    """
+    response_tokens = batch.response_mask.sum(-1).long().tolist()
+    samples = [Sample(*fields) for fields in zip(batch.prompt_texts, batch.responses, batch.answers,
+                                                 batch.metadata, response_tokens)]
+    rewards, failures = scorer(samples)
     return batch.replace(rewards=torch.tensor(rewards)), failures
 
 
@@ -209,7 +208,7 @@ def push_policy(run: RLRun) -> dict:
 def evaluate(run: RLRun) -> dict[str, float]:
     """Mean reward on the fixed held-out prompts (this rank's share), one sample each, as in training."""
     rows = run.eval_rows[run.groups.dp_rank:: run.groups.dp_size]
-    batch, _ = score(generate(run, rows, n_samples=1))
+    batch, _ = score(run.scorer, generate(run, rows, n_samples=1))
     total = global_sum(run, float(batch.rewards.sum()))
     return {"eval/reward_mean": total / global_sum(run, float(len(batch)))}
 
@@ -365,6 +364,7 @@ def export_policy(engine: TrainEngine, groups: ParallelGroups, *, source_dir: st
 def check_launch(cfg: Config, groups: ParallelGroups) -> None:
     """Batch sizes against this launch's data-parallel size; RecipeError names the keys."""
     check_megatron_fields(cfg.model.megatron)
+    build_terms(cfg.reward)  # a custom reward that does not import stops here, before any work
     dp = groups.dp_size
     if cfg.data.prompts_per_step % dp:
         raise RecipeError(f"data.prompts_per_step={cfg.data.prompts_per_step} is not divisible by the "
@@ -391,7 +391,7 @@ def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: lis
     return RLRun(cfg=cfg, groups=groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
                  sampler=sampler, actor=actor, reference=reference, rollout=rollout,
                  prompts_per_rank=cfg.data.prompts_per_step // groups.dp_size,
-                 advantages=advantage_fn(cfg.algo, groups))
+                 advantages=advantage_fn(cfg.algo, groups), scorer=Scorer(cfg.reward))
 
 
 def train(cfg: Config) -> Path:
@@ -416,9 +416,10 @@ def train(cfg: Config) -> Path:
         raise RecipeError(f"parallel: {e}") from None
     check_launch(cfg, groups)
     data = cfg.data
-    train_rows = load_prompts(data.train_path, prompt_key=data.prompt_key, answer_key=data.answer_key)
-    eval_rows = load_prompts(data.eval_path, prompt_key=data.prompt_key,
-                             answer_key=data.answer_key)[: data.eval_prompts] if data.eval_path else []
+    fields = dict(prompt_key=data.prompt_key, answer_key=data.answer_key, metadata_key=data.metadata_key,
+                  skip_bad_rows=data.skip_bad_rows)
+    train_rows = load_prompts(data.train_path, **fields)
+    eval_rows = load_prompts(data.eval_path, **fields)[: data.eval_prompts] if data.eval_path else []
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     model_dir = sft_warmup(cfg, groups, tokenizer, train_rows) if cfg.warmup.sft_steps else cfg.model.path
     run = build_run(cfg, groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
@@ -442,6 +443,7 @@ def train(cfg: Config) -> Path:
                           meta={"step": cfg.train.steps})
     finally:
         writer.close()
+        run.scorer.close()
         if run.rollout is not None:
             run.rollout.shutdown()
     return final

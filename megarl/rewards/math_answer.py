@@ -52,7 +52,7 @@ def parse_reference(answer: str) -> list:
     else:
         text = _as_latex(answer.strip())
     parsed = _parse(text)
-    if not parsed:
+    if not parsed or isinstance(parsed[0], str):  # only the raw text came back: nothing parsed as math
         raise ValueError(f"reference answer {answer[-200:]!r} has no parsable final answer")
     return parsed
 
