@@ -12,18 +12,32 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import sys
 from collections.abc import Sequence
 
 from megarl.config import RecipeError, RewardConfig
 from megarl.rewards.scorer import Outcome, Sample, build_terms, score_samples
 
-TASK_RETRIES = 2  # fresh workers a chunk gets after the one running it dies
+TASK_RETRIES = 1  # fresh workers a chunk gets after the one running it dies
 CHUNKS_PER_WORKER = 2  # smaller chunks keep all workers busy when samples take uneven times
 STARTUP_S = 60.0  # slack in a chunk's deadline for starting a worker and importing the rewards
 
 
 def _score_chunk(cfg: RewardConfig, samples: list[Sample]) -> list[Outcome]:
     return score_samples(build_terms(cfg), samples, timeout_s=cfg.timeout_s)
+
+
+def start_ray(address: str | None, *, workers: int) -> None:
+    """Connect to the cluster at `address`, or start a local Ray instance with `workers` CPUs."""
+    import ray
+
+    local = {} if address else dict(
+        num_cpus=workers, object_store_memory=128 * 2**20,
+        # Workers import custom reward functions by name, so they get the trainer's import path: a function
+        # the trainer can import, its workers can. On a cluster, the cluster's own setup decides.
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}})
+    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING, **local)
 
 
 class RayPool:
@@ -35,8 +49,7 @@ class RayPool:
         self.cfg, self.ray = cfg, ray
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
-            local = {} if cfg.ray_address else dict(num_cpus=cfg.workers, object_store_memory=128 * 2**20)
-            ray.init(address=cfg.ray_address, include_dashboard=False, logging_level=logging.WARNING, **local)
+            start_ray(cfg.ray_address, workers=cfg.workers)
         self.task = ray.remote(num_cpus=1, max_retries=TASK_RETRIES)(_score_chunk)
 
     def score(self, samples: Sequence[Sample]) -> list[Outcome]:
