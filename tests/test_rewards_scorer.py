@@ -9,7 +9,7 @@ import math
 import pytest
 
 from megarl.config import RecipeError, RewardConfig, RewardTermConfig
-from megarl.rewards.scorer import Sample, Scorer, score_sample, build_terms, time_limit, SampleTimeout
+from megarl.rewards.scorer import SampleTimeout, Sample, Scorer, build_terms, score_sample, time_limit
 
 FORMAT = r"\A<think>.*</think>"
 
@@ -72,7 +72,7 @@ def test_score_sample_names_each_kind_of_failure():
     terms = build_terms(RewardConfig(terms=[term("custom", function="reward_fns:fails_on_bad")], timeout_s=0.3))
     reasons = [score_sample(terms, Sample("", r, ""), timeout_s=0.3)[1] for r in ("bad", "nan", "slow")]
     assert reasons == ["RuntimeError: cannot score this one", "reward is nan", "scoring took longer than 0.3 s"]
-    assert all(math.isnan(score_sample(terms, Sample("", "bad", ""), timeout_s=1)[0]) for _ in range(1))
+    assert math.isnan(score_sample(terms, Sample("", "bad", ""), timeout_s=1)[0])  # settle() makes it 0
 
 
 def test_time_limit_restores_an_outer_timer():
@@ -105,9 +105,8 @@ def test_a_custom_function_that_does_not_import_is_a_recipe_error_naming_the_key
     cfg = RewardConfig(terms=[term("math"), term("custom", function=spec)])
     with pytest.raises(RecipeError) as err:
         Scorer(cfg)
-    assert str(err.value).startswith(f"reward.terms[1].function: cannot import {spec!r}") or \
-        str(err.value).startswith("reward.terms[1].function: "), err.value
-    assert what in str(err.value)
+    message = str(err.value)
+    assert message.startswith("reward.terms[1].function: ") and repr(spec) in message and what in message
 
 
 def test_a_code_term_scores_the_response_against_the_answer_tests():
