@@ -25,5 +25,6 @@ RUN pip install --no-cache-dir --no-build-isolation "transformer_engine[pytorch]
 COPY . .
 # The base image's torch stays: install megarl without letting pip replace it.
 RUN pip install --no-cache-dir --no-deps -e . \
- && pip install --no-cache-dir "megatron-core==0.16.1" "safetensors>=0.4" "pyyaml>=6" "psutil>=5.9" "tqdm>=4.66"
+ && pip install --no-cache-dir "megatron-core==0.16.1" "safetensors>=0.4" "pyyaml>=6" "psutil>=5.9" "tqdm>=4.66" \
+    "math-verify>=0.9,<1" "ray>=2.40" "pyarrow>=15"
 CMD ["bash"]

@@ -24,9 +24,14 @@ setup(
         "numpy>=1.26",
         "psutil>=5.9",  # megatron's dist-checkpoint writer dies without it
         "tqdm>=4.66",
+        # The `math` reward. A core dependency because it is light: pure Python plus the antlr4 runtime,
+        # over sympy, which torch already installs; it is imported only when a math reward is scored.
+        "math-verify>=0.9,<1",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "ray>=2.40", "pyarrow>=15"],
+        "ray": ["ray>=2.40"],  # reward.workers: score on a Ray pool
+        "parquet": ["pyarrow>=15"],  # .parquet prompt sets
         "tensorboard": ["tensorboard>=2.16"],
         "gpu": ["transformer-engine[pytorch]>=2.4", "apex"],
         "sglang": ["sglang==0.5.23"],

@@ -26,6 +26,8 @@ class RolloutBatch:
     responses: list[str]                  # [B] decoded responses
     answers: list[str]                    # [B] reference answers of the prompts
     finish_reasons: list[str]             # [B] "stop" or "length"
+    prompt_texts: list[str]               # [B] the prompts as text, before any chat template (for rewards)
+    metadata: list[dict]                  # [B] the prompt rows' metadata (for rewards)
     rewards: Tensor | None = None         # [B]
     old_logprobs: Tensor | None = None    # [B, T] trainer logprobs before the update
     ref_logprobs: Tensor | None = None    # [B, T] reference-model logprobs

@@ -38,6 +38,7 @@ LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 GROUP_BASELINE_ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp_baseline")
 # Algorithms whose advantages are per token, so a KL penalty can be folded into the token rewards.
 TOKEN_REWARD_ALGOS = ("ppo", "reinforce_pp")
+PROMPT_FILE_SUFFIXES = (".jsonl", ".parquet")
 
 
 class ConfigError(Exception):
@@ -133,14 +134,11 @@ class AlgoConfig:
     lam: float = 0.95  # ppo: GAE lambda
     dynamic_sampling: bool | None = None  # drop groups whose rewards are all equal and sample more; null = dapo only
     max_sampling_rounds: int = 4  # dynamic sampling: most generation rounds per step before giving up
-    overlong_buffer: int = 0  # DAPO soft overlong penalty over the last this many tokens before the limit; 0 = off
-    overlong_penalty: float = 1.0  # reward subtracted at the generation limit (scaled linearly in the buffer)
     loss_agg: LossAgg = "token-mean"  # how per-token losses reduce to one number
     epochs: int = 1  # optimizer passes over each rollout batch
 
     def check(self) -> None:
-        _at_least(self, 0, "clip_low", "clip_high", "kl_coef", "entropy_coef", "overlong_buffer",
-                  "overlong_penalty")
+        _at_least(self, 0, "clip_low", "clip_high", "kl_coef", "entropy_coef")
         _at_least(self, 1, "epochs", "max_sampling_rounds", "kl_horizon")
         if self.dual_clip is not None and not self.dual_clip > 1:
             raise FieldError("dual_clip", f"must be > 1, got {self.dual_clip}")
@@ -205,10 +203,12 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    train_path: str = field(metadata={"path": "file"})  # JSONL prompt set, one {prompt, answer} object a line
-    eval_path: str | None = field(default=None, metadata={"path": "file"})  # JSONL eval set; null = no eval
-    prompt_key: str = "prompt"  # JSON key of the prompt text
-    answer_key: str = "answer"  # JSON key of the reference answer
+    train_path: str = field(metadata={"path": "file"})  # prompt set: .jsonl (one object a line) or .parquet
+    eval_path: str | None = field(default=None, metadata={"path": "file"})  # held-out set, same formats; null = no eval
+    prompt_key: str = "prompt"  # field of the prompt text
+    answer_key: str = "answer"  # field of the reference answer
+    metadata_key: str | None = None  # field holding a mapping handed to rewards as metadata; null = all other fields
+    skip_bad_rows: bool = False  # skip malformed rows (counted, with a warning) instead of stopping at the first
     prompts_per_step: int = 8  # prompts per RL step (global, before n_samples)
     shuffle: bool = True  # reshuffle the prompt order every epoch (seeded)
     chat_template: bool = False  # wrap prompts in the tokenizer's chat template
@@ -217,11 +217,92 @@ class DataConfig:
 
     def check(self) -> None:
         _at_least(self, 1, "prompts_per_step", "eval_every", "eval_prompts")
+        for name in ("train_path", "eval_path"):
+            path = getattr(self, name)
+            if path is not None and not path.endswith(PROMPT_FILE_SUFFIXES):
+                raise FieldError(name, f"expected a {' or '.join(PROMPT_FILE_SUFFIXES)} file, got {path}")
+
+
+RewardKind = Literal["exact_answer", "math", "format", "length_penalty", "code", "custom"]
+# The options each reward kind reads; any other option set on a term is a mistake the loader reports.
+REWARD_TERM_OPTIONS = {
+    "exact_answer": (),
+    "math": (),
+    "format": ("pattern",),
+    "length_penalty": ("max_tokens", "cache_tokens"),
+    "code": ("sandbox",),
+    "custom": ("function",),
+}
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    cpu_s: int = 5  # CPU seconds of each process of one run (RLIMIT_CPU)
+    wall_s: float = 10.0  # wall-clock seconds before the run's whole process group is killed
+    memory_mb: int = 512  # address space of each process (RLIMIT_AS)
+    output_bytes: int = 65536  # largest file a run may write, its stdout and stderr included (RLIMIT_FSIZE)
+
+    def check(self) -> None:
+        _positive(self, "cpu_s", "wall_s", "memory_mb", "output_bytes")
+
+
+@dataclass(frozen=True)
+class RewardTermConfig:
+    """One weighted term of the reward. The options below `weight` belong to one kind each (the comment
+    says which, REWARD_TERM_OPTIONS is the table); setting one for another kind is an error."""
+
+    kind: RewardKind  # exact_answer | math | format | length_penalty | code | custom
+    weight: float = 1.0  # the term's factor in the summed reward
+    pattern: str | None = None  # format: regex searched in the response (re.DOTALL); 1 when found, else 0
+    max_tokens: int | None = None  # length_penalty: response length, in tokens, where the penalty reaches -1
+    cache_tokens: int | None = None  # length_penalty: the penalty ramps from 0 to -1 over this many tokens
+    sandbox: SandboxConfig | None = None  # code: limits of each run; null = the SandboxConfig defaults
+    function: str | None = None  # custom: `module:function`, called with prompt, response, answer, metadata
+
+    def check(self) -> None:
+        used = REWARD_TERM_OPTIONS[self.kind]
+        for name in ("pattern", "max_tokens", "cache_tokens", "sandbox", "function"):
+            if getattr(self, name) is not None and name not in used:
+                raise FieldError(name, f"is not an option of kind {self.kind!r} "
+                                       f"(its options: {', '.join(('weight', *used))})")
+        for name in used:
+            if getattr(self, name) is None and name != "sandbox":
+                raise FieldError(name, f"required for kind {self.kind!r}")
+        if self.kind == "format":
+            try:
+                re.compile(self.pattern)
+            except re.error as e:
+                raise FieldError("pattern", f"invalid regex: {e}") from None
+        if self.kind == "length_penalty":
+            _at_least(self, 1, "max_tokens", "cache_tokens")
+            if self.cache_tokens > self.max_tokens:
+                raise FieldError("cache_tokens", f"must be <= max_tokens={self.max_tokens}, got {self.cache_tokens}")
+        if self.kind == "custom":
+            module, _, name = self.function.partition(":")
+            if not (name.isidentifier() and all(part.isidentifier() for part in module.split("."))):
+                raise FieldError("function", f"expected 'module:function', got {self.function!r}")
+
+
+def _exact_answer_terms() -> list[RewardTermConfig]:
+    return [RewardTermConfig(kind="exact_answer")]
 
 
 @dataclass(frozen=True)
 class RewardConfig:
-    kind: Literal["exact_answer"] = "exact_answer"  # reward function
+    # Every term here scores one sample from its text. A reward-model term (a value head the trainer runs
+    # over the whole batch) is a different kind of thing and would be added to their sum in score().
+    terms: list[RewardTermConfig] = field(default_factory=_exact_answer_terms)  # summed, each times its weight
+    timeout_s: float = 30.0  # time limit of scoring one sample (all its terms); past it the sample fails
+    workers: int = 0  # Ray workers that score in parallel; 0 = score in the trainer process
+    ray_address: str | None = None  # Ray cluster for the workers; null = start a local instance
+
+    def check(self) -> None:
+        if not self.terms:
+            raise FieldError("terms", "needs at least one term")
+        _positive(self, "timeout_s")
+        _at_least(self, 0, "workers")
+        if self.ray_address is not None and self.workers == 0:
+            raise FieldError("ray_address", "is set but workers is 0: scoring would not use the cluster")
 
 
 @dataclass(frozen=True)

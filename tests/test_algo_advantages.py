@@ -13,7 +13,6 @@ from megarl.algo.advantages import (
     gae,
     grpo_advantages,
     kl_penalized_token_rewards,
-    overlong_penalty,
     reinforce_baseline_advantages,
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
@@ -176,16 +175,6 @@ def test_adaptive_kl_controller_and_checkpoint():
     restored = FixedKLController(0.0)
     restored.load_state_dict(fixed.state_dict())
     assert restored.value == 0.05
-
-
-def test_overlong_penalty_dapo():
-    lengths = torch.tensor([10, 16, 17, 18, 20, 25])
-    # max_len 20, buffer 4: free up to 16, then -(len - 16)/4: 17 -> -.25, 18 -> -.5, 20 -> -1; beyond -> -1
-    close(overlong_penalty(lengths, max_len=20, buffer=4), [0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
-    close(overlong_penalty(lengths, max_len=20, buffer=4, penalty=0.5), [0.0, 0.0, -0.125, -0.25, -0.5, -0.5])
-    close(overlong_penalty(lengths, max_len=20, buffer=0), [0.0, 0.0, 0.0, 0.0, 0.0, -1.0])
-    with pytest.raises(ValueError, match="buffer"):
-        overlong_penalty(lengths, max_len=20, buffer=30)
 
 
 def test_dynamic_sampling_keeps_groups_with_reward_variance():

@@ -169,3 +169,57 @@ def test_import_pulls_in_no_heavy_backend():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ---- reward terms -----------------------------------------------------------------------------------------
+def test_reward_terms_load_with_their_options(recipe):
+    cfg = load_config(recipe(
+        "reward:\n  workers: 2\n  terms:\n"
+        "    - {kind: math, weight: 1.0}\n"
+        "    - {kind: format, weight: 0.1, pattern: '<answer>.*</answer>'}\n"
+        "    - {kind: length_penalty, weight: 0.5, max_tokens: 512, cache_tokens: 128}\n"
+        "    - {kind: code, sandbox: {cpu_s: 2}}\n"
+        "    - {kind: custom, function: 'my_rewards:score'}\n"))
+    kinds = [t.kind for t in cfg.reward.terms]
+    assert kinds == ["math", "format", "length_penalty", "code", "custom"] and cfg.reward.workers == 2
+    assert cfg.reward.terms[3].sandbox.cpu_s == 2 and cfg.reward.terms[3].sandbox.wall_s == 10.0
+
+
+def test_default_reward_is_one_exact_answer_term(recipe):
+    [only] = load_config(recipe()).reward.terms
+    assert only.kind == "exact_answer" and only.weight == 1.0
+
+
+@pytest.mark.parametrize("body, message", [
+    ("    - {kind: mth}\n",
+     "reward.terms[0].kind: expected one of 'exact_answer', 'math', 'format', 'length_penalty', 'code', 'custom',"
+     " got 'mth' (str) (did you mean 'math'?)"),
+    ("    - {kind: math, wieght: 2}\n", "reward.terms[0].wieght: unknown key (did you mean 'weight'?)"),
+    ("    - {kind: math}\n    - {kind: math, pattern: x}\n",
+     "reward.terms[1].pattern: is not an option of kind 'math' (its options: weight)"),
+    ("    - {kind: format}\n", "reward.terms[0].pattern: required for kind 'format'"),
+    ("    - {kind: format, pattern: '(unclosed'}\n",
+     "reward.terms[0].pattern: invalid regex: missing ), unterminated subpattern at position 0"),
+    ("    - {kind: length_penalty, max_tokens: 10, cache_tokens: 20}\n",
+     "reward.terms[0].cache_tokens: must be <= max_tokens=10, got 20"),
+    ("    - {kind: custom, function: my_rewards.score}\n",
+     "reward.terms[0].function: expected 'module:function', got 'my_rewards.score'"),
+    ("    - {kind: code, sandbox: {cpu_seconds: 1}}\n",
+     "reward.terms[0].sandbox.cpu_seconds: unknown key (did you mean 'cpu_s'?)"),
+])
+def test_reward_term_mistakes_name_the_key_and_file(recipe, body, message):
+    path = recipe("reward:\n  terms:\n" + body)
+    assert error_of(path) == f"{path}: {message}"
+
+
+def test_old_reward_kind_key_is_an_error_naming_it(recipe):
+    path = recipe("reward:\n  kind: exact_answer\n")
+    assert error_of(path).startswith(f"{path}: reward.kind: unknown key (")
+
+
+def test_data_file_must_be_jsonl_or_parquet(recipe, tmp_path):
+    (tmp_path / "train.csv").write_text("prompt,answer\n")
+    path = recipe()
+    assert error_of(path, ["data.train_path=train.csv"]) == (
+        f"{path}: override 'data.train_path=train.csv': data.train_path: expected a .jsonl or .parquet file, "
+        f"got {tmp_path / 'train.csv'}")

@@ -145,3 +145,68 @@ def test_sampler_rejects_impossible_arguments(kwargs):
 def test_state_that_does_not_fit_the_data_is_rejected():
     with pytest.raises(ValueError, match="does not fit"):
         PromptSampler(4, seed=0).load_state_dict({"epoch": 0, "position": 5})
+
+
+# ---- formats, metadata field, bad rows -------------------------------------------------------------------
+def test_parquet_and_jsonl_load_the_same_rows_with_a_metadata_field(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    records = [{"question": "1+1=", "solution": "#### 2", "info": {"level": 1}},
+               {"question": "2+3=", "solution": "#### 5", "info": {"level": 2}}]
+    jsonl = write_lines(tmp_path / "p.jsonl", [json.dumps(r) for r in records])
+    parquet = tmp_path / "p.parquet"
+    pq.write_table(pa.Table.from_pylist(records), parquet)
+    keys = dict(prompt_key="question", answer_key="solution", metadata_key="info")
+    expected = [PromptRow("1+1=", "#### 2", 0, {"level": 1}), PromptRow("2+3=", "#### 5", 1, {"level": 2})]
+    assert load_prompts(jsonl, **keys) == load_prompts(parquet, **keys) == expected
+
+
+def test_a_malformed_parquet_row_names_file_and_row(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "answer": "1"}, {"prompt": None, "answer": "2"}]), path)
+    with pytest.raises(DataError, match=f"{path}:row 2: 'prompt' must be a string, got NoneType"):
+        load_prompts(path)
+
+
+def test_metadata_field_that_is_not_a_mapping_names_the_line(tmp_path):
+    path = write_lines(tmp_path / "m.jsonl", ['{"prompt": "p", "answer": "a", "info": [1]}'])
+    with pytest.raises(DataError, match=f"{path}:1: 'info' must be a mapping, got list"):
+        load_prompts(path, metadata_key="info")
+
+
+def test_skip_bad_rows_counts_and_warns_once(tmp_path, caplog):
+    good = '{"prompt": "1+1=", "answer": "2"}'
+    path = write_lines(tmp_path / "mixed.jsonl", [good, '{"prompt": ', '{"answer": "4"}', "",
+                                                   '{"prompt": "2+2=", "answer": 4}', good])
+    with caplog.at_level("WARNING", logger="megarl.data.prompts"):
+        rows = load_prompts(path, skip_bad_rows=True)
+    assert [r.index for r in rows] == [0, 1] and [r.prompt for r in rows] == ["1+1=", "1+1="]
+    [record] = caplog.records
+    assert f"{path}: skipped 3 malformed rows of 5 (first: {path}:2: invalid JSON" in record.message
+
+
+def test_skip_bad_rows_with_nothing_left_is_an_error(tmp_path):
+    path = write_lines(tmp_path / "allbad.jsonl", ["[1]", "{}"])
+    with pytest.raises(DataError, match=f"{path}: all 2 rows are malformed"):
+        load_prompts(path, skip_bad_rows=True)
+
+
+def test_math_word_sets_are_deterministic_and_load(tmp_path, capsys):
+    from megarl.data.math_word import main, make_math_word_sets
+
+    a = make_math_word_sets(tmp_path / "a", seed=1, size=30)
+    b = make_math_word_sets(tmp_path / "b", seed=1, size=30)
+    c = make_math_word_sets(tmp_path / "c", seed=2, size=30)
+    assert [p.read_bytes() for p in a] == [p.read_bytes() for p in b]
+    assert a[0].read_bytes() != c[0].read_bytes()
+    gsm8k, math_style = (load_prompts(p) for p in a)
+    assert len(gsm8k) == len(math_style) == 30
+    assert all(r.answer.rsplit("\n", 1)[1].startswith("#### ") for r in gsm8k)
+    assert {r.metadata["subject"] for r in math_style} <= {"fractions", "algebra", "radicals", "probability",
+                                                          "number_theory"}
+    main(["--out", str(tmp_path / "cli"), "--size", "3"])
+    assert "math_style.jsonl" in capsys.readouterr().out

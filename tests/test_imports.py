@@ -11,7 +11,9 @@ HEAVY = ("megatron", "sglang", "transformer_engine", "apex", "ray")
 LIGHT_MODULES = (
     "megarl", "megarl.config", "megarl.algo.advantages", "megarl.algo.aggregate", "megarl.algo.kl",
     "megarl.algo.losses", "megarl.batch", "megarl.handoff", "megarl.metrics", "megarl.cli", "megarl.checkpoint",
-    "megarl.data.prompts", "megarl.data.arithmetic", "megarl.rewards.exact", "megarl.models.arch",
+    "megarl.data.prompts", "megarl.data.arithmetic", "megarl.data.math_word", "megarl.rewards.exact",
+    "megarl.rewards.math_answer", "megarl.rewards.shaping", "megarl.rewards.sandbox", "megarl.rewards.scorer",
+    "megarl.rewards.pool", "megarl.models.arch",
     "megarl.models.names", "megarl.models.layout", "megarl.rollout.native", "megarl.engine.cpu_compat",
     "megarl.engine.megatron", "megarl.loops.rl",
 )

@@ -11,7 +11,7 @@ import torch
 from megarl.algo.aggregate import LossNorm
 from megarl.batch import RolloutBatch
 from megarl.config import AlgoConfig, ConfigError, load_config
-from megarl.loops.rl import advantage_fn, final_rewards, kl_controller, policy_loss
+from megarl.loops.rl import advantage_fn, kl_controller, policy_loss
 
 
 def make_batch(*, rewards, mask, old=None, ref=None, values=None, group_ids=None) -> RolloutBatch:
@@ -23,7 +23,7 @@ def make_batch(*, rewards, mask, old=None, ref=None, values=None, group_ids=None
         prompt_lens=torch.ones(batch, dtype=torch.long),
         group_ids=torch.tensor(group_ids if group_ids is not None else [0] * batch),
         rollout_logprobs=zeros, responses=[f"r{i}" for i in range(batch)], answers=["a"] * batch,
-        finish_reasons=["stop"] * batch, rewards=torch.tensor(rewards, dtype=torch.float32),
+        finish_reasons=["stop"] * batch, prompt_texts=["p"] * batch, metadata=[{}] * batch, rewards=torch.tensor(rewards, dtype=torch.float32),
         old_logprobs=torch.tensor(old) if old is not None else zeros,
         ref_logprobs=torch.tensor(ref) if ref is not None else None,
         values=torch.tensor(values) if values is not None else None,
@@ -41,7 +41,7 @@ def test_ppo_folds_the_kl_into_token_rewards_then_gae_then_whitens():
     batch = make_batch(rewards=[1.0], mask=[[0, 1, 1]], old=[[0.0, -1.0, -2.0]], ref=[[0.0, -1.5, -2.0]],
                        values=[[0.0, 0.5, 0.2]])
     algo = AlgoConfig(name="ppo", kl_coef=0.1, kl_in_reward=True, kl_estimator="k1", gamma=1.0, lam=1.0)
-    advantages, returns = advantage_fn(algo, max_len=8, group=None)(batch, 0.1)
+    advantages, returns = advantage_fn(algo, group=None)(batch, 0.1)
     # token rewards [-, -0.05, 1.0]; gamma = lam = 1: A_2 = 1 - 0.2 = 0.8, A_1 = -0.05 + 1 - 0.5 = 0.45
     close(returns, [[0.0, 0.95, 1.0]])  # returns = A + V, before whitening
     close(advantages, [[0.0, -1.0, 1.0]], tol=1e-4)  # (A - 0.625) / 0.175
@@ -51,7 +51,7 @@ def test_ppo_kl_coef_comes_from_the_controller_at_call_time():
     batch = make_batch(rewards=[0.0], mask=[[0, 1, 1]], old=[[0.0, -1.0, -2.0]], ref=[[0.0, -1.5, -2.0]],
                        values=[[0.0, 0.0, 0.0]])
     algo = AlgoConfig(name="ppo", kl_coef=0.1, kl_in_reward=True, kl_estimator="k1", lam=1.0)
-    estimate = advantage_fn(algo, max_len=8, group=None)
+    estimate = advantage_fn(algo, group=None)
     _, with_kl = estimate(batch, 0.1)
     _, without = estimate(batch, 0.0)
     close(with_kl, [[0.0, -0.05, 0.0]])
@@ -68,27 +68,16 @@ def test_ppo_kl_coef_comes_from_the_controller_at_call_time():
 def test_group_estimators_broadcast_sequence_advantages_to_response_tokens(name, expected):
     mask = [[0, 1, 1]] * 4
     batch = make_batch(rewards=[1.0, 0.0, 0.0, 0.0], mask=mask)
-    advantages, returns = advantage_fn(AlgoConfig(name=name), max_len=8, group=None)(batch, 0.0)
+    advantages, returns = advantage_fn(AlgoConfig(name=name), group=None)(batch, 0.0)
     assert returns is None
     close(advantages, [[0.0, a, a] for a in expected], tol=1e-4)
 
 
 def test_reinforce_pp_baseline_whitens_group_centered_rewards_over_tokens():
     batch = make_batch(rewards=[1.0, 0.0], mask=[[0, 1, 1], [0, 1, 1]])
-    advantages, _ = advantage_fn(AlgoConfig(name="reinforce_pp_baseline"), max_len=8, group=None)(batch, 0.0)
+    advantages, _ = advantage_fn(AlgoConfig(name="reinforce_pp_baseline"), group=None)(batch, 0.0)
     # centered [0.5, -0.5] on four tokens: mean 0, population std 0.5 -> [1, -1]
     close(advantages, [[0.0, 1.0, 1.0], [0.0, -1.0, -1.0]], tol=1e-4)
-
-
-def test_overlong_shaping_changes_the_rewards_the_advantages_see():
-    # lengths 6, 5, 4, 3 against max_len 6 with a 2-token buffer: penalties -1, -0.5, 0, 0
-    mask = [[1] * n + [0] * (6 - n) for n in (6, 5, 4, 3)]
-    batch = make_batch(rewards=[1.0, 1.0, 0.0, 0.0], mask=mask)
-    algo = AlgoConfig(name="dr_grpo", overlong_buffer=2, overlong_penalty=1.0)
-    close(final_rewards(batch, algo, max_len=6), [0.0, 0.5, 0.0, 0.0])
-    advantages, _ = advantage_fn(algo, max_len=6, group=None)(batch, 0.0)
-    close(advantages[:, 0], [-0.125, 0.375, -0.125, -0.125])  # shaped rewards minus their mean 0.125
-    close(final_rewards(batch, AlgoConfig(), max_len=6), [1.0, 1.0, 0.0, 0.0])  # off by default
 
 
 def test_adaptive_kl_controller_only_with_a_target():

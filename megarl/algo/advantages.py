@@ -205,22 +205,6 @@ class AdaptiveKLController:
         self.value = float(state["value"])
 
 
-def overlong_penalty(response_lengths: Tensor, *, max_len: int, buffer: int, penalty: float = 1.0) -> Tensor:
-    """DAPO soft overlong punishment (Yu et al. 2025).
-
-    response_lengths: `[B]` token counts. Returns `[B]` float to add to the rewards:
-    0 for len <= max_len - buffer, then linear down to -penalty at len = max_len, and -penalty beyond.
-    buffer=0 gives a hard step: -penalty only for len > max_len.
-    """
-    if not 0 <= buffer <= max_len:
-        raise ValueError(f"overlong_penalty needs 0 <= buffer <= max_len, got {buffer=}, {max_len=}")
-    lengths = response_lengths.to(torch.get_default_dtype())
-    if buffer == 0:
-        return torch.where(lengths > max_len, -penalty, 0.0)
-    excess = (lengths - (max_len - buffer)) / buffer
-    return -penalty * excess.clamp(min=0.0, max=1.0)
-
-
 def dynamic_sampling_keep(rewards: Tensor, group_ids: Tensor) -> Tensor:
     """DAPO dynamic sampling filter (Yu et al. 2025): `[B]` bool, True where the sample's group has rewards that
     are not all equal (a group of equal rewards has zero GRPO advantage and no gradient). Size-1 groups: False.

@@ -1,19 +1,24 @@
-"""Prompt sets from JSONL files, and the deterministic, resumable sampler that orders them.
+"""Prompt sets from JSONL or Parquet files, and the deterministic, resumable sampler that orders them.
 
-A prompt file holds one JSON object per line with a prompt and a reference answer (keys configurable). Every
-other key of the object is kept as the row's metadata, for rewards that need more than the answer.
+A prompt file holds one record per row with a prompt and a reference answer (field names configurable). A
+row's metadata, for rewards that need more than the answer, is either the mapping under one named field or
+every other field of the row.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
 
 class DataError(ValueError):
-    """A prompt file that cannot be read; the message names the file and the 1-based line."""
+    """A prompt file that cannot be read; the message names the file and the 1-based line (or row)."""
 
 
 @dataclass(frozen=True)
@@ -23,36 +28,77 @@ class PromptRow:
     answer: str
     """The reference answer rewards compare against."""
     index: int
-    """Position of the row in its file, 0-based over non-blank lines; what the sampler returns."""
+    """Position of the row among the loaded rows, 0-based; what the sampler returns."""
     metadata: dict = field(default_factory=dict)
-    """The row's other JSON keys."""
+    """What rewards see besides the answer: the row's metadata field, or its other fields."""
 
 
-def load_prompts(path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer") -> list[PromptRow]:
-    """Read a JSONL prompt file. Blank lines are skipped; any other bad line raises DataError."""
+def load_prompts(path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer",
+                 metadata_key: str | None = None, skip_bad_rows: bool = False) -> list[PromptRow]:
+    """Read a `.jsonl` or `.parquet` prompt file.
+
+    Blank JSONL lines are skipped. A malformed row (invalid JSON, not an object, a missing or non-string
+    prompt/answer, metadata that is not a mapping) raises DataError naming the file and line, or with
+    `skip_bad_rows` is left out and counted, and one warning names the count and the first problem.
+    """
     path = Path(path)
-    rows = []
+    rows, bad = [], []
+    for where, record in _records(path):
+        try:
+            rows.append(_prompt_row(record, where, index=len(rows), prompt_key=prompt_key,
+                                    answer_key=answer_key, metadata_key=metadata_key))
+        except DataError as e:
+            if not skip_bad_rows:
+                raise
+            bad.append(str(e))
+    if bad:
+        log.warning("%s: skipped %d malformed rows of %d (first: %s)", path, len(bad), len(bad) + len(rows), bad[0])
+    if not rows:
+        raise DataError(f"{path}: all {len(bad)} rows are malformed (first: {bad[0]})" if bad
+                        else f"{path}: empty file, no prompt rows")
+    return rows
+
+
+def _records(path: Path) -> Iterator[tuple[str, object]]:
+    """(where, record) per row: `file:line` and the parsed JSON value, or `file:row N` and a Parquet row.
+    An unparsable JSON line comes as a DataError in place of the record, so the caller decides to skip."""
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataError(f"{path}: reading Parquet needs pyarrow: pip install 'megarl[parquet]'") from None
+        for i, record in enumerate(pq.read_table(path).to_pylist(), start=1):
+            yield f"{path}:row {i}", record
+        return
     with path.open(encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             where = f"{path}:{line_no}"
             try:
-                obj = json.loads(line)
+                yield where, json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            for key in (prompt_key, answer_key):
-                if key not in obj:
-                    raise DataError(f"{where}: missing key {key!r} (keys present: {sorted(obj)})")
-                if not isinstance(obj[key], str):
-                    raise DataError(f"{where}: {key!r} must be a string, got {type(obj[key]).__name__}")
-            metadata = {k: v for k, v in obj.items() if k not in (prompt_key, answer_key)}
-            rows.append(PromptRow(obj[prompt_key], obj[answer_key], len(rows), metadata))
-    if not rows:
-        raise DataError(f"{path}: empty file, no prompt rows")
-    return rows
+                yield where, DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})")
+
+
+def _prompt_row(record: object, where: str, *, index: int, prompt_key: str, answer_key: str,
+                metadata_key: str | None) -> PromptRow:
+    if isinstance(record, DataError):
+        raise record
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    for key in (prompt_key, answer_key):
+        if key not in record:
+            raise DataError(f"{where}: missing key {key!r} (keys present: {sorted(record)})")
+        if not isinstance(record[key], str):
+            raise DataError(f"{where}: {key!r} must be a string, got {type(record[key]).__name__}")
+    if metadata_key is None:
+        metadata = {k: v for k, v in record.items() if k not in (prompt_key, answer_key)}
+    else:
+        metadata = record.get(metadata_key, {})
+        if not isinstance(metadata, dict):
+            raise DataError(f"{where}: {metadata_key!r} must be a mapping, got {type(metadata).__name__}")
+    return PromptRow(record[prompt_key], record[answer_key], index, metadata)
 
 
 class PromptSampler:

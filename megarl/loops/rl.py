@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from megarl.algo.advantages import (AdaptiveKLController, FixedKLController, broadcast_to_tokens,
                                      dynamic_sampling_keep, gae, grpo_advantages, kl_penalized_token_rewards,
-                                     overlong_penalty, reinforce_pp_advantages,
+                                     reinforce_pp_advantages,
                                      reinforce_pp_baseline_advantages, rloo_advantages, whiten)
 from megarl.algo.aggregate import LossNorm, aggregate, global_loss_norm, masked_mean, masked_sum
 from megarl.algo.kl import kl_estimate
@@ -37,7 +37,7 @@ from megarl.engine.megatron import ParallelGroups, TrainEngine, check_megatron_f
 from megarl.handoff import push_weights
 from megarl.metrics import MetricsWriter, PhaseTimer
 from megarl.models.arch import check_layout, read_shape
-from megarl.rewards.exact import exact_answer_reward
+from megarl.rewards.scorer import Sample, Scorer, build_terms
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ class RLRun:
     prompts_per_rank: int
     advantages: AdvantageFn
     kl: FixedKLController | AdaptiveKLController
+    scorer: Scorer                    # the recipe's reward terms, in process or on Ray workers
     weight_version: int = 0
 
     @property
@@ -133,7 +134,7 @@ def rollout(run: RLRun, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, floa
             rows = [run.train_rows[i] for i in run.sampler.next_batch(run.prompts_per_rank)]
             batch = generate(run, rows, n_samples=cfg.rollout.n_samples)
         with timer("reward"):
-            batch, round_failures = score(batch)
+            batch, round_failures = score(run.scorer, batch)
         failures += round_failures
         if not cfg.algo.uses_dynamic_sampling:
             return batch, {"reward/failures": global_sum(run, float(failures))}
@@ -141,8 +142,7 @@ def rollout(run: RLRun, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, floa
         batch = dataclasses.replace(batch, group_ids=batch.group_ids + n_seen)
         n_seen += run.prompts_per_rank
         reward_sum += float(batch.rewards.sum())
-        keep = dynamic_sampling_keep(final_rewards(batch, cfg.algo, max_len=cfg.rollout.max_new_tokens),
-                                     batch.group_ids)
+        keep = dynamic_sampling_keep(batch.rewards, batch.group_ids)
         kept.append(batch.select(keep.nonzero().squeeze(1)))
         dropped.append(batch.select((~keep).nonzero().squeeze(1)))
         n_kept += int(keep.sum()) // cfg.rollout.n_samples
@@ -164,15 +164,6 @@ def rollout(run: RLRun, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, floa
         # the policy's reward before filtering; reward/mean is over the kept groups only
         "sampling/reward_mean": reward_sum / (n_seen * cfg.rollout.n_samples),
     }
-
-
-def final_rewards(batch: RolloutBatch, algo: AlgoConfig, *, max_len: int) -> Tensor:
-    """The rewards [B] the advantages see: the task score plus DAPO's soft overlong penalty when on."""
-    if not algo.overlong_buffer:
-        return batch.rewards
-    lengths = batch.response_mask.sum(-1)
-    return batch.rewards + overlong_penalty(lengths, max_len=max_len, buffer=algo.overlong_buffer,
-                                            penalty=algo.overlong_penalty).to(batch.rewards.dtype)
 
 
 def generate(run: RLRun, rows: list[PromptRow], *, n_samples: int) -> RolloutBatch:
@@ -198,22 +189,20 @@ def generate(run: RLRun, rows: list[PromptRow], *, n_samples: int) -> RolloutBat
         responses=[run.tokenizer.decode(r, skip_special_tokens=True) for r in gen.response_ids],
         answers=[row.answer for row in rows for _ in range(n_samples)],
         finish_reasons=gen.finish_reasons,
+        prompt_texts=[row.prompt for row in rows for _ in range(n_samples)],
+        metadata=[row.metadata for row in rows for _ in range(n_samples)],
     )
 
 
-def score(batch: RolloutBatch) -> tuple[RolloutBatch, int]:
-    """Exact-answer rewards [B]; a reward that raises or returns NaN scores 0 and is counted."""
-    rewards, failures = [], 0
-    for response, answer in zip(batch.responses, batch.answers):
-        try:
-            value = float(exact_answer_reward(response, answer))
-            if math.isnan(value):
-                raise ValueError("reward is NaN")
-        except Exception as e:  # noqa: BLE001 - a reward must never end the run
-            if failures == 0:
-                log.warning("reward failed on response %r: %s", response[:200], e)
-            value, failures = 0.0, failures + 1
-        rewards.append(value)
+def score(scorer: Scorer, batch: RolloutBatch) -> tuple[RolloutBatch, int]:
+    """The recipe's rewards [B] and the number of samples whose reward failed (scored 0; see Scorer).
+
+    A reward-model term would be computed here, by the trainer over `batch.tokens`, and added to these.
+    """
+    response_tokens = batch.response_mask.sum(-1).long().tolist()
+    samples = [Sample(*fields) for fields in zip(batch.prompt_texts, batch.responses, batch.answers,
+                                                 batch.metadata, response_tokens)]
+    rewards, failures = scorer(samples)
     return batch.replace(rewards=torch.tensor(rewards)), failures
 
 
@@ -346,7 +335,7 @@ def push_policy(run: RLRun) -> dict:
 def evaluate(run: RLRun) -> dict[str, float]:
     """Mean reward on the fixed held-out prompts (this rank's share), one sample each, as in training."""
     rows = run.eval_rows[run.groups.dp_rank:: run.groups.dp_size]
-    batch, _ = score(generate(run, rows, n_samples=1))
+    batch, _ = score(run.scorer, generate(run, rows, n_samples=1))
     total = global_sum(run, float(batch.rewards.sum()))
     return {"eval/reward_mean": total / global_sum(run, float(len(batch)))}
 
@@ -355,23 +344,19 @@ def batch_metrics(run: RLRun, batch: RolloutBatch) -> dict[str, float]:
     """Reward, length and rollout-vs-trainer logprob drift over the global batch (one all-reduce)."""
     mask = batch.response_mask.bool()
     diff = (batch.rollout_logprobs - batch.old_logprobs).abs()[mask]
-    shaping = final_rewards(batch, run.cfg.algo, max_len=run.cfg.rollout.max_new_tokens) - batch.rewards
-    n, tokens, rewards, truncated, diff_sum, penalty = global_sums(run, [
+    n, tokens, rewards, truncated, diff_sum = global_sums(run, [
         float(len(batch)), float(mask.sum()), float(batch.rewards.sum()),
-        float(sum(r == "length" for r in batch.finish_reasons)), float(diff.sum()), float(shaping.sum())])
+        float(sum(r == "length" for r in batch.finish_reasons)), float(diff.sum())])
     diff_max = torch.tensor([float(diff.max()) if diff.numel() else 0.0])
     if run.groups.dp_size > 1:
         dist.all_reduce(diff_max, op=dist.ReduceOp.MAX, group=run.groups.dp)
-    metrics = {
+    return {
         "reward/mean": rewards / n,
         "response/len_mean": tokens / n,
         "response/truncated_frac": truncated / n,
         "rollout/logprob_diff_mean": diff_sum / max(tokens, 1.0),
         "rollout/logprob_diff_max": float(diff_max),
     }
-    if run.cfg.algo.overlong_buffer:
-        metrics["reward/overlong_penalty_mean"] = penalty / n
-    return metrics
 
 
 def update_kl_coef(run: RLRun, batch: RolloutBatch, metrics: dict[str, float]) -> dict[str, float]:
@@ -425,15 +410,15 @@ def learning_rate(optim, step: int) -> float:
     return optim.lr
 
 
-def advantage_fn(algo: AlgoConfig, *, max_len: int, group) -> AdvantageFn:
+def advantage_fn(algo: AlgoConfig, *, group) -> AdvantageFn:
     """The recipe's advantage estimator, as (batch, kl_coef) -> (advantages [B, T], returns [B, T] or None).
 
-    Sequence rewards are `final_rewards` (task score plus overlong shaping). PPO and REINFORCE++ work on
-    per-token rewards, where a KL penalty in the reward (algo.kl_in_reward) is added; `group` is the DP
-    group over which token advantages are whitened.
+    Sequence rewards are the recipe's reward terms. PPO and REINFORCE++ work on per-token rewards, where a
+    KL penalty in the reward (algo.kl_in_reward) is added; `group` is the DP group over which token
+    advantages are whitened.
     """
     def rewards(batch: RolloutBatch) -> Tensor:
-        return final_rewards(batch, algo, max_len=max_len)
+        return batch.rewards
 
     def token_rewards(batch: RolloutBatch, kl_coef: float) -> Tensor:
         kl = torch.zeros_like(batch.old_logprobs)
@@ -557,6 +542,7 @@ def export_policy(engine: TrainEngine, groups: ParallelGroups, *, source_dir: st
 def check_launch(cfg: Config, groups: ParallelGroups) -> None:
     """Batch sizes against this launch's data-parallel size; RecipeError names the keys."""
     check_megatron_fields(cfg.model.megatron)
+    build_terms(cfg.reward)  # a custom reward that does not import stops here, before any work
     dp = groups.dp_size
     if cfg.data.prompts_per_step % dp:
         raise RecipeError(f"data.prompts_per_step={cfg.data.prompts_per_step} is not divisible by the "
@@ -588,8 +574,8 @@ def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: lis
     return RLRun(cfg=cfg, groups=groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
                  sampler=sampler, actor=actor, reference=reference, critic=critic, rollout=rollout,
                  prompts_per_rank=cfg.data.prompts_per_step // groups.dp_size,
-                 advantages=advantage_fn(cfg.algo, max_len=cfg.rollout.max_new_tokens, group=groups.dp),
-                 kl=kl_controller(cfg.algo))
+                 advantages=advantage_fn(cfg.algo, group=groups.dp),
+                 kl=kl_controller(cfg.algo), scorer=Scorer(cfg.reward))
 
 
 def train(cfg: Config) -> Path:
@@ -614,9 +600,10 @@ def train(cfg: Config) -> Path:
         raise RecipeError(f"parallel: {e}") from None
     check_launch(cfg, groups)
     data = cfg.data
-    train_rows = load_prompts(data.train_path, prompt_key=data.prompt_key, answer_key=data.answer_key)
-    eval_rows = load_prompts(data.eval_path, prompt_key=data.prompt_key,
-                             answer_key=data.answer_key)[: data.eval_prompts] if data.eval_path else []
+    fields = dict(prompt_key=data.prompt_key, answer_key=data.answer_key, metadata_key=data.metadata_key,
+                  skip_bad_rows=data.skip_bad_rows)
+    train_rows = load_prompts(data.train_path, **fields)
+    eval_rows = load_prompts(data.eval_path, **fields)[: data.eval_prompts] if data.eval_path else []
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     model_dir = sft_warmup(cfg, groups, tokenizer, train_rows) if cfg.warmup.sft_steps else cfg.model.path
     run = build_run(cfg, groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
@@ -640,6 +627,7 @@ def train(cfg: Config) -> Path:
                           meta={"step": cfg.train.steps})
     finally:
         writer.close()
+        run.scorer.close()
         if run.rollout is not None:
             run.rollout.shutdown()
     return final

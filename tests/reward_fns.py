@@ -1,0 +1,45 @@
+"""Custom reward functions named by the reward tests (`reward_fns:NAME`); importable by Ray workers too."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+
+def answer_in_response(*, prompt, response, answer, metadata):
+    """0.5 per hit: the answer appears in the response, and the metadata's `bonus` word does."""
+    return 0.5 * (answer in response) + 0.5 * (metadata.get("bonus", "\0") in response) + 0 * len(prompt)
+
+
+def fails_on_bad(*, prompt, response, answer, metadata):
+    if response == "bad":
+        raise RuntimeError("cannot score this one")
+    if response == "nan":
+        return float("nan")
+    if response == "slow":
+        while True:
+            time.sleep(0.01)
+    if response == "swallowing":  # reward code that catches Exception must not hide the timeout
+        while True:
+            try:
+                time.sleep(0.01)
+            except Exception:  # noqa: BLE001
+                pass
+    return 1.0
+
+
+def dies_once_per_marker(*, prompt, response, answer, metadata):
+    """Kills its worker process the first time it sees a marker path (in metadata) that does not exist yet."""
+    marker = Path(metadata["marker"])
+    if not marker.exists():
+        marker.write_text(str(os.getpid()))
+        os._exit(1)
+    return 1.0
+
+
+def always_dies(*, prompt, response, answer, metadata):
+    os._exit(1)
+
+
+NOT_A_FUNCTION = 3
