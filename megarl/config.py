@@ -32,10 +32,12 @@ from typing import Any, Literal
 import yaml
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-AlgoName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
+AlgoName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "dpo", "sft"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 # Algorithms whose baseline is computed within a group of samples of the same prompt.
 GROUP_BASELINE_ALGOS = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+# Algorithms trained on a fixed data set: no rollout engine, `rollout:` is unused.
+OFFLINE_ALGOS = ("dpo", "sft")
 
 
 class ConfigError(Exception):
@@ -127,6 +129,22 @@ class AlgoConfig:
 
 
 @dataclass(frozen=True)
+class DPOConfig:
+    """Direct preference optimization (used when algo.name is "dpo")."""
+
+    beta: float = 0.1  # strength of the implicit KL to the reference: reward = beta * (logp - ref_logp)
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"  # DPO's logistic loss (Rafailov et al.) or IPO's square (Azar et al.)
+    label_smoothing: float = 0.0  # sigmoid only: assumed probability that a pair's label is flipped (cDPO)
+
+    def check(self) -> None:
+        _positive(self, "beta")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise FieldError("label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}")
+        if self.loss == "ipo" and self.label_smoothing:
+            raise FieldError("label_smoothing", "applies to loss 'sigmoid' only; IPO needs 0")
+
+
+@dataclass(frozen=True)
 class OptimConfig:
     lr: float = 1e-6  # Adam learning rate after warmup
     weight_decay: float = 0.0  # decoupled (AdamW) weight decay
@@ -147,11 +165,15 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    train_path: str = field(metadata={"path": "file"})  # JSONL prompt set, one {prompt, answer} object a line
+    train_path: str = field(metadata={"path": "file"})  # JSONL train set: prompts (rl), SFT rows or preference pairs
     eval_path: str | None = field(default=None, metadata={"path": "file"})  # JSONL eval set; null = no eval
     prompt_key: str = "prompt"  # JSON key of the prompt text
-    answer_key: str = "answer"  # JSON key of the reference answer
-    prompts_per_step: int = 8  # prompts per RL step (global, before n_samples)
+    answer_key: str = "answer"  # JSON key of the reference answer (rl)
+    response_key: str = "response"  # JSON key of the target response of an SFT row (sft)
+    messages_key: str = "messages"  # JSON key of an SFT row's chat turns [{role, content}]; loss on assistant turns
+    chosen_key: str = "chosen"  # JSON key of the preferred response of a pair (dpo)
+    rejected_key: str = "rejected"  # JSON key of the dispreferred response of a pair (dpo)
+    prompts_per_step: int = 8  # global batch: prompts per RL step (before n_samples), SFT rows or DPO pairs
     shuffle: bool = True  # reshuffle the prompt order every epoch (seeded)
     chat_template: bool = False  # wrap prompts in the tokenizer's chat template
     eval_every: int = 1  # evaluate every this many RL steps
@@ -168,11 +190,13 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 10  # RL steps
-    micro_batch_size: int = 8  # samples per forward/backward
+    steps: int = 10  # optimizer steps
+    micro_batch_size: int = 8  # sequences per forward/backward (a DPO pair is two sequences)
+    epochs: int = 0  # sft/dpo: when > 0, train this many passes over the train set instead of `steps`
 
     def check(self) -> None:
         _at_least(self, 1, "steps", "micro_batch_size")
+        _at_least(self, 0, "epochs")
 
 
 @dataclass(frozen=True)
@@ -218,6 +242,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # model-parallel layout
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation
     algo: AlgoConfig = field(default_factory=AlgoConfig)  # advantages and loss
+    dpo: DPOConfig = field(default_factory=DPOConfig)  # preference loss (algo.name: dpo)
     optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer
     reward: RewardConfig = field(default_factory=RewardConfig)  # scoring
     train: TrainConfig = field(default_factory=TrainConfig)  # training schedule
@@ -227,6 +252,12 @@ class Config:
 
     def check(self) -> None:
         n, prompts, micro = self.rollout.n_samples, self.data.prompts_per_step, self.train.micro_batch_size
+        if self.algo.name == "dpo" and micro % 2:
+            # pairs are interleaved (chosen, rejected) in the batch; an odd micro-batch would split one
+            raise ValueError(f"algo.name = 'dpo' needs an even train.micro_batch_size (a pair is two "
+                             f"sequences kept in one micro-batch), got {micro}")
+        if self.algo.name in OFFLINE_ALGOS:
+            return
         if n * prompts % micro:
             raise ValueError(
                 f"rollout.n_samples * data.prompts_per_step = {n} * {prompts} = {n * prompts} samples per step"
