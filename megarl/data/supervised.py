@@ -145,15 +145,18 @@ def encode_conversation(tokenizer, messages, *, where: str) -> Example:
     """A conversation rendered with the tokenizer's chat template, loss on every assistant turn.
 
     Assistant turn i spans the tokens between the rendering of turns [0, i) with the generation prompt and
-    the rendering of turns [0, i]: its content and the end-of-turn markup the template writes after it,
-    which is what the model must produce to end its turn. Both renderings must tokenize to prefixes of the
-    whole conversation's tokens, or the span would not be the tokens trained on; a template that rewrites
-    earlier turns (e.g. drops past reasoning) or a tokenizer that merges across the boundary breaks that,
-    and the row is refused with a DataError naming it.
+    the rendering of turns [0, i], up to and including the last special token in between: its content and
+    the end-of-turn token (<|im_end|>, <|eot_id|>, </s>), which is what the model must produce to end its
+    turn. Text the template writes after that token (the newline between turns) is context: generation stops
+    at the token. Both renderings must tokenize to prefixes of the whole conversation's tokens, or the span
+    would not be the tokens trained on; a template that rewrites earlier turns (e.g. drops past reasoning)
+    or a tokenizer that merges across the boundary breaks that, and the row is refused with a DataError
+    naming it.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{where}: chat messages need a tokenizer with a chat template; this one has none")
     ids = _render_ids(tokenizer, messages, add_generation_prompt=False, where=where)
+    special = set(tokenizer.all_special_ids)
     mask = [0] * len(ids)
     for i, turn in enumerate(messages):
         if turn["role"] != "assistant":
@@ -164,7 +167,8 @@ def encode_conversation(tokenizer, messages, *, where: str) -> Example:
             if ids[:len(part)] != part:
                 raise DataError(f"{where}: assistant turn {i}: the conversation {what} does not tokenize to a "
                                 f"prefix of the whole conversation's tokens, so its loss span is ambiguous")
-        mask[len(start):len(end)] = [1] * (len(end) - len(start))
+        stop = next((j + 1 for j in range(len(end) - 1, len(start) - 1, -1) if end[j] in special), len(end))
+        mask[len(start):stop] = [1] * (stop - len(start))
     return Example(ids, mask)
 
 
