@@ -156,3 +156,43 @@ def test_malformed_sft_row_names_file_and_line(tmp_path, line, message):
     path = write_lines(tmp_path / "sft.jsonl", ['{"prompt": "1+1=", "response": "2"}', "", line])
     with pytest.raises(DataError, match=rf"^{re.escape(str(path))}:3: {message}"):
         load_sft_rows(path)
+
+
+# ---- full-size recipes -------------------------------------------------------------------------------------
+QWEN25_7B = {  # config.json of the Qwen2.5-7B layout (no weights are needed to check a recipe against it)
+    "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name,train_file,seqs_per_row", [("sft_7b", "train.jsonl", 1),
+                                                           ("dpo_7b", "train_pairs.jsonl", 2)])
+def test_full_size_recipe_placeholders_fail_and_layout_fits_one_8_gpu_node(name, train_file, seqs_per_row,
+                                                                           tiny_data, tmp_path):
+    from types import SimpleNamespace
+
+    from megarl.config import ConfigError, load_config
+    from megarl.engine.megatron import transformer_config
+    from megarl.loops.sft import rows_per_rank
+    from megarl.models.arch import check_layout, read_shape
+
+    recipe = REPO / "recipes" / f"{name}.yaml"
+    with pytest.raises(ConfigError, match=rf"{name}.yaml: model.path: directory not found: /SET-ME/"):
+        load_config(recipe)
+    model = tmp_path / "qwen2.5-7b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN25_7B))
+    with pytest.raises(ConfigError, match=rf"{name}.yaml: data.train_path: file not found: /SET-ME/"):
+        load_config(recipe, [f"model.path={model}"])
+
+    data = tiny_data / train_file
+    cfg = load_config(recipe, [f"model.path={model}", f"data.train_path={data}", f"data.eval_path={data}"])
+    assert (cfg.algo.name, cfg.model.dtype) == (name.removesuffix("_7b"), "bfloat16")
+    shape, par = read_shape(model), cfg.parallel
+    check_layout(shape, tp=par.tp, pp=par.pp, cp=par.cp, world_size=8)
+    rows_per_rank(cfg, SimpleNamespace(dp_size=8 // (par.tp * par.pp * par.cp)), seqs_per_row=seqs_per_row)
+    # The megatron: block is a valid TransformerConfig for this shape (recompute settings included).
+    config = transformer_config(shape, dtype=cfg.model.dtype, tp=par.tp, pp=par.pp, megatron=cfg.model.megatron)
+    assert config.bf16 and config.recompute_granularity == "full"
