@@ -146,3 +146,20 @@ def test_cli_stops_on_a_malformed_pair_naming_file_and_line(qwen2_dir, tiny_data
                         f"run_dir={tmp_path / 'run'}")
     assert proc.returncode == 2, proc.stderr[-4000:]
     assert f"megarl: data error: {bad}:2: 'rejected' must be a string, got NoneType" in proc.stderr
+
+
+def test_arithmetic_pairs_prefer_the_correct_sum_over_a_different_number(tmp_path, capsys):
+    from megarl.data.arithmetic import main, write_preference_pairs
+    from megarl.data.prompts import load_prompts
+
+    main(["--out", str(tmp_path), "--digits", "2", "--train-size", "300", "--heldout-size", "16", "--pairs"])
+    assert "train_pairs.jsonl" in capsys.readouterr().out
+    for split in ("train", "heldout"):
+        rows = load_prompts(tmp_path / f"{split}.jsonl")
+        pairs = load_preference_pairs(tmp_path / f"{split}_pairs.jsonl")
+        assert [p.prompt for p in pairs] == [r.prompt for r in rows]
+        for pair, row in zip(pairs, rows):
+            assert pair.chosen == row.answer
+            assert pair.rejected != pair.chosen and len(pair.rejected) == 3 and pair.rejected.isdigit()
+    again = write_preference_pairs(tmp_path / "train.jsonl", tmp_path / "again.jsonl", seed=0)
+    assert again.read_bytes() == (tmp_path / "train_pairs.jsonl").read_bytes()
