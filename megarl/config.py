@@ -175,9 +175,9 @@ class DataConfig:
     rejected_key: str = "rejected"  # JSON key of the dispreferred response of a pair (dpo)
     prompts_per_step: int = 8  # global batch: prompts per RL step (before n_samples), SFT rows or DPO pairs
     shuffle: bool = True  # reshuffle the prompt order every epoch (seeded)
-    chat_template: bool = False  # wrap prompts in the tokenizer's chat template
-    eval_every: int = 1  # evaluate every this many RL steps
-    eval_prompts: int = 64  # prompts taken from the eval set per evaluation
+    chat_template: bool = False  # wrap prompts in the tokenizer's chat template (sft/dpo: as a user turn)
+    eval_every: int = 1  # evaluate every this many steps
+    eval_prompts: int = 64  # prompts (SFT rows, DPO pairs) taken from the eval set per evaluation
 
     def check(self) -> None:
         _at_least(self, 1, "prompts_per_step", "eval_every", "eval_prompts")

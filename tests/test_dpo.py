@@ -109,13 +109,19 @@ def test_micro_batch_size_does_not_change_loss_or_grad_norm(groups, qwen2_dir, t
             assert small[key] == pytest.approx(large[key], rel=1e-5, abs=1e-7), key
 
 
-def test_odd_micro_batch_size_is_a_recipe_error(qwen2_dir, tiny_data):
+@pytest.mark.parametrize("overrides,message", [
+    (["train.micro_batch_size=3"], "dpo_tiny.yaml: algo.name = 'dpo' needs an even train.micro_batch_size"),
+    (["dpo.betta=0.2"], r"dpo_tiny.yaml: override 'dpo.betta=0.2': dpo.betta: unknown key \(did you mean 'beta'\?\)"),
+    (["dpo.loss=hinge"], r"dpo.loss: expected one of 'sigmoid', 'ipo', got 'hinge'"),
+    (["dpo.loss=ipo", "dpo.label_smoothing=0.1"], "dpo.label_smoothing: applies to loss 'sigmoid' only"),
+])
+def test_dpo_recipe_errors_name_file_and_key(qwen2_dir, tiny_data, overrides, message):
     from megarl.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match="dpo_tiny.yaml: algo.name = 'dpo' needs an even train.micro_batch_size"):
+    with pytest.raises(ConfigError, match=message):
         load_config(REPO / "recipes" / "dpo_tiny.yaml", [
             f"model.path={qwen2_dir}", f"data.train_path={tiny_data / 'train_pairs.jsonl'}",
-            f"data.eval_path={tiny_data / 'heldout_pairs.jsonl'}", "train.micro_batch_size=3"])
+            f"data.eval_path={tiny_data / 'heldout_pairs.jsonl'}", *overrides])
 
 
 # ---- data --------------------------------------------------------------------------------------------------
