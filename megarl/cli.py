@@ -23,7 +23,7 @@ def _quiet_expected_warnings() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="megarl", description="RL post-training of LLMs on Megatron-core")
+    parser = argparse.ArgumentParser(prog="megarl", description="RL, DPO and SFT post-training of LLMs on Megatron-core")
     sub = parser.add_subparsers(dest="command", required=True)
     train_p = sub.add_parser("train", help="run a recipe")
     train_p.add_argument("recipe", help="recipe YAML file")
@@ -41,7 +41,14 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"megarl: recipe error: {e}", file=sys.stderr)
                 sys.exit(2)
             from megarl.data.prompts import DataError
-            from megarl.loops.rl import train
+
+            match cfg.algo.name:
+                case "sft":
+                    from megarl.loops.sft import train
+                case "dpo":
+                    from megarl.loops.dpo import train
+                case _:  # every policy-gradient algorithm
+                    from megarl.loops.rl import train
 
             try:
                 final = train(cfg)

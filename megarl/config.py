@@ -32,12 +32,15 @@ from typing import Any, Literal
 import yaml
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-AlgoName = Literal["ppo", "grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+AlgoName = Literal["ppo", "grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
+                   "dpo", "sft"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 # Algorithms whose baseline is computed within a group of samples of the same prompt.
 GROUP_BASELINE_ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp_baseline")
 # Algorithms whose advantages are per token, so a KL penalty can be folded into the token rewards.
 TOKEN_REWARD_ALGOS = ("ppo", "reinforce_pp")
+# Algorithms trained on a fixed data set: no rollout engine, `rollout:` is unused.
+OFFLINE_ALGOS = ("dpo", "sft")
 PROMPT_FILE_SUFFIXES = (".jsonl", ".parquet")
 
 
@@ -183,6 +186,22 @@ class CriticConfig:
 
 
 @dataclass(frozen=True)
+class DPOConfig:
+    """Direct preference optimization (used when algo.name is "dpo")."""
+
+    beta: float = 0.1  # strength of the implicit KL to the reference: reward = beta * (logp - ref_logp)
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"  # DPO's logistic loss (Rafailov et al.) or IPO's square (Azar et al.)
+    label_smoothing: float = 0.0  # sigmoid only: assumed probability that a pair's label is flipped (cDPO)
+
+    def check(self) -> None:
+        _positive(self, "beta")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise FieldError("label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}")
+        if self.loss == "ipo" and self.label_smoothing:
+            raise FieldError("label_smoothing", "applies to loss 'sigmoid' only; IPO needs 0")
+
+
+@dataclass(frozen=True)
 class OptimConfig:
     lr: float = 1e-6  # Adam learning rate after warmup
     weight_decay: float = 0.0  # decoupled (AdamW) weight decay
@@ -203,17 +222,21 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    train_path: str = field(metadata={"path": "file"})  # prompt set: .jsonl (one object a line) or .parquet
+    train_path: str = field(metadata={"path": "file"})  # train set (.jsonl or .parquet): prompts (rl), SFT rows or pairs
     eval_path: str | None = field(default=None, metadata={"path": "file"})  # held-out set, same formats; null = no eval
     prompt_key: str = "prompt"  # field of the prompt text
-    answer_key: str = "answer"  # field of the reference answer
+    answer_key: str = "answer"  # field of the reference answer (rl)
     metadata_key: str | None = None  # field holding a mapping handed to rewards as metadata; null = all other fields
     skip_bad_rows: bool = False  # skip malformed rows (counted, with a warning) instead of stopping at the first
-    prompts_per_step: int = 8  # prompts per RL step (global, before n_samples)
+    response_key: str = "response"  # field of the target response of an SFT row (sft)
+    messages_key: str = "messages"  # field of an SFT row's chat turns [{role, content}]; loss on assistant turns
+    chosen_key: str = "chosen"  # field of the preferred response of a pair (dpo)
+    rejected_key: str = "rejected"  # field of the dispreferred response of a pair (dpo)
+    prompts_per_step: int = 8  # global batch: prompts per RL step (before n_samples), SFT rows or DPO pairs
     shuffle: bool = True  # reshuffle the prompt order every epoch (seeded)
-    chat_template: bool = False  # wrap prompts in the tokenizer's chat template
-    eval_every: int = 1  # evaluate every this many RL steps
-    eval_prompts: int = 64  # prompts taken from the eval set per evaluation
+    chat_template: bool = False  # wrap prompts in the tokenizer's chat template (sft/dpo: as a user turn)
+    eval_every: int = 1  # evaluate every this many steps
+    eval_prompts: int = 64  # prompts (SFT rows, DPO pairs) taken from the eval set per evaluation
 
     def check(self) -> None:
         _at_least(self, 1, "prompts_per_step", "eval_every", "eval_prompts")
@@ -307,11 +330,13 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 10  # RL steps
-    micro_batch_size: int = 8  # samples per forward/backward
+    steps: int = 10  # optimizer steps
+    micro_batch_size: int = 8  # sequences per forward/backward (a DPO pair is two sequences)
+    epochs: int = 0  # sft/dpo: when > 0, train this many passes over the train set instead of `steps`
 
     def check(self) -> None:
         _at_least(self, 1, "steps", "micro_batch_size")
+        _at_least(self, 0, "epochs")
 
 
 @dataclass(frozen=True)
@@ -358,6 +383,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation
     algo: AlgoConfig = field(default_factory=AlgoConfig)  # advantages and loss
     critic: CriticConfig = field(default_factory=CriticConfig)  # value model (algo.name: ppo)
+    dpo: DPOConfig = field(default_factory=DPOConfig)  # preference loss (algo.name: dpo)
     optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer
     reward: RewardConfig = field(default_factory=RewardConfig)  # scoring
     train: TrainConfig = field(default_factory=TrainConfig)  # training schedule
@@ -367,6 +393,12 @@ class Config:
 
     def check(self) -> None:
         n, prompts, micro = self.rollout.n_samples, self.data.prompts_per_step, self.train.micro_batch_size
+        if self.algo.name == "dpo" and micro % 2:
+            # pairs are interleaved (chosen, rejected) in the batch; an odd micro-batch would split one
+            raise ValueError(f"algo.name = 'dpo' needs an even train.micro_batch_size (a pair is two "
+                             f"sequences kept in one micro-batch), got {micro}")
+        if self.algo.name in OFFLINE_ALGOS:
+            return
         if n * prompts % micro:
             raise ValueError(
                 f"rollout.n_samples * data.prompts_per_step = {n} * {prompts} = {n * prompts} samples per step"

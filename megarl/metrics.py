@@ -33,10 +33,10 @@ class PhaseTimer:
 class MetricsWriter:
     """Appends one JSON object per step to metrics.jsonl; shows a progress bar with the key numbers."""
 
-    CONSOLE_KEYS = ("reward/mean", "eval/reward_mean", "loss", "kl", "grad_norm")
+    CONSOLE_KEYS = ("reward/mean", "eval/reward_mean", "loss", "reward_accuracy", "eval/loss", "kl", "grad_norm")
 
     def __init__(self, run_dir: str | Path, *, total_steps: int, enabled: bool, progress: bool,
-                 tensorboard: bool):
+                 tensorboard: bool, desc: str = "rl"):
         self.enabled = enabled
         self._bar = None
         self._tb = None
@@ -49,7 +49,7 @@ class MetricsWriter:
         if progress:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, desc="rl", dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, desc=desc, dynamic_ncols=True)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -69,7 +69,7 @@ class MetricsWriter:
                 if isinstance(value, (int, float)):
                     self._tb.add_scalar(key, value, step)
         if self._bar is not None:
-            shown = {k.split("/")[-1] if k != "eval/reward_mean" else "eval": f"{metrics[k]:.3g}"
+            shown = {"eval" if k.startswith("eval/") else k.split("/")[-1]: f"{metrics[k]:.3g}"
                      for k in self.CONSOLE_KEYS if k in metrics}
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(1)

@@ -103,6 +103,18 @@ def arithmetic_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """Arithmetic rows for SFT (train.jsonl, heldout.jsonl: prompt/answer) and preference pairs for DPO
+    (train_pairs.jsonl, heldout_pairs.jsonl), 4000 train and 128 held-out problems."""
+    from megarl.data.arithmetic import make_arithmetic_splits, write_preference_pairs
+
+    out = tmp_path_factory.mktemp("tiny_data")
+    for split in make_arithmetic_splits(out, seed=0, train_size=4000, heldout_size=128):
+        write_preference_pairs(split, split.with_name(f"{split.stem}_pairs.jsonl"), seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
 def groups():
     """Megatron's parallel state for this process: one rank, TP=1, PP=1 (gloo on CPU)."""
     import torch.distributed as dist

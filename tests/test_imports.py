@@ -16,6 +16,7 @@ LIGHT_MODULES = (
     "megarl.rewards.pool", "megarl.models.arch",
     "megarl.models.names", "megarl.models.layout", "megarl.rollout.native", "megarl.engine.cpu_compat",
     "megarl.engine.megatron", "megarl.loops.rl",
+    "megarl.data.supervised", "megarl.loops.supervised", "megarl.loops.sft", "megarl.loops.dpo",
 )
 
 

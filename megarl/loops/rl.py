@@ -28,13 +28,15 @@ from megarl.algo.advantages import (AdaptiveKLController, FixedKLController, bro
                                      reinforce_pp_baseline_advantages, rloo_advantages, whiten)
 from megarl.algo.aggregate import LossNorm, aggregate, global_loss_norm, masked_mean, masked_sum
 from megarl.algo.kl import kl_estimate
-from megarl.algo.losses import gspo_loss, ppo_clip_loss, sft_loss, value_loss
+from megarl.algo.losses import gspo_loss, ppo_clip_loss, value_loss
 from megarl.batch import RolloutBatch, pack_sequences
 from megarl.checkpoint import save_hf
 from megarl.config import AlgoConfig, Config, RecipeError, dump_config
 from megarl.data.prompts import PromptRow, PromptSampler, load_prompts
+from megarl.data.supervised import completion_example
 from megarl.engine.megatron import ParallelGroups, TrainEngine, check_megatron_fields, init_parallel
 from megarl.handoff import push_weights
+from megarl.loops.supervised import supervised_step
 from megarl.metrics import MetricsWriter, PhaseTimer
 from megarl.models.arch import check_layout, read_shape
 from megarl.rewards.scorer import Sample, Scorer, build_terms
@@ -479,8 +481,9 @@ def make_rollout_engine(cfg: Config, model_dir: str):
 def sft_warmup(cfg: Config, groups: ParallelGroups, tokenizer, rows: list[PromptRow]) -> str:
     """Supervised steps on the train set's answers; returns the HF directory RL starts from.
 
-    The result is exported to RUN_DIR/warmup, so the actor, the reference and the rollout engine all
-    start from the same weights, and a rerun reuses it instead of training again.
+    Each example is the prompt as RL encodes it, then the answer and EOS, as a rollout should end. The
+    result is exported to RUN_DIR/warmup, so the actor, the reference and the rollout engine all start
+    from the same weights, and a rerun reuses it instead of training again.
     """
     out = Path(cfg.run_dir) / "warmup"
     if (out / "megarl_checkpoint.json").exists():
@@ -494,34 +497,22 @@ def sft_warmup(cfg: Config, groups: ParallelGroups, tokenizer, rows: list[Prompt
     bar = tqdm(total=cfg.warmup.sft_steps, desc="sft warm start", dynamic_ncols=True,
                disable=not (cfg.log.progress and dist.get_rank() == 0))
     for step in range(cfg.warmup.sft_steps):
-        examples = [rows[i] for i in sampler.next_batch(per_rank)]
-        prompts = [encode_prompt(tokenizer, r.prompt, chat_template=cfg.data.chat_template) for r in examples]
-        answers = [tokenizer(r.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-                   for r in examples]
-        tokens, mask, _ = pack_sequences(prompts, answers, [[0.0] * len(a) for a in answers],
-                                         pad_id=tokenizer.pad_token_id)
-        loss_fn = partial(supervised_loss, norm=global_loss_norm(mask, group=groups.dp))
-        metrics = engine.train_step(tokens, {"response_mask": mask}, loss_fn, temperature=1.0,
-                                    micro_batch_size=math.gcd(per_rank, cfg.train.micro_batch_size))
-        bar.set_postfix({"nll": f"{metrics['loss']:.3f}", "answer_prob": f"{metrics['answer_prob']:.3f}"},
+        examples = [completion_example(encode_prompt(tokenizer, r.prompt, chat_template=cfg.data.chat_template),
+                                       tokenizer(r.answer, add_special_tokens=False)["input_ids"]
+                                       + [tokenizer.eos_token_id])
+                    for r in (rows[i] for i in sampler.next_batch(per_rank))]
+        metrics = supervised_step(engine, examples, pad_id=tokenizer.pad_token_id, group=groups.dp,
+                                  micro_batch_size=math.gcd(per_rank, cfg.train.micro_batch_size))
+        bar.set_postfix({"nll": f"{metrics['loss']:.3f}", "answer_prob": f"{metrics['response_prob']:.3f}"},
                         refresh=False)
         bar.update(1)
-        if metrics["answer_prob"] >= cfg.warmup.stop_answer_prob:
+        if metrics["response_prob"] >= cfg.warmup.stop_answer_prob:
             break
     bar.close()
-    log.info("supervised warm start: %d steps, answer probability %.3f", step + 1, metrics["answer_prob"])
+    log.info("supervised warm start: %d steps, answer probability %.3f", step + 1, metrics["response_prob"])
     export_policy(engine, groups, source_dir=cfg.model.path, out_dir=out,
-                  meta={"stage": "sft_warmup", "steps": step + 1, "answer_prob": metrics["answer_prob"]})
+                  meta={"stage": "sft_warmup", "steps": step + 1, "answer_prob": metrics["response_prob"]})
     return str(out)
-
-
-def supervised_loss(logprobs: Tensor, mb: dict[str, Tensor], *, norm: LossNorm) -> tuple[Tensor, dict]:
-    """Masked NLL of the response tokens, token mean over the global batch. Also reports `answer_prob`, the
-    mean over sequences of p(whole answer) at temperature 1: the exact-answer reward sampling would earn."""
-    mask = mb["response_mask"]
-    loss = aggregate(sft_loss(logprobs, mask), mask, mode="token-mean", norm=norm)
-    answer_prob = (logprobs.detach() * mask).sum(-1).exp().sum() / norm.seqs
-    return loss, {"loss": loss.detach(), "answer_prob": answer_prob}
 
 
 def export_policy(engine: TrainEngine, groups: ParallelGroups, *, source_dir: str, out_dir: Path,

@@ -1,0 +1,166 @@
+"""The DPO loop: preference pairs, a frozen reference model, one DPO (or IPO) step per global batch of pairs.
+
+    megarl train recipes/dpo_tiny.yaml        # algo.name: dpo
+
+A global batch is `data.prompts_per_step` pairs; each data-parallel rank takes its slice from the shared
+seeded sampler. The reference model's summed response logprobs are computed once per batch, forward only,
+then the actor takes one step on `dpo_loss`, a mean over all pairs of the global batch.
+
+Batch layout: pairs are interleaved, sequence 2k is pair k's chosen response and 2k+1 its rejected one, and
+`train.micro_batch_size` must be even. So no micro-batch ever splits a pair (each pair's loss is computed
+where both of its sequences are), and the layout is the same for every micro batch size and every
+data-parallel split, so the reference logprobs line up with the actor's row by row. Concatenating
+[chosen; rejected] per micro-batch would also keep pairs whole, but would tie the order of the batch to the
+micro batch size.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch.distributed as dist
+from torch import Tensor
+
+from megarl.algo.aggregate import masked_sum
+from megarl.algo.losses import dpo_loss
+from megarl.config import Config, DPOConfig, dump_config
+from megarl.data.prompts import PromptSampler
+from megarl.data.supervised import Example, encode_pair, load_preference_pairs, pad_examples
+from megarl.engine.megatron import ParallelGroups, TrainEngine
+from megarl.loops.rl import export_policy, learning_rate
+from megarl.loops.sft import check_finite, dp_sums, init_groups, rows_per_rank, total_steps
+from megarl.metrics import MetricsWriter
+
+Pair = tuple[Example, Example]  # (chosen, rejected), tokenized
+
+
+@dataclass
+class DPORun:
+    """Everything one DPO run holds, built once from the recipe."""
+
+    cfg: Config
+    groups: ParallelGroups
+    actor: TrainEngine
+    reference: TrainEngine            # frozen: no optimizer, no gradients
+    train_pairs: list[Pair]
+    eval_pairs: list[Pair]            # this rank's share of the held-out pairs
+    sampler: PromptSampler
+    pairs_per_rank: int
+    pad_id: int
+
+
+# ---- one step ----------------------------------------------------------------------------------------------
+def dpo_step(run: DPORun) -> dict[str, float]:
+    """One actor update on the next global batch of pairs; metrics are means over all its pairs."""
+    cfg, micro = run.cfg, run.cfg.train.micro_batch_size
+    pairs = [run.train_pairs[i] for i in run.sampler.next_batch(run.pairs_per_rank)]
+    tokens, mask = interleave(pairs, pad_id=run.pad_id)
+    ref_logprobs = sequence_logprobs(run.reference, tokens, mask, micro_batch_size=micro)
+    lr = learning_rate(cfg.optim, run.actor.step)
+    run.actor.set_lr(lr)
+    loss_fn = partial(preference_loss, dpo=cfg.dpo, pairs=run.pairs_per_rank * run.groups.dp_size)
+    metrics = run.actor.train_step(tokens, {"response_mask": mask, "ref_logprobs": ref_logprobs}, loss_fn,
+                                   temperature=1.0, micro_batch_size=micro)
+    return {**metrics, "lr": lr}
+
+
+def interleave(pairs: list[Pair], *, pad_id: int) -> tuple[Tensor, Tensor]:
+    """Tokens [2P, T] and response mask [2P, T]: row 2k is pair k's chosen sequence, row 2k+1 its rejected."""
+    return pad_examples([example for pair in pairs for example in pair], pad_id=pad_id)
+
+
+def sequence_logprobs(engine: TrainEngine, tokens: Tensor, mask: Tensor, *, micro_batch_size: int) -> Tensor:
+    """Summed response logprobs [B] of `tokens` [B, T] under `engine`, forward only, at temperature 1."""
+    return masked_sum(engine.logprobs(tokens, temperature=1.0, micro_batch_size=micro_batch_size), mask, dim=-1)
+
+
+def preference_loss(logprobs: Tensor, mb: dict[str, Tensor], *, dpo: DPOConfig, pairs: int) -> tuple[Tensor, dict]:
+    """`dpo_loss` of one micro-batch's pairs as a contribution to the mean over the global batch's `pairs`.
+
+    logprobs, mb["response_mask"]: [b, T], rows interleaved (chosen, rejected); mb["ref_logprobs"]: [b],
+    the reference's summed response logprobs. Statistics are contributions to global means over pairs:
+    reward_accuracy (fraction of pairs whose chosen reward is higher), rewards/chosen, rewards/rejected and
+    rewards/margin (beta-scaled log-ratios to the reference, as in Rafailov et al. 2023).
+    """
+    summed = masked_sum(logprobs, mb["response_mask"], dim=-1)  # [b]
+    ref = mb["ref_logprobs"]
+    losses, stats = dpo_loss(summed[0::2], summed[1::2], ref[0::2], ref[1::2], beta=dpo.beta, kind=dpo.loss,
+                             label_smoothing=dpo.label_smoothing)
+    loss = losses.sum() / pairs
+    chosen, rejected = stats["chosen_rewards"], stats["rejected_rewards"]
+    return loss, {"loss": loss.detach(), "reward_accuracy": stats["reward_accuracy"].sum() / pairs,
+                  "rewards/chosen": chosen.sum() / pairs, "rewards/rejected": rejected.sum() / pairs,
+                  "rewards/margin": (chosen - rejected).sum() / pairs}
+
+
+def evaluate(run: DPORun) -> dict[str, float]:
+    """Loss, reward accuracy and margin on the held-out pairs (forward only), means over all ranks' pairs."""
+    pairs_per_chunk = run.cfg.train.micro_batch_size // 2
+    n_pairs = dp_sums([float(len(run.eval_pairs))], run.groups.dp)[0]
+    keys = ("loss", "reward_accuracy", "rewards/margin")
+    totals = [0.0] * len(keys)
+    for i in range(0, len(run.eval_pairs), pairs_per_chunk):
+        tokens, mask = interleave(run.eval_pairs[i:i + pairs_per_chunk], pad_id=run.pad_id)
+        seqs = tokens.shape[0]
+        batch = {"response_mask": mask,
+                 "ref_logprobs": sequence_logprobs(run.reference, tokens, mask, micro_batch_size=seqs)}
+        logprobs = run.actor.logprobs(tokens, temperature=1.0, micro_batch_size=seqs)
+        _, stats = preference_loss(logprobs, batch, dpo=run.cfg.dpo, pairs=n_pairs)
+        totals = [t + float(stats[k]) for t, k in zip(totals, keys)]
+    return {f"eval/{k}": v for k, v in zip(keys, dp_sums(totals, run.groups.dp))}
+
+
+# ---- the run -----------------------------------------------------------------------------------------------
+def build_run(cfg: Config, groups: ParallelGroups) -> DPORun:
+    """Tokenize the pairs (a malformed one stops here, before any model is built) and build both engines."""
+    from transformers import AutoTokenizer
+
+    data = cfg.data
+    pairs_per_rank = rows_per_rank(cfg, groups, seqs_per_row=2)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    load = partial(load_preference_pairs, prompt_key=data.prompt_key, chosen_key=data.chosen_key,
+                   rejected_key=data.rejected_key)
+    encode = partial(encode_pair, tokenizer, chat_template=data.chat_template)
+    train_pairs = [encode(pair) for pair in load(data.train_path)]
+    eval_pairs = [encode(pair) for pair in load(data.eval_path)[:data.eval_prompts]] if data.eval_path else []
+    engine = partial(TrainEngine, model_dir=cfg.model.path, dtype=cfg.model.dtype, megatron=cfg.model.megatron,
+                     groups=groups)
+    return DPORun(cfg=cfg, groups=groups, actor=engine(optim=cfg.optim), reference=engine(),
+                  train_pairs=train_pairs, eval_pairs=eval_pairs[groups.dp_rank::groups.dp_size],
+                  sampler=PromptSampler(len(train_pairs), seed=cfg.seed, shuffle=data.shuffle,
+                                        dp_rank=groups.dp_rank, dp_size=groups.dp_size),
+                  pairs_per_rank=pairs_per_rank, pad_id=tokenizer.pad_token_id)
+
+
+def train(cfg: Config) -> Path:
+    """Run a DPO recipe; returns the directory of the final checkpoint."""
+    run = build_run(cfg, init_groups(cfg))
+    run_dir, steps = Path(cfg.run_dir), total_steps(cfg, len(run.train_pairs))
+    if dist.get_rank() == 0:
+        dump_config(cfg, run_dir / "recipe.yaml")
+    writer = MetricsWriter(run_dir, total_steps=steps, enabled=dist.get_rank() == 0, progress=cfg.log.progress,
+                           tensorboard=cfg.log.tensorboard, desc="dpo")
+    has_eval = dp_sums([float(len(run.eval_pairs))], run.groups.dp)[0] > 0
+    try:
+        for step in range(1, steps + 1):
+            start = time.perf_counter()
+            metrics = dpo_step(run)
+            check_finite(metrics, step)
+            metrics["timing/step_s"] = time.perf_counter() - start
+            if has_eval and (step == 1 or step % cfg.data.eval_every == 0 or step == steps):
+                metrics.update(evaluate(run))
+            if step % cfg.log.every_steps == 0 or step == steps:
+                writer.write(step, metrics)
+            if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+                export_policy(run.actor, run.groups, source_dir=cfg.model.path,
+                              out_dir=run_dir / "checkpoints" / f"step{step:06d}", meta={"step": step})
+    finally:
+        writer.close()
+    final = run_dir / "checkpoints" / "final"
+    if cfg.checkpoint.save_final:
+        export_policy(run.actor, run.groups, source_dir=cfg.model.path, out_dir=final,
+                      meta={"stage": "dpo", "step": steps})
+    return final
