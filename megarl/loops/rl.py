@@ -136,7 +136,7 @@ def rollout(run: RLRun, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, floa
             rows = [run.train_rows[i] for i in run.sampler.next_batch(run.prompts_per_rank)]
             batch = generate(run, rows, n_samples=cfg.rollout.n_samples)
         with timer("reward"):
-            batch, round_failures = score(run.scorer, batch)
+            batch, round_failures = score(run, batch)
         failures += round_failures
         if not cfg.algo.uses_dynamic_sampling:
             return batch, {"reward/failures": global_sum(run, float(failures))}
@@ -196,15 +196,23 @@ def generate(run: RLRun, rows: list[PromptRow], *, n_samples: int) -> RolloutBat
     )
 
 
-def score(scorer: Scorer, batch: RolloutBatch) -> tuple[RolloutBatch, int]:
+def score(run: RLRun, batch: RolloutBatch) -> tuple[RolloutBatch, int]:
     """The recipe's rewards [B] and the number of samples whose reward failed (scored 0; see Scorer).
 
-    A reward-model term would be computed here, by the trainer over `batch.tokens`, and added to these.
+    Every rank of a model-parallel group holds the same batch; only its first rank scores (a sandbox or a
+    Ray pool must not run once per TP rank, and a reward with a timeout could differ between runs) and
+    the others receive the result. A reward-model term would be computed here, by the trainer over
+    `batch.tokens`, and added to these.
     """
-    response_tokens = batch.response_mask.sum(-1).long().tolist()
-    samples = [Sample(*fields) for fields in zip(batch.prompt_texts, batch.responses, batch.answers,
-                                                 batch.metadata, response_tokens)]
-    rewards, failures = scorer(samples)
+    result = [None]
+    if run.is_rollout_rank:
+        response_tokens = batch.response_mask.sum(-1).long().tolist()
+        samples = [Sample(*fields) for fields in zip(batch.prompt_texts, batch.responses, batch.answers,
+                                                     batch.metadata, response_tokens)]
+        result = [run.scorer(samples)]
+    if dist.get_world_size(run.groups.mp) > 1:
+        dist.broadcast_object_list(result, src=run.groups.mp_src_global_rank, group=run.groups.mp)
+    rewards, failures = result[0]
     return batch.replace(rewards=torch.tensor(rewards)), failures
 
 
@@ -337,7 +345,7 @@ def push_policy(run: RLRun) -> dict:
 def evaluate(run: RLRun) -> dict[str, float]:
     """Mean reward on the fixed held-out prompts (this rank's share), one sample each, as in training."""
     rows = run.eval_rows[run.groups.dp_rank:: run.groups.dp_size]
-    batch, _ = score(run.scorer, generate(run, rows, n_samples=1))
+    batch, _ = score(run, generate(run, rows, n_samples=1))
     total = global_sum(run, float(batch.rewards.sum()))
     return {"eval/reward_mean": total / global_sum(run, float(len(batch)))}
 
