@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -119,8 +120,6 @@ def read_model(config_json: Path) -> tuple[ModelShape, Experts]:
             return read_shape(config_json.parent), experts
         except ValueError as e:
             raise PlanError(str(e)) from None
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps({**config, "model_type": _DENSE_SIBLING[arch]}))
         return replace(read_shape(tmp), arch=arch), experts
@@ -289,11 +288,11 @@ def rollout_engines(cfg: Config, shape: ModelShape, experts: Experts, cluster: C
             raise PlanError(f"the rollout engine of rank {rank} (GPU {local} of its node) needs rollout.tp = {rtp} "
                             f"GPUs and runs past the {gpus} GPUs of the node: make parallel.tp a multiple of "
                             "rollout.tp or a divisor of the GPUs per node")
-        for gpu in range(rank, rank + rtp):
-            if gpu in owner:
+        for slot in range(rank, rank + rtp):  # rank r runs on GPU r % gpus of node r // gpus
+            if slot in owner:
                 raise PlanError(f"rollout.tp = {rtp} is larger than parallel.tp = {par.tp}: the rollout engines of "
-                                f"ranks {owner[gpu]} and {rank} would share GPU {gpu % gpus} of node {gpu // gpus}")
-            owner[gpu] = rank
+                                f"ranks {owner[slot]} and {rank} would share GPU {slot % gpus} of node {slot // gpus}")
+            owner[slot] = rank
     return firsts
 
 

@@ -113,7 +113,8 @@ MOE235 = ("qwen3-235b-a22b-grpo", "qwen3-235b-a22b", 16)
 @pytest.mark.parametrize("target,overrides,message", [
     (SEVEN_B, ["parallel.tp=3"], "world size 8 is not divisible by parallel.tp * parallel.pp * parallel.cp = 3"),
     (SEVEN_B, ["parallel.tp=8", "rollout.tp=4"], "attention heads 28 is not divisible by parallel.tp = 8"),
-    (LLAMA, ["parallel.tp=16", "parallel.pp=1"], "key/value heads (query groups) 8 is not divisible by parallel.tp = 16"),
+    (LLAMA, ["parallel.tp=16", "parallel.pp=1"],
+     "key/value heads (query groups) 8 is not divisible by parallel.tp = 16"),
     (MOE235, ["parallel.pp=4", "parallel.ep=8"], "layers 94 is not divisible by parallel.pp = 4"),
     (LLAMA, ["model.megatron.virtual_pipeline_model_parallel_size=3"],
      "layers 80 is not divisible by parallel.pp * model.megatron.virtual_pipeline_model_parallel_size = 2 * 3 = 6"),
