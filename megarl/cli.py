@@ -1,8 +1,13 @@
-"""`megarl` command line: `megarl train RECIPE.yaml [key.path=value ...]`.
+"""`megarl` command line.
 
-Run it directly for one process, or under torchrun (`torchrun --nproc_per_node=N -m megarl train ...`)
+    megarl train RECIPE.yaml [key.path=value ...]
+    megarl plan RECIPE.yaml [key.path=value ...] --nodes N --gpus-per-node G [--gpu-mem-gb 80] [--json]
+
+Run `train` directly for one process, or under torchrun (`torchrun --nproc_per_node=N -m megarl train ...`)
 for one process per device. A recipe or data error stops before any work with exit code 2 and a
-message that names the file and the key or line.
+message that names the file and the key or line. `plan` checks a recipe's layout for a cluster and estimates
+its memory per GPU on any machine (see megarl/plan.py): exit code 0 when it fits, 1 when it does not, 2 for
+a recipe or layout error.
 """
 
 from __future__ import annotations
@@ -29,11 +34,25 @@ def main(argv: list[str] | None = None) -> None:
     train_p.add_argument("recipe", help="recipe YAML file")
     train_p.add_argument("overrides", nargs="*", help="key.path=value overrides of recipe fields")
     train_p.add_argument("--log-level", default="WARNING", help="Python logging level (default WARNING)")
+    plan_p = sub.add_parser("plan", help="check a recipe's layout for a cluster and estimate memory per GPU")
+    plan_p.add_argument("recipe", help="recipe YAML file")
+    plan_p.add_argument("overrides", nargs="*", help="key.path=value overrides of recipe fields")
+    plan_p.add_argument("--nodes", type=int, required=True, help="nodes in the cluster")
+    plan_p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node")
+    plan_p.add_argument("--gpu-mem-gb", type=float, default=80.0, help="memory per GPU in GiB (default 80)")
+    plan_p.add_argument("--model-config", help="the model's HF config.json when model.path is not on this "
+                        "machine (default: model.path/config.json)")
+    plan_p.add_argument("--prompt-tokens", type=int, default=1024,
+                        help="longest prompt in tokens; sequences are this + rollout.max_new_tokens (default 1024)")
+    plan_p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    plan_p.add_argument("--log-level", default="WARNING", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _quiet_expected_warnings()
     match args.command:
+        case "plan":
+            sys.exit(run_plan(args))
         case "train":
             try:
                 cfg = load_config(args.recipe, args.overrides)
@@ -62,6 +81,33 @@ def main(argv: list[str] | None = None) -> None:
 
             if dist.get_rank() == 0:
                 print(f"megarl: done; final checkpoint in {final}")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """`megarl plan`: print the plan; return 0 (fits), 1 (does not fit) or 2 (recipe or layout error)."""
+    from pathlib import Path
+
+    from megarl.plan import Cluster, PlanError, plan, read_model, render_table, to_json
+
+    try:
+        if min(args.nodes, args.gpus_per_node) < 1 or args.gpu_mem_gb <= 0 or args.prompt_tokens < 1:
+            raise PlanError(f"--nodes {args.nodes}, --gpus-per-node {args.gpus_per_node}, --prompt-tokens "
+                            f"{args.prompt_tokens} must be >= 1 and --gpu-mem-gb {args.gpu_mem_gb} > 0")
+        # The recipe names the cluster's checkpoint and data: their existence is checked at launch, not here.
+        cfg = load_config(args.recipe, args.overrides, check_paths=False)
+        config_json = Path(args.model_config) if args.model_config else Path(cfg.model.path) / "config.json"
+        if not config_json.is_file():
+            where = "--model-config" if args.model_config else "model.path"
+            raise PlanError(f"{where}: no config.json at {config_json}; where the checkpoint is not on this "
+                            "machine, pass --model-config FILE (recipes/gpu/configs/ holds the shipped models')")
+        shape = read_model(config_json)
+        result = plan(cfg, shape, Cluster(args.nodes, args.gpus_per_node, args.gpu_mem_gb),
+                      recipe=args.recipe, prompt_tokens=args.prompt_tokens)
+    except (ConfigError, PlanError) as e:
+        print(f"megarl: plan error: {e}", file=sys.stderr)
+        return 2
+    print(to_json(result) if args.json else render_table(result))
+    return 0 if result.fits else 1
 
 
 if __name__ == "__main__":

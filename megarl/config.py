@@ -459,6 +459,7 @@ class _Source:
 
     file: str
     overrides: list[tuple[tuple, str]]  # (key path, override text), in the order applied
+    check_paths: bool = True  # False: path fields are taken as written, the disk is not looked at
 
     def error(self, key: tuple, message: str, *, beneath: bool = True) -> ConfigError:
         # An override is to blame when it set this key or a section containing it, or something beneath
@@ -603,7 +604,7 @@ def _build(cls: type, data: dict, key: tuple, src: _Source) -> Any:
             raise src.error(fkey, f"required key missing (expected {_type_name(hints[name])})")
         # A required section left out is built empty, so the error names the key inside it that is missing.
         value = _convert(hints[name], data.get(name), fkey, src)
-        if "path" in f.metadata and value is not None:
+        if "path" in f.metadata and value is not None and src.check_paths:
             value = _check_path(f.metadata["path"], value, fkey, src)
         kwargs[name] = value
     try:
@@ -638,10 +639,13 @@ def _apply_override(tree: dict, text: str, src: _Source) -> None:
     node[path[-1]] = value
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+def load_config(path: str | Path, overrides: Sequence[str] = (), *, check_paths: bool = True) -> Config:
     """Read a recipe, apply `key.path=value` overrides (values parsed as YAML), and build a checked Config.
 
     Path fields come back absolute (resolved against the current directory). Raises ConfigError.
+    `check_paths=False` checks everything but the existence of the files and directories the recipe names,
+    and leaves those paths as written: `megarl plan` validates a recipe for a cluster whose checkpoints and
+    data this machine does not have.
     """
     file = str(path)
     try:
@@ -658,7 +662,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
         tree = {}
     if not isinstance(tree, dict):
         raise ConfigError(f"{file}: a recipe is a mapping of sections, got {_show(tree)}")
-    src = _Source(file, [])
+    src = _Source(file, [], check_paths)
     for override in overrides:
         _apply_override(tree, override, src)
     return _build(Config, tree, (), src)

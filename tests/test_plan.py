@@ -1,0 +1,256 @@
+"""`megarl plan`: every shipped GPU recipe fits the cluster its header names, with the exact command the header
+gives; broken layouts exit 2 naming which number does not divide which; a plan that does not fit exits 1;
+and the estimate of parameters, gradients and optimizer state equals what a real TrainEngine allocates for
+the tiny models (differences below are each explained and bounded).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_python
+
+pytestmark = pytest.mark.timeout(120)
+
+GPU_RECIPES = sorted((REPO / "recipes" / "gpu").glob("*.yaml"))
+CONFIGS = REPO / "recipes" / "gpu" / "configs"
+
+
+def header_command(recipe: Path) -> list[str]:
+    """The `megarl plan ...` command of a recipe's `Check:` header line, as arguments after `megarl`."""
+    line = next(ln for ln in recipe.read_text().splitlines() if ln.startswith("#") and "Check:" in ln)
+    words = shlex.split(line.split("Check:", 1)[1])
+    assert words[:2] == ["megarl", "plan"], line
+    return words[1:]
+
+
+def megarl(args: list[str], capsys) -> tuple[int, str, str]:
+    """`megarl ARGS` in this process (planning imports no heavy backend): (exit code, stdout, stderr)."""
+    from megarl.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    out = capsys.readouterr()
+    return exit_info.value.code, out.out, out.err
+
+
+def plan_args(name: str, model: str, nodes: int, *overrides: str, gpu_mem_gb: float = 80) -> list[str]:
+    return ["plan", str(REPO / "recipes" / "gpu" / f"{name}.yaml"), *overrides, "--nodes", str(nodes),
+            "--gpus-per-node", "8", "--gpu-mem-gb", str(gpu_mem_gb),
+            "--model-config", str(CONFIGS / model / "config.json")]
+
+
+# ---- shipped recipes -----------------------------------------------------------------------------------------
+def test_every_issue_target_has_a_recipe():
+    names = {p.stem for p in GPU_RECIPES}
+    assert names == {"qwen2.5-7b-grpo-gsm8k", "llama-3.3-70b-grpo", "llama-3.3-70b-ppo", "qwen3-30b-a3b-dapo",
+                     "qwen3-235b-a22b-grpo"}
+
+
+@pytest.mark.parametrize("recipe", GPU_RECIPES, ids=lambda p: p.stem)
+def test_shipped_recipe_fits_the_cluster_its_header_names(recipe, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)  # the header's paths are relative to the repository
+    args = header_command(recipe)
+    code, out, err = megarl(args, capsys)
+    assert code == 0, out + err
+    assert "fits: yes" in out and "DOES NOT FIT" not in out
+    code, out, err = megarl([*args, "--json"], capsys)
+    result = json.loads(out)
+    assert code == 0 and result["fits"] and result["peak_gib"] <= result["usable_gib"]
+    assert result["rollout"]["samples"] >= 1
+    # The cluster in the header comment is the one the command plans.
+    nodes, gpus = int(args[args.index("--nodes") + 1]), int(args[args.index("--gpus-per-node") + 1])
+    assert re.search(rf"\b{nodes} nodes? x {gpus} H", recipe.read_text().splitlines()[0])
+
+
+def test_shipped_recipes_stop_on_placeholder_paths_but_load_for_planning():
+    from megarl.config import ConfigError, load_config
+
+    for recipe in GPU_RECIPES:
+        with pytest.raises(ConfigError, match=r"model.path: directory not found: /SET-ME/"):
+            load_config(recipe)
+        cfg = load_config(recipe, check_paths=False)
+        assert cfg.model.path.startswith("/SET-ME/") and cfg.data.train_path.startswith("/SET-ME/")
+
+
+@pytest.mark.parametrize("model,total,active", [
+    # Totals of the published bf16 checkpoints (safetensors index total_size / 2); active = dense + top-k of
+    # the experts, the "A3B"/"A22B" of the names.
+    ("qwen2.5-7b", 7_615_616_512, None),
+    ("llama-3.3-70b", 70_553_706_496, None),
+    ("qwen3-30b-a3b", 30_532_122_624, 3.35e9),
+    ("qwen3-235b-a22b", 235_093_634_560, 22.19e9),
+])
+def test_shipped_configs_have_the_published_parameter_counts(model, total, active):
+    from megarl.plan import read_model, stage_params
+
+    shape = read_model(CONFIGS / model / "config.json")
+    counts = stage_params(shape, tp=1, pp=1, ep=1, stage=0, padded_vocab=shape.vocab_size)
+    assert counts.total == total
+    if active is not None:
+        assert abs(counts.dense + counts.expert * shape.topk // shape.experts - active) < 0.01e9
+
+
+def test_plan_imports_no_torch_megatron_or_sglang():
+    code = ("import sys, megarl.cli, megarl.plan\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'sglang')))")
+    result = run_python(["-c", code], timeout_s=60)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+# ---- broken layouts: exit 2 and the message names both numbers ------------------------------------------------
+SEVEN_B = ("qwen2.5-7b-grpo-gsm8k", "qwen2.5-7b", 1)
+LLAMA = ("llama-3.3-70b-grpo", "llama-3.3-70b", 8)
+MOE30 = ("qwen3-30b-a3b-dapo", "qwen3-30b-a3b", 2)
+MOE235 = ("qwen3-235b-a22b-grpo", "qwen3-235b-a22b", 16)
+
+
+@pytest.mark.parametrize("target,overrides,message", [
+    (SEVEN_B, ["parallel.tp=3"], "world size 8 is not divisible by parallel.tp * parallel.pp * parallel.cp = 3"),
+    (SEVEN_B, ["parallel.tp=8", "rollout.tp=4"], "attention heads 28 is not divisible by parallel.tp = 8"),
+    (LLAMA, ["parallel.tp=16", "parallel.pp=1"],
+     "key/value heads (query groups) 8 is not divisible by parallel.tp = 16"),
+    (MOE235, ["parallel.pp=4", "parallel.ep=8"], "layers 94 is not divisible by parallel.pp = 4"),
+    (LLAMA, ["model.megatron.virtual_pipeline_model_parallel_size=3"],
+     "layers 80 is not divisible by parallel.pp * model.megatron.virtual_pipeline_model_parallel_size = 2 * 3 = 6"),
+    (LLAMA, ["model.megatron.num_layers_per_virtual_pipeline_stage=10"],
+     "num_layers_per_virtual_pipeline_stage is not a TransformerConfig field: set "
+     "virtual_pipeline_model_parallel_size (= layers / (pp * 10) = 4)"),
+    (MOE30, ["parallel.ep=3"], "experts 128 is not divisible by parallel.ep = 3"),
+    (MOE30, ["parallel.ep=16"], "world size 16 is not divisible by parallel.tp * parallel.ep * parallel.pp = 32"),
+    (SEVEN_B, ["parallel.ep=2"], "parallel.ep = 2 needs a mixture-of-experts model; qwen2 has no experts"),
+    (SEVEN_B, ["data.prompts_per_step=6"], "data.prompts_per_step 6 is not divisible by the data-parallel size 4"),
+    (SEVEN_B, ["train.micro_batch_size=256"], "samples per data-parallel rank 128 (data.prompts_per_step / 4 * "
+                                            "rollout.n_samples) is not divisible by train.micro_batch_size = 256"),
+    (SEVEN_B, ["rollout.tp=4"], "rollout.tp = 4 is larger than parallel.tp = 2: the rollout engines of ranks 0 and 2 "
+                                "would share GPU 2 of node 0"),
+    (LLAMA, ["rollout.tp=16"], "rollout.tp = 16 is more than the 8 GPUs of a node"),
+    (SEVEN_B, ["rollout.tp=7"], "key/value heads 4 and rollout.tp = 7: neither divides the other"),
+    (MOE30, ["rollout.tp=4", "parallel.tp=4", "parallel.ep=4"], None),  # a valid variation: no error
+    (SEVEN_B, ["rollout.tpp=2"], "rollout.tpp: unknown key (did you mean 'tp'?)"),
+])
+def test_broken_layout_exits_2_naming_the_numbers(target, overrides, message, capsys):
+    name, model, nodes = target
+    code, out, err = megarl(plan_args(name, model, nodes, *overrides), capsys)
+    if message is None:
+        assert code == 0, out + err
+        return
+    assert code == 2, out + err
+    assert message in err
+    assert err.startswith("megarl: plan error: ") and out == ""
+
+
+def test_missing_model_config_exits_2_and_says_how_to_plan(capsys):
+    recipe = REPO / "recipes" / "gpu" / "llama-3.3-70b-grpo.yaml"
+    code, _, err = megarl(["plan", str(recipe), "--nodes", "8", "--gpus-per-node", "8"], capsys)
+    assert code == 2
+    assert "model.path: no config.json at /SET-ME/Llama-3.3-70B-Instruct/config.json" in err
+    assert "--model-config" in err
+
+
+# ---- does not fit: exit 1 -----------------------------------------------------------------------------------
+def test_too_little_memory_exits_1_and_names_the_phase(capsys):
+    # 235B on 80 GiB GPUs: a 4-GPU rollout engine's bf16 weights (110 GiB per GPU) leave no KV cache.
+    code, out, _ = megarl(plan_args(*MOE235, gpu_mem_gb=80), capsys)
+    assert code == 1
+    assert "the KV cache holds no full-length sample" in out
+    assert "fits: no" in out
+    # 70B PPO with PP=2: actor, critic and reference states alone exceed 76 GiB in the train phase.
+    code, out, _ = megarl(plan_args("llama-3.3-70b-ppo", "llama-3.3-70b", 8, "parallel.pp=2"), capsys)
+    assert code == 1
+    assert re.search(r"train\s+[\d.]+\s+DOES NOT FIT", out) and "fits: no" in out
+
+
+def test_pipeline_and_expert_sharding_divide_the_model_state():
+    """The per-GPU numbers scale as the layout says: PP halves the layers, EP the experts, and the
+    distributed optimizer divides optimizer state by the data-parallel sizes."""
+    from megarl.plan import read_model, stage_params
+
+    shape = read_model(CONFIGS / "qwen3-30b-a3b" / "config.json")
+    one = stage_params(shape, tp=1, pp=1, ep=1, stage=0)
+    ep8 = stage_params(shape, tp=1, pp=1, ep=8, stage=0)
+    assert ep8.expert * 8 == one.expert and ep8.dense == one.dense
+    shape = read_model(CONFIGS / "llama-3.3-70b" / "config.json")
+    full = stage_params(shape, tp=8, pp=1, ep=1, stage=0)
+    first, last = (stage_params(shape, tp=8, pp=2, ep=1, stage=s) for s in (0, 1))
+    assert first.total + last.total == full.total  # the same tensors, split in two
+
+
+# ---- the estimate against a real TrainEngine -------------------------------------------------------------------
+def measured_state(engine) -> dict[str, int]:
+    """Bytes a built, once-stepped TrainEngine really holds: parameters, DDP gradient buffers, and the
+    optimizer's fp32 master shards (storage not shared with the model's parameters) plus Adam moments."""
+    import torch
+
+    buffers = engine.model.buffers + engine.model.expert_parallel_buffers
+    params = sum(p.numel() * p.element_size() for p in engine.module.parameters())
+    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)
+    model_storage = {b.param_data.untyped_storage().data_ptr() for b in buffers}
+    optim = 0
+    for opt in engine.optimizer.chained_optimizers:
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                if p.untyped_storage().data_ptr() not in model_storage:
+                    optim += p.numel() * p.element_size()
+                optim += sum(v.numel() * v.element_size() for v in opt.optimizer.state[p].values()
+                             if torch.is_tensor(v) and v.dim() > 0)
+    return {"params": params, "grads": grads, "optim": optim, "tensors": sum(1 for _ in engine.module.parameters()),
+            "buckets": sum(len(b.buckets) for b in buffers)}
+
+
+def one_train_step(engine) -> None:
+    """Adam allocates its moments on the first step."""
+    import torch
+
+    tokens = torch.randint(3, 90, (2, 8), generator=torch.Generator().manual_seed(0))
+
+    def loss_fn(logprobs, mb):
+        loss = -logprobs.sum() / logprobs.numel()
+        return loss, {"loss": loss.detach()}
+
+    engine.train_step(tokens, {}, loss_fn, temperature=1.0, micro_batch_size=2)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_estimate_equals_measured_memory_of_the_tiny_model(arch, dtype, request, groups, tmp_path):
+    from megarl.config import OptimConfig, load_config
+    from megarl.engine.megatron import TrainEngine
+    from megarl.plan import Cluster, plan, read_model
+
+    model_dir = request.getfixturevalue(f"{arch}_dir")
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(f"model:\n  path: {model_dir}\n  dtype: {dtype}\ndata:\n  train_path: unused.jsonl\n"
+                      "  prompts_per_step: 1\nrollout:\n  n_samples: 2\ntrain:\n  micro_batch_size: 2\n")
+    cfg = load_config(recipe, check_paths=False)
+    shape = read_model(Path(model_dir) / "config.json")
+    actor = plan(cfg, shape, Cluster(nodes=1, gpus_per_node=1)).models[0]
+
+    engine = TrainEngine(model_dir=str(model_dir), dtype=dtype, megatron={}, groups=groups,
+                         optim=OptimConfig(lr=1e-3, distributed=cfg.optim.distributed))
+    one_train_step(engine)
+    real = measured_state(engine)
+    n_params = sum(p.numel() for p in engine.module.parameters())
+    assert actor.params == n_params * (4 if dtype == "float32" else 2)  # the count itself is exact
+
+    # Megatron's CPU layer spec (no Transformer Engine) keeps RMSNorm weights in fp32 whatever params_dtype
+    # says; on GPU, TE's fused norms are bf16 like the estimate. Those weights cost 2 more bytes each as
+    # parameters and need no fp32 master copy (4 bytes fewer in the optimizer).
+    fp32_norms = sum(p.numel() for n, p in engine.module.named_parameters()
+                     if dtype != "float32" and p.dtype.itemsize == 4)
+    if fp32_norms:
+        assert all("layernorm" in n for n, p in engine.module.named_parameters() if p.dtype.itemsize == 4)
+    assert real["params"] == actor.params + 2 * fp32_norms
+    assert real["optim"] == actor.optim - 4 * fp32_norms
+
+    # Gradients: DDP's fp32 buffer pads each parameter's start to 64 elements and each bucket's end to
+    # lcm(dp, 128) for the distributed optimizer; the estimate counts the parameters only.
+    padding_bound = 4 * (63 * real["tensors"] + 127 * real["buckets"])
+    assert 0 <= real["grads"] - actor.grads <= padding_bound
+    print(f"{arch} {dtype}: params {real['params']} measured / {actor.params} estimated bytes; grads "
+          f"{real['grads']} / {actor.grads}; optimizer {real['optim']} / {actor.optim}")
