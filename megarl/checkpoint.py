@@ -1,7 +1,13 @@
-"""Checkpoints: the trained policy exported as an HF checkpoint directory, written atomically.
+"""Checkpoints on disk: resumable run checkpoints and HF exports, both published atomically.
 
-The export is written to a temporary sibling directory and published with one rename, so a reader
-never sees a half-written checkpoint; config and tokenizer files are copied from the source model.
+RUN_DIR/checkpoints/ holds one directory per saved step (`step00000050/`, written by the training loop as
+`.tmp-step00000050/` and published with one rename once every rank has finished writing), a `latest` file
+naming the newest complete one (replaced atomically, after the rename), and `final/`, the HF export of the
+finished policy. A crash at any moment leaves either the previous `latest` or the new one, never a
+half-written checkpoint that resume would load; stale `.tmp-*` directories are removed at the next save.
+
+HF exports are written to a temporary sibling directory and published with one rename too; config and
+tokenizer files are copied from the source model.
 """
 
 from __future__ import annotations
@@ -59,9 +65,7 @@ def save_hf(named_tensors: Iterable[tuple[str, Tensor]], *, source_dir: str | Pa
     else:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    for side in _SIDE_FILES:
-        if (Path(source_dir) / side).exists():
-            shutil.copy2(Path(source_dir) / side, tmp / side)
+    copy_side_files(source_dir, tmp)
     (tmp / "megarl_checkpoint.json").write_text(json.dumps(meta or {}, indent=2) + "\n")
     _fsync_dir(tmp)
     if out_dir.exists():
@@ -74,8 +78,83 @@ def save_hf(named_tensors: Iterable[tuple[str, Tensor]], *, source_dir: str | Pa
     return out_dir
 
 
+def copy_side_files(source_dir: str | Path, out_dir: str | Path) -> None:
+    """The config and tokenizer files of HF checkpoint `source_dir`, copied into `out_dir`."""
+    for side in _SIDE_FILES:
+        if (Path(source_dir) / side).exists():
+            shutil.copy2(Path(source_dir) / side, Path(out_dir) / side)
+
+
 def _fsync_dir(path: Path) -> None:
     for child in path.iterdir():
         with open(child, "rb") as f:
             os.fsync(f.fileno())
 
+
+
+# ---- run checkpoints ---------------------------------------------------------------------------------------
+LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from; the message names the file."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint `root/latest` names, None when nothing was saved yet."""
+    root = Path(root)
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    path = root / pointer.read_text().strip()
+    if not (path / "state.json").is_file():
+        raise CheckpointError(f"{pointer} names {path.name}, which has no state.json: the checkpoint directory "
+                              f"was removed or damaged after it was published")
+    return path
+
+
+def temporary_dir(root: str | Path, step: int) -> Path:
+    """A fresh directory to write step `step` into; earlier unfinished ones (a crash mid-write) are removed."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-step*"):
+        shutil.rmtree(stale)
+    tmp = root / f".tmp-{step_dir_name(step)}"
+    tmp.mkdir()
+    return tmp
+
+
+def publish(tmp: Path, *, step: int, keep_last: int) -> Path:
+    """Make a fully written `tmp` the checkpoint of `step`: one rename, then `latest`, then pruning of all
+    but the newest `keep_last` step directories (0 keeps all)."""
+    root = tmp.parent
+    _fsync_tree(tmp)
+    final = root / step_dir_name(step)
+    if final.exists():  # the same step saved again (a resumed run that re-reached it)
+        old = root / f".old-{final.name}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+    pointer_tmp = root / f".{LATEST}.tmp"
+    pointer_tmp.write_text(final.name + "\n")
+    with open(pointer_tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(pointer_tmp, root / LATEST)
+    if keep_last:
+        steps = sorted(p for p in root.glob("step*") if p.is_dir())
+        for old in steps[:-keep_last]:
+            shutil.rmtree(old)
+    return final
+
+
+def _fsync_tree(path: Path) -> None:
+    for child in path.rglob("*"):
+        if child.is_file():
+            with open(child, "rb") as f:
+                os.fsync(f.fileno())

@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
             except ConfigError as e:
                 print(f"megarl: recipe error: {e}", file=sys.stderr)
                 sys.exit(2)
+            from megarl.checkpoint import CheckpointError
             from megarl.data.prompts import DataError
 
             match cfg.algo.name:
@@ -76,6 +77,9 @@ def main(argv: list[str] | None = None) -> None:
                 sys.exit(2)
             except DataError as e:
                 print(f"megarl: data error: {e}", file=sys.stderr)
+                sys.exit(2)
+            except CheckpointError as e:
+                print(f"megarl: checkpoint error: {e}", file=sys.stderr)
                 sys.exit(2)
             import torch.distributed as dist
 

@@ -356,11 +356,15 @@ class WarmupConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every_steps: int = 0  # save every this many RL steps; 0 = only at the end
-    save_final: bool = True  # save after the last step
+    """Resumable checkpoints of the RL loop under RUN_DIR/checkpoints (see megarl.checkpoint)."""
+
+    every_steps: int = 0  # save a resumable checkpoint every this many steps; 0 = only at the end
+    save_final: bool = True  # at the end: a resumable checkpoint and the HF export RUN_DIR/checkpoints/final
+    keep_last: int = 2  # resumable checkpoints kept on disk, newest first; 0 = keep all
+    resume: str = "auto"  # "auto": continue from checkpoints/latest when there is one; "never"; or a checkpoint dir
 
     def check(self) -> None:
-        _at_least(self, 0, "every_steps")
+        _at_least(self, 0, "every_steps", "keep_last")
 
 
 @dataclass(frozen=True)

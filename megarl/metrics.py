@@ -36,7 +36,9 @@ class MetricsWriter:
     CONSOLE_KEYS = ("reward/mean", "eval/reward_mean", "loss", "reward_accuracy", "eval/loss", "kl", "grad_norm")
 
     def __init__(self, run_dir: str | Path, *, total_steps: int, enabled: bool, progress: bool,
-                 tensorboard: bool, desc: str = "rl"):
+                 tensorboard: bool, desc: str = "rl", resume_step: int = 0):
+        """A fresh run (`resume_step` 0) starts metrics.jsonl over; a resumed one keeps the records of the
+        steps up to `resume_step` and drops the ones a crash left after it, which are recomputed."""
         self.enabled = enabled
         self._bar = None
         self._tb = None
@@ -45,11 +47,17 @@ class MetricsWriter:
             return
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        path = run_dir / "metrics.jsonl"
+        kept = []
+        if resume_step and path.exists():
+            kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+                    if line.strip() and json.loads(line)["step"] <= resume_step]
+        path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        self._file = path.open("a", encoding="utf-8")
         if progress:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, desc=desc, dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, initial=resume_step, desc=desc, dynamic_ncols=True)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

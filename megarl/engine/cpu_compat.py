@@ -105,6 +105,7 @@ def install() -> None:
         importlib.import_module(name).torch = _CpuTorch()
     _patch_cuda_type_asserts()
     _patch_moe_without_te()
+    _patch_adam_step_restore()
     _installed = True
 
 
@@ -225,3 +226,30 @@ def _patch_moe_without_te() -> None:
         return original(output, input, to_list(output_split_sizes), to_list(input_split_sizes), *args, **kwargs)
 
     torch.distributed.all_to_all_single = all_to_all_single
+
+
+def _patch_adam_step_restore() -> None:
+    # Without apex or Transformer Engine the distributed optimizer wraps torch Adam, whose state has a
+    # `step` next to the moments. Restoring a checkpoint, Megatron puts `step` back into that state and then
+    # copies every state key from the loaded shards, which hold only the parameter and the moments: a
+    # KeyError. Copy the keys the shards have; `step` is already set, but as ONE tensor shared by every
+    # parameter, which torch Adam increments in place once per parameter: give each its own copy.
+    from megatron.core.optimizer import distrib_optimizer
+
+    dist_opt = distrib_optimizer.DistributedOptimizer
+    original = dist_opt._set_main_param_and_optimizer_states
+
+    @functools.wraps(original)
+    def set_states(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        state = self.optimizer.state[main_param]
+        if "step" not in state or "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        main_param.detach().copy_(tensors["param"])
+        for key, value in state.items():
+            if key != "step":
+                value.copy_(tensors[key])
+        state["step"] = state["step"].clone()
+
+    dist_opt._set_main_param_and_optimizer_states = set_states

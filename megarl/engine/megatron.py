@@ -34,6 +34,9 @@ from megarl.models.safetensors_dir import SafetensorsDir
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# How optimizer state is laid out in distributed checkpoints: "fully_reshardable" is the format that loads
+# at a different TP/PP/EP/DP layout (the default "fully_sharded_model_space" fails to save on gloo).
+_CHECKPOINT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 # Parameters with one row per (padded) vocabulary entry: padded on load, truncated on export.
 _VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 # A loss function sees one micro-batch: the head's output [b, T] (logprobs, or values of a critic) and
@@ -457,6 +460,59 @@ class TrainEngine:
         else:
             self.module.cuda(torch.cuda.current_device())
 
+    # ---- distributed checkpoints ---------------------------------------------------------------------
+    def save_checkpoint(self, path: str | Path) -> None:
+        """Model (and optimizer) state as a Megatron distributed checkpoint in directory `path`, written by
+        every rank of the job collectively. The optimizer state is saved fully reshardable, so the
+        checkpoint loads at any TP, PP, EP or DP layout."""
+        from megatron.core import dist_checkpointing
+
+        state = self._sharded_state(is_loading=False)
+        Path(path).mkdir(parents=True, exist_ok=True)  # Megatron writes into an existing, empty directory
+        dist_checkpointing.save(state, str(path), content_metadata=_CHECKPOINT_METADATA)
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Restore what `save_checkpoint` wrote, whatever layout wrote it. Every parameter and optimizer
+        tensor must be found in the checkpoint; a missing or mismatched one is an error naming it."""
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.validation import StrictHandling
+
+        path = Path(path)
+        if not (path / "metadata.json").is_file():
+            raise FileNotFoundError(f"{path}: not a distributed checkpoint (no metadata.json)")
+        self._fill_empty_adam_state()
+        state = self._sharded_state(is_loading=True)
+        loaded = dist_checkpointing.load(state, str(path), strict=StrictHandling.RAISE_ALL)
+        self.module.load_state_dict(loaded["model"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(loaded["optimizer"])
+
+    def _fill_empty_adam_state(self) -> None:
+        """Give a fresh torch Adam (the optimizer Megatron falls back to without apex or Transformer Engine)
+        zero moments and a `step`, as it has after a real step. Megatron's own state initialization for
+        loading leaves `step` out, and its distributed optimizer then fails reading it; the loaded
+        checkpoint overwrites all three."""
+        if self.optimizer is None:
+            return
+        for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            torch_optimizer = inner.optimizer
+            if not isinstance(torch_optimizer, torch.optim.Adam | torch.optim.AdamW):
+                continue
+            for group in torch_optimizer.param_groups:
+                for param in group["params"]:
+                    if not torch_optimizer.state[param]:
+                        torch_optimizer.state[param].update(
+                            exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param),
+                            step=torch.zeros((), dtype=torch.float32))
+
+    def _sharded_state(self, *, is_loading: bool) -> dict:
+        model_state = self.module.sharded_state_dict()
+        state = {"model": model_state}
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer.sharded_state_dict(model_state, is_loading=is_loading,
+                                                                   metadata=_CHECKPOINT_METADATA)
+        return state
+
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -637,6 +693,25 @@ class TrainEngine:
         if self.groups.dp_size > 1:
             dist.all_reduce(values, group=self.groups.dp)
         return {k: float(v) for k, v in zip(keys[0], values.tolist())}
+
+
+def trainer_rng_state() -> dict:
+    """This rank's random state: torch's (CPU and, on GPU, CUDA) and Megatron's model-parallel RNG tracker
+    (dropout streams). Restored by `set_trainer_rng_state` on a resume with the same layout."""
+    from megatron.core import tensor_parallel
+
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def set_trainer_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
 def _pad_rows(full: Tensor, rows: int) -> Tensor:

@@ -9,6 +9,7 @@ shares the generated batch with the other ranks of its group.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -36,6 +37,7 @@ from megarl.data.prompts import PromptRow, PromptSampler, load_prompts
 from megarl.data.supervised import completion_example
 from megarl.engine.megatron import ParallelGroups, TrainEngine, check_megatron_fields, init_parallel
 from megarl.handoff import push_weights
+from megarl.loops.resume import find_resume, resume_run, save_run_checkpoint
 from megarl.loops.supervised import supervised_step
 from megarl.metrics import MetricsWriter, PhaseTimer
 from megarl.models.arch import check_layout, read_shape
@@ -470,16 +472,19 @@ def kl_controller(algo: AlgoConfig) -> FixedKLController | AdaptiveKLController:
     return FixedKLController(algo.kl_coef)
 
 
-def make_rollout_engine(cfg: Config, model_dir: str):
+def make_rollout_engine(cfg: Config, model_dir: str, *, dp_rank: int):
+    """The recipe's rollout engine, seeded per data-parallel replica (not per global rank, so a run resumed
+    at another TP/PP layout samples as the one that saved it)."""
+    seed = cfg.seed + dp_rank
     match cfg.rollout.engine:
         case "native":
             from megarl.rollout.native import NativeEngine
 
-            return NativeEngine(model_dir, dtype=cfg.model.dtype, seed=cfg.seed + dist.get_rank())
+            return NativeEngine(model_dir, dtype=cfg.model.dtype, seed=seed)
         case "sglang":
             from megarl.rollout.sglang_engine import SGLangEngine
 
-            return SGLangEngine(model_dir, dtype=cfg.model.dtype, seed=cfg.seed + dist.get_rank(),
+            return SGLangEngine(model_dir, dtype=cfg.model.dtype, seed=seed,
                                 tp_size=cfg.rollout.tp, mem_fraction=cfg.rollout.mem_fraction,
                                 base_gpu_id=torch.cuda.current_device() if torch.cuda.is_available() else 0)
     raise ValueError(f"rollout.engine: unknown engine {cfg.rollout.engine!r}")
@@ -567,7 +572,8 @@ def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: lis
         critic = TrainEngine(model_dir=cfg.critic.path or model_dir, dtype=cfg.model.dtype,
                              megatron=cfg.model.megatron, groups=groups,
                              optim=dataclasses.replace(cfg.optim, lr=cfg.critic.lr), value_head=True)
-    rollout = make_rollout_engine(cfg, model_dir) if dist.get_rank() == groups.mp_src_global_rank else None
+    is_rollout_rank = dist.get_rank() == groups.mp_src_global_rank
+    rollout = make_rollout_engine(cfg, model_dir, dp_rank=groups.dp_rank) if is_rollout_rank else None
     sampler = PromptSampler(len(train_rows), seed=cfg.seed, shuffle=cfg.data.shuffle, dp_rank=groups.dp_rank,
                             dp_size=groups.dp_size)
     return RLRun(cfg=cfg, groups=groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
@@ -598,6 +604,16 @@ def train(cfg: Config) -> Path:
     except ValueError as e:
         raise RecipeError(f"parallel: {e}") from None
     check_launch(cfg, groups)
+    final = run_dir / "checkpoints" / "final"
+    resume_from = find_resume(cfg)
+    if resume_from is not None:
+        done = json.loads((resume_from / "state.json").read_text())["step"]
+        if done >= cfg.train.steps:
+            if dist.get_rank() == 0:
+                print(f"megarl: {run_dir} already finished {done} of train.steps={cfg.train.steps} steps "
+                      f"({resume_from}); nothing to do")
+            return final
+        log.warning("resuming from %s (step %d of %d)", resume_from, done, cfg.train.steps)
     data = cfg.data
     fields = dict(prompt_key=data.prompt_key, answer_key=data.answer_key, metadata_key=data.metadata_key,
                   skip_bad_rows=data.skip_bad_rows)
@@ -607,21 +623,21 @@ def train(cfg: Config) -> Path:
     model_dir = sft_warmup(cfg, groups, tokenizer, train_rows) if cfg.warmup.sft_steps else cfg.model.path
     run = build_run(cfg, groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
                     model_dir=model_dir)
+    start = resume_run(run, resume_from) if resume_from is not None else 0
     if dist.get_rank() == 0:
         dump_config(cfg, run_dir / "recipe.yaml")
     writer = MetricsWriter(run_dir, total_steps=cfg.train.steps, enabled=dist.get_rank() == 0,
-                           progress=cfg.log.progress, tensorboard=cfg.log.tensorboard)
-    final = run_dir / "checkpoints" / "final"
+                           progress=cfg.log.progress, tensorboard=cfg.log.tensorboard, resume_step=start)
     try:
-        push_policy(run)  # version 1: the trainer's own weights, which also proves the name table
-        for step in range(1, cfg.train.steps + 1):
+        push_policy(run)  # the trainer's own weights, which also proves the name table
+        for step in range(start + 1, cfg.train.steps + 1):
             metrics = rl_step(run, step)
             if step % cfg.log.every_steps == 0 or step == cfg.train.steps:
                 writer.write(step, metrics)
-            if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
-                export_policy(run.actor, run.groups, source_dir=cfg.model.path,
-                              out_dir=run_dir / "checkpoints" / f"step{step:06d}", meta={"step": step})
+            if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < cfg.train.steps:
+                save_run_checkpoint(run, step)
         if cfg.checkpoint.save_final:
+            save_run_checkpoint(run, cfg.train.steps)
             export_policy(run.actor, run.groups, source_dir=cfg.model.path, out_dir=final,
                           meta={"step": cfg.train.steps})
     finally:

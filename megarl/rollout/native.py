@@ -77,6 +77,13 @@ class NativeEngine:
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
 
     @torch.no_grad()
+    def rng_state(self) -> Tensor:
+        """The sampler's random state, for checkpoints: restoring it reproduces the next samples exactly."""
+        return self.generator.get_state()
+
+    def set_rng_state(self, state: Tensor) -> None:
+        self.generator.set_state(state)
+
     def generate(self, prompts: list[list[int]], *, temperature: float, top_p: float, max_new_tokens: int,
                  eos_id: int, pad_id: int) -> Generation:
         """Sample one response per prompt (repeat a prompt to get a group)."""

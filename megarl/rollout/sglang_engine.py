@@ -73,6 +73,15 @@ class SGLangEngine:
             reasons.append("stop" if reason == "stop" else "length")
         return Generation(response_ids=response_ids, logprobs=logprobs, finish_reasons=reasons)
 
+    def rng_state(self) -> None:
+        """None: SGLang's sampler state lives in its scheduler process and cannot be saved, so a resumed
+        run samples differently from an uninterrupted one (it is seeded again from `seed`)."""
+        return None
+
+    def set_rng_state(self, state) -> None:
+        if state is not None:
+            raise ValueError("SGLangEngine cannot restore a sampler state (saved by another rollout engine)")
+
     def update_weights(self, buckets: Iterable[list[tuple[str, Tensor]]], *, version: int) -> None:
         """Load HF-named full tensors bucket by bucket inside one SGLang weight-update session."""
         from sglang.srt.utils import MultiprocessingSerializer

@@ -1,0 +1,165 @@
+"""Resume continues exactly: a run killed with SIGKILL in the middle of a step, or in the middle of writing a
+checkpoint, and then resumed, ends with the metrics of every step and the final weights of a run that was
+never interrupted. No partial checkpoint is ever loaded. A finished run says so; resume requests that
+would lose work are refused.
+
+The recipe exercises every piece of state: PPO (actor, critic, optimizer moments, adaptive KL coefficient
+with a reference model), dynamic sampling (a prompt sampler that advances a data-dependent number of
+batches) and the rollout engine's sampler RNG. The reward is a length penalty, which a random tiny model
+earns unevenly, so every step has non-zero advantages and moves the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import run_python, subprocess_env
+
+STEPS = 6
+RUN_TIMEOUT_S = 240  # a 6-step tiny PPO run takes ~20 s alone on 2 cores
+pytestmark = pytest.mark.timeout(4 * RUN_TIMEOUT_S)
+
+
+def write_recipe(path: Path, *, model_dir: Path, data_dir: Path) -> Path:
+    path.write_text(
+        f"model:\n  path: {model_dir}\n"
+        f"data:\n  train_path: {data_dir / 'train.jsonl'}\n  eval_path: {data_dir / 'heldout.jsonl'}\n"
+        "  prompts_per_step: 4\n  eval_prompts: 8\n"
+        "rollout:\n  n_samples: 4\n  max_new_tokens: 4\n"
+        f"train:\n  steps: {STEPS}\n  micro_batch_size: 8\n"
+        "algo:\n  name: ppo\n  kl_coef: 0.05\n  kl_in_reward: true\n  kl_target: 0.01\n"
+        "  dynamic_sampling: true\n  max_sampling_rounds: 3\n"
+        "critic:\n  lr: 1.0e-3\n"
+        "optim:\n  lr: 1.0e-3\n"
+        "reward:\n  terms:\n    - {kind: length_penalty, max_tokens: 4, cache_tokens: 3}\n"
+        "checkpoint:\n  every_steps: 2\n  keep_last: 2\n"
+        "log:\n  progress: false\n"
+    )
+    return path
+
+
+def train_args(recipe: Path, run_dir: Path, *overrides: str) -> list[str]:
+    return ["-m", "megarl", "train", str(recipe), f"run_dir={run_dir}", *overrides]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    """Per-step records without wall-clock figures (timings and throughput differ between any two runs)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("timing/") and not k.startswith("throughput/")}
+            for r in records]
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "checkpoints" / "final" / "model.safetensors"))
+
+
+def run_until(args: list[str], cwd: Path, *, kill_when) -> None:
+    """Start `python ARGS` and SIGKILL it as soon as `kill_when()` is true (polled every 2 ms)."""
+    proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=subprocess_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    try:
+        while not kill_when():
+            assert proc.poll() is None, "the run ended before the moment it was to be killed"
+            assert time.monotonic() < deadline, "the kill moment never came"
+            time.sleep(0.002)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole group: Megatron's checkpoint writer processes too
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory, qwen2_dir, arithmetic_dir) -> Path:
+    return write_recipe(tmp_path_factory.mktemp("resume") / "ppo.yaml", model_dir=qwen2_dir, data_dir=arithmetic_dir)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(recipe, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    result = run_python(train_args(recipe, run_dir), cwd=run_dir, timeout_s=RUN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return run_dir
+
+
+def assert_same_run(run_dir: Path, reference: Path) -> None:
+    got, want = metrics(run_dir), metrics(reference)
+    assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+    for g, w in zip(got, want):
+        assert g == w, {k: (g.get(k), w.get(k)) for k in w if g.get(k) != w.get(k)}
+    a, b = final_weights(run_dir), final_weights(reference)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_reference_run_moves_and_checkpoints(uninterrupted):
+    steps = metrics(uninterrupted)
+    assert all(m["grad_norm"] > 0 and m["critic/grad_norm"] > 0 for m in steps)
+    root = uninterrupted / "checkpoints"
+    assert (root / "latest").read_text().strip() == f"step{STEPS:08d}"
+    # keep_last 2: steps 4 and 6 remain, 2 was pruned; no temporary directory is left behind
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith(("step", ".tmp"))) == \
+        ["step00000004", "step00000006"]
+
+
+def test_killed_mid_step_then_resumed_equals_uninterrupted(recipe, uninterrupted, tmp_path):
+    run_dir = tmp_path / "run"
+    metrics_file = run_dir / "metrics.jsonl"
+    # step 3 is logged after the checkpoint of step 2: the kill lands inside step 4 or 5
+    run_until(train_args(recipe, run_dir), tmp_path,
+              kill_when=lambda: metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3)
+    assert len(metrics_file.read_text().splitlines()) < STEPS
+    result = run_python(train_args(recipe, run_dir), cwd=tmp_path, timeout_s=RUN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "resuming from" in result.stderr
+    assert_same_run(run_dir, uninterrupted)
+
+
+def test_killed_while_writing_a_checkpoint_never_loads_it(recipe, uninterrupted, tmp_path):
+    run_dir = tmp_path / "run"
+    root = run_dir / "checkpoints"
+    # the moment the second checkpoint (step 4) is being written: its temporary directory exists
+    run_until(train_args(recipe, run_dir), tmp_path,
+              kill_when=lambda: (root / f".tmp-step{4:08d}").exists())
+    assert (root / "latest").read_text().strip() == f"step{2:08d}"  # the half-written one was never published
+    result = run_python(train_args(recipe, run_dir), cwd=tmp_path, timeout_s=RUN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert f"step{2:08d}" in result.stderr  # resumed from the last complete checkpoint
+    assert not list(root.glob(".tmp-*"))
+    assert_same_run(run_dir, uninterrupted)
+
+
+def test_a_finished_run_says_so_and_exits_0(recipe, uninterrupted):
+    before = (uninterrupted / "metrics.jsonl").read_text()
+    result = run_python(train_args(recipe, uninterrupted), cwd=uninterrupted, timeout_s=RUN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert f"already finished {STEPS} of train.steps={STEPS} steps" in result.stdout
+    assert (uninterrupted / "metrics.jsonl").read_text() == before  # nothing was touched
+
+
+def test_resume_requests_that_would_lose_work_are_refused(recipe, uninterrupted, tmp_path):
+    result = run_python(train_args(recipe, uninterrupted, "checkpoint.resume=never"), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "holds checkpoints of an earlier run" in result.stderr and str(recipe) in result.stderr
+    result = run_python(train_args(recipe, tmp_path / "new", f"checkpoint.resume={tmp_path}"), cwd=tmp_path)
+    assert result.returncode == 2
+    assert f"{tmp_path} is not a checkpoint directory" in result.stderr
+
+
+def test_a_latest_pointer_to_a_missing_checkpoint_is_an_error_naming_it(recipe, uninterrupted, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(uninterrupted, run_dir)
+    (run_dir / "checkpoints" / "latest").write_text("step00000099\n")
+    result = run_python(train_args(recipe, run_dir), cwd=tmp_path)
+    assert result.returncode != 0
+    assert "latest names step00000099, which has no state.json" in result.stderr
