@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from megarl.checkpoint import CheckpointError
 from megarl.config import RecipeError
 from megarl.models import layout
 from megarl.models.arch import ModelShape, padded_vocab_size, read_shape
@@ -263,7 +264,7 @@ class TrainEngine:
     """
 
     def __init__(self, *, model_dir: str, dtype: str, megatron: dict, groups: ParallelGroups, optim=None,
-                 value_head: bool = False):
+                 value_head: bool = False, load_weights: bool = True):
         from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
         self.groups = groups
@@ -280,7 +281,8 @@ class TrainEngine:
         self._layer_offset = get_transformer_layer_offset(self.config)
         # Expert-parallel rank r holds the experts r * experts_per_rank ... (r + 1) * experts_per_rank - 1.
         self._expert_offset = groups.ep_rank * (self.shape.experts // groups.ep_size)
-        self.load_hf(model_dir)
+        if load_weights:  # False: the weights come from a distributed checkpoint (`load_checkpoint`)
+            self.load_hf(model_dir)
         if optim is None:
             self.module.requires_grad_(False)
             self.module.eval()
@@ -472,20 +474,43 @@ class TrainEngine:
         dist_checkpointing.save(state, str(path), content_metadata=_CHECKPOINT_METADATA)
 
     def load_checkpoint(self, path: str | Path) -> None:
-        """Restore what `save_checkpoint` wrote, whatever layout wrote it. Every parameter and optimizer
-        tensor must be found in the checkpoint; a missing or mismatched one is an error naming it."""
+        """Restore what `save_checkpoint` wrote, whatever layout wrote it (a frozen or converted model
+        takes the model part of a checkpoint that also holds optimizer state). A checkpoint of another
+        architecture or size is an error listing the tensors that do not match; nothing is loaded then."""
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.validation import StrictHandling
 
         path = Path(path)
         if not (path / "metadata.json").is_file():
-            raise FileNotFoundError(f"{path}: not a distributed checkpoint (no metadata.json)")
+            raise CheckpointError(f"{path}: not a distributed checkpoint (no metadata.json)")
         self._fill_empty_adam_state()
         state = self._sharded_state(is_loading=True)
-        loaded = dist_checkpointing.load(state, str(path), strict=StrictHandling.RAISE_ALL)
+        self._check_shapes(path, state["model"])
+        strict = StrictHandling.RAISE_ALL if self.optimizer is not None else StrictHandling.RAISE_UNEXPECTED
+        loaded = dist_checkpointing.load(state, str(path), strict=strict)
         self.module.load_state_dict(loaded["model"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(loaded["optimizer"])
+
+    @staticmethod
+    def _check_shapes(path: Path, model_state: dict) -> None:
+        from megatron.core.dist_checkpointing import ShardedTensor, load_tensors_metadata
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+        saved = load_tensors_metadata(str(path))
+        problems = []
+        for sharded in nested_values(model_state):
+            if not isinstance(sharded, ShardedTensor):
+                continue
+            if sharded.key not in saved:
+                problems.append(f"{sharded.key}: not in the checkpoint")
+            elif tuple(saved[sharded.key].global_shape) != tuple(sharded.global_shape):
+                problems.append(f"{sharded.key}: shape {tuple(saved[sharded.key].global_shape)} in the "
+                                f"checkpoint, {tuple(sharded.global_shape)} in this model")
+        if problems:
+            shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+            raise CheckpointError(f"{path}: {len(problems)} tensor(s) do not match this model "
+                                  f"(another architecture or size?):\n  {shown}")
 
     def _fill_empty_adam_state(self) -> None:
         """Give a fresh torch Adam (the optimizer Megatron falls back to without apex or Transformer Engine)
