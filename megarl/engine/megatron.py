@@ -483,6 +483,7 @@ class TrainEngine:
         path = Path(path)
         if not (path / "metadata.json").is_file():
             raise CheckpointError(f"{path}: not a distributed checkpoint (no metadata.json)")
+        _check_files(path)
         self._fill_empty_adam_state()
         state = self._sharded_state(is_loading=True)
         self._check_shapes(path, state["model"])
@@ -718,6 +719,26 @@ class TrainEngine:
         if self.groups.dp_size > 1:
             dist.all_reduce(values, group=self.groups.dp)
         return {k: float(v) for k, v in zip(keys[0], values.tolist())}
+
+
+def _check_files(path: Path) -> None:
+    """Every data file the checkpoint's index lists is there and long enough: a copy cut short (a full
+    disk, an interrupted transfer) is an error naming the file, not an unpickling error deep inside."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unreadable index is the same problem for the user
+        raise CheckpointError(f"{path}: the checkpoint index (.metadata) cannot be read: {e}") from None
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: listed in the checkpoint index but missing")
+        if file.stat().st_size < end:
+            raise CheckpointError(f"{file}: truncated ({file.stat().st_size} bytes; the index needs {end})")
 
 
 def trainer_rng_state() -> dict:
