@@ -92,7 +92,7 @@ def test_python_tool_runs_code_in_the_sandbox():
     failed = tool({"code": "print('before')\n1/0"})
     assert failed.startswith("before\nerror (exit status 1):") and "ZeroDivisionError" in failed
     # CPU time never runs ahead of wall time, so the 1 s wall-clock kill comes before the 5 s CPU limit
-    assert tool({"code": "print('spin')\nwhile True: pass"}) == "spin\nerror: killed after 1.0 s of wall time"
+    assert tool({"code": "print('spin', flush=True)\nwhile True: pass"}) == "spin\nerror: killed after 1.0 s of wall time"
 
 
 # ---- retrieval ----------------------------------------------------------------------------------------------
