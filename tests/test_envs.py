@@ -92,7 +92,8 @@ def test_python_tool_runs_code_in_the_sandbox():
     failed = tool({"code": "print('before')\n1/0"})
     assert failed.startswith("before\nerror (exit status 1):") and "ZeroDivisionError" in failed
     # CPU time never runs ahead of wall time, so the 1 s wall-clock kill comes before the 5 s CPU limit
-    assert tool({"code": "print('spin', flush=True)\nwhile True: pass"}) == "spin\nerror: killed after 1.0 s of wall time"
+    spin = tool({"code": "print('spin', flush=True)\nwhile True: pass"})
+    assert spin == "spin\nerror: killed after 1.0 s of wall time"
 
 
 # ---- retrieval ----------------------------------------------------------------------------------------------
@@ -150,7 +151,8 @@ def test_demonstrations_tokenize_as_the_trajectory_the_rollout_builds(tool_chat_
     prompt = encode_prompt(tokenizer, "47*86=", chat_template=True)
     trajectory = prompt + call + obs + answer
     assert example.ids[:len(trajectory)] == trajectory
-    assert example.loss_mask[:len(trajectory)] == [0] * len(prompt) + [1] * len(call) + [0] * len(obs) + [1] * len(answer)
+    assert example.loss_mask[:len(trajectory)] == ([0] * len(prompt) + [1] * len(call) + [0] * len(obs)
+                                                   + [1] * len(answer))
 
 
 def test_a_template_that_cannot_render_tool_messages_is_refused_at_launch(tool_chat_dir):

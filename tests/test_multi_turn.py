@@ -126,7 +126,8 @@ def test_trajectory_is_generated_then_observation_tokens_and_the_trainer_scores_
         n = len(expected)
         assert batch.tokens[i, :n].tolist() == expected
         assert (batch.tokens[i, n:] == run.tokenizer.pad_token_id).all()
-        assert batch.response_mask[i].tolist() == [0.0] * len(prompt) + generated_mask + [0.0] * (batch.tokens.shape[1] - n)
+        padding = [0.0] * (batch.tokens.shape[1] - n)
+        assert batch.response_mask[i].tolist() == [0.0] * len(prompt) + generated_mask + padding
         assert torch.equal(batch.rollout_logprobs[i, len(prompt):n], torch.tensor(logprobs))
         assert batch.tool_calls[i] == batch.turns[i] if batch.finish_reasons[i] == "max_turns" else True
         assert batch.finish_reasons[i] in ("length", "max_turns", "max_tokens")  # CountingEnv is never done
@@ -206,7 +207,8 @@ def test_limits_end_trajectories_and_are_recorded(tool_tokenizer):
     assert out[0].finish_reason == "max_tokens" and out[0].turns == 2
     assert len(out[0].response_ids) == 4 + obs_len + 4 <= limit
     # a turn budget cut by max_tokens: the turn is cut to what is left and the trajectory ends there
-    out, _ = trajectories_of(tool_tokenizer, EnvConfig(name="envs_for_tests:CountingEnv", max_tokens=4 + obs_len + 2), [{}])
+    cut = EnvConfig(name="envs_for_tests:CountingEnv", max_tokens=4 + obs_len + 2)
+    out, _ = trajectories_of(tool_tokenizer, cut, [{}])
     assert out[0].finish_reason == "max_tokens" and len(out[0].response_ids) == 4 + obs_len + 2
     assert out[0].generated_mask == [1] * 4 + [0] * obs_len + [1] * 2
     # length: a turn that reaches rollout.max_new_tokens without the stop token ends the trajectory

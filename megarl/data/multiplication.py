@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heldout-size", type=int, default=256, help="rows in heldout.jsonl")
     parser.add_argument("--tool-frac", type=float, default=0.3, help="fraction of demonstrations using the tool")
     args = parser.parse_args(argv)
-    print(f"wrote {write_multiplication_set(args.out, seed=args.seed, heldout_size=args.heldout_size, tool_frac=args.tool_frac)}")
+    out = write_multiplication_set(args.out, seed=args.seed, heldout_size=args.heldout_size, tool_frac=args.tool_frac)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -101,7 +101,8 @@ class ObservationFormat:
     preceded by the rest of the assistant turn's ending after the model's own stop token (Qwen: the
     newline after <|im_end|>). For Qwen2.5 and two results A, B that is
 
-        \\n<|im_start|>user\\n<tool_response>\\nA\\n</tool_response>\\n<tool_response>\\nB\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n
+        \\n<|im_start|>user\\n<tool_response>\\nA\\n</tool_response>\\n<tool_response>\\nB\\n</tool_response>
+        <|im_end|>\\n<|im_start|>assistant\\n     (one string, cut here to fit the page)
 
     ValueError when the template cannot render a tool message, or renders the earlier turns differently
     once one follows (then no suffix exists).
