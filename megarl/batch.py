@@ -19,15 +19,19 @@ from torch import Tensor
 @dataclass(frozen=True)
 class RolloutBatch:
     tokens: Tensor                        # [B, T] prompt + response ids, right padded
-    response_mask: Tensor                 # [B, T] 1.0 on response tokens (EOS included), else 0
+    response_mask: Tensor                 # [B, T] 1.0 on generated response tokens (EOS included), else 0;
+                                          # 0 on observation tokens between the turns of a multi-turn response
     prompt_lens: Tensor                   # [B] prompt length in tokens
     group_ids: Tensor                     # [B] samples of the same prompt share an id
     rollout_logprobs: Tensor              # [B, T] the rollout engine's logprobs on response tokens, else 0
     responses: list[str]                  # [B] decoded responses
     answers: list[str]                    # [B] reference answers of the prompts
-    finish_reasons: list[str]             # [B] "stop" or "length"
+    finish_reasons: list[str]             # [B] "stop", "length" or the limit that ended a multi-turn rollout
     prompt_texts: list[str]               # [B] the prompts as text, before any chat template (for rewards)
     metadata: list[dict]                  # [B] the prompt rows' metadata (for rewards)
+    turns: Tensor | None = None           # [B] model turns of each trajectory (1 for single-turn rollouts)
+    tool_calls: Tensor | None = None      # [B] tool calls the environment answered
+    env_rewards: Tensor | None = None     # [B] sum of the environment's step rewards, added to the recipe's
     rewards: Tensor | None = None         # [B]
     old_logprobs: Tensor | None = None    # [B, T] trainer logprobs before the update
     ref_logprobs: Tensor | None = None    # [B, T] reference-model logprobs
@@ -87,9 +91,10 @@ class RolloutBatch:
 
 
 def pack_sequences(prompts: list[list[int]], responses: list[list[int]], response_logprobs: list[list[float]],
-                   *, pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
+                   *, pad_id: int, generated_masks: list[list[int]] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Concatenate prompt and response ids, right padded: tokens [B, T] long, response_mask [B, T],
-    logprobs [B, T] (response logprobs placed on their tokens)."""
+    logprobs [B, T] (response logprobs placed on their tokens). The mask is 1 on the whole response, or,
+    with `generated_masks` (one 0/1 per response id), on the generated ids of a multi-turn response only."""
     width = max(len(p) + len(r) for p, r in zip(prompts, responses))
     batch = len(prompts)
     tokens = torch.full((batch, width), pad_id, dtype=torch.long)
@@ -97,6 +102,7 @@ def pack_sequences(prompts: list[list[int]], responses: list[list[int]], respons
     logprobs = torch.zeros((batch, width))
     for i, (p, r, lp) in enumerate(zip(prompts, responses, response_logprobs)):
         tokens[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
-        mask[i, len(p): len(p) + len(r)] = 1.0
+        mask[i, len(p): len(p) + len(r)] = 1.0 if generated_masks is None else torch.tensor(
+            generated_masks[i], dtype=torch.float32)
         logprobs[i, len(p): len(p) + len(r)] = torch.tensor(lp, dtype=torch.float32)
     return tokens, mask, logprobs

@@ -328,6 +328,64 @@ class RewardConfig:
             raise FieldError("ray_address", "is set but workers is 0: scoring would not use the cluster")
 
 
+BUILTIN_ENVS = ("single_turn", "calculator", "python", "retrieval")
+# The options each environment reads; any other option set is a mistake the loader reports. A custom
+# environment (`module:Class`) is built as Class(**options).
+ENV_OPTIONS = {
+    "single_turn": (),
+    "calculator": (),
+    "python": ("sandbox",),
+    "retrieval": ("documents_path", "top_k"),
+    "custom": ("options",),
+}
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """The environment a rollout talks to (megarl/envs). A trajectory is the prompt, then turns of the model
+    and the environment's observations, until the environment says done or a limit below ends it; the
+    limit that ended it is its finish reason (max_turns, max_tokens, tool_time), counted in `env/ended_by/*`.
+    The default, single_turn, is one model turn: the plain RL rollout."""
+
+    name: str = "single_turn"  # single_turn | calculator | python | retrieval | module:Class (your own)
+    max_turns: int = 4  # most model turns per trajectory
+    max_tokens: int | None = None  # most response tokens per trajectory, generated and observation; null = no limit
+    tool_timeout_s: float = 10.0  # wall-clock limit of one environment step (the tool calls of one turn)
+    max_tool_time_s: float = 60.0  # wall-clock limit of all environment steps of one trajectory
+    tool_workers: int = 8  # threads running the steps of different trajectories concurrently
+    tool_format: Literal["qwen", "llama3"] = "qwen"  # tool-call syntax: <tool_call>{json}</tool_call> or Llama 3's
+    sandbox: SandboxConfig | None = None  # python: limits of each run; null = the SandboxConfig defaults
+    documents_path: str | None = field(default=None, metadata={"path": "file"})  # retrieval: documents JSONL
+    top_k: int | None = None  # retrieval: documents returned per search; null = 3
+    options: dict[str, Any] | None = None  # module:Class: keyword arguments of the class
+
+    @property
+    def kind(self) -> str:
+        """The built-in name, or "custom" for `module:Class`."""
+        return self.name if self.name in BUILTIN_ENVS else "custom"
+
+    def check(self) -> None:
+        if self.name not in BUILTIN_ENVS:
+            module, _, cls = self.name.partition(":")
+            if not (cls.isidentifier() and all(part.isidentifier() for part in module.split("."))):
+                raise FieldError("name", f"expected one of {', '.join(BUILTIN_ENVS)} or 'module:Class', "
+                                         f"got {self.name!r}")
+        used = ENV_OPTIONS[self.kind]
+        for name in ("sandbox", "documents_path", "top_k", "options"):
+            if getattr(self, name) is not None and name not in used:
+                known = f"its options: {', '.join(used)}" if used else "it takes none"
+                raise FieldError(name, f"is not an option of environment {self.name!r} ({known})")
+        if self.kind == "retrieval" and self.documents_path is None:
+            raise FieldError("documents_path", "required for the retrieval environment "
+                                               "(write one with python -m megarl.envs.documents)")
+        _at_least(self, 1, "max_turns", "tool_workers")
+        _positive(self, "tool_timeout_s", "max_tool_time_s")
+        if self.max_tokens is not None:
+            _at_least(self, 1, "max_tokens")
+        if self.top_k is not None:
+            _at_least(self, 1, "top_k")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 10  # optimizer steps
@@ -385,6 +443,7 @@ class Config:
     seed: int = 0  # seeds data order, sampling and initialization
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # model-parallel layout
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation
+    env: EnvConfig = field(default_factory=EnvConfig)  # what the rollout talks to: tools, turns and their limits
     algo: AlgoConfig = field(default_factory=AlgoConfig)  # advantages and loss
     critic: CriticConfig = field(default_factory=CriticConfig)  # value model (algo.name: ppo)
     dpo: DPOConfig = field(default_factory=DPOConfig)  # preference loss (algo.name: dpo)

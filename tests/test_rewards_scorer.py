@@ -155,11 +155,11 @@ def test_pool_survives_a_dying_worker_and_fails_only_what_keeps_dying(ray_local,
         scorer.close()
 
 
-def test_rl_score_sets_batch_rewards_from_prompts_metadata_and_response_lengths():
+def test_rl_reward_terms_see_prompts_metadata_and_response_lengths():
     import torch
 
     from megarl.batch import RolloutBatch
-    from megarl.loops.rl import score
+    from megarl.loops.rl import reward_terms
 
     mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.float32)  # 2 and 3 response tokens
     batch = RolloutBatch(tokens=torch.zeros(2, 4, dtype=torch.long), response_mask=mask,
@@ -169,6 +169,6 @@ def test_rl_score_sets_batch_rewards_from_prompts_metadata_and_response_lengths(
                          metadata=[{"bonus": "bonus"}, {"bonus": "bonus"}])
     cfg = RewardConfig(terms=[term("custom", function="reward_fns:answer_in_response"),
                               term("length_penalty", max_tokens=3, cache_tokens=2)])
-    scored, failures = score(Scorer(cfg), batch)
+    rewards, failures = reward_terms(Scorer(cfg), batch)
     # custom: 0.5 (answer) + 0.5 (bonus) and 0; length: 2 tokens -> -0.5, 3 tokens -> -1.
-    assert scored.rewards.tolist() == [0.5, -1.0] and failures == 0
+    assert rewards == [0.5, -1.0] and failures == 0

@@ -1,6 +1,6 @@
 """Write a tiny HuggingFace causal-LM checkpoint, built entirely on this machine.
 
-    python tools/make_tiny_model.py --out DIR [--arch ARCH] [--seed N]
+    python tools/make_tiny_model.py --out DIR [--arch ARCH] [--seed N] [--tool-chat]
                                     [--hidden 64 --layers 2 --heads 4 --kv-heads 2 --ffn 128]
                                     [--experts 4 --topk 2 --moe-ffn 32 --shared-ffn 48]
 
@@ -10,6 +10,11 @@ The directory holds config.json, model.safetensors, generation_config.json and t
 `transformers.AutoModelForCausalLM` and `AutoTokenizer` load with no network access. The tokenizer is
 byte-level BPE without merges (every printable ASCII character is one token) plus three special tokens,
 which keeps arithmetic prompts short and the vocabulary small enough for CPU tests.
+
+--tool-chat makes a chat model for tool-using agents instead, as Qwen2.5-Instruct is set up: the tool markup
+<tool_call>, </tool_call>, <tool_response>, </tool_response> are added (non-special) tokens, the chat
+template renders tool messages as Qwen2.5 does, and the end of an assistant turn, <|im_end|>, is EOS. Without
+it the output is unchanged, byte for byte.
 
 qwen2 models have a bias on q/k/v and tied embeddings; llama models have no bias and an untied output
 layer. qwen3 adds per-head q/k RMSNorm; mistral is llama-shaped with a sliding window longer than any
@@ -31,6 +36,19 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+# Qwen2.5's rendering of tool results: consecutive tool messages share one user turn, each in its own
+# <tool_response> block. The tools' schemas are not listed in a system turn (Qwen2.5 does): a tiny model
+# learns its one tool from demonstrations, and the prompt stays short.
+TOOL_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n<tool_response>\\n' }}{{ message['content'] }}{{ '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{%- else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def byte_symbols() -> dict[int, str]:
@@ -42,13 +60,14 @@ def byte_symbols() -> dict[int, str]:
     return table
 
 
-def build_tokenizer():
+def build_tokenizer(*, tool_chat: bool = False):
     """A byte-level BPE tokenizer with no merges: every character of CHAR_BYTES is one token.
 
     Byte-level BPE is what Qwen2 and Llama 3 ship, so `AutoTokenizer` (which re-creates Qwen2 tokenizers
-    from their vocabulary) and SGLang read it the same way. Id 0 is <|endoftext|>: EOS and padding.
+    from their vocabulary) and SGLang read it the same way. Id 0 is <|endoftext|>: EOS and padding; with
+    `tool_chat`, EOS is <|im_end|> and the tool markup tokens follow the characters (see the module docstring).
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     symbols = byte_symbols()
@@ -57,14 +76,16 @@ def build_tokenizer():
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     core.decoder = decoders.ByteLevel()
     core.add_special_tokens(SPECIAL_TOKENS)
+    if tool_chat:
+        core.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
-        eos_token=SPECIAL_TOKENS[0],
+        eos_token=SPECIAL_TOKENS[2] if tool_chat else SPECIAL_TOKENS[0],
         pad_token=SPECIAL_TOKENS[0],
         additional_special_tokens=SPECIAL_TOKENS[1:],
         clean_up_tokenization_spaces=False,
     )
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = TOOL_CHAT_TEMPLATE if tool_chat else CHAT_TEMPLATE
     return tok
 
 
@@ -119,19 +140,21 @@ def build_config(arch: str, *, vocab_size: int, hidden: int, layers: int, heads:
 
 def make_tiny_model(out: str | Path, *, arch: str = "qwen2", seed: int = 0, hidden: int = 64, layers: int = 2,
                     heads: int = 4, kv_heads: int = 2, ffn: int = 128, experts: int = 4, topk: int = 2,
-                    moe_ffn: int = 32, shared_ffn: int = 48, init_std: float = 0.02) -> Path:
+                    moe_ffn: int = 32, shared_ffn: int = 48, init_std: float = 0.02, tool_chat: bool = False) -> Path:
     """Create the checkpoint directory `out` and return its path. Same seed, same bytes."""
     import torch
     from transformers import AutoModelForCausalLM
 
     out = Path(out)
-    tok = build_tokenizer()
+    tok = build_tokenizer(tool_chat=tool_chat)
     # Round the vocabulary up to a multiple of 64 so it divides any tensor-parallel size up to 64.
     vocab_size = -(-len(tok) // 64) * 64
     config = build_config(arch, vocab_size=vocab_size, hidden=hidden, layers=layers, heads=heads,
                           kv_heads=kv_heads, ffn=ffn, experts=experts, topk=topk, moe_ffn=moe_ffn,
                           shared_ffn=shared_ffn)
     config.initializer_range = init_std
+    if tool_chat:
+        config.eos_token_id = tok.eos_token_id  # generation ends with the assistant turn
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -166,10 +189,13 @@ def main(argv=None) -> None:
     parser.add_argument("--topk", type=int, default=2, help="MoE: experts per token")
     parser.add_argument("--moe-ffn", type=int, default=32, help="qwen2_moe/qwen3_moe: each expert's width")
     parser.add_argument("--shared-ffn", type=int, default=48, help="qwen2_moe: shared expert width")
+    parser.add_argument("--tool-chat", action="store_true",
+                        help="a chat model for tool use: Qwen2.5 tool markup and template, EOS <|im_end|>")
     args = parser.parse_args(argv)
     out = make_tiny_model(args.out, arch=args.arch, seed=args.seed, hidden=args.hidden, layers=args.layers,
                           heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn, experts=args.experts,
-                          topk=args.topk, moe_ffn=args.moe_ffn, shared_ffn=args.shared_ffn)
+                          topk=args.topk, moe_ffn=args.moe_ffn, shared_ffn=args.shared_ffn,
+                          tool_chat=args.tool_chat)
     print(f"wrote {args.arch} tiny model to {out}")
 
 

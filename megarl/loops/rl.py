@@ -36,12 +36,15 @@ from megarl.config import AlgoConfig, Config, RecipeError, dump_config
 from megarl.data.prompts import PromptRow, PromptSampler, load_prompts
 from megarl.data.supervised import completion_example
 from megarl.engine.megatron import ParallelGroups, TrainEngine, check_megatron_fields, init_parallel
+from megarl.envs.environment import Environment, SingleTurn, environment_factory
+from megarl.envs.tool_format import ObservationFormat
 from megarl.handoff import push_weights
 from megarl.loops.resume import find_resume, resume_run, save_run_checkpoint
 from megarl.loops.supervised import supervised_step
 from megarl.metrics import MetricsWriter, PhaseTimer
 from megarl.models.arch import check_layout, read_shape
 from megarl.rewards.scorer import Sample, Scorer, build_terms
+from megarl.rollout.multi_turn import FINISH_REASONS, run_trajectories
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +71,9 @@ class RLRun:
     kl: FixedKLController | AdaptiveKLController
     scorer: Scorer                    # the recipe's reward terms, in process or on Ray workers
     weight_version: int = 0
+    new_env: Callable[[], Environment] = SingleTurn  # one trajectory's environment (env.name)
+    tool_schemas: list[dict] = dataclasses.field(default_factory=list)  # the environment's tools, for the prompt
+    observations: ObservationFormat | None = None  # renders tool messages; None when the env sends none
 
     @property
     def is_rollout_rank(self) -> bool:
@@ -171,51 +177,67 @@ def rollout(run: RLRun, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, floa
 
 
 def generate(run: RLRun, rows: list[PromptRow], *, n_samples: int) -> RolloutBatch:
-    """Sample `n_samples` responses for each row on this group's rollout engine; all ranks get the batch."""
+    """Sample `n_samples` trajectories for each row on this group's rollout engine, each with its own
+    environment (megarl.rollout.multi_turn; with the single_turn environment, one response per sample);
+    all ranks get the batch. The response of a sample, which rewards score, is its model's last turn."""
     cfg = run.cfg.rollout
-    encoded = [encode_prompt(run.tokenizer, row.prompt, chat_template=run.cfg.data.chat_template) for row in rows]
+    encoded = [encode_prompt(run.tokenizer, row.prompt, chat_template=run.cfg.data.chat_template,
+                             tools=run.tool_schemas) for row in rows]
     prompts = [ids for ids in encoded for _ in range(n_samples)]
+    samples = [row for row in rows for _ in range(n_samples)]
     result = [None]
     if run.is_rollout_rank:
-        gen = run.rollout.generate(prompts, temperature=cfg.temperature, top_p=cfg.top_p,
-                                   max_new_tokens=cfg.max_new_tokens, eos_id=run.tokenizer.eos_token_id,
-                                   pad_id=run.tokenizer.pad_token_id)
-        result = [gen]
+        result = [run_trajectories(run.rollout, prompts, [run.new_env() for _ in samples],
+                                   [(row.prompt, row.metadata) for row in samples], tokenizer=run.tokenizer,
+                                   observations=run.observations, limits=run.cfg.env, temperature=cfg.temperature,
+                                   top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens)]
     if dist.get_world_size(run.groups.mp) > 1:
         dist.broadcast_object_list(result, src=run.groups.mp_src_global_rank, group=run.groups.mp)
-    gen = result[0]
-    tokens, mask, rollout_logprobs = pack_sequences(prompts, gen.response_ids, gen.logprobs,
-                                                    pad_id=run.tokenizer.pad_token_id)
+    trajectories = result[0]
+    tokens, mask, rollout_logprobs = pack_sequences(prompts, [t.response_ids for t in trajectories],
+                                                    [t.logprobs for t in trajectories],
+                                                    pad_id=run.tokenizer.pad_token_id,
+                                                    generated_masks=[t.generated_mask for t in trajectories])
     return RolloutBatch(
         tokens=tokens, response_mask=mask, rollout_logprobs=rollout_logprobs,
         prompt_lens=torch.tensor([len(p) for p in prompts]),
         group_ids=torch.arange(len(rows)).repeat_interleave(n_samples),
-        responses=[run.tokenizer.decode(r, skip_special_tokens=True) for r in gen.response_ids],
-        answers=[row.answer for row in rows for _ in range(n_samples)],
-        finish_reasons=gen.finish_reasons,
-        prompt_texts=[row.prompt for row in rows for _ in range(n_samples)],
-        metadata=[row.metadata for row in rows for _ in range(n_samples)],
+        responses=[run.tokenizer.decode(t.last_turn, skip_special_tokens=True) for t in trajectories],
+        answers=[row.answer for row in samples],
+        finish_reasons=[t.finish_reason for t in trajectories],
+        prompt_texts=[row.prompt for row in samples],
+        metadata=[row.metadata for row in samples],
+        turns=torch.tensor([t.turns for t in trajectories]),
+        tool_calls=torch.tensor([t.tool_calls for t in trajectories]),
+        env_rewards=torch.tensor([t.env_reward for t in trajectories]),
     )
 
 
 def score(run: RLRun, batch: RolloutBatch) -> tuple[RolloutBatch, int]:
-    """The recipe's rewards [B] and the number of samples whose reward failed (scored 0; see Scorer).
+    """The recipe's rewards [B], plus the environment's, and the number of samples whose reward failed
+    (scored 0; see Scorer).
 
     Every rank of a model-parallel group holds the same batch; only its first rank scores (a sandbox or a
     Ray pool must not run once per TP rank, and a reward with a timeout could differ between runs) and
     the others receive the result. A reward-model term would be computed here, by the trainer over
     `batch.tokens`, and added to these.
     """
-    result = [None]
-    if run.is_rollout_rank:
-        response_tokens = batch.response_mask.sum(-1).long().tolist()
-        samples = [Sample(*fields) for fields in zip(batch.prompt_texts, batch.responses, batch.answers,
-                                                     batch.metadata, response_tokens)]
-        result = [run.scorer(samples)]
+    result = [reward_terms(run.scorer, batch) if run.is_rollout_rank else None]
     if dist.get_world_size(run.groups.mp) > 1:
         dist.broadcast_object_list(result, src=run.groups.mp_src_global_rank, group=run.groups.mp)
     rewards, failures = result[0]
-    return batch.replace(rewards=torch.tensor(rewards)), failures
+    rewards = torch.tensor(rewards)
+    if batch.env_rewards is not None:
+        rewards = rewards + batch.env_rewards
+    return batch.replace(rewards=rewards), failures
+
+
+def reward_terms(scorer: Scorer, batch: RolloutBatch) -> tuple[list[float], int]:
+    """The recipe's reward terms on every sample of `batch` [B], and the number that failed."""
+    response_tokens = batch.response_mask.sum(-1).long().tolist()
+    samples = [Sample(*fields) for fields in zip(batch.prompt_texts, batch.responses, batch.answers,
+                                                 batch.metadata, response_tokens)]
+    return scorer(samples)
 
 
 def compute_logprobs(run: RLRun, batch: RolloutBatch) -> RolloutBatch:
@@ -348,17 +370,21 @@ def evaluate(run: RLRun) -> dict[str, float]:
     """Mean reward on the fixed held-out prompts (this rank's share), one sample each, as in training."""
     rows = run.eval_rows[run.groups.dp_rank:: run.groups.dp_size]
     batch, _ = score(run, generate(run, rows, n_samples=1))
-    total = global_sum(run, float(batch.rewards.sum()))
-    return {"eval/reward_mean": total / global_sum(run, float(len(batch)))}
+    total, calls, n = global_sums(run, [float(batch.rewards.sum()), float(batch.tool_calls.sum()),
+                                        float(len(batch))])
+    return {"eval/reward_mean": total / n, "eval/tool_calls_mean": calls / n}
 
 
 def batch_metrics(run: RLRun, batch: RolloutBatch) -> dict[str, float]:
-    """Reward, length and rollout-vs-trainer logprob drift over the global batch (one all-reduce)."""
+    """Reward, length, rollout-vs-trainer logprob drift and the environment's turns, tool calls and finish
+    reasons over the global batch (one all-reduce). Response lengths count generated tokens only."""
     mask = batch.response_mask.bool()
     diff = (batch.rollout_logprobs - batch.old_logprobs).abs()[mask]
-    n, tokens, rewards, truncated, diff_sum = global_sums(run, [
+    n, tokens, rewards, truncated, diff_sum, turns, calls, *ended = global_sums(run, [
         float(len(batch)), float(mask.sum()), float(batch.rewards.sum()),
-        float(sum(r == "length" for r in batch.finish_reasons)), float(diff.sum())])
+        float(sum(r == "length" for r in batch.finish_reasons)), float(diff.sum()),
+        float(batch.turns.sum()), float(batch.tool_calls.sum()),
+        *(float(sum(r == reason for r in batch.finish_reasons)) for reason in FINISH_REASONS)])
     diff_max = torch.tensor([float(diff.max()) if diff.numel() else 0.0])
     if run.groups.dp_size > 1:
         dist.all_reduce(diff_max, op=dist.ReduceOp.MAX, group=run.groups.dp)
@@ -368,6 +394,9 @@ def batch_metrics(run: RLRun, batch: RolloutBatch) -> dict[str, float]:
         "response/truncated_frac": truncated / n,
         "rollout/logprob_diff_mean": diff_sum / max(tokens, 1.0),
         "rollout/logprob_diff_max": float(diff_max),
+        "env/turns_mean": turns / n,
+        "env/tool_calls_mean": calls / n,
+        **{f"env/ended_by/{reason}": count / n for reason, count in zip(FINISH_REASONS, ended)},
     }
 
 
@@ -390,14 +419,15 @@ def on_rollout_rank(run: RLRun, method: str) -> None:
         getattr(run.rollout, method)()
 
 
-def encode_prompt(tokenizer, prompt: str, *, chat_template: bool) -> list[int]:
-    """Prompt token ids, wrapped as a user turn in the tokenizer's chat template when asked.
+def encode_prompt(tokenizer, prompt: str, *, chat_template: bool, tools: list[dict] | None = None) -> list[int]:
+    """Prompt token ids, wrapped as a user turn in the tokenizer's chat template when asked, which also
+    lists `tools` (JSON schemas) the way the template does.
 
     The template is rendered to text and then tokenized, because `apply_chat_template(tokenize=True)`
     returns a list in some transformers releases and a BatchEncoding in others.
     """
     if chat_template:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tools=tools or None,
                                                add_generation_prompt=True, tokenize=False)
     return tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
@@ -470,6 +500,17 @@ def kl_controller(algo: AlgoConfig) -> FixedKLController | AdaptiveKLController:
     if algo.kl_target is not None:
         return AdaptiveKLController(algo.kl_coef, target=algo.kl_target, horizon=algo.kl_horizon)
     return FixedKLController(algo.kl_coef)
+
+
+def observation_format(cfg: Config, tokenizer) -> ObservationFormat | None:
+    """How tool messages are rendered for the recipe's environment; None for single_turn, which sends none."""
+    if cfg.env.kind == "single_turn":
+        return None
+    try:
+        return ObservationFormat(tokenizer)
+    except Exception as e:  # noqa: BLE001 - the template's own errors (jinja) name what it could not render
+        raise RecipeError(f"env.name: {cfg.env.name} sends tool messages, but the chat template of model.path "
+                          f"cannot render them: {type(e).__name__}: {e}") from None
 
 
 def make_rollout_engine(cfg: Config, model_dir: str, *, dp_rank: int):
@@ -547,6 +588,7 @@ def check_launch(cfg: Config, groups: ParallelGroups) -> None:
     """Batch sizes against this launch's data-parallel size; RecipeError names the keys."""
     check_megatron_fields(cfg.model.megatron)
     build_terms(cfg.reward)  # a custom reward that does not import stops here, before any work
+    environment_factory(cfg.env)  # and so does an environment
     dp = groups.dp_size
     if cfg.data.prompts_per_step % dp:
         raise RecipeError(f"data.prompts_per_step={cfg.data.prompts_per_step} is not divisible by the "
@@ -576,11 +618,13 @@ def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: lis
     rollout = make_rollout_engine(cfg, model_dir, dp_rank=groups.dp_rank) if is_rollout_rank else None
     sampler = PromptSampler(len(train_rows), seed=cfg.seed, shuffle=cfg.data.shuffle, dp_rank=groups.dp_rank,
                             dp_size=groups.dp_size)
+    new_env = environment_factory(cfg.env)
     return RLRun(cfg=cfg, groups=groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
                  sampler=sampler, actor=actor, reference=reference, critic=critic, rollout=rollout,
                  prompts_per_rank=cfg.data.prompts_per_step // groups.dp_size,
                  advantages=advantage_fn(cfg.algo, group=groups.dp),
-                 kl=kl_controller(cfg.algo), scorer=Scorer(cfg.reward))
+                 kl=kl_controller(cfg.algo), scorer=Scorer(cfg.reward), new_env=new_env,
+                 tool_schemas=new_env().tools, observations=observation_format(cfg, tokenizer))
 
 
 def train(cfg: Config) -> Path:

@@ -1,0 +1,172 @@
+"""Multi-turn rollouts: trajectories of model turns and environment observations, token in, token out.
+
+A trajectory is the prompt ids, then for every turn the ids the engine generated, exactly as generated,
+then the observation rendered in the chat template's tool-response format and tokenized. Nothing is ever
+re-tokenized from text, so the trainer scores the very tokens that were sampled; the loss mask is 1 on
+generated tokens only and the rollout logprobs are 0 on observation tokens.
+
+Scheduling: each round, every active trajectory's context goes to the engine as one batch; then the
+environment steps of all trajectories whose turn ended run concurrently on a thread pool. A step that
+runs past its limit, min(env.tool_timeout_s, what is left of env.max_tool_time_s), ends its trajectory
+with "tool_time" while the others go on (the thread is left to finish on its own: Python cannot stop
+it; the built-in tools bound themselves, the python tool by the sandbox's wall-clock kill). A finished
+trajectory leaves the batch. Finish reasons:
+
+    stop        the environment said done (the turn was the final answer)
+    length      a turn reached rollout.max_new_tokens without the stop token
+    max_turns   env.max_turns turns, the last of them still calling a tool
+    max_tokens  the response (generated and observation tokens) reached env.max_tokens
+    tool_time   an environment step ran past its limit
+    env_error   an environment step raised (logged; the trajectory keeps what it has)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+from megarl.config import EnvConfig
+from megarl.envs.environment import Environment, Step
+from megarl.envs.tool_format import ObservationFormat
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = ("stop", "length", "max_turns", "max_tokens", "tool_time", "env_error")
+_POLL_S = 0.05  # how often the scheduler looks at steps still waiting for a pool thread
+
+
+@dataclass
+class Trajectory:
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)  # generated and observation ids, in order
+    generated_mask: list[int] = field(default_factory=list)  # 1 on generated ids, 0 on observation ids
+    logprobs: list[float] = field(default_factory=list)  # the engine's logprob of each generated id, else 0
+    last_turn: list[int] = field(default_factory=list)  # the ids of the model's last turn
+    finish_reason: str = ""  # one of FINISH_REASONS once finished
+    turns: int = 0
+    tool_calls: int = 0
+    tool_time_s: float = 0.0
+    env_reward: float = 0.0  # sum of the environment's step rewards
+
+    def add(self, ids: list[int], logprobs: list[float] | None) -> None:
+        """Append generated ids (with their logprobs) or, with logprobs None, observation ids."""
+        self.response_ids += ids
+        self.generated_mask += [0 if logprobs is None else 1] * len(ids)
+        self.logprobs += [0.0] * len(ids) if logprobs is None else logprobs
+
+
+def run_trajectories(engine, prompts: Sequence[list[int]], envs: Sequence[Environment],
+                     rows: Sequence[tuple[str, dict]], *, tokenizer, observations: ObservationFormat | None,
+                     limits: EnvConfig, temperature: float, top_p: float, max_new_tokens: int) -> list[Trajectory]:
+    """One trajectory per prompt, each with its own environment (reset with its row's (prompt text,
+    metadata)). `max_new_tokens` limits each turn; `limits` the turns, tokens and tool time of a trajectory.
+    `observations` renders tool messages; it may be None only when no environment returns any."""
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    trajectories = [Trajectory(list(p)) for p in prompts]
+    for env, (prompt, metadata) in zip(envs, rows):
+        env.reset(prompt, metadata)
+    active = list(range(len(prompts)))
+    pool = ThreadPoolExecutor(max_workers=limits.tool_workers, thread_name_prefix="megarl-env")
+    try:
+        while active:
+            budget = {i: _tokens_left(trajectories[i], limits, max_new_tokens) for i in active}
+            for i in [i for i in active if budget[i] <= 0]:
+                trajectories[i].finish_reason = "max_tokens"
+            active = [i for i in active if budget[i] > 0]
+            if not active:
+                break
+            # One engine call for every active trajectory; one whose token budget is below the turn limit
+            # is cut to its budget afterwards (engines take one max_new_tokens per call).
+            gen = engine.generate([trajectories[i].prompt_ids + trajectories[i].response_ids for i in active],
+                                  temperature=temperature, top_p=top_p,
+                                  max_new_tokens=max(budget[i] for i in active), eos_id=eos_id, pad_id=pad_id)
+            stepping = []
+            for i, ids, logprobs, reason in zip(active, gen.response_ids, gen.logprobs, gen.finish_reasons):
+                traj, keep = trajectories[i], budget[i]
+                traj.turns += 1
+                traj.add(ids[:keep], logprobs[:keep])
+                traj.last_turn = ids[:keep]
+                if len(ids) > keep or (reason == "length" and keep < max_new_tokens):
+                    traj.finish_reason = "max_tokens"
+                elif reason == "length":
+                    traj.finish_reason = "length"
+                else:
+                    stepping.append(i)
+            texts = {i: _turn_text(tokenizer, trajectories[i].last_turn, eos_id) for i in stepping}
+            results = _step_all(pool, envs, texts, trajectories, limits)
+            active = []
+            for i in stepping:
+                traj, result = trajectories[i], results[i]
+                if isinstance(result, str):  # the step did not return: "tool_time" or "env_error"
+                    traj.finish_reason = result
+                    continue
+                traj.tool_calls += result.tool_calls
+                traj.env_reward += result.reward or 0.0
+                if result.done:
+                    traj.finish_reason = "stop"
+                elif traj.turns >= limits.max_turns:
+                    traj.finish_reason = "max_turns"
+                else:
+                    obs = observations.ids([result.observation] if isinstance(result.observation, str)
+                                           else list(result.observation))
+                    if limits.max_tokens is not None and len(traj.response_ids) + len(obs) > limits.max_tokens:
+                        traj.finish_reason = "max_tokens"  # no room to answer the observation
+                    else:
+                        traj.add(obs, None)
+                        active.append(i)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # steps past their limit finish on their own
+    return trajectories
+
+
+def _tokens_left(traj: Trajectory, limits: EnvConfig, max_new_tokens: int) -> int:
+    if limits.max_tokens is None:
+        return max_new_tokens
+    return min(max_new_tokens, limits.max_tokens - len(traj.response_ids))
+
+
+def _turn_text(tokenizer, ids: list[int], eos_id: int) -> str:
+    """The turn as text for the environment: special tokens kept (Llama 3's <|python_tag|> is one), the
+    stop token left out."""
+    return tokenizer.decode(ids[:-1] if ids and ids[-1] == eos_id else ids, skip_special_tokens=False)
+
+
+def _step_all(pool: ThreadPoolExecutor, envs: Sequence[Environment], texts: dict[int, str],
+              trajectories: list[Trajectory], limits: EnvConfig) -> dict[int, Step | str]:
+    """Every trajectory's environment step, concurrently: trajectory index -> its Step, or the finish
+    reason ("tool_time", "env_error") when it did not return one in time. A step's clock starts when a
+    pool thread picks it up, so waiting for a free thread is not charged to it."""
+    started: dict[int, float] = {}
+
+    def timed(i: int, step: Callable[[str], Step], text: str) -> Step:
+        started[i] = time.monotonic()
+        return step(text)
+
+    limit = {i: min(limits.tool_timeout_s, limits.max_tool_time_s - trajectories[i].tool_time_s) for i in texts}
+    pending: dict[Future, int] = {pool.submit(timed, i, envs[i].step, text): i for i, text in texts.items()}
+    results: dict[int, Step | str] = {}
+    while pending:
+        now = time.monotonic()
+        # Sleep until the next deadline of a running step, or a poll interval while some still wait for a thread.
+        waits = [started[i] + limit[i] - now for i in pending.values() if i in started]
+        if len(waits) < len(pending):
+            waits.append(_POLL_S)
+        done, _ = wait(pending, timeout=max(0.0, min(waits)), return_when=FIRST_COMPLETED)
+        now = time.monotonic()
+        for future in done:
+            i = pending.pop(future)
+            trajectories[i].tool_time_s += now - started[i]
+            try:
+                results[i] = future.result()
+            except Exception as e:  # noqa: BLE001 - a broken environment ends its trajectory, not the run
+                log.warning("environment step of trajectory %d raised %s: %s", i, type(e).__name__, e)
+                results[i] = "env_error"
+        for future, i in list(pending.items()):
+            if i in started and now - started[i] >= limit[i]:
+                del pending[future]
+                trajectories[i].tool_time_s += now - started[i]
+                results[i] = "tool_time"
+    return results

@@ -1,0 +1,59 @@
+"""Environments the multi-turn tests load by import path (`env.name: envs_for_tests:Class`), as a recipe would."""
+
+from __future__ import annotations
+
+import time
+
+from megarl.envs.environment import Step
+
+
+class CountingEnv:
+    """Answers every turn with one tool message "obs <turn>" and is never done: only limits end an episode.
+    Records what it was shown, so a test can rebuild the trajectory independently."""
+
+    tools: list[dict] = []
+
+    def __init__(self, reward_per_step: float | None = None):
+        self.reward_per_step = reward_per_step
+        self.turns: list[str] = []
+        self.observations: list[str] = []
+
+    def reset(self, prompt: str, metadata: dict) -> None:
+        self.turns, self.observations = [], []
+
+    def step(self, turn: str) -> Step:
+        self.turns.append(turn)
+        self.observations.append(f"obs {len(self.turns)}")
+        return Step(observation=[self.observations[-1]], reward=self.reward_per_step, tool_calls=1)
+
+
+class SleepyEnv:
+    """Each step sleeps the row's metadata["sleep_s"] seconds, then answers; done on the second turn.
+    A metadata["raise"] makes the step raise instead."""
+
+    tools: list[dict] = []
+
+    def reset(self, prompt: str, metadata: dict) -> None:
+        self.sleep_s, self.fail, self.turn = metadata.get("sleep_s", 0.0), metadata.get("raise"), 0
+
+    def step(self, turn: str) -> Step:
+        self.turn += 1
+        if self.fail:
+            raise RuntimeError(self.fail)
+        time.sleep(self.sleep_s)
+        return Step(observation=["ok"], done=self.turn >= 2, tool_calls=1)
+
+
+class NeedsOption:
+    """Built only with a `level` keyword: for the launch-time check of env.options."""
+
+    tools: list[dict] = []
+
+    def __init__(self, *, level: int):
+        self.level = level
+
+    def reset(self, prompt: str, metadata: dict) -> None:
+        pass
+
+    def step(self, turn: str) -> Step:
+        return Step(done=True)

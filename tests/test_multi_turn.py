@@ -1,0 +1,227 @@
+"""Multi-turn rollouts: token in, token out, and the scheduler's limits.
+
+The trajectory the trainer gets is exactly the prompt, the generated ids and the tokenized observations, its
+loss mask is 1 on generated ids only, and Megatron's logprobs on it equal the rollout engine's on every
+generated id. The single_turn environment reproduces the plain rollout token for token. The scheduler ends
+each trajectory by the limit it reached, without one slow tool holding up the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import time
+
+import pytest
+import torch
+
+from conftest import REPO
+from megarl.batch import pack_sequences
+from megarl.config import Config, DataConfig, EnvConfig, ModelConfig, RolloutConfig
+from megarl.envs.environment import environment_factory
+from megarl.envs.tool_format import ObservationFormat
+from megarl.rollout.multi_turn import run_trajectories
+from megarl.rollout.native import Generation, NativeEngine
+
+
+@pytest.fixture(scope="module")
+def tool_chat_dir(tmp_path_factory):
+    """A random tiny tool-chat model (EOS <|im_end|>): near-uniform next-token distributions, so a turn of
+    up to 100 tokens ends with EOS about half of the time and trajectories of several turns occur."""
+    spec = importlib.util.spec_from_file_location("make_tiny_model", REPO / "tools" / "make_tiny_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.make_tiny_model(tmp_path_factory.mktemp("tool_chat"), tool_chat=True, seed=3)
+
+
+def make_run(model_dir, groups, engine, *, env: EnvConfig, max_new_tokens: int, chat_template: bool):
+    """The parts of an RLRun that generate() reads, around a real engine."""
+    from transformers import AutoTokenizer
+
+    from megarl.loops.rl import RLRun, observation_format
+
+    cfg = Config(model=ModelConfig(path=str(model_dir)), data=DataConfig(train_path="unused.jsonl",
+                                                                          chat_template=chat_template),
+                 rollout=RolloutConfig(max_new_tokens=max_new_tokens), env=env)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    new_env = environment_factory(env)
+    return RLRun(cfg=cfg, groups=groups, tokenizer=tokenizer, train_rows=[], eval_rows=[], sampler=None,
+                 actor=None, reference=None, critic=None, rollout=engine, prompts_per_rank=0, advantages=None,
+                 kl=None, scorer=None, new_env=new_env, tool_schemas=new_env().tools,
+                 observations=observation_format(cfg, tokenizer))
+
+
+def rows(n: int, **metadata):
+    from megarl.data.prompts import PromptRow
+
+    return [PromptRow(prompt=f"{10 + i}*{20 + i}=", answer=str((10 + i) * (20 + i)), index=i, metadata=dict(metadata))
+            for i in range(n)]
+
+
+def test_single_turn_environment_reproduces_the_plain_rollout(qwen2_dir, groups):
+    from megarl.loops.rl import encode_prompt, generate
+
+    run = make_run(qwen2_dir, groups, NativeEngine(str(qwen2_dir), seed=7), env=EnvConfig(),
+                   max_new_tokens=12, chat_template=False)
+    batch = generate(run, rows(6), n_samples=2)
+    # the rollout as it is without environments: one engine call, responses packed after their prompts
+    plain = NativeEngine(str(qwen2_dir), seed=7)
+    prompts = [encode_prompt(run.tokenizer, r.prompt, chat_template=False) for r in rows(6) for _ in range(2)]
+    gen = plain.generate(prompts, temperature=1.0, top_p=1.0, max_new_tokens=12, eos_id=run.tokenizer.eos_token_id,
+                         pad_id=run.tokenizer.pad_token_id)
+    tokens, mask, logprobs = pack_sequences(prompts, gen.response_ids, gen.logprobs, pad_id=run.tokenizer.pad_token_id)
+    assert torch.equal(batch.tokens, tokens)
+    assert torch.equal(batch.response_mask, mask)
+    assert torch.equal(batch.rollout_logprobs, logprobs)
+    assert batch.responses == [run.tokenizer.decode(r, skip_special_tokens=True) for r in gen.response_ids]
+    assert batch.finish_reasons == gen.finish_reasons
+    assert batch.prompt_lens.tolist() == [len(p) for p in prompts]
+    assert batch.group_ids.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    assert batch.turns.tolist() == [1] * 12 and batch.tool_calls.tolist() == [0] * 12
+    assert batch.env_rewards.tolist() == [0.0] * 12
+
+
+class RecordingEngine:
+    """The native engine, with every response it generated kept, per context, to check the batch against."""
+
+    def __init__(self, engine: NativeEngine):
+        self.engine, self.generated = engine, {}
+
+    def generate(self, prompts, **kwargs) -> Generation:
+        gen = self.engine.generate(prompts, **kwargs)
+        for prompt, ids, logprobs in zip(prompts, gen.response_ids, gen.logprobs):
+            self.generated[tuple(prompt)] = (ids, logprobs)
+        return gen
+
+
+def test_trajectory_is_generated_then_observation_tokens_and_the_trainer_scores_them(tool_chat_dir, groups):
+    from megarl.algo.advantages import grpo_advantages
+    from megarl.engine.megatron import TrainEngine
+    from megarl.loops.rl import advantage_fn, encode_prompt, generate
+
+    engine = RecordingEngine(NativeEngine(str(tool_chat_dir), seed=0))
+    env = EnvConfig(name="envs_for_tests:CountingEnv", max_turns=3, max_tokens=240)
+    run = make_run(tool_chat_dir, groups, engine, env=env, max_new_tokens=100, chat_template=True)
+    batch = generate(run, rows(16), n_samples=1)  # distinct prompts: each context identifies its trajectory
+    fmt = ObservationFormat(run.tokenizer)
+    eos = run.tokenizer.eos_token_id
+    multi_turn = 0
+    for i in range(len(batch)):
+        # rebuild the trajectory from what the engine generated and the environment said, turn by turn
+        prompt = encode_prompt(run.tokenizer, batch.prompt_texts[i], chat_template=True)
+        expected, generated_mask, logprobs = list(prompt), [], []
+        for turn in range(int(batch.turns[i])):
+            ids, lps = engine.generated[tuple(expected)]
+            left = 240 - (len(expected) - len(prompt))  # env.max_tokens cuts the turn that reaches it
+            ids, lps = ids[:left], lps[:left]
+            expected += ids
+            generated_mask += [1] * len(ids)
+            logprobs += lps
+            if turn + 1 < batch.turns[i]:
+                assert ids[-1] == eos  # only a turn that ended with the stop token gets an observation
+                obs = fmt.ids([f"obs {turn + 1}"])
+                expected += obs
+                generated_mask += [0] * len(obs)
+                logprobs += [0.0] * len(obs)
+        n = len(expected)
+        assert batch.tokens[i, :n].tolist() == expected
+        assert (batch.tokens[i, n:] == run.tokenizer.pad_token_id).all()
+        padding = [0.0] * (batch.tokens.shape[1] - n)
+        assert batch.response_mask[i].tolist() == [0.0] * len(prompt) + generated_mask + padding
+        assert torch.equal(batch.rollout_logprobs[i, len(prompt):n], torch.tensor(logprobs))
+        assert batch.tool_calls[i] == batch.turns[i] if batch.finish_reasons[i] == "max_turns" else True
+        assert batch.finish_reasons[i] in ("length", "max_turns", "max_tokens")  # CountingEnv is never done
+        assert n - len(prompt) <= 240
+        multi_turn += int(batch.turns[i]) > 1
+    assert multi_turn >= 4, batch.turns  # the check above covered observations inside responses
+    assert "max_turns" in batch.finish_reasons
+
+    # The trainer, unchanged: Megatron's logprobs on the generated ids equal the engine's (fp32, contract 2),
+    # which holds only if every generated id sits where it was sampled, after the observation tokens.
+    actor = TrainEngine(model_dir=str(tool_chat_dir), dtype="float32", megatron={}, groups=groups)
+    old = actor.logprobs(batch.tokens, temperature=1.0, micro_batch_size=8) * batch.response_mask
+    assert (old - batch.rollout_logprobs).abs().max() <= 1e-4
+    # Group advantages (groups of four trajectories here) reach every generated token of a trajectory and
+    # no observation token.
+    batch = dataclasses.replace(batch, group_ids=torch.arange(len(batch)) // 4)
+    batch = batch.replace(rewards=torch.arange(len(batch), dtype=torch.float32) % 3, old_logprobs=old)
+    advantages, _ = advantage_fn(run.cfg.algo, group=None)(batch, 0.0)
+    per_sample = grpo_advantages(batch.rewards, batch.group_ids, std_norm=True)
+    assert torch.equal(advantages, torch.where(batch.response_mask.bool(), per_sample[:, None], 0.0))
+
+
+# ---- the scheduler ----------------------------------------------------------------------------------------------
+class ScriptedEngine:
+    """An engine whose every turn is `turn_ids` then EOS (logprob -0.5 each), cut at max_new_tokens, for
+    scheduler tests where what the model says must be fixed."""
+
+    def __init__(self, turn_ids: list[int]):
+        self.turn_ids, self.calls = turn_ids, []
+
+    def generate(self, prompts, *, temperature, top_p, max_new_tokens, eos_id, pad_id) -> Generation:
+        self.calls.append(len(prompts))
+        full = self.turn_ids + [eos_id]
+        ids = full[:max_new_tokens]
+        reason = "stop" if len(ids) == len(full) else "length"
+        return Generation([list(ids) for _ in prompts], [[-0.5] * len(ids) for _ in prompts], [reason] * len(prompts))
+
+
+@pytest.fixture(scope="module")
+def tool_tokenizer(tool_chat_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tool_chat_dir)
+
+
+def trajectories_of(tokenizer, env: EnvConfig, metadata: list[dict], *, turn_ids=(30, 31, 32), max_new_tokens=10):
+    new_env = environment_factory(env)
+    engine = ScriptedEngine(list(turn_ids))
+    out = run_trajectories(engine, [[1, 40, 41] for _ in metadata], [new_env() for _ in metadata],
+                           [("p", m) for m in metadata], tokenizer=tokenizer, observations=ObservationFormat(tokenizer),
+                           limits=env, temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens)
+    return out, engine
+
+
+def test_a_tool_past_its_limit_ends_its_trajectory_and_the_others_finish(tool_tokenizer):
+    env = EnvConfig(name="envs_for_tests:SleepyEnv", tool_timeout_s=0.5)
+    start = time.monotonic()
+    out, engine = trajectories_of(tool_tokenizer, env, [{"sleep_s": 3.0}, {}, {"sleep_s": 0.1}, {}])
+    elapsed = time.monotonic() - start
+    assert [t.finish_reason for t in out] == ["tool_time", "stop", "stop", "stop"]
+    assert [t.turns for t in out] == [1, 2, 2, 2]
+    assert engine.calls == [4, 3]  # the slow trajectory left the batch; the others went on together
+    assert 0.5 <= out[0].tool_time_s < 1.0
+    # the others waited for the slow tool no longer than its 0.5 s limit (not its 3 s), plus scheduling slack
+    assert elapsed < 2.0, elapsed
+
+
+def test_limits_end_trajectories_and_are_recorded(tool_tokenizer):
+    # max_turns: the third turn still calls a tool
+    out, _ = trajectories_of(tool_tokenizer, EnvConfig(name="envs_for_tests:CountingEnv", max_turns=3), [{}])
+    assert out[0].finish_reason == "max_turns" and out[0].turns == 3 and out[0].tool_calls == 3
+    # max_tokens: a turn is 4 tokens and an observation 11 ("obs N" in the tool-response markup); 4 + 11 + 4
+    # fit in 20, the next observation does not, and nothing is appended past the limit
+    obs_len = len(ObservationFormat(tool_tokenizer).ids(["obs 1"]))
+    limit = 4 + obs_len + 4 + 1
+    out, _ = trajectories_of(tool_tokenizer, EnvConfig(name="envs_for_tests:CountingEnv", max_tokens=limit), [{}])
+    assert out[0].finish_reason == "max_tokens" and out[0].turns == 2
+    assert len(out[0].response_ids) == 4 + obs_len + 4 <= limit
+    # a turn budget cut by max_tokens: the turn is cut to what is left and the trajectory ends there
+    cut = EnvConfig(name="envs_for_tests:CountingEnv", max_tokens=4 + obs_len + 2)
+    out, _ = trajectories_of(tool_tokenizer, cut, [{}])
+    assert out[0].finish_reason == "max_tokens" and len(out[0].response_ids) == 4 + obs_len + 2
+    assert out[0].generated_mask == [1] * 4 + [0] * obs_len + [1] * 2
+    # length: a turn that reaches rollout.max_new_tokens without the stop token ends the trajectory
+    out, _ = trajectories_of(tool_tokenizer, EnvConfig(name="envs_for_tests:CountingEnv"), [{}], max_new_tokens=3)
+    assert out[0].finish_reason == "length" and out[0].turns == 1
+    # env_error: an environment that raises ends its own trajectory only
+    out, _ = trajectories_of(tool_tokenizer, EnvConfig(name="envs_for_tests:SleepyEnv"), [{"raise": "boom"}, {}])
+    assert [t.finish_reason for t in out] == ["env_error", "stop"]
+    # the tool-time budget of a trajectory: two steps of 0.3 s do not fit in 0.5 s
+    out, _ = trajectories_of(tool_tokenizer, EnvConfig(name="envs_for_tests:SleepyEnv", max_tool_time_s=0.5),
+                             [{"sleep_s": 0.3}])
+    assert out[0].finish_reason == "tool_time" and out[0].turns == 2
+    # step rewards add up over the trajectory
+    out, _ = trajectories_of(tool_tokenizer, EnvConfig(name="envs_for_tests:CountingEnv", max_turns=2,
+                                                       options={"reward_per_step": 0.25}), [{}])
+    assert out[0].env_reward == 0.5
