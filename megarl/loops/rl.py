@@ -539,7 +539,7 @@ def check_launch(cfg: Config, groups: ParallelGroups) -> None:
         raise RecipeError(f"data.prompts_per_step={cfg.data.prompts_per_step} is not divisible by the "
                           f"data-parallel size {dp} (world size / (parallel.tp * parallel.pp * parallel.cp))")
     samples = cfg.data.prompts_per_step // dp * cfg.rollout.n_samples
-    if samples % cfg.train.micro_batch_size:
+    if samples % cfg.train.micro_batch_size and not cfg.train.micro_batch_tokens:
         raise RecipeError(f"samples per data-parallel rank {samples} (data.prompts_per_step / {dp} * "
                           f"rollout.n_samples) is not divisible by train.micro_batch_size={cfg.train.micro_batch_size}")
     if cfg.warmup.sft_steps and cfg.warmup.batch_size % dp:
