@@ -151,11 +151,12 @@ def unpack(row_values: Tensor, row: PackedRow, *, width: int) -> Tensor:
 
 
 # ---- rollout samples over data-parallel ranks -----------------------------------------------------------------
-def sequence_lengths(batch: RolloutBatch) -> Tensor:
-    """Real tokens per sample [B]: through the last response token, at least the prompt."""
-    width = batch.response_mask.shape[1]
-    last = torch.where(batch.response_mask.bool(), torch.arange(1, width + 1), 0).amax(dim=1)
-    return torch.maximum(last, batch.prompt_lens.long())
+def sequence_lengths(response_mask: Tensor, prompt_lens: Tensor) -> Tensor:
+    """Real tokens per sample [B] of right-padded rows: through the last response token (response_mask
+    [B, T]), at least the prompt (prompt_lens [B])."""
+    width = response_mask.shape[1]
+    last = torch.where(response_mask.bool(), torch.arange(1, width + 1), 0).amax(dim=1)
+    return torch.maximum(last, prompt_lens.long())
 
 
 def tokens_imbalance(tokens_per_rank: list[int]) -> float:
@@ -175,7 +176,7 @@ def redistribute(batch: RolloutBatch, *, group, pad_id: int) -> tuple[RolloutBat
     Every rank of `group` must call this (and hold equally many samples); group None is a no-op.
     """
     size = dist.get_world_size(group) if group is not None else 1
-    lengths = sequence_lengths(batch)
+    lengths = sequence_lengths(batch.response_mask, batch.prompt_lens)
     if size == 1:
         return batch, 1.0
     rank = dist.get_rank(group)

@@ -10,6 +10,7 @@ micro-batch invariance tests.
 from __future__ import annotations
 
 import random
+import time
 from functools import partial
 
 import pytest
@@ -129,33 +130,32 @@ def rollout_batch(n: int, *, seed: int, width: int = 12) -> RolloutBatch:
 def test_sequence_lengths_run_through_the_last_response_token():
     batch = rollout_batch(6, seed=0)
     want = [max(int(p), int(p) + int(m.sum())) for p, m in zip(batch.prompt_lens, batch.response_mask)]
-    assert sequence_lengths(batch).tolist() == want
+    assert sequence_lengths(batch.response_mask, batch.prompt_lens).tolist() == want
 
 
 # ---- the exchange over data-parallel ranks -----------------------------------------------------------------
-def _exchange_worker(rank: int, world: int, store_path: str, queue) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+def _exchange_worker(rank: int, world: int, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world)
     mine, imbalance = redistribute(rollout_batch(8, seed=rank), group=dist.group.WORLD, pad_id=0)
-    queue.put((rank, mine, imbalance))
+    torch.save((mine, imbalance), f"{out_dir}/rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
 
 def test_redistribute_moves_every_sample_to_its_balanced_rank(tmp_path):
     world = 2
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_exchange_worker, args=(r, world, str(tmp_path / "store"), queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict((r, (b, imb)) for r, b, imb in (queue.get(timeout=120) for _ in range(world)))
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    ctx = mp.start_processes(_exchange_worker, args=(world, str(tmp_path)), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + 120  # a hang fails the test
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the exchange did not finish within 120 s")
+    results = {r: torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)}
 
     sources = [rollout_batch(8, seed=r) for r in range(world)]
-    lengths = torch.cat([sequence_lengths(b) for b in sources]).tolist()
+    lengths = torch.cat([sequence_lengths(b.response_mask, b.prompt_lens) for b in sources]).tolist()
     parts = balanced_partition(lengths, world, equal_size=True)
     for rank, (mine, imbalance) in results.items():
         # the samples of the partition, in (source rank, index) order, every field moved with its sample
@@ -171,7 +171,7 @@ def test_redistribute_moves_every_sample_to_its_balanced_rank(tmp_path):
         loads = [sum(lengths[g] for g in part) for part in parts]
         assert imbalance == pytest.approx(max(loads) / (sum(loads) / world))
     assert len(results[0][0]) == len(results[1][0]) == 8
-    before = [sum(sequence_lengths(b).tolist()) for b in sources]
+    before = [int(sequence_lengths(b.response_mask, b.prompt_lens).sum()) for b in sources]
     assert results[0][1] <= tokens_imbalance(before) + 1e-12
 
 
@@ -326,3 +326,19 @@ def test_packed_critic_values_and_train_step_equal_padded(qwen2_dir, groups):
     assert (v_k - v_p)[ok].abs().max() <= PACK_TOL and (a_k - a_p)[ok].abs().max() <= PACK_TOL
     for key in ("critic/loss", "grad_norm", "critic/values_mean"):
         assert s_k[key] == pytest.approx(s_p[key], rel=1e-5, abs=1e-9), key
+
+
+# ---- layouts the engine refuses ------------------------------------------------------------------------------
+def test_virtual_pipeline_and_context_parallel_are_refused_naming_the_key():
+    from megarl.config import RecipeError
+    from megarl.engine.megatron import check_megatron_fields, init_parallel, uses_transformer_engine
+
+    with pytest.raises(RecipeError, match=r"model.megatron.virtual_pipeline_model_parallel_size = 2: virtual "
+                                          r"pipeline stages are not supported"):
+        check_megatron_fields({"virtual_pipeline_model_parallel_size": 2})
+    check_megatron_fields({"recompute_granularity": None})  # other fields pass
+    assert not uses_transformer_engine()  # this machine: no GPU, so no Transformer Engine attention
+    # refused before any process group is made, so this process's Megatron state is untouched
+    with pytest.raises(RecipeError, match=r"parallel.cp = 2: context parallelism needs Transformer Engine's "
+                                          r"attention"):
+        init_parallel(tp=1, pp=1, cp=2)

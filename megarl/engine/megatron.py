@@ -70,6 +70,7 @@ class ParallelGroups:
 
 def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0) -> ParallelGroups:
     """Initialize torch.distributed (torchrun env, else a one-process group) and Megatron's parallel state."""
+    check_context_parallel(cp)
     cuda = torch.cuda.is_available()
     if not cuda:
         from megarl.engine import cpu_compat
@@ -172,12 +173,33 @@ def _moe_config(shape: ModelShape) -> dict:
 
 
 def check_megatron_fields(megatron: dict) -> None:
-    """The recipe's `model.megatron` keys must be TransformerConfig fields."""
+    """The recipe's `model.megatron` keys must be TransformerConfig fields the engine can honour."""
     from megatron.core.transformer import TransformerConfig
 
     unknown = sorted(set(megatron) - {f.name for f in dataclasses.fields(TransformerConfig)})
     if unknown:
         raise RecipeError(f"model.megatron: unknown TransformerConfig field(s): {', '.join(unknown)}")
+    vpp = megatron.get("virtual_pipeline_model_parallel_size")
+    if vpp is not None:
+        # Megatron's interleaved schedule takes a list of model chunks, each built for its virtual stage;
+        # the weight loading, handoff and checkpoints here address one chunk per pipeline stage.
+        raise RecipeError(f"model.megatron.virtual_pipeline_model_parallel_size = {vpp}: virtual pipeline stages "
+                          "are not supported; the train engine builds one model chunk per pipeline stage "
+                          "(parallel.pp). Remove the key.")
+
+
+def check_context_parallel(cp: int) -> None:
+    """Context parallelism is refused before any process group exists, with the reason."""
+    if cp == 1:
+        return
+    if not uses_transformer_engine():
+        # Megatron's local DotProductAttention asserts context_parallel_size == 1; only Transformer
+        # Engine's attention exchanges keys and values between context-parallel ranks.
+        raise RecipeError(f"parallel.cp = {cp}: context parallelism needs Transformer Engine's attention, which "
+                          "needs a CUDA GPU and the transformer_engine package; Megatron's local attention "
+                          "(this machine) supports parallel.cp = 1 only")
+    raise RecipeError(f"parallel.cp = {cp}: the train engine does not split sequences over context-parallel "
+                      "ranks (each rank would see whole sequences); use parallel.cp = 1")
 
 
 def uses_transformer_engine() -> bool:
