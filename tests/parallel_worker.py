@@ -92,6 +92,7 @@ def main() -> None:
         tokens, mine = redistributed(tokens, mine, group=groups.dp)
         if args.micro_batch_tokens:
             micro["lengths"] = lengths_of(mine["response_mask"])
+        kwargs = dict(temperature=1.0, **micro)
     trained_rows = [int((batch["tokens"] == row).all(dim=1).nonzero()) for row in tokens]
     norm = global_loss_norm(mine["response_mask"], group=groups.dp)
     # the entropy bonus exercises the vocab-parallel entropy and its gradient under TP
