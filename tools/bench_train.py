@@ -4,7 +4,8 @@ packed against padded micro-batches, measured in the same process on the same mo
     python tools/bench_train.py --size small                  # makes a hidden-512, 8-layer model first
     python tools/bench_train.py --model /path/to/hf_dir --batch 16 --seq-len 1024
 
-Each step is timed `--reps` times after `--warmup` untimed ones; the median is reported. Throughput is real
+Each step is timed `--reps` times after `--warmup` untimed ones, alternating with the step it is
+compared with (so load from other processes falls on both alike); the median is reported. Throughput is real
 (unpadded) tokens per second: the padded rows of a ragged batch count only their real tokens, so padding
 shows up as lost throughput. Single process (TP = PP = DP = 1); fp32 on CPU, the checkpoint dtype on GPU.
 
@@ -51,17 +52,21 @@ def make_model(size: str, out: Path) -> Path:
     return tool.make_tiny_model(out, arch="qwen2", seed=0, **SIZES[size])
 
 
-def median_seconds(step, *, warmup: int, reps: int) -> float:
+def paired_medians(step_a, step_b, *, warmup: int, reps: int) -> tuple[float, float]:
+    """Median seconds of two steps timed alternately (a, b, a, b, ...), so that load from other processes
+    on the machine falls on both alike."""
     for _ in range(warmup):
-        step()
-    times = []
+        step_a()
+        step_b()
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(reps):
-        start = time.perf_counter()
-        step()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for step, out in ((step_a, times[0]), (step_b, times[1])):
+            start = time.perf_counter()
+            step()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            out.append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def batch_for(lengths: torch.Tensor, *, seq_len: int, vocab: int, seed: int) -> tuple[torch.Tensor, dict]:
@@ -138,10 +143,9 @@ def main(argv=None) -> None:
     full = torch.full((args.batch,), seq_len)
     tokens, extras = batch_for(full, seq_len=seq_len, vocab=vocab, seed=0)
     n_tokens = int(full.sum())
-    t_megatron = median_seconds(megatron_step(tokens, extras), warmup=args.warmup, reps=args.reps)
     loss_fn = partial(policy_loss, algo=AlgoConfig(), norm=global_loss_norm(extras["response_mask"]))
     hf = hf_step_fn(model_dir, tokens, extras, micro_batch_size=mbs, loss_fn=loss_fn, lr=1e-6)
-    t_hf = median_seconds(hf, warmup=args.warmup, reps=args.reps)
+    t_megatron, t_hf = paired_medians(megatron_step(tokens, extras), hf, warmup=args.warmup, reps=args.reps)
     del hf
     print(f"full rows    megatron {n_tokens / t_megatron:10.0f} tok/s ({t_megatron:.3f} s)   "
           f"transformers {n_tokens / t_hf:10.0f} tok/s ({t_hf:.3f} s)   megatron/transformers {t_hf / t_megatron:.2f}x")
@@ -151,9 +155,9 @@ def main(argv=None) -> None:
     lengths = torch.randint(max(2, seq_len // 8), seq_len + 1, (args.batch,), generator=gen)
     tokens, extras = batch_for(lengths, seq_len=seq_len, vocab=vocab, seed=2)
     real = int(lengths.sum())
-    t_padded = median_seconds(megatron_step(tokens, extras), warmup=args.warmup, reps=args.reps)
-    t_packed = median_seconds(megatron_step(tokens, extras, lengths, mbs * seq_len), warmup=args.warmup,
-                              reps=args.reps)
+    t_padded, t_packed = paired_medians(megatron_step(tokens, extras),
+                                        megatron_step(tokens, extras, lengths, mbs * seq_len),
+                                        warmup=args.warmup, reps=args.reps)
     print(f"ragged rows  ({real} real of {args.batch * seq_len} padded tokens)   padded {real / t_padded:10.0f} tok/s "
           f"({t_padded:.3f} s)   packed {real / t_packed:10.0f} tok/s ({t_packed:.3f} s)   "
           f"packed/padded {t_padded / t_packed:.2f}x")

@@ -38,8 +38,8 @@ from megarl.engine.megatron import ParallelGroups, TrainEngine, check_megatron_f
 from megarl.handoff import push_weights
 from megarl.loops.supervised import supervised_step
 from megarl.metrics import MetricsWriter, PhaseTimer
-from megarl.packing import redistribute, sequence_lengths
 from megarl.models.arch import check_layout, read_shape
+from megarl.packing import redistribute, sequence_lengths
 from megarl.rewards.scorer import Sample, Scorer, build_terms
 
 log = logging.getLogger(__name__)
