@@ -390,11 +390,17 @@ class EnvConfig:
 class TrainConfig:
     steps: int = 10  # optimizer steps
     micro_batch_size: int = 8  # sequences per forward/backward (a DPO pair is two sequences)
+    # RL: when set, sequence packing: each forward/backward is one row of unpadded sequences back to back,
+    # at most this many tokens (so at least the longest prompt + response), balanced by tokens; 0/None =
+    # off, micro_batch_size padded sequences instead
+    micro_batch_tokens: int | None = None
     epochs: int = 0  # sft/dpo: when > 0, train this many passes over the train set instead of `steps`
 
     def check(self) -> None:
         _at_least(self, 1, "steps", "micro_batch_size")
         _at_least(self, 0, "epochs")
+        if self.micro_batch_tokens is not None:
+            _at_least(self, 0, "micro_batch_tokens")
 
 
 @dataclass(frozen=True)
@@ -461,8 +467,11 @@ class Config:
             raise ValueError(f"algo.name = 'dpo' needs an even train.micro_batch_size (a pair is two "
                              f"sequences kept in one micro-batch), got {micro}")
         if self.algo.name in OFFLINE_ALGOS:
+            if self.train.micro_batch_tokens:
+                raise ValueError(f"train.micro_batch_tokens (sequence packing) is for the RL loops; algo.name = "
+                                 f"{self.algo.name!r} uses train.micro_batch_size")
             return
-        if n * prompts % micro:
+        if n * prompts % micro and not self.train.micro_batch_tokens:
             raise ValueError(
                 f"rollout.n_samples * data.prompts_per_step = {n} * {prompts} = {n * prompts} samples per step"
                 f" is not divisible by train.micro_batch_size = {micro}"

@@ -21,9 +21,11 @@ from safetensors.torch import load_file
 warnings.filterwarnings("ignore")
 
 from megarl.algo.aggregate import global_loss_norm  # noqa: E402
+from megarl.batch import RolloutBatch  # noqa: E402
 from megarl.config import AlgoConfig, OptimConfig  # noqa: E402
 from megarl.engine.megatron import TrainEngine, init_parallel  # noqa: E402
 from megarl.loops.rl import critic_loss, policy_loss  # noqa: E402
+from megarl.packing import redistribute, sequence_lengths  # noqa: E402
 
 GLOBAL_BATCH, SEQ_LEN = 8, 12
 
@@ -39,6 +41,24 @@ def global_batch(vocab: int) -> dict[str, torch.Tensor]:
     return {"tokens": tokens, "response_mask": mask, "advantages": advantages.contiguous()}
 
 
+def lengths_of(mask: torch.Tensor) -> torch.Tensor:
+    """[B] real tokens of the fixed batch (prompts of 4); packed rows score nothing past them."""
+    return sequence_lengths(mask, torch.full((len(mask),), 4))
+
+
+def redistributed(tokens: torch.Tensor, mine: dict, *, group) -> tuple[torch.Tensor, dict]:
+    """This rank's samples after the RL loop's token balancing over the DP group."""
+    n, mask = len(tokens), mine["response_mask"]
+    batch = RolloutBatch(tokens=tokens, response_mask=mask, prompt_lens=torch.full((n,), 4), group_ids=torch.arange(n),
+                         rollout_logprobs=torch.zeros_like(mask), responses=[""] * n, answers=[""] * n,
+                         finish_reasons=["stop"] * n, prompt_texts=[""] * n, metadata=[{}] * n,
+                         old_logprobs=mine["old_logprobs"], ref_logprobs=mine["ref_logprobs"],
+                         advantages=mine["advantages"])
+    batch, _ = redistribute(batch, group=group, pad_id=0)
+    return batch.tokens, {"response_mask": batch.response_mask, "advantages": batch.advantages,
+                          "old_logprobs": batch.old_logprobs, "ref_logprobs": batch.ref_logprobs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -47,6 +67,9 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--micro-batch-tokens", type=int, default=0, help="pack sequences (0: padded rows)")
+    parser.add_argument("--redistribute", action="store_true",
+                        help="balance samples over DP ranks by tokens after the old logprobs, before training")
     args = parser.parse_args()
 
     groups = init_parallel(tp=args.tp, pp=args.pp, ep=args.ep, seed=0)
@@ -57,11 +80,20 @@ def main() -> None:
     per_rank = GLOBAL_BATCH // groups.dp_size
     mine = {k: v[groups.dp_rank * per_rank: (groups.dp_rank + 1) * per_rank] for k, v in batch.items()}
     tokens = mine.pop("tokens")
-    kwargs = dict(temperature=1.0, micro_batch_size=args.micro_batch_size)
+    micro = dict(micro_batch_size=args.micro_batch_size)
+    if args.micro_batch_tokens:
+        micro.update(micro_batch_tokens=args.micro_batch_tokens, lengths=lengths_of(mine["response_mask"]))
+    kwargs = dict(temperature=1.0, **micro)
 
     logprobs0 = reference.logprobs(tokens, **kwargs)
     mine["old_logprobs"] = logprobs0 * mine["response_mask"]
     mine["ref_logprobs"] = mine["old_logprobs"]
+    if args.redistribute:
+        tokens, mine = redistributed(tokens, mine, group=groups.dp)
+        if args.micro_batch_tokens:
+            micro["lengths"] = lengths_of(mine["response_mask"])
+        kwargs = dict(temperature=1.0, **micro)
+    trained_rows = [int((batch["tokens"] == row).all(dim=1).nonzero()) for row in tokens]
     norm = global_loss_norm(mine["response_mask"], group=groups.dp)
     # the entropy bonus exercises the vocab-parallel entropy and its gradient under TP
     algo = AlgoConfig(kl_coef=0.1, clip_low=0.2, clip_high=0.28, entropy_coef=0.05)
@@ -71,11 +103,13 @@ def main() -> None:
     # A critic on the same trunk fits the advantages as returns: its scalar head sits on the last stage
     critic = TrainEngine(model_dir=args.model, dtype="float32", megatron={}, groups=groups, optim=optim,
                          value_head=True)
-    values = critic.values(tokens, micro_batch_size=args.micro_batch_size) * mine["response_mask"]
+    values = critic.values(tokens, **micro) * mine["response_mask"]
     critic_extras = {"response_mask": mine["response_mask"], "values": values, "returns": mine["advantages"]}
     critic_fn = partial(critic_loss, value_clip=0.01, norm=norm)  # small: clipping is hit
     critic_steps = [critic.train_step(tokens, critic_extras, critic_fn, **kwargs) for _ in range(3)]
-    values_sum = critic.values(tokens, micro_batch_size=args.micro_batch_size).sum().reshape(1)
+    # summed over the real tokens: packed rows have no output past a sequence's end
+    real = (torch.arange(tokens.shape[1])[None] < lengths_of(mine["response_mask"])[:, None]).float()
+    values_sum = (critic.values(tokens, **micro) * real).sum().reshape(1)
     dist.all_reduce(values_sum, group=groups.dp)  # over the whole global batch
     critic_steps.append({"values_sum": float(values_sum)})
 
@@ -87,17 +121,21 @@ def main() -> None:
     dist.all_gather_object(all_exact, handoff_exact)
 
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (groups.dp_rank, groups.tp_rank, groups.pp_rank, logprobs0.tolist()))
+    dist.all_gather_object(gathered, (groups.dp_rank, groups.tp_rank, groups.pp_rank, logprobs0.tolist(),
+                                      trained_rows))
     tensors = dict(actor.pipeline_hf_tensors()) if groups.dp_rank == 0 or groups.ep_size > 1 else {}
     if dist.get_rank() == 0:
         # The full logprobs of the global batch, in DP order, from TP rank 0 of each DP replica.
-        by_dp = {dp: lp for dp, tp, pp, lp in gathered if tp == 0 and pp == 0}
+        by_dp = {dp: lp for dp, tp, pp, lp, _ in gathered if tp == 0 and pp == 0}
+        rows_by_dp = {dp: rows for dp, tp, pp, _, rows in gathered if tp == 0 and pp == 0}
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         full_lp = [row for dp in sorted(by_dp) for row in by_dp[dp]]
         (out / "result.json").write_text(json.dumps({"steps": steps, "critic_steps": critic_steps,
                                                      "logprobs": full_lp,
                                                      "tokens": batch["tokens"].tolist(),
+                                                     "lengths": lengths_of(batch["response_mask"]).tolist(),
+                                                     "trained_rows": [rows_by_dp[dp] for dp in sorted(rows_by_dp)],
                                                      "handoff_exact_on_every_rank": all(all_exact)}))
         torch.save({k: v.clone() for k, v in tensors.items()}, out / "weights.pt")
     dist.barrier()

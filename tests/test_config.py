@@ -223,3 +223,16 @@ def test_data_file_must_be_jsonl_or_parquet(recipe, tmp_path):
     assert error_of(path, ["data.train_path=train.csv"]) == (
         f"{path}: override 'data.train_path=train.csv': data.train_path: expected a .jsonl or .parquet file, "
         f"got {tmp_path / 'train.csv'}")
+
+
+def test_sequence_packing_key_replaces_the_micro_batch_size_divisibility(recipe):
+    path = recipe("rollout:\n  n_samples: 3\n")
+    overrides = ["data.prompts_per_step=6", "train.micro_batch_size=4"]
+    cfg = load_config(path, [*overrides, "train.micro_batch_tokens=4096"])
+    assert cfg.train.micro_batch_tokens == 4096
+    assert load_config(path, ["train.micro_batch_tokens=0"]).train.micro_batch_tokens == 0  # 0 = off
+    assert error_of(path, ["train.micro_batch_tokens=-1"]).endswith(
+        "train.micro_batch_tokens: must be >= 0, got -1")
+    assert error_of(path, ["algo.name=sft", "train.micro_batch_tokens=4096"]) == (
+        f"{path}: train.micro_batch_tokens (sequence packing) is for the RL loops; algo.name = 'sft' uses "
+        "train.micro_batch_size")

@@ -18,10 +18,11 @@ from conftest import REPO, run_python
 LAYOUT_TIMEOUT_S = 300  # 4 gloo ranks on 2 cores take ~30 s; a hang fails the test instead of stalling CI
 
 
-def run_layout(model_dir, out_dir, *, nproc: int, tp: int = 1, pp: int = 1, ep: int = 1) -> dict:
+def run_layout(model_dir, out_dir, *, nproc: int, tp: int = 1, pp: int = 1, ep: int = 1,
+               extra: tuple[str, ...] = ()) -> dict:
     args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             str(REPO / "tests" / "parallel_worker.py"), "--model", str(model_dir), "--out", str(out_dir),
-            "--tp", str(tp), "--pp", str(pp), "--ep", str(ep)]
+            "--tp", str(tp), "--pp", str(pp), "--ep", str(ep), *extra]
     proc = run_python(args, timeout_s=LAYOUT_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads((out_dir / "result.json").read_text())
@@ -55,13 +56,45 @@ def single_rank(arch_dir, tmp_path_factory):
 ], ids=["qwen2-tp2", "qwen2-pp2", "qwen2-dp2", "qwen2-tp2pp2", "qwen2-dp2tp2", "llama-tp2", "llama-pp2",
         "qwen2_moe-ep2", "mixtral-ep2pp2"])
 def test_layout_matches_single_rank(arch, nproc, tp, pp, ep, single_rank, arch_dir, tmp_path):
-    reference = single_rank(arch)
     result = run_layout(arch_dir(arch), tmp_path, nproc=nproc, tp=tp, pp=pp, ep=ep)
+    assert_same_numbers(result, single_rank(arch))
+
+
+# Packed micro-batches (train.micro_batch_tokens) and token balancing over DP ranks against the padded
+# single-rank run. The fixed batch has 64 real tokens (8 sequences of 6 to 11): a budget of 24 makes 3 to 4
+# packed rows, which pipeline stages pad to one length.
+@pytest.mark.timeout(2 * LAYOUT_TIMEOUT_S)
+@pytest.mark.parametrize("pp,extra", [
+    (2, ("--micro-batch-tokens", "24")),                      # PP=2, one DP rank
+    (1, ("--micro-batch-tokens", "24", "--redistribute")),    # DP=2, samples balanced by tokens, packed
+    (1, ("--redistribute",)),                                 # DP=2, balanced, padded rows of 2
+], ids=["qwen2-pp2-packed", "qwen2-dp2-balanced-packed", "qwen2-dp2-balanced"])
+def test_packing_and_dp_balancing_match_single_rank(pp, extra, single_rank, arch_dir, tmp_path):
+    from megarl.packing import balanced_partition
+
+    reference = single_rank("qwen2")
+    result = run_layout(arch_dir("qwen2"), tmp_path, nproc=2, pp=pp, extra=extra)
+    lengths = result["lengths"]
+    assert_same_numbers(result, reference, lengths=lengths if "--micro-batch-tokens" in extra else None)
+    if "--redistribute" in extra:
+        # each rank trained on its part of the balanced partition of the global batch; unbalanced, rank 0
+        # would hold 6+7+8+9 = 30 tokens and rank 1 34
+        parts = balanced_partition(lengths, 2, equal_size=True)
+        assert result["trained_rows"] == parts
+        loads = [sum(lengths[i] for i in part) for part in parts]
+        assert max(loads) - min(loads) < 34 - 30
+
+
+def assert_same_numbers(result: dict, reference: dict, *, lengths: list[int] | None = None) -> None:
+    """A layout's run equals the single-rank run: logprobs, both models' steps, the trained weights.
+    `lengths` restricts the logprob comparison to real tokens (packed rows have no output past them)."""
     assert reference["handoff_exact_on_every_rank"] and result["handoff_exact_on_every_rank"]
 
     # Logprobs before training: sharded vs whole matmuls differ only in fp32 summation order.
-    lp_diff = (torch.tensor(result["logprobs"]) - torch.tensor(reference["logprobs"])).abs().max()
-    assert lp_diff <= 1e-4
+    lp_diff = (torch.tensor(result["logprobs"]) - torch.tensor(reference["logprobs"])).abs()
+    if lengths is not None:
+        lp_diff = lp_diff[torch.arange(lp_diff.shape[1])[None] < torch.tensor(lengths)[:, None]]
+    assert lp_diff.max() <= 1e-4
     for got, want in zip(result["steps"], reference["steps"], strict=True):
         for key in ("loss", "grad_norm", "kl", "clipfrac", "entropy"):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key

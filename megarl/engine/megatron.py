@@ -31,6 +31,7 @@ from megarl.models import layout
 from megarl.models.arch import ModelShape, padded_vocab_size, read_shape
 from megarl.models.names import NameTable, name_rules
 from megarl.models.safetensors_dir import SafetensorsDir
+from megarl.packing import count_bins, pack, packed_row, plan_micro_batches, unpack
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class ParallelGroups:
 
 def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0) -> ParallelGroups:
     """Initialize torch.distributed (torchrun env, else a one-process group) and Megatron's parallel state."""
+    check_context_parallel(cp)
     cuda = torch.cuda.is_available()
     if not cuda:
         from megarl.engine import cpu_compat
@@ -175,12 +177,33 @@ def _moe_config(shape: ModelShape) -> dict:
 
 
 def check_megatron_fields(megatron: dict) -> None:
-    """The recipe's `model.megatron` keys must be TransformerConfig fields."""
+    """The recipe's `model.megatron` keys must be TransformerConfig fields the engine can honour."""
     from megatron.core.transformer import TransformerConfig
 
     unknown = sorted(set(megatron) - {f.name for f in dataclasses.fields(TransformerConfig)})
     if unknown:
         raise RecipeError(f"model.megatron: unknown TransformerConfig field(s): {', '.join(unknown)}")
+    vpp = megatron.get("virtual_pipeline_model_parallel_size")
+    if vpp is not None:
+        # Megatron's interleaved schedule takes a list of model chunks, each built for its virtual stage;
+        # the weight loading, handoff and checkpoints here address one chunk per pipeline stage.
+        raise RecipeError(f"model.megatron.virtual_pipeline_model_parallel_size = {vpp}: virtual pipeline stages "
+                          "are not supported; the train engine builds one model chunk per pipeline stage "
+                          "(parallel.pp). Remove the key.")
+
+
+def check_context_parallel(cp: int) -> None:
+    """Context parallelism is refused before any process group exists, with the reason."""
+    if cp == 1:
+        return
+    if not uses_transformer_engine():
+        # Megatron's local DotProductAttention asserts context_parallel_size == 1; only Transformer
+        # Engine's attention exchanges keys and values between context-parallel ranks.
+        raise RecipeError(f"parallel.cp = {cp}: context parallelism needs Transformer Engine's attention, which "
+                          "needs a CUDA GPU and the transformer_engine package; Megatron's local attention "
+                          "(this machine) supports parallel.cp = 1 only")
+    raise RecipeError(f"parallel.cp = {cp}: the train engine does not split sequences over context-parallel "
+                      "ranks (each rank would see whole sequences); use parallel.cp = 1")
 
 
 def uses_transformer_engine() -> bool:
@@ -205,8 +228,12 @@ def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups):
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm,
                                                           qk_layernorm=shape.qk_norm)
     else:
+        from megarl.engine.local_attention import PackedLocalAttention
+
         spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=shape.qk_norm,
                                         normalization="RMSNorm")
+        # The local core attention refuses packed sequences; this one masks them block-diagonally.
+        spec.submodules.self_attention.submodules.core_attention = PackedLocalAttention
     model = GPTModel(
         config=config, transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(shape.vocab_size, tp=groups.tp_size),
@@ -545,13 +572,18 @@ class TrainEngine:
 
     # ---- compute ------------------------------------------------------------------------------------
     def _run(self, tokens: Tensor, extras: dict[str, Tensor], loss_fn: LossFn | None, *, temperature: float,
-             micro_batch_size: int, forward_only: bool, entropy: bool = False
-             ) -> tuple[Tensor | None, dict[str, Tensor]]:
+             micro_batch_size: int, forward_only: bool, entropy: bool = False, lengths: Tensor | None = None,
+             micro_batch_tokens: int | None = None) -> tuple[Tensor | None, dict[str, Tensor]]:
         """Run the pipeline schedule over micro-batches.
 
         The head's output per token, [b, T] (logprobs of an LM, values of a critic), goes to `loss_fn`
         (with `entropy=` [b, T] as well when asked). Returns (the outputs [B, T] when `loss_fn` is None or
         `forward_only`, else None; the loss function's statistics summed over micro-batches).
+
+        Micro-batches hold `micro_batch_size` padded rows, or, with `micro_batch_tokens`, are packed rows
+        of at most that many tokens (`lengths` [B], the real tokens of each row of `tokens`, is then
+        required; see `_packed_micro_batches`). Loss functions see [b, T] tensors either way; packed
+        outputs are 0 past each sequence's end.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -563,15 +595,22 @@ class TrainEngine:
             # only while a sequence fits in the window (transformers masks nothing more until then).
             raise ValueError(f"sequence length {seq_len} exceeds the checkpoint's sliding_window {window}: "
                              "sliding-window attention is not supported beyond the window")
-        if batch % micro_batch_size != 0:
-            raise ValueError(f"batch of {batch} sequences is not divisible by micro_batch_size {micro_batch_size}")
-        n_micro = batch // micro_batch_size
-        micro = [
-            {"tokens": tokens[i: i + micro_batch_size].to(device),
-             **{k: v[i: i + micro_batch_size].to(device) for k, v in extras.items()}}
-            for i in range(0, batch, micro_batch_size)
-        ]
-        chunks: list[Tensor] = []
+        if micro_batch_tokens:
+            micro = self._packed_micro_batches(tokens, extras, lengths, micro_batch_tokens)
+            shape_len, shape_batch = max(m[1].row_len for m in micro), 1
+        else:
+            if batch % micro_batch_size != 0:
+                raise ValueError(f"batch of {batch} sequences is not divisible by micro_batch_size "
+                                 f"{micro_batch_size}")
+            positions = torch.arange(seq_len, device=device).unsqueeze(0).expand(micro_batch_size, -1)
+            micro = []
+            for i in range(0, batch, micro_batch_size):
+                index = torch.arange(i, i + micro_batch_size)
+                mb = {"tokens": tokens[index].to(device), **{k: v[index].to(device) for k, v in extras.items()}}
+                micro.append((index, None, (mb["tokens"], positions, None), mb))
+            shape_len, shape_batch = seq_len, micro_batch_size
+        n_micro = len(micro)
+        chunks: list[tuple[Tensor, Tensor]] = []
         stat_sums: dict[str, Tensor] = {}
         # Megatron divides each micro-batch loss by the number of micro-batches and DDP averages over DP
         # ranks; loss functions here already return contributions normalized by global counts, so the
@@ -580,40 +619,96 @@ class TrainEngine:
         # micro-batch to the autograd graph (MoEAuxLossAutoScaler), and the schedule scales its gradient by
         # 1 / n_micro, then DDP by 1 / dp. Its gradient is therefore that of coeff * (mean over the global
         # batch's micro-batches of each layer's aux loss), summed over layers: the same for every layout
-        # that keeps micro_batch_size, and part of grad_norm but not of the reported loss.
+        # that keeps the micro-batches (packing changes them), and part of grad_norm but not of the loss.
         loss_scale = float(n_micro * self.groups.dp_size)
 
-        def loss_func(mb, output):
+        def loss_func(index, row, ids, mb, output):
             if self.value_head:
                 # the value of the state before token t sits in column t, like the logprob of token t
                 out = F.pad(output[:, :-1, 0].float(), (1, 0))
                 kwargs = {}
             else:
-                out, kwargs = self._token_logprobs(output, mb["tokens"], temperature=temperature,
-                                                   entropy=entropy)
+                out, kwargs = self._token_logprobs(output, ids, temperature=temperature, entropy=entropy)
+            if row is not None:
+                out = unpack(out[0], row, width=seq_len)
+                kwargs = {k: unpack(v[0], row, width=seq_len) for k, v in kwargs.items()}
+            if len(index) == 0:  # a packed micro-batch of padding only, so every rank has as many
+                return out.sum() * 0.0, {}
             if loss_fn is None:
-                chunks.append(out.detach())
+                chunks.append((index, out.detach()))
                 return out.sum() * 0.0, {}
             loss, stats = loss_fn(out, mb, **kwargs)
             for key, value in stats.items():
                 stat_sums[key] = stat_sums.get(key, 0.0) + value.detach().float()
             if forward_only:
-                chunks.append(out.detach())
+                chunks.append((index, out.detach()))
             return loss * loss_scale, {}
 
         def forward_step(data_iterator, model):
-            mb = next(data_iterator)
-            positions = torch.arange(seq_len, device=device).unsqueeze(0).expand(mb["tokens"].shape[0], -1)
-            output = model(mb["tokens"], positions, None)
-            return output, partial(loss_func, mb)
+            index, row, (ids, positions, packed), mb = next(data_iterator)
+            output = model(ids, positions, None, packed_seq_params=packed)
+            return output, partial(loss_func, index, row, ids, mb)
 
         self.model.train(not forward_only)
         get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
-            num_microbatches=n_micro, seq_length=seq_len, micro_batch_size=micro_batch_size,
+            num_microbatches=n_micro, seq_length=shape_len, micro_batch_size=shape_batch,
             forward_only=forward_only,
         )
-        return (torch.cat(chunks) if chunks else None), stat_sums
+        if not chunks:
+            return None, stat_sums
+        out = torch.zeros(batch, seq_len, dtype=chunks[0][1].dtype, device=device)
+        out[torch.cat([index for index, _ in chunks])] = torch.cat([values for _, values in chunks])
+        return out, stat_sums
+
+    def _packed_micro_batches(self, tokens: Tensor, extras: dict[str, Tensor], lengths: Tensor | None,
+                              max_tokens: int) -> list:
+        """Packed micro-batches of at most `max_tokens` tokens, as many on every data-parallel rank.
+
+        The count is the largest first-fit-decreasing bin count over DP ranks (Megatron's DDP and pipeline
+        schedules need one count everywhere), raised until the token-balanced split fits the budget on
+        every rank. With pipeline stages every row is padded to the step's longest, so every message
+        between stages has one shape. Each entry is (index [b], PackedRow, model inputs, micro-batch dict).
+        """
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        if lengths is None:
+            raise ValueError("packed micro-batches (micro_batch_tokens) need the sequence lengths")
+        device = _device()
+        lens = [int(n) for n in lengths]
+        if max(lens) > tokens.shape[1]:
+            raise ValueError(f"a length {max(lens)} exceeds the {tokens.shape[1]} columns of the batch")
+        n_micro = self._dp_reduce(count_bins(lens, max_tokens), dist.ReduceOp.MAX)
+        while True:
+            plan = plan_micro_batches(lens, max_tokens=max_tokens, n_micro=n_micro)
+            # one more micro-batch helps; with one per sequence every plan fits, so this ends
+            if self._dp_reduce(int(plan is None), dist.ReduceOp.MAX) == 0:
+                break
+            n_micro += 1
+        row_lens = [max(1, sum(lens[i] for i in part)) for part in plan]
+        if self.groups.pp_size > 1:
+            row_lens = [max(row_lens)] * len(plan)
+        if self.config.sequence_parallel:
+            # sequence parallelism splits the row evenly over TP ranks
+            tp = self.groups.tp_size
+            row_lens = [-(-n // tp) * tp for n in row_lens]
+        micro = []
+        for part, row_len in zip(plan, row_lens):
+            row = packed_row(part, lengths, row_len=row_len)
+            ids, positions = pack(tokens, row)
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=row.cu_seqlens.to(device),
+                                     cu_seqlens_kv=row.cu_seqlens.to(device), max_seqlen_q=row.max_seqlen,
+                                     max_seqlen_kv=row.max_seqlen)
+            mb = {"tokens": tokens[row.index].to(device), **{k: v[row.index].to(device) for k, v in extras.items()}}
+            micro.append((row.index, row, (ids.to(device), positions.to(device), params), mb))
+        return micro
+
+    def _dp_reduce(self, value: int, op) -> int:
+        if self.groups.dp_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=_device())
+        dist.all_reduce(t, op=op, group=self.groups.dp)
+        return int(t)
 
     def _token_logprobs(self, logits: Tensor, tokens: Tensor, *, temperature: float, entropy: bool
                         ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -660,34 +755,40 @@ class TrainEngine:
         return torch.log(sums[0]) + m.squeeze(-1) - sums[1] / sums[0]
 
     @torch.no_grad()
-    def logprobs(self, tokens: Tensor, *, temperature: float, micro_batch_size: int) -> Tensor:
-        """Token logprobs [B, T] of `tokens` [B, T] on every rank of the pipeline."""
+    def logprobs(self, tokens: Tensor, *, temperature: float, micro_batch_size: int,
+                 lengths: Tensor | None = None, micro_batch_tokens: int | None = None) -> Tensor:
+        """Token logprobs [B, T] of `tokens` [B, T] on every rank of the pipeline (micro-batching as in
+        `_run`: `micro_batch_tokens` packs sequences of `lengths` [B] tokens)."""
         if self.value_head:
             raise ValueError("a critic has no token logprobs; use values()")
         out, _ = self._run(tokens, {}, None, temperature=temperature, micro_batch_size=micro_batch_size,
-                           forward_only=True)
+                           forward_only=True, lengths=lengths, micro_batch_tokens=micro_batch_tokens)
         return self._from_last_stage(out, tokens.shape).cpu()
 
     @torch.no_grad()
-    def values(self, tokens: Tensor, *, micro_batch_size: int) -> Tensor:
+    def values(self, tokens: Tensor, *, micro_batch_size: int, lengths: Tensor | None = None,
+               micro_batch_tokens: int | None = None) -> Tensor:
         """A critic's values [B, T]: column t is V(tokens[:t]), the state in which token t was chosen."""
         if not self.value_head:
             raise ValueError("values() needs a critic (TrainEngine(value_head=True))")
         out, _ = self._run(tokens, {}, None, temperature=1.0, micro_batch_size=micro_batch_size,
-                           forward_only=True)
+                           forward_only=True, lengths=lengths, micro_batch_tokens=micro_batch_tokens)
         return self._from_last_stage(out, tokens.shape).cpu()
 
     def train_step(self, tokens: Tensor, extras: dict[str, Tensor], loss_fn: LossFn, *, temperature: float,
-                   micro_batch_size: int, entropy: bool = False) -> dict[str, float]:
+                   micro_batch_size: int, entropy: bool = False, lengths: Tensor | None = None,
+                   micro_batch_tokens: int | None = None) -> dict[str, float]:
         """One optimizer step on this rank's share [B, T] of the global batch.
 
         `loss_fn(outputs [b, T], micro-batch dict)` sees logprobs (values for a critic), plus
-        `entropy=` [b, T] when `entropy` is True. Returns its statistics summed over micro-batches and DP
+        `entropy=` [b, T] when `entropy` is True; `micro_batch_tokens` packs sequences of `lengths` [B]
+        tokens into micro-batches (`_run`). Returns its statistics summed over micro-batches and DP
         ranks (each one a contribution normalized by global counts, so the sums are global means), plus
         `grad_norm`.
         """
         _, stats = self._run(tokens, extras, loss_fn, temperature=temperature,
-                             micro_batch_size=micro_batch_size, forward_only=False, entropy=entropy)
+                             micro_batch_size=micro_batch_size, forward_only=False, entropy=entropy,
+                             lengths=lengths, micro_batch_tokens=micro_batch_tokens)
         ok, grad_norm, _ = self.optimizer.step()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()

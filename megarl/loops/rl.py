@@ -32,7 +32,7 @@ from megarl.algo.kl import kl_estimate
 from megarl.algo.losses import gspo_loss, ppo_clip_loss, value_loss
 from megarl.batch import RolloutBatch, pack_sequences
 from megarl.checkpoint import save_hf
-from megarl.config import AlgoConfig, Config, RecipeError, dump_config
+from megarl.config import AlgoConfig, Config, RecipeError, TrainConfig, dump_config
 from megarl.data.prompts import PromptRow, PromptSampler, load_prompts
 from megarl.data.supervised import completion_example
 from megarl.engine.megatron import ParallelGroups, TrainEngine, check_megatron_fields, init_parallel
@@ -43,6 +43,7 @@ from megarl.loops.resume import find_resume, resume_run, save_run_checkpoint
 from megarl.loops.supervised import supervised_step
 from megarl.metrics import MetricsWriter, PhaseTimer
 from megarl.models.arch import check_layout, read_shape
+from megarl.packing import redistribute, sequence_lengths
 from megarl.rewards.scorer import Sample, Scorer, build_terms
 from megarl.rollout.multi_turn import FINISH_REASONS, run_trajectories
 
@@ -97,6 +98,8 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
     with timer("advantages"):
         advantages, returns = run.advantages(batch, run.kl.value)
         batch = batch.replace(advantages=advantages, returns=returns)
+    with timer("balance"):  # after advantages: a group's baseline needs all its samples on one rank
+        batch, tokens_imbalance = redistribute(batch, group=run.groups.dp, pad_id=run.tokenizer.pad_token_id)
     with timer("train"):
         train_metrics = train_policy(run, batch, step=step)
         train_metrics |= train_critic(run, batch) if run.critic is not None else {}
@@ -117,6 +120,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
     seconds = sum(timer.seconds.values())
     return {
         **metrics, **sampling, **kl_metrics, **train_metrics, **eval_metrics, **timer.metrics(),
+        "train/tokens_imbalance": tokens_imbalance,
         "handoff/bytes": float(push_stats["bytes"]),
         "throughput/tokens_per_s": global_sum(run, float(batch.prompt_lens.sum() + batch.response_mask.sum()))
         / seconds,
@@ -242,12 +246,12 @@ def reward_terms(scorer: Scorer, batch: RolloutBatch) -> tuple[list[float], int]
 
 def compute_logprobs(run: RLRun, batch: RolloutBatch) -> RolloutBatch:
     """Old (actor), reference and critic outputs [B, T] on the response tokens, before any update."""
-    kwargs = dict(temperature=run.cfg.rollout.temperature, micro_batch_size=run.cfg.train.micro_batch_size)
+    micro = micro_batching(run.cfg.train, batch)
+    kwargs = dict(temperature=run.cfg.rollout.temperature, **micro)
     mask = batch.response_mask
     old = run.actor.logprobs(batch.tokens, **kwargs) * mask
     ref = run.reference.logprobs(batch.tokens, **kwargs) * mask if run.reference else None
-    values = run.critic.values(batch.tokens, micro_batch_size=run.cfg.train.micro_batch_size) * mask \
-        if run.critic else None
+    values = run.critic.values(batch.tokens, **micro) * mask if run.critic else None
     return batch.replace(old_logprobs=old, ref_logprobs=ref, values=values)
 
 
@@ -298,9 +302,8 @@ def train_policy(run: RLRun, batch: RolloutBatch, *, step: int) -> dict[str, flo
     metrics: dict[str, float] = {}
     for _ in range(algo.epochs):
         metrics = run.actor.train_step(batch.tokens, extras, partial(policy_loss, algo=algo, norm=norm),
-                                       temperature=cfg.rollout.temperature,
-                                       micro_batch_size=cfg.train.micro_batch_size,
-                                       entropy=algo.entropy_coef > 0)
+                                       temperature=cfg.rollout.temperature, entropy=algo.entropy_coef > 0,
+                                       **micro_batching(cfg.train, batch))
     check_finite(run, batch, metrics, step=step, what="policy")
     return metrics
 
@@ -334,7 +337,7 @@ def train_critic(run: RLRun, batch: RolloutBatch) -> dict[str, float]:
     for _ in range(cfg.algo.epochs):
         metrics = run.critic.train_step(batch.tokens, extras,
                                         partial(critic_loss, value_clip=cfg.critic.value_clip, norm=norm),
-                                        temperature=1.0, micro_batch_size=cfg.train.micro_batch_size)
+                                        temperature=1.0, **micro_batching(cfg.train, batch))
     returns_var = metrics.pop("returns_sq_mean") - metrics.pop("returns_mean") ** 2
     error_var = metrics.pop("error_sq_mean") - metrics.pop("error_mean") ** 2
     metrics["explained_var"] = 1.0 - error_var / returns_var if returns_var > 0 else 0.0
@@ -413,6 +416,15 @@ def update_kl_coef(run: RLRun, batch: RolloutBatch, metrics: dict[str, float]) -
 
 
 # ---- helpers ----------------------------------------------------------------------------------------
+def micro_batching(train: TrainConfig, batch: RolloutBatch) -> dict:
+    """The engines' micro-batch arguments: `train.micro_batch_size` padded sequences, or packed rows of at
+    most `train.micro_batch_tokens` tokens (which need each sample's length)."""
+    if not train.micro_batch_tokens:
+        return {"micro_batch_size": train.micro_batch_size}
+    return {"micro_batch_size": train.micro_batch_size, "micro_batch_tokens": train.micro_batch_tokens,
+            "lengths": sequence_lengths(batch.response_mask, batch.prompt_lens)}
+
+
 def on_rollout_rank(run: RLRun, method: str) -> None:
     """Call a memory method of the rollout engine on the rank that holds it."""
     if run.is_rollout_rank:
@@ -594,7 +606,7 @@ def check_launch(cfg: Config, groups: ParallelGroups) -> None:
         raise RecipeError(f"data.prompts_per_step={cfg.data.prompts_per_step} is not divisible by the "
                           f"data-parallel size {dp} (world size / (parallel.tp * parallel.pp * parallel.cp))")
     samples = cfg.data.prompts_per_step // dp * cfg.rollout.n_samples
-    if samples % cfg.train.micro_batch_size:
+    if samples % cfg.train.micro_batch_size and not cfg.train.micro_batch_tokens:
         raise RecipeError(f"samples per data-parallel rank {samples} (data.prompts_per_step / {dp} * "
                           f"rollout.n_samples) is not divisible by train.micro_batch_size={cfg.train.micro_batch_size}")
     if cfg.warmup.sft_steps and cfg.warmup.batch_size % dp:

@@ -1,0 +1,205 @@
+"""Sequence packing and token balancing: who trains on which sample, in which micro-batch, at which offset.
+
+Two partitions, both pure functions of per-sample token counts:
+- over data-parallel ranks (`balanced_partition(..., equal_size=True)`): every rank trains on as many samples
+  as before, with token totals as even as the greedy allows; `redistribute` moves the samples.
+- over micro-batches (`plan_micro_batches`): a rank's samples into a given number of micro-batches under a
+  token budget, balanced by tokens. The number is agreed over DP ranks by the engine (Megatron's DDP and
+  pipeline schedules need the same count everywhere).
+
+A packed micro-batch is one row of its sequences back to back (the "thd" layout): `PackedRow` holds the
+segment boundaries (`cu_seqlens`, as Megatron's PackedSeqParams wants them), and `unpack` turns per-token
+outputs of the row back into the [b, T] layout of right-padded sequences that loss functions expect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megarl.batch import RolloutBatch
+
+
+# ---- partitions -----------------------------------------------------------------------------------------
+def balanced_partition(weights: list[int], n_parts: int, *, equal_size: bool = False) -> list[list[int]]:
+    """Indices of `weights` split into `n_parts` parts with sums as even as a greedy gets; each index once.
+
+    equal_size=False (longest processing time first): weights in decreasing order, each to the lightest
+    part. The heaviest part is at most sum/n_parts + max(weights) * (1 - 1/n_parts) (the last weight it got
+    went to the then lightest part).
+    equal_size=True: len(weights) must be divisible by n_parts and every part gets len/n_parts indices.
+    Weights in decreasing order are dealt in rounds of n_parts, the heaviest of a round to the lightest
+    part. The spread max - min grows in a round by at most (its first - its last weight), which is at most
+    (the round's first - the next round's first weight); over all rounds it telescopes, so max - min <=
+    max(weights) - min(weights), and the heaviest part is at most sum/n_parts + max - min.
+    Ties are broken by index, so the result is deterministic. Each part's indices are sorted.
+    """
+    if n_parts < 1:
+        raise ValueError(f"n_parts must be >= 1, got {n_parts}")
+    if equal_size and len(weights) % n_parts:
+        raise ValueError(f"{len(weights)} weights cannot be split into {n_parts} parts of equal size")
+    order = sorted(range(len(weights)), key=lambda i: (-weights[i], i))
+    parts: list[list[int]] = [[] for _ in range(n_parts)]
+    loads = [0] * n_parts
+    if equal_size:
+        for start in range(0, len(order), n_parts):
+            by_load = sorted(range(n_parts), key=lambda p: (loads[p], p))
+            for p, i in zip(by_load, order[start: start + n_parts]):
+                parts[p].append(i)
+                loads[p] += weights[i]
+    else:
+        for i in order:
+            p = min(range(n_parts), key=lambda q: (loads[q], len(parts[q]), q))
+            parts[p].append(i)
+            loads[p] += weights[i]
+    return [sorted(part) for part in parts]
+
+
+def count_bins(lengths: list[int], capacity: int) -> int:
+    """Bins of `capacity` tokens that first-fit-decreasing needs for `lengths` (0 for no lengths).
+
+    ValueError when one length alone exceeds the capacity."""
+    if lengths and max(lengths) > capacity:
+        raise ValueError(f"a sequence of {max(lengths)} tokens does not fit in a micro-batch of "
+                         f"micro_batch_tokens={capacity} tokens")
+    free: list[int] = []
+    for n in sorted(lengths, reverse=True):
+        for b, room in enumerate(free):
+            if n <= room:
+                free[b] -= n
+                break
+        else:
+            free.append(capacity - n)
+    return len(free)
+
+
+def plan_micro_batches(lengths: list[int], *, max_tokens: int, n_micro: int) -> list[list[int]] | None:
+    """`n_micro` micro-batches of sample indices balanced by tokens, or None when the balanced split puts
+    more than `max_tokens` tokens in one (the caller then asks for one more micro-batch). Micro-batches are
+    empty only when there are fewer samples than `n_micro`."""
+    parts = balanced_partition(lengths, n_micro)
+    if any(sum(lengths[i] for i in part) > max_tokens for part in parts):
+        return None
+    return parts
+
+
+# ---- the packed layout ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PackedRow:
+    """Sequences of one micro-batch back to back in one row of `row_len` tokens.
+
+    Segment k covers row positions cu_seqlens[k] : cu_seqlens[k + 1]. The sequences come first, in the
+    order of `index`; padding up to `row_len`, if any, is one more segment of its own, so attention never
+    mixes it with a real sequence.
+    """
+
+    index: Tensor        # [b] long: the rows of the rank's [B, T] batch in this micro-batch
+    lengths: Tensor      # [b] long: real tokens of each of those sequences
+    cu_seqlens: Tensor   # [segments + 1] int32: segment boundaries in the row, from 0 to row_len
+    row_len: int
+
+    @property
+    def max_seqlen(self) -> int:
+        return int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
+
+
+def packed_row(index: list[int], lengths: Tensor, *, row_len: int) -> PackedRow:
+    """The layout of sequences `index` (lengths [B] of the whole batch) in a row of `row_len` tokens."""
+    seg = lengths[torch.as_tensor(index, dtype=torch.long)].long()
+    used = int(seg.sum())
+    if used > row_len:
+        raise ValueError(f"{used} tokens do not fit in a packed row of {row_len}")
+    bounds = [0, *torch.cumsum(seg, 0).tolist()]
+    if used < row_len or not index:
+        bounds.append(row_len)
+    return PackedRow(index=torch.as_tensor(index, dtype=torch.long), lengths=seg,
+                     cu_seqlens=torch.tensor(bounds, dtype=torch.int32), row_len=row_len)
+
+
+def pack(values: Tensor, row: PackedRow, *, fill: int | float = 0) -> tuple[Tensor, Tensor]:
+    """values [B, T] (token ids) -> (the row [1, row_len], position ids [1, row_len] restarting at 0 in
+    every segment, padding included)."""
+    out = values.new_full((row.row_len,), fill)
+    positions = torch.arange(row.row_len)
+    starts = row.cu_seqlens[:-1].long()
+    seg_lens = (row.cu_seqlens[1:] - row.cu_seqlens[:-1]).long()
+    positions = positions - torch.repeat_interleave(starts, seg_lens)
+    offset = 0
+    for i, n in zip(row.index.tolist(), row.lengths.tolist()):
+        out[offset: offset + n] = values[i, :n]
+        offset += n
+    return out[None], positions[None]
+
+
+def unpack(row_values: Tensor, row: PackedRow, *, width: int) -> Tensor:
+    """Per-token outputs of a packed row [row_len] -> [b, width] in the right-padded layout.
+
+    Column t of sequence k is row position start_k + t, for 1 <= t < length_k. Column 0 is 0, as in the
+    padded layout (nothing predicts a first token; in the row that position holds the prediction from the
+    previous sequence's end), and so is every column past the sequence's end. Differentiable (a gather).
+    """
+    starts = row.cu_seqlens[: len(row.index)].long().to(row_values.device)
+    cols = torch.arange(width, device=row_values.device)
+    where = starts[:, None] + cols[None, :]                                       # [b, width]
+    valid = (cols[None, :] >= 1) & (cols[None, :] < row.lengths.to(row_values.device)[:, None])
+    gathered = row_values[where.clamp(max=row.row_len - 1)]
+    return torch.where(valid, gathered, torch.zeros((), dtype=row_values.dtype, device=row_values.device))
+
+
+# ---- rollout samples over data-parallel ranks -----------------------------------------------------------------
+def sequence_lengths(response_mask: Tensor, prompt_lens: Tensor) -> Tensor:
+    """Real tokens per sample [B] of right-padded rows: through the last response token (response_mask
+    [B, T]), at least the prompt (prompt_lens [B])."""
+    width = response_mask.shape[1]
+    last = torch.where(response_mask.bool(), torch.arange(1, width + 1), 0).amax(dim=1)
+    return torch.maximum(last, prompt_lens.long())
+
+
+def tokens_imbalance(tokens_per_rank: list[int]) -> float:
+    """max / mean of the tokens per rank: 1.0 is perfect balance (and an empty step)."""
+    mean = sum(tokens_per_rank) / len(tokens_per_rank)
+    return max(tokens_per_rank) / mean if mean > 0 else 1.0
+
+
+def redistribute(batch: RolloutBatch, *, group, pad_id: int) -> tuple[RolloutBatch, float]:
+    """Move samples between the ranks of the data-parallel `group` so every rank trains on the same number
+    of samples with token totals as even as `balanced_partition(equal_size=True)` makes them. Returns this
+    rank's new batch and the token imbalance (max / mean over ranks) it trains with.
+
+    Every field travels with its sample, so per-sample quantities computed before (advantages, group
+    baselines) keep their values: redistribute after advantages. Group ids become id * size + source rank,
+    distinct over the whole group. A sample's [B, T] fields are right padded to the widest received batch.
+    Every rank of `group` must call this (and hold equally many samples); group None is a no-op.
+    """
+    size = dist.get_world_size(group) if group is not None else 1
+    lengths = sequence_lengths(batch.response_mask, batch.prompt_lens)
+    if size == 1:
+        return batch, 1.0
+    rank = dist.get_rank(group)
+    counts = torch.tensor([len(batch)])
+    all_counts = [torch.zeros_like(counts) for _ in range(size)]
+    dist.all_gather(all_counts, counts, group=group)
+    if len({int(c) for c in all_counts}) != 1:
+        raise ValueError(f"redistribute: ranks hold different numbers of samples {[int(c) for c in all_counts]}")
+    all_lengths = [torch.zeros_like(lengths) for _ in range(size)]
+    dist.all_gather(all_lengths, lengths.contiguous(), group=group)
+    flat = torch.cat(all_lengths).tolist()  # global sample g = source rank * B + local index
+    parts = balanced_partition(flat, size, equal_size=True)
+    n = len(batch)
+    batch = dataclasses.replace(batch, group_ids=batch.group_ids * size + rank)
+    received: list[RolloutBatch | None] = [None] * size
+    # An all-to-all made of one scatter per source rank: each rank receives only its own samples.
+    for src in range(size):
+        outgoing = None
+        if src == rank:
+            outgoing = [batch.select(torch.tensor([g - src * n for g in part if g // n == src], dtype=torch.long))
+                        for part in parts]
+        slot: list[RolloutBatch | None] = [None]
+        dist.scatter_object_list(slot, outgoing, src=dist.get_global_rank(group, src), group=group)
+        received[src] = slot[0]
+    mine = RolloutBatch.concat(received, pad_id=pad_id)
+    return mine, tokens_imbalance([sum(flat[g] for g in part) for part in parts])
