@@ -31,6 +31,8 @@ _EXPECTED_WARNINGS = (
 def pytest_configure(config):
     for pattern in _EXPECTED_WARNINGS:
         config.addinivalue_line("filterwarnings", f"ignore:{pattern}")
+    config.addinivalue_line("markers", "learning: trains for minutes to show that a recipe raises its "
+                                       "objective (run once per CI, in the first environment)")
 
 
 def subprocess_env() -> dict[str, str]:

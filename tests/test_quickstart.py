@@ -8,6 +8,8 @@ import pytest
 
 from conftest import QUICKSTART_TIMEOUT_S
 
+pytestmark = pytest.mark.learning
+
 
 @pytest.mark.timeout(QUICKSTART_TIMEOUT_S)
 def test_quickstart_raises_heldout_reward(quickstart_out):

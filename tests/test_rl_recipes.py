@@ -15,6 +15,8 @@ import pytest
 
 from conftest import QUICKSTART_TIMEOUT_S, REPO, quickstart
 
+pytestmark = pytest.mark.learning
+
 STEPS = 60
 RECIPE_TIMEOUT_S = 600  # about 45 s each on 2 free cores
 

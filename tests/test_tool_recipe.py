@@ -16,6 +16,8 @@ import pytest
 
 from conftest import REPO, run_python, subprocess_env
 
+pytestmark = pytest.mark.learning
+
 TIMEOUT_S = 900
 
 
