@@ -141,7 +141,7 @@ def test_a_finished_run_says_so_and_exits_0(recipe, uninterrupted):
     before = (uninterrupted / "metrics.jsonl").read_text()
     result = run_python(train_args(recipe, uninterrupted), cwd=uninterrupted, timeout_s=RUN_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert f"already finished {STEPS} of train.steps={STEPS} steps" in result.stdout
+    assert f"already finished {STEPS} of {STEPS} steps" in result.stdout
     assert (uninterrupted / "metrics.jsonl").read_text() == before  # nothing was touched
 
 

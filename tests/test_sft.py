@@ -196,3 +196,22 @@ def test_full_size_recipe_placeholders_fail_and_layout_fits_one_8_gpu_node(name,
     # The megatron: block is a valid TransformerConfig for this shape (recompute settings included).
     config = transformer_config(shape, dtype=cfg.model.dtype, tp=par.tp, pp=par.pp, megatron=cfg.model.megatron)
     assert config.bf16 and config.recompute_granularity == "full"
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT_S)
+def test_an_interrupted_run_resumed_equals_one_never_interrupted(sft_run, qwen2_dir, tiny_data, tmp_path):
+    """8 steps at once vs 4 steps and then a new invocation to 8 (resumed from the step-4 checkpoint): the
+    same metrics at every step and the same final weights (the prompt order and the optimizer carry over)."""
+    import torch
+    from safetensors.torch import load_file
+
+    common = [f"model.path={qwen2_dir}", f"data.train_path={tiny_data / 'train.jsonl'}", "data.eval_path=null",
+              "checkpoint.every_steps=2"]
+    once, twice = tmp_path / "once", tmp_path / "twice"
+    for run_dir, steps in ((once, 8), (twice, 4), (twice, 8)):
+        proc = megarl_train(REPO / "recipes" / "sft_tiny.yaml", *common, f"run_dir={run_dir}", f"train.steps={steps}")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    drop_timing = lambda m: {k: v for k, v in m.items() if not k.startswith("timing/")}  # noqa: E731
+    assert [drop_timing(m) for m in read_metrics(twice)] == [drop_timing(m) for m in read_metrics(once)]
+    a, b = (load_file(str(d / "checkpoints" / "final" / "model.safetensors")) for d in (once, twice))
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -1,9 +1,10 @@
-"""Resumable checkpoints of an RL run: what is saved, by which rank, and how a run continues from it.
+"""Resumable checkpoints of a run (RL, SFT, DPO): what is saved, by which rank, and how a run continues.
 
 A checkpoint directory (see megarl.checkpoint for how it is published atomically) holds:
   actor/, critic/      Megatron distributed checkpoints: model and optimizer state, fully reshardable, so a
                        run may resume at another TP, PP or EP layout
-  state.json           step, weight version, KL controller, optimizer step counts, the layout that wrote it
+  state.json           step, optimizer step counts, the layout that wrote it, the loop's own state (RL:
+                       weight version and KL controller)
   dp{d}.pt             per data-parallel replica: its prompt sampler position and rollout sampler RNG
   rank{r}.pt           per rank: torch and Megatron RNG states (restored when the layout is unchanged)
   recipe.yaml          the recipe of the run
@@ -35,52 +36,71 @@ def checkpoint_root(cfg: Config) -> Path:
     return Path(cfg.run_dir) / "checkpoints"
 
 
-def find_resume(cfg: Config) -> Path | None:
-    """The checkpoint `checkpoint.resume` asks for: None to start fresh. RecipeError when the request
-    cannot be honoured without losing something (starting over on top of a run's checkpoints)."""
+def find_resume(cfg: Config) -> tuple[Path | None, int]:
+    """The checkpoint `checkpoint.resume` asks for and the step it holds; (None, 0) to start fresh.
+    RecipeError when the request cannot be honoured without losing something (starting over on top of a
+    run's checkpoints)."""
     resume = cfg.checkpoint.resume
     root = checkpoint_root(cfg)
     if resume == "auto":
-        return latest_checkpoint(root)
-    if resume == "never":
+        path = latest_checkpoint(root)
+    elif resume == "never":
         if latest_checkpoint(root) is not None:
             raise RecipeError(f"checkpoint.resume: 'never', but {root} holds checkpoints of an earlier run; "
                               f"use another run_dir, remove them, or resume with checkpoint.resume=auto")
-        return None
-    path = Path(resume)
-    if not (path / "state.json").is_file():
-        raise RecipeError(f"checkpoint.resume: {path} is not a checkpoint directory (no state.json)")
-    return path
+        path = None
+    else:
+        path = Path(resume)
+        if not (path / "state.json").is_file():
+            raise RecipeError(f"checkpoint.resume: {path} is not a checkpoint directory (no state.json)")
+    if path is None:
+        return None, 0
+    return path, int(json.loads((path / "state.json").read_text())["step"])
 
 
-def _layout(run) -> dict[str, int]:
-    g = run.groups
-    return {"world": dist.get_world_size(), "tp": g.tp_size, "pp": g.pp_size, "ep": g.ep_size, "dp": g.dp_size}
+def already_finished(cfg: Config, path: Path | None, step: int, steps: int) -> bool:
+    """True (and says so) when the checkpoint to resume from already holds the last step."""
+    if path is None:
+        return False
+    if step >= steps:
+        if dist.get_rank() == 0:
+            print(f"megarl: {cfg.run_dir} already finished {step} of {steps} steps ({path}); nothing to do")
+        return True
+    log.warning("resuming from %s (step %d of %d)", path, step, steps)
+    return False
 
 
-def save_run_checkpoint(run, step: int) -> Path:
-    """Save the run after `step` (a collective call: every rank writes its share). Returns the directory."""
-    cfg = run.cfg
+def _layout(groups) -> dict[str, int]:
+    return {"world": dist.get_world_size(), "tp": groups.tp_size, "pp": groups.pp_size, "ep": groups.ep_size,
+            "dp": groups.dp_size}
+
+
+def save_checkpoint(cfg: Config, step: int, *, groups, engines: dict, sampler, rollout=None,
+                    extra: dict | None = None) -> Path:
+    """Save a run after `step` (a collective call: every rank writes its share); returns the directory.
+
+    engines: the trained models by name ("actor", "critic"); frozen ones are rebuilt from their checkpoint
+    and are not saved. sampler: this replica's prompt sampler. rollout: the rollout engine on the rank that
+    holds one (its sampler RNG is saved). extra: JSON state of the loop (weight version, KL controller).
+    """
     name = [str(temporary_dir(checkpoint_root(cfg), step)) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(name, src=0)
     tmp = Path(name[0])
-    run.actor.save_checkpoint(tmp / "actor")
-    if run.critic is not None:
-        run.critic.save_checkpoint(tmp / "critic")
-    if run.is_rollout_rank:
-        torch.save({"sampler": run.sampler.state_dict(), "rollout_rng": run.rollout.rng_state()},
-                   tmp / f"dp{run.groups.dp_rank:05d}.pt")
+    for key, engine in engines.items():
+        engine.save_checkpoint(tmp / key)
+    if dist.get_rank() == groups.mp_src_global_rank:  # one writer per data-parallel replica
+        torch.save({"sampler": sampler.state_dict(), "rollout_rng": rollout.rng_state() if rollout else None},
+                   tmp / f"dp{groups.dp_rank:05d}.pt")
     torch.save(trainer_rng_state(), tmp / f"rank{dist.get_rank():05d}.pt")
     if dist.get_rank() == 0:
-        state = {"step": step, "weight_version": run.weight_version, "kl": run.kl.state_dict(),
-                 "actor_step": run.actor.step, "critic_step": run.critic.step if run.critic else None,
-                 "layout": _layout(run)}
+        state = {"step": step, "engine_steps": {k: e.step for k, e in engines.items()}, "layout": _layout(groups),
+                 **(extra or {})}
         (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
         dump_config(cfg, tmp / "recipe.yaml")
         (tmp / "hf").mkdir()
         copy_side_files(cfg.model.path, tmp / "hf")
     dist.barrier()
-    final = Path(cfg.run_dir) / "checkpoints" / step_dir_name(step)
+    final = checkpoint_root(cfg) / step_dir_name(step)
     if dist.get_rank() == 0:
         final = publish(tmp, step=step, keep_last=cfg.checkpoint.keep_last)
         log.info("checkpoint of step %d saved to %s", step, final)
@@ -88,34 +108,49 @@ def save_run_checkpoint(run, step: int) -> Path:
     return final
 
 
-def resume_run(run, path: Path) -> int:
-    """Restore everything `save_run_checkpoint` wrote to `path` into `run`; returns the step it holds."""
+def restore_checkpoint(path: Path, *, groups, engines: dict, sampler, rollout=None) -> dict:
+    """Restore what `save_checkpoint` wrote to `path`; returns its state.json (step and the loop's extra)."""
     state = json.loads((path / "state.json").read_text())
-    run.actor.load_checkpoint(path / "actor")
-    run.actor.step = state["actor_step"]
-    if run.critic is not None:
-        if state["critic_step"] is None:
-            raise CheckpointError(f"{path}: has no critic, but algo.name = {run.cfg.algo.name!r} trains one")
-        run.critic.load_checkpoint(path / "critic")
-        run.critic.step = state["critic_step"]
-    run.kl.load_state_dict(state["kl"])
-    run.weight_version = state["weight_version"]
-    saved, now = state["layout"], _layout(run)
-    replicas = sorted(path.glob("dp*.pt"))
+    for key, engine in engines.items():
+        if key not in state["engine_steps"]:
+            raise CheckpointError(f"{path}: has no {key}, which this recipe trains")
+        engine.load_checkpoint(path / key)
+        engine.step = state["engine_steps"][key]
+    saved, now = state["layout"], _layout(groups)
     if saved["dp"] == now["dp"]:
-        mine = torch.load(path / f"dp{run.groups.dp_rank:05d}.pt", weights_only=True)
-        run.sampler.load_state_dict(mine["sampler"])
-        if run.is_rollout_rank and mine["rollout_rng"] is not None:
-            run.rollout.set_rng_state(mine["rollout_rng"])
+        mine = torch.load(path / f"dp{groups.dp_rank:05d}.pt", weights_only=True)
+        sampler.load_state_dict(mine["sampler"])
+        if rollout is not None and mine["rollout_rng"] is not None:
+            rollout.set_rng_state(mine["rollout_rng"])
     else:
         # Each replica's prompts came from one global stream; continuing after the furthest position
         # repeats no prompt. Sampling is seeded again, so samples differ from an uninterrupted run.
-        positions = [torch.load(p, weights_only=True)["sampler"] for p in replicas]
-        run.sampler.load_state_dict(max(positions, key=lambda s: (s["epoch"], s["position"])))
+        positions = [torch.load(p, weights_only=True)["sampler"] for p in sorted(path.glob("dp*.pt"))]
+        sampler.load_state_dict(max(positions, key=lambda s: (s["epoch"], s["position"])))
         log.warning("resuming with data-parallel size %d, saved with %d: the data order continues, the "
                     "rollout samples differ from an uninterrupted run", now["dp"], saved["dp"])
     if saved == now:
         set_trainer_rng_state(torch.load(path / f"rank{dist.get_rank():05d}.pt", weights_only=True))
     else:
         log.info("resuming at layout %s (saved at %s): trainer RNG streams start fresh", now, saved)
+    return state
+
+
+# ---- the RL run --------------------------------------------------------------------------------------------
+def _rl_engines(run) -> dict:
+    return {"actor": run.actor, **({"critic": run.critic} if run.critic is not None else {})}
+
+
+def save_run_checkpoint(run, step: int) -> Path:
+    return save_checkpoint(run.cfg, step, groups=run.groups, engines=_rl_engines(run), sampler=run.sampler,
+                           rollout=run.rollout, extra={"weight_version": run.weight_version,
+                                                       "kl": run.kl.state_dict()})
+
+
+def resume_run(run, path: Path) -> int:
+    """Restore an RL run from `path`; returns the step it holds."""
+    state = restore_checkpoint(path, groups=run.groups, engines=_rl_engines(run), sampler=run.sampler,
+                               rollout=run.rollout)
+    run.kl.load_state_dict(state["kl"])
+    run.weight_version = state["weight_version"]
     return int(state["step"])

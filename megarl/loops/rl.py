@@ -9,7 +9,6 @@ shares the generated batch with the other ranks of its group.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -39,7 +38,7 @@ from megarl.engine.megatron import ParallelGroups, TrainEngine, check_megatron_f
 from megarl.envs.environment import Environment, SingleTurn, environment_factory
 from megarl.envs.tool_format import ObservationFormat
 from megarl.handoff import push_weights
-from megarl.loops.resume import find_resume, resume_run, save_run_checkpoint
+from megarl.loops.resume import already_finished, find_resume, resume_run, save_run_checkpoint
 from megarl.loops.supervised import supervised_step
 from megarl.metrics import MetricsWriter, PhaseTimer
 from megarl.models.arch import check_layout, read_shape
@@ -661,15 +660,9 @@ def train(cfg: Config) -> Path:
         raise RecipeError(f"parallel: {e}") from None
     check_launch(cfg, groups)
     final = run_dir / "checkpoints" / "final"
-    resume_from = find_resume(cfg)
-    if resume_from is not None:
-        done = json.loads((resume_from / "state.json").read_text())["step"]
-        if done >= cfg.train.steps:
-            if dist.get_rank() == 0:
-                print(f"megarl: {run_dir} already finished {done} of train.steps={cfg.train.steps} steps "
-                      f"({resume_from}); nothing to do")
-            return final
-        log.warning("resuming from %s (step %d of %d)", resume_from, done, cfg.train.steps)
+    resume_from, done = find_resume(cfg)
+    if already_finished(cfg, resume_from, done, cfg.train.steps):
+        return final
     data = cfg.data
     fields = dict(prompt_key=data.prompt_key, answer_key=data.answer_key, metadata_key=data.metadata_key,
                   skip_bad_rows=data.skip_bad_rows)

@@ -24,6 +24,7 @@ from megarl.config import Config, RecipeError, dump_config
 from megarl.data.prompts import PromptSampler
 from megarl.data.supervised import Example, encode_sft_row, load_sft_rows, pad_examples
 from megarl.engine.megatron import ParallelGroups, TrainEngine, check_megatron_fields, init_parallel
+from megarl.loops.resume import already_finished, find_resume, restore_checkpoint, save_checkpoint
 from megarl.loops.rl import export_policy, learning_rate
 from megarl.loops.supervised import supervised_step
 from megarl.metrics import MetricsWriter
@@ -122,13 +123,20 @@ def train(cfg: Config) -> Path:
     sampler = PromptSampler(len(train_set), seed=cfg.seed, shuffle=data.shuffle, dp_rank=groups.dp_rank,
                             dp_size=groups.dp_size)
     steps = total_steps(cfg, len(train_set))
+    final = run_dir / "checkpoints" / "final"
+    resume_from, start = find_resume(cfg)
+    if already_finished(cfg, resume_from, start, steps):
+        return final
+    checkpoint = partial(save_checkpoint, cfg, groups=groups, engines={"actor": engine}, sampler=sampler)
+    if resume_from is not None:
+        restore_checkpoint(resume_from, groups=groups, engines={"actor": engine}, sampler=sampler)
     step_kwargs = dict(pad_id=tokenizer.pad_token_id, micro_batch_size=cfg.train.micro_batch_size)
     if dist.get_rank() == 0:
         dump_config(cfg, run_dir / "recipe.yaml")
     writer = MetricsWriter(run_dir, total_steps=steps, enabled=dist.get_rank() == 0, progress=cfg.log.progress,
-                           tensorboard=cfg.log.tensorboard, desc="sft")
+                           tensorboard=cfg.log.tensorboard, desc="sft", resume_step=start)
     try:
-        for step in range(1, steps + 1):
+        for step in range(start + 1, steps + 1):
             start = time.perf_counter()
             lr = learning_rate(cfg.optim, engine.step)
             engine.set_lr(lr)
@@ -141,12 +149,11 @@ def train(cfg: Config) -> Path:
                 metrics["eval/loss"] = heldout_loss(engine, my_eval, groups=groups, **step_kwargs)
             if step % cfg.log.every_steps == 0 or step == steps:
                 writer.write(step, metrics)
-            if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
-                export_policy(engine, groups, source_dir=cfg.model.path,
-                              out_dir=run_dir / "checkpoints" / f"step{step:06d}", meta={"step": step})
+            if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < steps:
+                checkpoint(step)
     finally:
         writer.close()
-    final = run_dir / "checkpoints" / "final"
     if cfg.checkpoint.save_final:
+        checkpoint(steps)
         export_policy(engine, groups, source_dir=cfg.model.path, out_dir=final, meta={"stage": "sft", "step": steps})
     return final
