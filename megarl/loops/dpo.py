@@ -16,24 +16,21 @@ micro batch size.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-import torch.distributed as dist
 from torch import Tensor
 
 from megarl.algo.aggregate import masked_sum
 from megarl.algo.losses import dpo_loss
-from megarl.config import Config, DPOConfig, dump_config
+from megarl.config import Config, DPOConfig
 from megarl.data.prompts import PromptSampler
 from megarl.data.supervised import Example, encode_pair, load_preference_pairs, pad_examples
 from megarl.engine.megatron import ParallelGroups, TrainEngine
-from megarl.loops.resume import already_finished, find_resume, restore_checkpoint, save_checkpoint
-from megarl.loops.rl import export_policy, learning_rate
-from megarl.loops.sft import check_finite, dp_sums, init_groups, rows_per_rank, total_steps
-from megarl.metrics import MetricsWriter
+from megarl.loops.rl import learning_rate
+from megarl.loops.launch import init_groups
+from megarl.loops.sft import dp_sums, rows_per_rank, run_offline, total_steps
 
 Pair = tuple[Example, Example]  # (chosen, rejected), tokenized
 
@@ -139,36 +136,7 @@ def build_run(cfg: Config, groups: ParallelGroups) -> DPORun:
 def train(cfg: Config) -> Path:
     """Run a DPO recipe; returns the directory of the final checkpoint."""
     run = build_run(cfg, init_groups(cfg))
-    run_dir, steps = Path(cfg.run_dir), total_steps(cfg, len(run.train_pairs))
-    final = run_dir / "checkpoints" / "final"
-    resume_from, start = find_resume(cfg)
-    if already_finished(cfg, resume_from, start, steps):
-        return final
-    # the reference is frozen and rebuilt from model.path: only the policy is saved
-    checkpoint = partial(save_checkpoint, cfg, groups=run.groups, engines={"actor": run.actor}, sampler=run.sampler)
-    if resume_from is not None:
-        restore_checkpoint(resume_from, groups=run.groups, engines={"actor": run.actor}, sampler=run.sampler)
-    if dist.get_rank() == 0:
-        dump_config(cfg, run_dir / "recipe.yaml")
-    writer = MetricsWriter(run_dir, total_steps=steps, enabled=dist.get_rank() == 0, progress=cfg.log.progress,
-                           tensorboard=cfg.log.tensorboard, desc="dpo", resume_step=start)
     has_eval = dp_sums([float(len(run.eval_pairs))], run.groups.dp)[0] > 0
-    try:
-        for step in range(start + 1, steps + 1):
-            start = time.perf_counter()
-            metrics = dpo_step(run)
-            check_finite(metrics, step)
-            metrics["timing/step_s"] = time.perf_counter() - start
-            if has_eval and (step == 1 or step % cfg.data.eval_every == 0 or step == steps):
-                metrics.update(evaluate(run))
-            if step % cfg.log.every_steps == 0 or step == steps:
-                writer.write(step, metrics)
-            if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < steps:
-                checkpoint(step)
-    finally:
-        writer.close()
-    if cfg.checkpoint.save_final:
-        checkpoint(steps)
-        export_policy(run.actor, run.groups, source_dir=cfg.model.path, out_dir=final,
-                      meta={"stage": "dpo", "step": steps})
-    return final
+    return run_offline(cfg, groups=run.groups, actor=run.actor, sampler=run.sampler,
+                       steps=total_steps(cfg, len(run.train_pairs)), step=lambda: dpo_step(run),
+                       evaluate=(lambda: evaluate(run)) if has_eval else None, desc="dpo")

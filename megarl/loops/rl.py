@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -34,14 +33,14 @@ from megarl.checkpoint import save_hf
 from megarl.config import AlgoConfig, Config, RecipeError, TrainConfig, dump_config
 from megarl.data.prompts import PromptRow, PromptSampler, load_prompts
 from megarl.data.supervised import completion_example
-from megarl.engine.megatron import ParallelGroups, TrainEngine, check_megatron_fields, init_parallel
+from megarl.engine.megatron import ParallelGroups, TrainEngine
 from megarl.envs.environment import Environment, SingleTurn, environment_factory
 from megarl.envs.tool_format import ObservationFormat
 from megarl.handoff import push_weights
+from megarl.loops.launch import init_groups
 from megarl.loops.resume import already_finished, find_resume, resume_run, save_run_checkpoint
 from megarl.loops.supervised import supervised_step
 from megarl.metrics import MetricsWriter, PhaseTimer
-from megarl.models.arch import check_layout, read_shape
 from megarl.packing import redistribute, sequence_lengths
 from megarl.rewards.scorer import Sample, Scorer, build_terms
 from megarl.rollout.multi_turn import FINISH_REASONS, run_trajectories
@@ -596,8 +595,8 @@ def export_policy(engine: TrainEngine, groups: ParallelGroups, *, source_dir: st
 
 # ---- the run ---------------------------------------------------------------------------------------------
 def check_launch(cfg: Config, groups: ParallelGroups) -> None:
-    """Batch sizes against this launch's data-parallel size; RecipeError names the keys."""
-    check_megatron_fields(cfg.model.megatron)
+    """Batch sizes against this launch's data-parallel size, and the reward terms and environment import;
+    RecipeError names the keys."""
     build_terms(cfg.reward)  # a custom reward that does not import stops here, before any work
     environment_factory(cfg.env)  # and so does an environment
     dp = groups.dp_size
@@ -643,21 +642,7 @@ def train(cfg: Config) -> Path:
     from transformers import AutoTokenizer
 
     run_dir = Path(cfg.run_dir)
-    try:
-        shape = read_shape(cfg.model.path)
-    except ValueError as e:
-        raise RecipeError(f"model.path: {e}") from None
-    par = cfg.parallel
-    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        check_layout(shape, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, world_size=world_size)
-    except ValueError as e:
-        raise RecipeError(str(e)) from None
-    try:
-        groups = init_parallel(tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep, cp=cfg.parallel.cp,
-                               seed=cfg.seed)
-    except ValueError as e:
-        raise RecipeError(f"parallel: {e}") from None
+    groups = init_groups(cfg)
     check_launch(cfg, groups)
     final = run_dir / "checkpoints" / "final"
     resume_from, done = find_resume(cfg)

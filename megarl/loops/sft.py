@@ -11,8 +11,8 @@ first step, so a malformed row stops the run before any work.
 from __future__ import annotations
 
 import math
-import os
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -23,33 +23,12 @@ from megarl.algo.aggregate import masked_sum
 from megarl.config import Config, RecipeError, dump_config
 from megarl.data.prompts import PromptSampler
 from megarl.data.supervised import Example, encode_sft_row, load_sft_rows, pad_examples
-from megarl.engine.megatron import ParallelGroups, TrainEngine, check_megatron_fields, init_parallel
+from megarl.engine.megatron import ParallelGroups, TrainEngine
+from megarl.loops.launch import init_groups
 from megarl.loops.resume import already_finished, find_resume, restore_checkpoint, save_checkpoint
 from megarl.loops.rl import export_policy, learning_rate
 from megarl.loops.supervised import supervised_step
 from megarl.metrics import MetricsWriter
-from megarl.models.arch import check_layout, read_shape
-
-
-# ---- launch ------------------------------------------------------------------------------------------------
-def init_groups(cfg: Config) -> ParallelGroups:
-    """Check the model and the parallel layout against this launch, then start the parallel state.
-    A mismatch is a RecipeError naming the keys, raised before any model is built."""
-    try:
-        shape = read_shape(cfg.model.path)
-    except ValueError as e:
-        raise RecipeError(f"model.path: {e}") from None
-    par = cfg.parallel
-    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        check_layout(shape, tp=par.tp, pp=par.pp, cp=par.cp, world_size=world_size)
-    except ValueError as e:
-        raise RecipeError(str(e)) from None
-    check_megatron_fields(cfg.model.megatron)
-    try:
-        return init_parallel(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, seed=cfg.seed)
-    except ValueError as e:
-        raise RecipeError(f"parallel: {e}") from None
 
 
 def rows_per_rank(cfg: Config, groups: ParallelGroups, *, seqs_per_row: int) -> int:
@@ -109,7 +88,7 @@ def train(cfg: Config) -> Path:
 
     groups = init_groups(cfg)
     per_rank = rows_per_rank(cfg, groups, seqs_per_row=1)
-    data, run_dir = cfg.data, Path(cfg.run_dir)
+    data = cfg.data
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     load = partial(load_sft_rows, prompt_key=data.prompt_key, response_key=data.response_key,
                    messages_key=data.messages_key)
@@ -123,37 +102,53 @@ def train(cfg: Config) -> Path:
     sampler = PromptSampler(len(train_set), seed=cfg.seed, shuffle=data.shuffle, dp_rank=groups.dp_rank,
                             dp_size=groups.dp_size)
     steps = total_steps(cfg, len(train_set))
-    final = run_dir / "checkpoints" / "final"
-    resume_from, start = find_resume(cfg)
-    if already_finished(cfg, resume_from, start, steps):
-        return final
-    checkpoint = partial(save_checkpoint, cfg, groups=groups, engines={"actor": engine}, sampler=sampler)
-    if resume_from is not None:
-        restore_checkpoint(resume_from, groups=groups, engines={"actor": engine}, sampler=sampler)
     step_kwargs = dict(pad_id=tokenizer.pad_token_id, micro_batch_size=cfg.train.micro_batch_size)
+
+    def step() -> dict[str, float]:
+        lr = learning_rate(cfg.optim, engine.step)
+        engine.set_lr(lr)
+        batch = [train_set[i] for i in sampler.next_batch(per_rank)]
+        return {**supervised_step(engine, batch, group=groups.dp, **step_kwargs), "lr": lr}
+
+    def evaluate() -> dict[str, float]:
+        return {"eval/loss": heldout_loss(engine, my_eval, groups=groups, **step_kwargs)}
+
+    return run_offline(cfg, groups=groups, actor=engine, sampler=sampler, steps=steps, step=step,
+                       evaluate=evaluate if eval_set else None, desc="sft")
+
+
+def run_offline(cfg: Config, *, groups: ParallelGroups, actor: TrainEngine, sampler: PromptSampler, steps: int,
+                step: Callable[[], dict[str, float]], evaluate: Callable[[], dict[str, float]] | None,
+                desc: str) -> Path:
+    """The loop around one update of the SFT and DPO recipes: resume, metrics, held-out evaluation (after the
+    first step too, so the curve starts near the untrained model), checkpoints and the final HF export."""
+    run_dir = Path(cfg.run_dir)
+    final = run_dir / "checkpoints" / "final"
+    resume_from, done = find_resume(cfg)
+    if already_finished(cfg, resume_from, done, steps):
+        return final
+    parts = dict(groups=groups, engines={"actor": actor}, sampler=sampler)  # a reference is rebuilt, not saved
+    if resume_from is not None:
+        restore_checkpoint(resume_from, **parts)
     if dist.get_rank() == 0:
         dump_config(cfg, run_dir / "recipe.yaml")
     writer = MetricsWriter(run_dir, total_steps=steps, enabled=dist.get_rank() == 0, progress=cfg.log.progress,
-                           tensorboard=cfg.log.tensorboard, desc="sft", resume_step=start)
+                           tensorboard=cfg.log.tensorboard, desc=desc, resume_step=done)
     try:
-        for step in range(start + 1, steps + 1):
-            start = time.perf_counter()
-            lr = learning_rate(cfg.optim, engine.step)
-            engine.set_lr(lr)
-            batch = [train_set[i] for i in sampler.next_batch(per_rank)]
-            metrics = supervised_step(engine, batch, group=groups.dp, **step_kwargs)
-            check_finite(metrics, step)
-            metrics.update({"lr": lr, "timing/step_s": time.perf_counter() - start})
-            # after the first step too, so the held-out curve starts near the untrained model
-            if eval_set and (step == 1 or step % data.eval_every == 0 or step == steps):
-                metrics["eval/loss"] = heldout_loss(engine, my_eval, groups=groups, **step_kwargs)
-            if step % cfg.log.every_steps == 0 or step == steps:
-                writer.write(step, metrics)
-            if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < steps:
-                checkpoint(step)
+        for n in range(done + 1, steps + 1):
+            began = time.perf_counter()
+            metrics = step()
+            check_finite(metrics, n)
+            metrics["timing/step_s"] = time.perf_counter() - began
+            if evaluate is not None and (n == 1 or n % cfg.data.eval_every == 0 or n == steps):
+                metrics.update(evaluate())
+            if n % cfg.log.every_steps == 0 or n == steps:
+                writer.write(n, metrics)
+            if cfg.checkpoint.every_steps and n % cfg.checkpoint.every_steps == 0 and n < steps:
+                save_checkpoint(cfg, n, **parts)
     finally:
         writer.close()
     if cfg.checkpoint.save_final:
-        checkpoint(steps)
-        export_policy(engine, groups, source_dir=cfg.model.path, out_dir=final, meta={"stage": "sft", "step": steps})
+        save_checkpoint(cfg, steps, **parts)
+        export_policy(actor, groups, source_dir=cfg.model.path, out_dir=final, meta={"stage": desc, "step": steps})
     return final

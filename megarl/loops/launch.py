@@ -1,0 +1,32 @@
+"""Starting a run: the model and the parallel layout are checked against this launch before anything is
+built, then Megatron's parallel state starts. Shared by the RL, SFT and DPO loops."""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from megarl.config import Config, RecipeError
+from megarl.engine.megatron import ParallelGroups, check_megatron_fields, init_parallel
+from megarl.models.arch import check_layout, read_shape
+
+
+def init_groups(cfg: Config) -> ParallelGroups:
+    """Check the model and the parallel layout against this launch, then start the parallel state.
+    A mismatch is a RecipeError naming the keys, raised before any model is built."""
+    try:
+        shape = read_shape(cfg.model.path)
+    except ValueError as e:
+        raise RecipeError(f"model.path: {e}") from None
+    par = cfg.parallel
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        check_layout(shape, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, world_size=world_size)
+    except ValueError as e:
+        raise RecipeError(str(e)) from None
+    check_megatron_fields(cfg.model.megatron)
+    try:
+        return init_parallel(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, seed=cfg.seed)
+    except ValueError as e:
+        raise RecipeError(f"parallel: {e}") from None
