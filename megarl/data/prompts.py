@@ -43,7 +43,7 @@ def load_prompts(path: str | Path, *, prompt_key: str = "prompt", answer_key: st
     """
     path = Path(path)
     rows, bad = [], []
-    for where, record in _records(path):
+    for where, record in read_records(path):
         try:
             rows.append(_prompt_row(record, where, index=len(rows), prompt_key=prompt_key,
                                     answer_key=answer_key, metadata_key=metadata_key))
@@ -59,7 +59,7 @@ def load_prompts(path: str | Path, *, prompt_key: str = "prompt", answer_key: st
     return rows
 
 
-def _records(path: Path) -> Iterator[tuple[str, object]]:
+def read_records(path: Path) -> Iterator[tuple[str, object]]:
     """(where, record) per row: `file:line` and the parsed JSON value, or `file:row N` and a Parquet row.
     An unparsable JSON line comes as a DataError in place of the record, so the caller decides to skip."""
     if path.suffix == ".parquet":

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from megarl.data.prompts import DataError
+from megarl.data.prompts import DataError, read_records
 
 
 @dataclass(frozen=True)
@@ -55,20 +55,15 @@ class Example:
 
 
 # ---- loading ---------------------------------------------------------------------------------------------
-def _json_lines(path: Path):
-    """(where, object) for every non-blank line; a line that is not a JSON object raises DataError."""
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            yield where, obj
+def _json_objects(path: Path):
+    """(where, object) for every row of a .jsonl or .parquet file; a row that is not an object (or not valid
+    JSON) raises DataError naming it."""
+    for where, record in read_records(path):
+        if isinstance(record, DataError):
+            raise record
+        if not isinstance(record, dict):
+            raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        yield where, record
 
 
 def _string(obj: dict, key: str, where: str) -> str:
@@ -98,7 +93,7 @@ def load_sft_rows(path: str | Path, *, prompt_key: str = "prompt", response_key:
     `response_key`. Blank lines are skipped; a malformed row raises DataError naming file and line."""
     path = Path(path)
     rows = []
-    for where, obj in _json_lines(path):
+    for where, obj in _json_objects(path):
         if messages_key in obj:
             rows.append(SFTRow(where, messages=_messages(obj[messages_key], messages_key, where)))
         elif prompt_key in obj or response_key in obj:
@@ -117,7 +112,7 @@ def load_preference_pairs(path: str | Path, *, prompt_key: str = "prompt", chose
     """Read a preference file. Blank lines are skipped; a malformed row raises DataError naming file and line."""
     path = Path(path)
     pairs = [PreferencePair(where, *(_string(obj, k, where) for k in (prompt_key, chosen_key, rejected_key)))
-             for where, obj in _json_lines(path)]
+             for where, obj in _json_objects(path)]
     if not pairs:
         raise DataError(f"{path}: empty file, no preference pairs")
     return pairs
