@@ -246,7 +246,7 @@ class DataConfig:
                 raise FieldError(name, f"expected a {' or '.join(PROMPT_FILE_SUFFIXES)} file, got {path}")
 
 
-RewardKind = Literal["exact_answer", "math", "format", "length_penalty", "code", "custom"]
+RewardKind = Literal["exact_answer", "math", "format", "length_penalty", "code", "custom", "reward_model"]
 # The options each reward kind reads; any other option set on a term is a mistake the loader reports.
 REWARD_TERM_OPTIONS = {
     "exact_answer": (),
@@ -255,6 +255,7 @@ REWARD_TERM_OPTIONS = {
     "length_penalty": ("max_tokens", "cache_tokens"),
     "code": ("sandbox",),
     "custom": ("function",),
+    "reward_model": ("path",),
 }
 
 
@@ -274,17 +275,19 @@ class RewardTermConfig:
     """One weighted term of the reward. The options below `weight` belong to one kind each (the comment
     says which, REWARD_TERM_OPTIONS is the table); setting one for another kind is an error."""
 
-    kind: RewardKind  # exact_answer | math | format | length_penalty | code | custom
+    kind: RewardKind  # exact_answer | math | format | length_penalty | code | custom | reward_model
     weight: float = 1.0  # the term's factor in the summed reward
     pattern: str | None = None  # format: regex searched in the response (re.DOTALL); 1 when found, else 0
     max_tokens: int | None = None  # length_penalty: response length, in tokens, where the penalty reaches -1
     cache_tokens: int | None = None  # length_penalty: the penalty ramps from 0 to -1 over this many tokens
     sandbox: SandboxConfig | None = None  # code: limits of each run; null = the SandboxConfig defaults
     function: str | None = None  # custom: `module:function`, called with prompt, response, answer, metadata
+    path: str | None = field(default=None, metadata={"path": "dir"})  # reward_model: HF sequence-classification
+    # checkpoint (one label) of the policy's architecture and tokenizer, scored by a Megatron model
 
     def check(self) -> None:
         used = REWARD_TERM_OPTIONS[self.kind]
-        for name in ("pattern", "max_tokens", "cache_tokens", "sandbox", "function"):
+        for name in ("pattern", "max_tokens", "cache_tokens", "sandbox", "function", "path"):
             if getattr(self, name) is not None and name not in used:
                 raise FieldError(name, f"is not an option of kind {self.kind!r} "
                                        f"(its options: {', '.join(('weight', *used))})")

@@ -148,3 +148,25 @@ def quickstart_out(tmp_path_factory) -> Path:
     proc = quickstart(out, "log.progress=false")
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
+
+
+def with_score_head(model_dir, out_dir, *, seed: int = 3):
+    """A copy of `model_dir` as a one-label sequence-classification checkpoint (a reward model's layout):
+    the trunk's weights plus a random `score.weight` [1, hidden]."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out_dir)
+    tensors = load_file(str(out_dir / "model.safetensors"))
+    hidden = tensors["model.embed_tokens.weight"].shape[1]
+    tensors["score.weight"] = torch.randn(1, hidden, generator=torch.Generator().manual_seed(seed))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = json.loads((out_dir / "config.json").read_text())
+    config["architectures"] = ["Qwen2ForSequenceClassification"]
+    config["num_labels"] = 1
+    (out_dir / "config.json").write_text(json.dumps(config))
+    return out_dir

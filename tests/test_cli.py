@@ -174,3 +174,17 @@ def test_chat_template_prompts_are_token_ids_of_the_rendered_turn(qwen2_dir):
     assert all(isinstance(i, int) for i in ids)
     assert tokenizer.decode(ids) == "<|im_start|>user\n12+35=<|im_end|>\n<|im_start|>assistant\n"
     assert tokenizer.decode(encode_prompt(tokenizer, "12+35=", chat_template=False)) == "12+35="
+
+
+def test_a_reward_model_term_scores_every_sample(tmp_path, qwen2_dir, arithmetic_dir):
+    """reward.terms with a reward_model: the run trains on its scores (a random scalar head gives every
+    sample a different, non-zero reward) and logs them like any reward."""
+    from conftest import with_score_head
+
+    rm = with_score_head(qwen2_dir, tmp_path / "rm", seed=7)
+    recipe = write_recipe(tmp_path / "rm.yaml", model_dir=qwen2_dir, data_dir=arithmetic_dir, run_dir=tmp_path / "run",
+                          extra=f"reward:\n  terms:\n    - {{kind: reward_model, path: {rm}, weight: 2.0}}\n")
+    result = megarl_train(recipe, "train.steps=2", "warmup.sft_steps=0", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    steps = read_metrics(tmp_path / "run")
+    assert len(steps) == 2 and all(m["reward/mean"] != 0 and m["grad_norm"] > 0 for m in steps)

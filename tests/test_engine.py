@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run_python
+from conftest import run_python, with_score_head
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -326,27 +326,6 @@ def test_cpu_compat_refuses_to_install_on_a_cuda_machine():
 
 
 # ---- critic: a scalar head on the same trunk ----------------------------------------------------------------
-def with_score_head(model_dir, out_dir, *, seed: int = 3):
-    """A copy of `model_dir` as a one-label sequence-classification checkpoint (a reward model's layout):
-    the trunk's weights plus a random `score.weight` [1, hidden]."""
-    import json
-    import shutil
-
-    from safetensors.torch import save_file
-
-    shutil.copytree(model_dir, out_dir)
-    tensors = load_file(str(out_dir / "model.safetensors"))
-    hidden = tensors["model.embed_tokens.weight"].shape[1]
-    tensors["score.weight"] = torch.randn(1, hidden, generator=torch.Generator().manual_seed(seed))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
-    config = json.loads((out_dir / "config.json").read_text())
-    config["architectures"] = ["Qwen2ForSequenceClassification"]
-    config["num_labels"] = 1
-    (out_dir / "config.json").write_text(json.dumps(config))
-    return out_dir
-
-
 def test_critic_values_equal_transformers_sequence_classifier(qwen2_dir, groups, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
@@ -458,3 +437,31 @@ def test_vocabulary_padding_takes_no_probability_mass(qwen2_dir, groups, tmp_pat
         _, extra = engine._token_logprobs(logits, tokens, temperature=1.0, entropy=True)
     expected = torch.nn.functional.pad(entropy_from_logits(ref_logits[:, :-1]), (1, 0))
     assert (extra["entropy"] - expected).abs().max() <= FP32_TOL
+
+
+def test_reward_model_scores_equal_transformers_sequence_classifier(qwen2_dir, groups, tmp_path):
+    """A reward_model term: the Megatron scalar-head model scores each sequence where HF's sequence
+    classifier does, on its last token (here the last response token, responses of different lengths)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from megarl.batch import RolloutBatch
+    from megarl.engine.megatron import TrainEngine
+    from megarl.loops.rl import reward_model_scores
+
+    scored = with_score_head(qwen2_dir, tmp_path / "rm", seed=5)
+    model = TrainEngine(model_dir=str(scored), dtype="float32", megatron={}, groups=groups, value_head=True)
+    tokens = fixed_tokens()
+    mask = response_mask(tokens)
+    ends = (mask * torch.arange(tokens.shape[1])).argmax(dim=1) + 1  # one past each sequence's last token
+    pad = 0
+    padded = torch.where(torch.arange(tokens.shape[1]) < ends[:, None], tokens, pad)
+    batch = RolloutBatch(tokens=padded, response_mask=mask, prompt_lens=torch.full((4,), 5),
+                         group_ids=torch.zeros(4, dtype=torch.long), rollout_logprobs=torch.zeros_like(mask),
+                         responses=[""] * 4, answers=[""] * 4, finish_reasons=["stop"] * 4, prompt_texts=[""] * 4,
+                         metadata=[{}] * 4)
+    scores = reward_model_scores(model, batch, pad_id=pad, micro_batch_size=2)
+    hf = AutoModelForSequenceClassification.from_pretrained(str(scored), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = torch.stack([hf(padded[i:i + 1, :int(ends[i])]).logits[0, 0] for i in range(4)])
+    assert scores.shape == (4,) and (scores - expected).abs().max() <= FP32_TOL
+    assert scores.std() > 0  # four different sequences, four different scores: the test can fail

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
@@ -68,7 +69,8 @@ class RLRun:
     prompts_per_rank: int
     advantages: AdvantageFn
     kl: FixedKLController | AdaptiveKLController
-    scorer: Scorer                    # the recipe's reward terms, in process or on Ray workers
+    scorer: Scorer                    # the recipe's per-sample reward terms, in process or on Ray workers
+    reward_models: list[tuple[float, TrainEngine]]  # (weight, frozen scalar-head model) of reward_model terms
     weight_version: int = 0
     new_env: Callable[[], Environment] = SingleTurn  # one trajectory's environment (env.name)
     tool_schemas: list[dict] = dataclasses.field(default_factory=list)  # the environment's tools, for the prompt
@@ -229,9 +231,26 @@ def score(run: RLRun, batch: RolloutBatch) -> tuple[RolloutBatch, int]:
         dist.broadcast_object_list(result, src=run.groups.mp_src_global_rank, group=run.groups.mp)
     rewards, failures = result[0]
     rewards = torch.tensor(rewards)
+    micro_batch_size = math.gcd(len(batch), run.cfg.train.micro_batch_size)
+    for weight, model in run.reward_models:  # every rank of the model-parallel group takes part
+        rewards = rewards + weight * reward_model_scores(model, batch, pad_id=run.tokenizer.pad_token_id,
+                                                         micro_batch_size=micro_batch_size)
     if batch.env_rewards is not None:
         rewards = rewards + batch.env_rewards
     return batch.replace(rewards=rewards), failures
+
+
+def reward_model_scores(model: TrainEngine, batch: RolloutBatch, *, pad_id: int, micro_batch_size: int) -> Tensor:
+    """[B] a reward model's scalar on each sequence: its head on the hidden state of the last response
+    token (the prompt's last when the response is empty), where HF's sequence classifiers read it.
+
+    The engine's values put head(h[t - 1]) in column t, so one padding column is appended and column
+    last + 1 is read; the padding comes after the sequence and cannot change it (causal attention).
+    """
+    values = model.values(F.pad(batch.tokens, (0, 1), value=pad_id), micro_batch_size=micro_batch_size)
+    positions = torch.arange(batch.tokens.shape[1])
+    last = torch.where(batch.response_mask.bool(), positions, batch.prompt_lens[:, None] - 1).max(dim=1).values
+    return values.gather(1, (last + 1)[:, None]).squeeze(1)
 
 
 def reward_terms(scorer: Scorer, batch: RolloutBatch) -> tuple[list[float], int]:
@@ -624,6 +643,10 @@ def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: lis
         critic = TrainEngine(model_dir=cfg.critic.path or model_dir, dtype=cfg.model.dtype,
                              megatron=cfg.model.megatron, groups=groups,
                              optim=dataclasses.replace(cfg.optim, lr=cfg.critic.lr), value_head=True)
+    # Reward models stay on the device the whole step (their scores are needed as generation ends).
+    reward_models = [(term.weight, TrainEngine(model_dir=term.path, dtype=cfg.model.dtype,
+                                               megatron=cfg.model.megatron, groups=groups, value_head=True))
+                     for term in cfg.reward.terms if term.kind == "reward_model"]
     is_rollout_rank = dist.get_rank() == groups.mp_src_global_rank
     rollout = make_rollout_engine(cfg, model_dir, dp_rank=groups.dp_rank) if is_rollout_rank else None
     sampler = PromptSampler(len(train_rows), seed=cfg.seed, shuffle=cfg.data.shuffle, dp_rank=groups.dp_rank,
@@ -633,7 +656,8 @@ def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: lis
                  sampler=sampler, actor=actor, reference=reference, critic=critic, rollout=rollout,
                  prompts_per_rank=cfg.data.prompts_per_step // groups.dp_size,
                  advantages=advantage_fn(cfg.algo, group=groups.dp),
-                 kl=kl_controller(cfg.algo), scorer=Scorer(cfg.reward), new_env=new_env,
+                 kl=kl_controller(cfg.algo), scorer=Scorer(cfg.reward), reward_models=reward_models,
+                 new_env=new_env,
                  tool_schemas=new_env().tools, observations=observation_format(cfg, tokenizer))
 
 

@@ -52,9 +52,11 @@ class SampleTimeout(BaseException):
 
 # ---- terms ------------------------------------------------------------------------------------------------
 def build_terms(cfg: RewardConfig) -> list[tuple[float, RewardFn]]:
-    """(weight, reward function) for every term of the recipe, checked now so that a missing library or a
-    custom function that does not import stops the launch with RecipeError naming the term's key."""
-    return [(term.weight, term_function(term, key=f"reward.terms[{i}]")) for i, term in enumerate(cfg.terms)]
+    """(weight, reward function) for every per-sample term of the recipe, checked now so that a missing
+    library or a custom function that does not import stops the launch with RecipeError naming the term's
+    key. Reward-model terms are not here: the trainer scores them (megarl.loops.rl)."""
+    return [(term.weight, term_function(term, key=f"reward.terms[{i}]")) for i, term in enumerate(cfg.terms)
+            if term.kind != "reward_model"]
 
 
 def term_function(term: RewardTermConfig, *, key: str) -> RewardFn:
