@@ -189,7 +189,8 @@ def check_layout_for(cfg: Config, shape: ModelShape, cluster: Cluster, *,
     """Every divisibility the launch needs, on this cluster; PlanError names both numbers."""
     par, world = cfg.parallel, cluster.world
     try:
-        check_layout(shape, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, world_size=world)
+        check_layout(shape, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, world_size=world,
+                     sequence_parallel=bool(cfg.model.megatron.get("sequence_parallel")))
     except ValueError as e:
         raise PlanError(f"{e} (world size = {cluster.nodes} nodes * {cluster.gpus_per_node} GPUs)") from None
     dp = world // (par.tp * par.pp * par.cp)

@@ -589,6 +589,13 @@ class TrainEngine:
 
         device = _device()
         batch, seq_len = tokens.shape
+        width = seq_len
+        if self.config.sequence_parallel and not micro_batch_tokens and seq_len % self.groups.tp_size:
+            # sequence parallelism splits every row evenly over TP ranks: pad the columns (masked, so no
+            # loss sees them) and cut the outputs back
+            width = -(-seq_len // self.groups.tp_size) * self.groups.tp_size
+            grow = lambda t: F.pad(t, (0, width - seq_len)) if t.dim() == 2 and t.shape[1] == seq_len else t  # noqa: E731
+            tokens, extras = grow(tokens), {k: grow(v) for k, v in extras.items()}
         window = self.shape.sliding_window
         if window is not None and seq_len > window:
             # Megatron's attention here is full causal, which is the checkpoint's sliding-window attention
@@ -602,13 +609,13 @@ class TrainEngine:
             if batch % micro_batch_size != 0:
                 raise ValueError(f"batch of {batch} sequences is not divisible by micro_batch_size "
                                  f"{micro_batch_size}")
-            positions = torch.arange(seq_len, device=device).unsqueeze(0).expand(micro_batch_size, -1)
+            positions = torch.arange(width, device=device).unsqueeze(0).expand(micro_batch_size, -1)
             micro = []
             for i in range(0, batch, micro_batch_size):
                 index = torch.arange(i, i + micro_batch_size)
                 mb = {"tokens": tokens[index].to(device), **{k: v[index].to(device) for k, v in extras.items()}}
                 micro.append((index, None, (mb["tokens"], positions, None), mb))
-            shape_len, shape_batch = seq_len, micro_batch_size
+            shape_len, shape_batch = width, micro_batch_size
         n_micro = len(micro)
         chunks: list[tuple[Tensor, Tensor]] = []
         stat_sums: dict[str, Tensor] = {}
@@ -657,9 +664,9 @@ class TrainEngine:
         )
         if not chunks:
             return None, stat_sums
-        out = torch.zeros(batch, seq_len, dtype=chunks[0][1].dtype, device=device)
+        out = torch.zeros(batch, width, dtype=chunks[0][1].dtype, device=device)
         out[torch.cat([index for index, _ in chunks])] = torch.cat([values for _, values in chunks])
-        return out, stat_sums
+        return out[:, :seq_len], stat_sums
 
     def _packed_micro_batches(self, tokens: Tensor, extras: dict[str, Tensor], lengths: Tensor | None,
                               max_tokens: int) -> list:

@@ -22,7 +22,8 @@ def init_groups(cfg: Config) -> ParallelGroups:
     par = cfg.parallel
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        check_layout(shape, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, world_size=world_size)
+        check_layout(shape, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, world_size=world_size,
+                     sequence_parallel=bool(cfg.model.megatron.get("sequence_parallel")))
     except ValueError as e:
         raise RecipeError(str(e)) from None
     check_megatron_fields(cfg.model.megatron)

@@ -117,7 +117,8 @@ def padded_vocab_size(vocab_size: int, *, tp: int, multiple: int = 128) -> int:
     return -(-vocab_size // step) * step
 
 
-def check_layout(shape: ModelShape, *, tp: int, pp: int, cp: int, world_size: int, ep: int = 1) -> None:
+def check_layout(shape: ModelShape, *, tp: int, pp: int, cp: int, world_size: int, ep: int = 1,
+                 sequence_parallel: bool = False) -> None:
     """The parallel layout must split this model and this world evenly; ValueError says which number
     does not divide which (keys as in the recipe's `parallel:` section).
 
@@ -127,6 +128,10 @@ def check_layout(shape: ModelShape, *, tp: int, pp: int, cp: int, world_size: in
     """
     if ep > 1 and not shape.is_moe:
         raise ValueError(f"parallel.ep = {ep} needs a mixture-of-experts model; {shape.arch} has no experts")
+    if shape.is_moe and tp > 1 and not sequence_parallel:
+        # Megatron refuses to train MoE layers under tensor parallelism without it
+        raise ValueError(f"parallel.tp = {tp} with a mixture-of-experts model ({shape.arch}) needs "
+                         f"model.megatron.sequence_parallel: true (with Transformer Engine on GPU)")
     checks = [
         (world_size, tp * pp * cp, f"world size {world_size}", f"parallel.tp * parallel.pp * parallel.cp = {tp * pp * cp}"),
         (shape.heads, tp, f"attention heads {shape.heads}", f"parallel.tp = {tp}"),
