@@ -106,7 +106,6 @@ class SGLangEngine:
     def update_weights(self, buckets: Iterable[list[tuple[str, Tensor]]], *, version: int) -> None:
         """Load HF-named full tensors bucket by bucket inside one SGLang weight-update session."""
         from sglang.srt.utils import MultiprocessingSerializer
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
         missing = set(self.expected_names)
         _check(self.engine.begin_weight_update(), "begin_weight_update")
@@ -118,12 +117,8 @@ class SGLangEngine:
                         raise KeyError(f"weight push of version {version}: the rollout model has no tensor "
                                        f"{unknown[0]!r}")
                     missing.difference_update(name for name, _ in bucket)
-                    # Widest dtypes first keeps every tensor's byte offset a multiple of its item size.
-                    ordered = sorted(bucket, key=lambda item: -item[1].element_size())
-                    # A fresh buffer per bucket: SGLang reads it through the handle, so it must not be
-                    # written again until SGLang has copied it.
-                    flat = FlattenedTensorBucket(named_tensors=[(n, t.detach().contiguous()) for n, t in ordered])
-                    payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+                    flat, metadata = flatten_bucket(bucket)
+                    payload = {"flattened_tensor": flat, "metadata": metadata}
                     # One payload per rollout TP rank; each scheduler rank opens only its own, so the IPC
                     # reference counts drop back to zero after every bucket.
                     per_rank = [MultiprocessingSerializer.serialize(payload) for _ in range(self.tp_size)]
@@ -132,7 +127,7 @@ class SGLangEngine:
                     # Dropping the references is safe once the call returned: torch keeps an exported
                     # CUDA block out of the allocator until every receiver has synchronized its stream and
                     # released its handle (ipc_collect below frees it then).
-                    del flat, payload, per_rank
+                    del flat, metadata, payload, per_rank
         finally:
             _check(self.engine.end_weight_update(), "end_weight_update")
             if self.on_gpu:
@@ -178,6 +173,33 @@ class SGLangEngine:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def flatten_bucket(bucket: list[tuple[str, Tensor]]) -> tuple[Tensor, list]:
+    """One bucket as a fresh byte buffer [bytes] (uint8, on the tensors' device) and SGLang's
+    `FlattenedTensorMetadata` per tensor, for `load_format="flattened_bucket"`.
+
+    Each tensor is copied straight into its slice, so the push holds one bucket of extra memory (a
+    concatenation would also hold contiguous copies of the split q/k/v and gate/up views). Widest dtypes
+    come first, which keeps every byte offset a multiple of its tensor's item size (SGLang rebuilds each
+    tensor as a dtype view of its slice). On CPU the buffer is made in shared memory, so serializing it
+    passes a handle rather than copying it there.
+    """
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
+    ordered = sorted(bucket, key=lambda item: -item[1].element_size())
+    total = sum(t.numel() * t.element_size() for _, t in ordered)
+    flat = torch.empty(total, dtype=torch.uint8, device=ordered[0][1].device)
+    if flat.device.type == "cpu":
+        flat.share_memory_()
+    metadata, offset = [], 0
+    for name, tensor in ordered:
+        nbytes = tensor.numel() * tensor.element_size()
+        flat[offset: offset + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+        metadata.append(FlattenedTensorMetadata(name=name, shape=tensor.shape, dtype=tensor.dtype,
+                                                start_idx=offset, end_idx=offset + nbytes, numel=nbytes))
+        offset += nbytes
+    return flat, metadata
 
 
 _logged_skips: set[str] = set()
