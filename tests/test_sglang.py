@@ -292,12 +292,13 @@ def gpu_result(tmp_path_factory):
 def test_gpu_cuda_ipc_push_makes_sglang_logprobs_equal_the_trainers(gpu_result):
     r = gpu_result
     assert r["push"]["buckets"] >= 2 and r["push"]["bytes"] > 0
-    # bf16 keeps 8 significant bits: logits of magnitude up to ~6 carry rounding errors of ~0.02, and the two
-    # engines round at different points (fused attention and GEMMs vs Megatron's), so token logprobs differ
-    # by a few hundredths, rarely ~0.1. The two models differ by ~1 per token, so the bounds still separate
-    # "pushed" from "not pushed" by an order of magnitude.
-    assert r["before_mean"] >= 0.3, r
-    assert r["after_mean"] <= 0.02 and r["after_max"] <= 0.15, r
+    # bf16 keeps 8 significant bits: a logit of magnitude 4-8 sits on a grid of 1/32. Measured on CPU with
+    # these models (logits of std 1.6), bf16 against fp32 of the same model: mean |dlogprob| 0.034, max 0.19
+    # over 312 tokens. SGLang and Megatron each carry such an error, rounded at different points (fused
+    # attention and GEMMs vs Megatron's), so up to about twice that. The two models differ by ~2.5 per
+    # token, so "pushed" and "not pushed" stay apart by more than an order of magnitude on the mean.
+    assert r["before_mean"] >= 1.0, r
+    assert r["after_mean"] <= 0.1 and r["after_max"] <= 0.6, r
     # Peak extra device memory of the push: one flattened bucket (a tensor larger than the bucket travels
     # alone); with TP=1 the trainer's tensors are views of its parameters. 1 MiB covers allocator rounding.
     bound = max(r["bucket_bytes"], r["largest_tensor_bytes"]) + (1 << 20)
@@ -343,7 +344,7 @@ def test_gpu_bf16_grpo_steps_with_sglang(arithmetic_dir, tmp_path):
          "train", str(REPO / "recipes" / "quickstart.yaml"), f"run_dir={run_dir}", f"model.path={model}",
          "model.dtype=bfloat16", f"data.train_path={arithmetic_dir / 'train.jsonl'}",
          f"data.eval_path={arithmetic_dir / 'heldout.jsonl'}", "warmup.sft_steps=300", "rollout.engine=sglang",
-         "train.steps=3", "checkpoint.save_final=false", "log.progress=false"],
+         "train.steps=3", "log.progress=false"],
         cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = read_metrics(run_dir)
@@ -351,7 +352,9 @@ def test_gpu_bf16_grpo_steps_with_sglang(arithmetic_dir, tmp_path):
     for m in lines:
         assert m["loss"] == m["loss"] and m["grad_norm"] == m["grad_norm"]  # finite
         assert m["handoff/bytes"] > 0
-        # bf16 on both sides (see the parity test): a mean drift of a few hundredths per token at most.
-        assert m["rollout/logprob_diff_mean"] <= 0.05, m
+        # bf16 on both sides: the same bound as the parity test's mean.
+        assert m["rollout/logprob_diff_mean"] <= 0.1, m
         assert [k[len("timing/"):-2] for k in m if k.startswith("timing/")] == STEP_PHASES
     assert os.path.isdir(run_dir / "warmup")
+    # Exported after the last step, when the parameters had been offloaded for the rollout engine.
+    assert (run_dir / "checkpoints" / "final" / "model.safetensors").is_file()
