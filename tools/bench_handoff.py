@@ -69,7 +69,7 @@ def write_checkpoint(out: Path, dtype: str) -> Path:
     from make_tiny_model import build_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    Qwen2Config(**QWEN25_05B, bos_token_id=0, eos_token_id=0, pad_token_id=0, use_sliding_window=False,
+    Qwen2Config(**QWEN25_05B, architectures=["Qwen2ForCausalLM"], bos_token_id=0, eos_token_id=0, pad_token_id=0, use_sliding_window=False,
                 torch_dtype=dtype).save_pretrained(out)
     build_tokenizer().save_pretrained(out)  # not read (token ids in, token ids out); keeps loaders happy
     tensors = dict(synthesize(getattr(torch, dtype), "cpu", seed=0))
