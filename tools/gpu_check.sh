@@ -87,4 +87,4 @@ else
   timeout 150 "$python" "${bench[@]}"
 fi
 
-stage "all GPU checks passed"
+if [ "$dry_run" = 1 ]; then stage "dry run done: nothing ran on a GPU"; else stage "all GPU checks passed"; fi
