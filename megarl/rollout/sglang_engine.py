@@ -108,7 +108,11 @@ class SGLangEngine:
         from sglang.srt.utils import MultiprocessingSerializer
 
         missing = set(self.expected_names)
-        _check(self.engine.begin_weight_update(), "begin_weight_update")
+        # SGLang 0.5.21+ applies tensor updates only inside a weight-update session; older releases have
+        # no session and apply them directly.
+        session = hasattr(self.engine, "begin_weight_update")
+        if session:
+            _check(self.engine.begin_weight_update(), "begin_weight_update")
         try:
             with _ipc_exportable(self.on_gpu):
                 for bucket in buckets:
@@ -129,7 +133,8 @@ class SGLangEngine:
                     # released its handle (ipc_collect below frees it then).
                     del flat, metadata, payload, per_rank
         finally:
-            _check(self.engine.end_weight_update(), "end_weight_update")
+            if session:
+                _check(self.engine.end_weight_update(), "end_weight_update")
             if self.on_gpu:
                 torch.cuda.ipc_collect()  # free staging buffers whose last IPC reference just dropped
         if missing:
