@@ -8,7 +8,8 @@
 #      - a 3-step bf16 GRPO run of the quickstart recipe with rollout.engine=sglang under torchrun;
 #   3. tools/bench_handoff.py --device cuda: push GB/s vs a plain copy, peak extra memory vs the bucket.
 #
-# Setup, once, on a machine with Python 3.11, an NVIDIA driver for CUDA 12.9+ and this repository:
+# Setup, once, on a machine with Python 3.11, an NVIDIA driver for CUDA 13 (R580+; SGLang 0.5.23 pins a cu13
+# torch) and this repository:
 #   python3.11 -m venv .venv-sglang && . .venv-sglang/bin/activate \
 #     && pip install -r requirements-sglang.txt && pip install --no-deps -e .
 # Run, with that environment active (or --python PATH to its interpreter):
@@ -56,7 +57,8 @@ if versions["sglang"] != "0.5.23":
 import megarl.rollout.sglang_engine  # noqa: F401  megarl itself imports
 if not dry_run:
     if not torch.cuda.is_available():
-        sys.exit("no CUDA device visible to torch: this script needs one GPU")
+        sys.exit(f"no CUDA device visible to torch (built for CUDA {torch.version.cuda}; an older driver "
+                 "hides the GPU): this script needs one GPU")
     free, total = torch.cuda.mem_get_info()
     print(f"device: {torch.cuda.get_device_name()}, {free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
     if free < 0.8 * total:

@@ -42,9 +42,10 @@ def engine_args(model_dir: str, *, on_gpu: bool, dtype: str, seed: int, tp_size:
     if on_gpu:
         # The memory saver is what makes release/resume free anything. A pauseable CUDA-graph pool
         # (SGLANG_MEMORY_SAVER_CUDA_GRAPH, set in `_launch_env`) is incompatible with SGLang's
-        # breakable prefill graphs, so prefill runs eagerly and decode keeps its full graphs.
+        # breakable prefill graphs, so prefill runs eagerly and decode keeps its full graphs. Torch sampling
+        # instead of FlashInfer's, which is compiled on first use (minutes on a fresh machine, and nvcc).
         args.update(enable_memory_saver=True, base_gpu_id=base_gpu_id, mem_fraction_static=mem_fraction,
-                    cuda_graph_backend_prefill="disabled")
+                    cuda_graph_backend_prefill="disabled", sampling_backend="pytorch")
     else:
         # CPU mode: torch attention, no CUDA graphs, a small fixed KV pool.
         args.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
