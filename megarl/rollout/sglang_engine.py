@@ -47,9 +47,10 @@ def engine_args(model_dir: str, *, on_gpu: bool, dtype: str, seed: int, tp_size:
         args.update(enable_memory_saver=True, base_gpu_id=base_gpu_id, mem_fraction_static=mem_fraction,
                     cuda_graph_backend_prefill="disabled", sampling_backend="pytorch")
     else:
-        # CPU mode: torch attention, no CUDA graphs, a small fixed KV pool.
+        # CPU mode: torch attention, no CUDA graphs. The fraction is of the host memory free at start-up
+        # and must cover the weights; max_total_tokens keeps the KV pool itself small.
         args.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
-                    disable_overlap_schedule=True, mem_fraction_static=0.05, max_total_tokens=8192)
+                    disable_overlap_schedule=True, mem_fraction_static=mem_fraction, max_total_tokens=8192)
     return args
 
 
