@@ -29,6 +29,7 @@ _EXPECTED_WARNINGS = (
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one (tools/gpu_check.sh runs them)")
     for pattern in _EXPECTED_WARNINGS:
         config.addinivalue_line("filterwarnings", f"ignore:{pattern}")
     config.addinivalue_line("markers", "learning: trains for minutes to show that a recipe raises its "

@@ -2,12 +2,17 @@
 
 A scheduler exception in SGLang kills the whole process tree, so each check runs here and writes its
 numbers to --out as JSON; the test reads and asserts them.
+
+    sglang_worker.py cpu --trainer-model A --other-model B --eos-model C --out R.json
+    sglang_worker.py gpu --trainer-model A --other-model B --out R.json      (one CUDA device)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import warnings
 
 import torch
@@ -15,17 +20,19 @@ import torch
 warnings.filterwarnings("ignore")
 
 from megarl.batch import pack_sequences  # noqa: E402
+from megarl.config import OptimConfig  # noqa: E402
 from megarl.engine.megatron import TrainEngine, init_parallel  # noqa: E402
 from megarl.handoff import push_weights  # noqa: E402
 from megarl.rollout.native import NativeEngine  # noqa: E402
 from megarl.rollout.sglang_engine import SGLangEngine  # noqa: E402
 
 PROMPTS = [[21, 22, 15, 23, 25, 33], [30, 31, 15, 33], [24, 15, 24, 33, 4]]
+EOS_ID = 0
 
 
 def hf_logprobs(model_dir: str, tokens: torch.Tensor, *, temperature: float) -> torch.Tensor:
     """Token logprobs [B, T] of a transformers model (column 0 is 0), the reference for the engines."""
-    native = NativeEngine(model_dir, seed=0)
+    native = NativeEngine(model_dir, seed=0, device="cpu")
     with torch.no_grad():
         logits = native.model(input_ids=tokens).logits.float() / temperature
     lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
@@ -36,18 +43,27 @@ def max_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     return float(((a - b) * mask).abs().max())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--trainer-model", required=True)
-    parser.add_argument("--other-model", required=True, help="same architecture, other weights")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+def mean_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    return float(((a - b) * mask).abs().sum() / mask.sum())
 
+
+def stop_summary(gen, *, max_new_tokens: int) -> dict:
+    """What the EOS test asserts about one engine's responses."""
+    return {
+        "lengths": [len(ids) for ids in gen.response_ids],
+        "reasons": gen.finish_reasons,
+        "ends_with_eos": [bool(ids) and ids[-1] == EOS_ID for ids in gen.response_ids],
+        "eos_inside": sum(EOS_ID in ids[:-1] for ids in gen.response_ids),
+        "max_new_tokens": max_new_tokens,
+    }
+
+
+def cpu_checks(args) -> dict:
     groups = init_parallel(tp=1, pp=1, seed=0)
     trainer = TrainEngine(model_dir=args.trainer_model, dtype="float32", megatron={}, groups=groups)
     engine = SGLangEngine(args.other_model, dtype="float32", seed=0)
     result = {}
-    sample = dict(temperature=0.7, top_p=1.0, max_new_tokens=8, eos_id=0, pad_id=0)
+    sample = dict(temperature=0.7, top_p=1.0, max_new_tokens=8, eos_id=EOS_ID, pad_id=0)
 
     # Before any push the engine serves the other model: its logprobs are that model's, not the trainer's.
     gen = engine.generate(PROMPTS, **sample)
@@ -75,14 +91,107 @@ def main() -> None:
     tokens, mask, lp = pack_sequences(PROMPTS, gen.response_ids, gen.logprobs, pad_id=0)
     result["second_push_vs_other_hf"] = max_diff(lp, hf_logprobs(args.other_model, tokens, temperature=0.7), mask)
 
+    # A model that emits EOS often (the test's crafted checkpoint), pushed into the same engine: SGLang and
+    # the native engine must both end responses at EOS, and only there.
+    eos_model = TrainEngine(model_dir=args.eos_model, dtype="float32", megatron={}, groups=groups)
+    push_weights(engine, eos_model.hf_tensors(), bucket_bytes=1 << 20, version=3)
+    eos_sample = dict(sample, temperature=1.0, max_new_tokens=12)
+    eos_prompts = PROMPTS * 16
+    result["eos_sglang"] = stop_summary(engine.generate(eos_prompts, **eos_sample), max_new_tokens=12)
+    native = NativeEngine(args.eos_model, seed=0, device="cpu")
+    result["eos_native"] = stop_summary(native.generate(eos_prompts, **eos_sample), max_new_tokens=12)
+
     # A push that names a tensor the model does not have must fail loudly, not be skipped.
     try:
         push_weights(engine, [("model.layers.0.no_such.weight", torch.zeros(2, 2))], bucket_bytes=1 << 20,
-                     version=3)
+                     version=4)
         result["bad_push_error"] = None
     except Exception as e:  # noqa: BLE001 - the message is what the test checks
         result["bad_push_error"] = f"{type(e).__name__}: {e}"
     engine.shutdown()
+    return result
+
+
+def gpu_checks(args) -> dict:
+    """bf16 on one GPU: CUDA IPC push parity, SGLang memory release/resume, trainer offload/onload."""
+    # A one-process NCCL group, as torchrun would make it (gloo cannot reduce CUDA tensors).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    groups = init_parallel(tp=1, pp=1, seed=0)
+    trainer = TrainEngine(model_dir=args.trainer_model, dtype="bfloat16", megatron={}, groups=groups,
+                          optim=OptimConfig(lr=1e-4))
+    result = {}
+    free_before_engine = torch.cuda.mem_get_info()[0]
+    engine = SGLangEngine(args.other_model, dtype="bfloat16", seed=0, mem_fraction=0.2, base_gpu_id=0)
+    free_serving = torch.cuda.mem_get_info()[0]
+    result["engine_bytes"] = free_before_engine - free_serving
+    sample = dict(temperature=0.7, top_p=1.0, max_new_tokens=8, eos_id=EOS_ID, pad_id=0)
+    prompts = PROMPTS * 8
+
+    def vs_trainer(gen) -> tuple[float, float]:
+        tokens, mask, lp = pack_sequences(prompts, gen.response_ids, gen.logprobs, pad_id=0)
+        ref = trainer.logprobs(tokens, temperature=0.7, micro_batch_size=len(prompts))
+        return mean_diff(lp, ref, mask), max_diff(lp, ref, mask)
+
+    result["before_mean"], result["before_max"] = vs_trainer(engine.generate(prompts, **sample))
+
+    # Release everything SGLang holds: device-wide free memory must grow by most of what it took.
+    engine.release_memory()
+    result["released_bytes"] = torch.cuda.mem_get_info()[0] - free_serving
+
+    # Resume the weights, push the trainer's bf16 tensors through CUDA IPC, then resume the cache.
+    engine.resume_weights()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    allocated = torch.cuda.memory_allocated()
+    bucket_bytes = 1 << 20
+    stats = push_weights(engine, trainer.hf_tensors(), bucket_bytes=bucket_bytes, version=1)
+    result["push"] = stats
+    result["push_peak_extra_bytes"] = torch.cuda.max_memory_allocated() - allocated
+    result["bucket_bytes"] = bucket_bytes
+    result["largest_tensor_bytes"] = max(t.numel() * t.element_size() for _, t in trainer.hf_tensors())
+    engine.resume_cache()
+    result["free_after_resume"] = torch.cuda.mem_get_info()[0]
+    result["free_serving"] = free_serving
+    gen = engine.generate(prompts, **sample)
+    result["generated_after_resume"] = sum(len(ids) for ids in gen.response_ids)
+    result["after_mean"], result["after_max"] = vs_trainer(gen)
+
+    # Trainer offload: after a step (so the optimizer has state), everything leaves and comes back intact.
+    tokens, mask, _ = pack_sequences(prompts, gen.response_ids, gen.logprobs, pad_id=0)
+
+    def loss_fn(logprobs, mb):
+        loss = -(logprobs * mb["response_mask"]).sum() / mask.sum()
+        return loss, {"loss": loss.detach()}
+
+    step = dict(temperature=1.0, micro_batch_size=len(prompts))
+    result["step1"] = trainer.train_step(tokens, {"response_mask": mask}, loss_fn, **step)
+    lp_before = trainer.logprobs(tokens, temperature=1.0, micro_batch_size=len(prompts))
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    trainer.offload_training_state()
+    trainer.offload_params()
+    result["trainer_offloaded_bytes"] = allocated - torch.cuda.memory_allocated()
+    result["trainer_params"] = sum(p.numel() for p in trainer.module.parameters())
+    trainer.onload()
+    lp_after = trainer.logprobs(tokens, temperature=1.0, micro_batch_size=len(prompts))
+    result["trainer_onload_max_diff"] = float((lp_after - lp_before).abs().max())
+    result["step2"] = trainer.train_step(tokens, {"response_mask": mask}, loss_fn, **step)
+    engine.shutdown()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["cpu", "gpu"])
+    parser.add_argument("--trainer-model", required=True)
+    parser.add_argument("--other-model", required=True, help="same architecture, other weights")
+    parser.add_argument("--eos-model", help="cpu: same architecture, emits EOS often")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    result = cpu_checks(args) if args.mode == "cpu" else gpu_checks(args)
     with open(args.out, "w") as f:
         json.dump(result, f)
 

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from megarl.checkpoint import CheckpointError
 from megarl.config import RecipeError
+from megarl.engine.offload import TrainerMemory
 from megarl.models import layout
 from megarl.models.arch import ModelShape, padded_vocab_size, read_shape
 from megarl.models.names import NameTable, name_rules
@@ -316,6 +317,7 @@ class TrainEngine:
             self.model, self.optimizer = self.module, None
         else:
             self.model, self.optimizer = self._wrap_for_training(optim)
+        self.memory = TrainerMemory(self.module, self.model if optim is not None else None, self.optimizer)
         self.step = 0
 
     # ---- weights ----------------------------------------------------------------------------------
@@ -451,43 +453,19 @@ class TrainEngine:
         return ddp, optimizer
 
     # ---- device memory choreography (co-located rollout) ------------------------------------------------
-    # On GPU the trainer gives its device memory to the rollout engine between updates: gradients and
-    # optimizer state leave right after the step, parameters after the weight push (the push gathers
-    # them across TP on the device). On CPU there is nothing to give back and these are logged no-ops.
+    # On GPU the trainer gives its device memory to the rollout engine between updates (megarl.engine.offload);
+    # on CPU there is nothing to give back and these are no-ops, logged once.
     def offload_training_state(self) -> None:
         """Free gradient buffers and move optimizer state to the host (GPU only)."""
-        if not torch.cuda.is_available():
-            log.debug("trainer: offload_training_state skipped on CPU")
-            return
-        if self.optimizer is not None:
-            self.model.offload_grad_buffers()
-            self.optimizer.offload_to_cpu()
-        torch.cuda.empty_cache()
+        self.memory.offload_training_state()
 
     def offload_params(self) -> None:
         """Move parameters to pinned host memory (GPU only); `onload` brings everything back."""
-        if not torch.cuda.is_available():
-            log.debug("trainer: offload_params skipped on CPU")
-            return
-        if self.optimizer is not None:
-            for buffer in self.model.buffers + self.model.expert_parallel_buffers:
-                buffer.offload_to_cpu(move_params=True, move_grads=False)
-        else:
-            self.module.cpu()
-        torch.cuda.empty_cache()
+        self.memory.offload_params()
 
     def onload(self) -> None:
         """Bring parameters, gradient buffers and optimizer state back to the device (GPU only)."""
-        if not torch.cuda.is_available():
-            log.debug("trainer: onload skipped on CPU")
-            return
-        if self.optimizer is not None:
-            for buffer in self.model.buffers + self.model.expert_parallel_buffers:
-                buffer.reload_from_cpu(move_params=True, move_grads=False)
-            self.model.restore_grad_buffers()
-            self.optimizer.restore_from_cpu()
-        else:
-            self.module.cuda(torch.cuda.current_device())
+        self.memory.onload()
 
     # ---- distributed checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self, path: str | Path) -> None:

@@ -602,6 +602,7 @@ def export_policy(engine: TrainEngine, groups: ParallelGroups, *, source_dir: st
                   meta: dict) -> None:
     """Write the model as an HF checkpoint from global rank 0; its model-parallel peers join the gathers
     (with expert parallelism that is every rank: the expert-parallel peers sit in other data-parallel ranks)."""
+    engine.onload()  # on GPU the parameters wait on the host from the weight push to the next step
     if groups.dp_rank == 0 or groups.ep_size > 1:
         tensors = engine.pipeline_hf_tensors()
         if dist.get_rank() == 0:

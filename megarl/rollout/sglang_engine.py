@@ -1,20 +1,23 @@
 """The SGLang rollout engine: SGLang's offline `Engine`, co-located with the trainer.
 
 One engine per rollout group, started by the group's first rank. On GPU it shares the devices with
-Megatron: its weights and KV cache are released while the trainer works and resumed for the weight push
-and the next generation. On a machine without CUDA, SGLang runs in its CPU mode (no memory release there:
-those calls are GPU-only and are skipped and logged), so the same code path is tested everywhere.
+Megatron: its weights, KV cache and CUDA-graph pool are released while the trainer works, the weights
+are resumed for the weight push and the rest once the push is done. On a machine without CUDA, SGLang
+runs in its CPU mode (no memory release there: those calls are GPU-only and are skipped and logged),
+so the same code path is tested everywhere.
 
 Weights arrive as full HF-named tensors in byte-bounded buckets (megarl.handoff). Each bucket is
-flattened into one fresh byte buffer (never reused: SGLang reads it asynchronously through CUDA IPC on GPU
-or shared memory on CPU) and sent once per rollout TP rank inside SGLang's weight-update session.
+flattened into one fresh byte buffer and serialized once per rollout TP rank: on GPU the payload is a
+CUDA IPC handle to that buffer, on CPU a shared-memory tensor. The buffer is never reused: the call
+returns once SGLang has copied it, and only then is the reference dropped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -24,6 +27,31 @@ from megarl.models.safetensors_dir import SafetensorsDir
 from megarl.rollout.native import Generation
 
 log = logging.getLogger(__name__)
+
+# SGLang's memory tags (sglang.srt.constants). The weights come back first, for the push that fills
+# them; the KV cache and the CUDA-graph pool after it, so the push has the most room.
+WEIGHT_TAGS = ("weights",)
+CACHE_TAGS = ("kv_cache", "cuda_graph")
+
+
+def engine_args(model_dir: str, *, on_gpu: bool, dtype: str, seed: int, tp_size: int, mem_fraction: float,
+                base_gpu_id: int) -> dict:
+    """Keyword arguments of `sglang.Engine` (each one a ServerArgs field; tests check the names)."""
+    args = dict(model_path=model_dir, tp_size=tp_size, dtype=dtype, random_seed=seed,
+                skip_tokenizer_init=True, log_level="error")
+    if on_gpu:
+        # The memory saver is what makes release/resume free anything. A pauseable CUDA-graph pool
+        # (SGLANG_MEMORY_SAVER_CUDA_GRAPH, set in `_launch_env`) is incompatible with SGLang's
+        # breakable prefill graphs, so prefill runs eagerly and decode keeps its full graphs. Torch sampling
+        # instead of FlashInfer's, which is compiled on first use (minutes on a fresh machine, and nvcc).
+        args.update(enable_memory_saver=True, base_gpu_id=base_gpu_id, mem_fraction_static=mem_fraction,
+                    cuda_graph_backend_prefill="disabled", sampling_backend="pytorch")
+    else:
+        # CPU mode: torch attention, no CUDA graphs. The fraction is of the host memory free at start-up
+        # and must cover the weights; max_total_tokens keeps the KV pool itself small.
+        args.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
+                    disable_overlap_schedule=True, mem_fraction_static=mem_fraction, max_total_tokens=8192)
+    return args
 
 
 class SGLangEngine:
@@ -36,30 +64,34 @@ class SGLangEngine:
             # SGLang's CPU mode, for this process and the scheduler processes it spawns.
             os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
             cpu_compat.load_cuda_driver_stand_in()
-        import sglang
+        from sglang.srt.entrypoints.engine import Engine
 
-        args = dict(model_path=model_dir, tp_size=tp_size, dtype=dtype, random_seed=seed,
-                    skip_tokenizer_init=True, log_level="error")
-        if self.on_gpu:
-            args.update(enable_memory_saver=True, base_gpu_id=base_gpu_id, mem_fraction_static=mem_fraction)
-        else:
-            # CPU mode: torch attention, no CUDA graphs, a small fixed KV pool.
-            args.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
-                        disable_overlap_schedule=True, mem_fraction_static=0.05,
-                        max_total_tokens=8192)
         self.tp_size = tp_size
         # SGLang skips tensor names its model does not know; a push is checked against the names of the
         # checkpoint the engine was started from instead, so a wrong name table fails loudly.
         self.expected_names = frozenset(SafetensorsDir(model_dir).names())
-        self.engine = sglang.Engine(**args)
+        args = engine_args(model_dir, on_gpu=self.on_gpu, dtype=dtype, seed=seed, tp_size=tp_size,
+                           mem_fraction=mem_fraction, base_gpu_id=base_gpu_id)
+        with _launch_env(self.on_gpu):
+            self.engine = Engine(**args)
+        if self.on_gpu:
+            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+            # CUDA IPC handles then name the GPU by UUID rather than by ordinal, which differs between
+            # this process and the scheduler's when CUDA_VISIBLE_DEVICES orders differ.
+            monkey_patch_torch_reductions()
         self.weight_version = 0
-        self._released = False
+        self._released: set[str] = set()
 
     def generate(self, prompts: list[list[int]], *, temperature: float, top_p: float, max_new_tokens: int,
                  eos_id: int, pad_id: int) -> Generation:
-        """One response per prompt; logprobs are SGLang's log_softmax(logits / temperature), before top-p."""
+        """One response per prompt; logprobs are SGLang's log_softmax(logits / temperature), before top-p.
+
+        A response stops at `eos_id` (kept as its last token) or at `max_new_tokens`. SGLang also stops
+        at the EOS ids of the checkpoint's config.json and generation_config.json, whatever is passed here.
+        """
         params = {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
-                  "stop_token_ids": [eos_id]}
+                  "stop_token_ids": [eos_id], "ignore_eos": False}
         outs = self.engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
         response_ids, logprobs, reasons = [], [], []
         for out in outs:
@@ -85,27 +117,37 @@ class SGLangEngine:
     def update_weights(self, buckets: Iterable[list[tuple[str, Tensor]]], *, version: int) -> None:
         """Load HF-named full tensors bucket by bucket inside one SGLang weight-update session."""
         from sglang.srt.utils import MultiprocessingSerializer
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
         missing = set(self.expected_names)
-        _check(self.engine.begin_weight_update(), "begin_weight_update")
+        # SGLang 0.5.21+ applies tensor updates only inside a weight-update session; older releases have
+        # no session and apply them directly.
+        session = hasattr(self.engine, "begin_weight_update")
+        if session:
+            _check(self.engine.begin_weight_update(), "begin_weight_update")
         try:
-            for bucket in buckets:
-                unknown = [name for name, _ in bucket if name not in self.expected_names]
-                if unknown:
-                    raise KeyError(f"weight push of version {version}: the rollout model has no tensor {unknown[0]!r}")
-                missing.difference_update(name for name, _ in bucket)
-                # Widest dtypes first keeps every tensor's byte offset a multiple of its item size.
-                ordered = sorted(bucket, key=lambda item: -item[1].element_size())
-                flat = FlattenedTensorBucket(named_tensors=[(n, t.detach().contiguous()) for n, t in ordered])
-                payload = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
-                per_rank = [MultiprocessingSerializer.serialize(payload, output_str=True)
-                            for _ in range(self.tp_size)]
-                _check(self.engine.update_weights_from_tensor(per_rank, load_format="flattened_bucket",
-                                                              flush_cache=False), "update_weights_from_tensor")
-                del flat, payload, per_rank  # SGLang has copied the bucket once the call returned
+            with _ipc_exportable(self.on_gpu):
+                for bucket in buckets:
+                    unknown = [name for name, _ in bucket if name not in self.expected_names]
+                    if unknown:
+                        raise KeyError(f"weight push of version {version}: the rollout model has no tensor "
+                                       f"{unknown[0]!r}")
+                    missing.difference_update(name for name, _ in bucket)
+                    flat, metadata = flatten_bucket(bucket)
+                    payload = {"flattened_tensor": flat, "metadata": metadata}
+                    # One payload per rollout TP rank; each scheduler rank opens only its own, so the IPC
+                    # reference counts drop back to zero after every bucket.
+                    per_rank = [MultiprocessingSerializer.serialize(payload) for _ in range(self.tp_size)]
+                    _check(self.engine.update_weights_from_tensor(per_rank, load_format="flattened_bucket",
+                                                                  flush_cache=False), "update_weights_from_tensor")
+                    # Dropping the references is safe once the call returned: torch keeps an exported
+                    # CUDA block out of the allocator until every receiver has synchronized its stream and
+                    # released its handle (ipc_collect below frees it then).
+                    del flat, metadata, payload, per_rank
         finally:
-            _check(self.engine.end_weight_update(), "end_weight_update")
+            if session:
+                _check(self.engine.end_weight_update(), "end_weight_update")
+            if self.on_gpu:
+                torch.cuda.ipc_collect()  # free staging buffers whose last IPC reference just dropped
         if missing:
             raise ValueError(f"weight push of version {version} missed tensors: {sorted(missing)[:5]}")
         self.weight_version = version
@@ -116,26 +158,116 @@ class SGLangEngine:
             raise RuntimeError(f"SGLang refused to flush its cache: {result}")
 
     def release_memory(self) -> None:
-        """Free SGLang's weights and KV cache for the trainer (GPU only)."""
+        """Free SGLang's weights, KV cache and CUDA-graph pool for the trainer (GPU only). SGLang must be
+        idle: generate() has returned."""
         if not self.on_gpu:
-            log.debug("sglang: release_memory skipped on CPU (GPU-only operation)")
+            _skipped_on_cpu("sglang: release_memory")
             return
-        self.engine.release_memory_occupation(tags=["kv_cache", "weights"])
-        self._released = True
+        tags = [t for t in WEIGHT_TAGS + CACHE_TAGS if t not in self._released]
+        if tags:
+            self.engine.release_memory_occupation(tags=tags)
+            self._released.update(tags)
 
     def resume_weights(self) -> None:
-        """Re-allocate the weight memory, ahead of the push that fills it (GPU only)."""
-        if self.on_gpu and self._released:
-            self.engine.resume_memory_occupation(tags=["weights"])
+        """Re-allocate the weight memory, ahead of the push that fills it (GPU only). Released weights
+        come back as garbage: a full push must follow before the next generate."""
+        self._resume(WEIGHT_TAGS, "resume_weights")
 
     def resume_cache(self) -> None:
-        """Re-allocate the KV cache once the push is done (GPU only)."""
-        if self.on_gpu and self._released:
-            self.engine.resume_memory_occupation(tags=["kv_cache"])
-            self._released = False
+        """Re-allocate the KV cache and CUDA-graph pool once the push is done (GPU only)."""
+        self._resume(CACHE_TAGS, "resume_cache")
+
+    def _resume(self, tags: tuple[str, ...], what: str) -> None:
+        if not self.on_gpu:
+            _skipped_on_cpu(f"sglang: {what}")
+            return
+        # SGLang raises on resuming a tag that is not released: resume only what release_memory took.
+        tags = [t for t in tags if t in self._released]
+        if tags:
+            self.engine.resume_memory_occupation(tags=tags)
+            self._released.difference_update(tags)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def flatten_bucket(bucket: list[tuple[str, Tensor]]) -> tuple[Tensor, list]:
+    """One bucket as a fresh byte buffer [bytes] (uint8, on the tensors' device) and SGLang's
+    `FlattenedTensorMetadata` per tensor, for `load_format="flattened_bucket"`.
+
+    Each tensor is copied straight into its slice, so the push holds one bucket of extra memory (a
+    concatenation would also hold contiguous copies of the split q/k/v and gate/up views). Widest dtypes
+    come first, which keeps every byte offset a multiple of its tensor's item size (SGLang rebuilds each
+    tensor as a dtype view of its slice). On CPU the buffer is made in shared memory, so serializing it
+    passes a handle rather than copying it there.
+    """
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
+    ordered = sorted(bucket, key=lambda item: -item[1].element_size())
+    total = sum(t.numel() * t.element_size() for _, t in ordered)
+    flat = torch.empty(total, dtype=torch.uint8, device=ordered[0][1].device)
+    if flat.device.type == "cpu":
+        flat.share_memory_()
+    metadata, offset = [], 0
+    for name, tensor in ordered:
+        nbytes = tensor.numel() * tensor.element_size()
+        flat[offset: offset + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+        metadata.append(FlattenedTensorMetadata(name=name, shape=tensor.shape, dtype=tensor.dtype,
+                                                start_idx=offset, end_idx=offset + nbytes, numel=nbytes))
+        offset += nbytes
+    return flat, metadata
+
+
+_logged_skips: set[str] = set()
+
+
+def _skipped_on_cpu(what: str) -> None:
+    """Log a GPU-only step that CPU runs skip, once per process (the step timings show it every step)."""
+    if what not in _logged_skips:
+        _logged_skips.add(what)
+        log.debug("%s skipped on CPU (GPU-only operation); logged once", what)
+
+
+@contextlib.contextmanager
+def _launch_env(on_gpu: bool) -> Iterator[None]:
+    """Environment for starting SGLang next to a trainer, restored afterwards.
+
+    SGLang's scheduler processes inherit this process's environment at start. torch_memory_saver refuses
+    expandable segments, so PYTORCH_CUDA_ALLOC_CONF is left out for them; the CUDA-graph pool is made
+    pauseable. SGLang also overwrites CUDA_DEVICE_MAX_CONNECTIONS (Megatron needs its own value for
+    overlapped TP communication) and resets the root logger to its log level (silencing the trainer's).
+    """
+    saved = {k: os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "CUDA_DEVICE_MAX_CONNECTIONS",
+                                            "SGLANG_MEMORY_SAVER_CUDA_GRAPH")}
+    root = logging.getLogger()
+    root_level, root_handlers = root.level, list(root.handlers)
+    if on_gpu:
+        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        os.environ["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "1"
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        root.setLevel(root_level)
+        root.handlers[:] = root_handlers
+
+
+@contextlib.contextmanager
+def _ipc_exportable(on_gpu: bool) -> Iterator[None]:
+    """Stage buckets in plain caching-allocator blocks: memory from expandable segments cannot be exported
+    through legacy CUDA IPC (pidfd_getfd fails in the receiver)."""
+    expandable = on_gpu and "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower()
+    if expandable:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    try:
+        yield
+    finally:
+        if expandable:
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
 def _check(result, what: str) -> None:
