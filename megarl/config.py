@@ -105,7 +105,7 @@ class RolloutConfig:
     max_new_tokens: int = 64  # generation length limit per sample
     bucket_bytes: int = 64 * 2**20  # weight handoff bucket size
     tp: int = 1  # tensor-parallel size of each SGLang engine (independent of parallel.tp)
-    mem_fraction: float = 0.5  # SGLang's static memory fraction (weights + KV cache) on GPU
+    mem_fraction: float = 0.5  # SGLang's static memory fraction (weights + KV cache): of the GPU, on CPU of free RAM
 
     def check(self) -> None:
         _at_least(self, 1, "n_samples", "max_new_tokens", "tp")

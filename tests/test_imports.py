@@ -17,6 +17,10 @@ LIGHT_MODULES = (
     "megarl.models.names", "megarl.models.layout", "megarl.rollout.native", "megarl.engine.cpu_compat",
     "megarl.engine.megatron", "megarl.loops.rl",
     "megarl.data.supervised", "megarl.loops.supervised", "megarl.loops.sft", "megarl.loops.dpo",
+    "megarl.loops.launch", "megarl.loops.resume", "megarl.rollout.sglang_engine", "megarl.engine.offload",
+    "megarl.packing", "megarl.plan", "megarl.data.multiplication", "megarl.envs.documents",
+    "megarl.envs.environment", "megarl.envs.tool_format", "megarl.envs.tools", "megarl.models.safetensors_dir",
+    "megarl.rollout.multi_turn",
 )
 
 
