@@ -116,7 +116,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
     with timer("eval"):
         eval_metrics = evaluate(run) if run.eval_rows and step % cfg.data.eval_every == 0 else {}
     metrics = batch_metrics(run, batch)
-    kl_metrics = update_kl_coef(run, batch, metrics)
+    kl_metrics = update_kl_coef(run, batch)
     seconds = sum(timer.seconds.values())
     return {
         **metrics, **sampling, **kl_metrics, **train_metrics, **eval_metrics, **timer.metrics(),
@@ -420,7 +420,7 @@ def batch_metrics(run: RLRun, batch: RolloutBatch) -> dict[str, float]:
     }
 
 
-def update_kl_coef(run: RLRun, batch: RolloutBatch, metrics: dict[str, float]) -> dict[str, float]:
+def update_kl_coef(run: RLRun, batch: RolloutBatch) -> dict[str, float]:
     """Step the KL controller with this batch's KL per sequence (summed over tokens, mean over the global
     batch, Ziegler et al. 2019) when the KL is part of the reward."""
     if run.reference is None or not run.cfg.algo.kl_in_reward:
