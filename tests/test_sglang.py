@@ -358,3 +358,34 @@ def test_gpu_bf16_grpo_steps_with_sglang(arithmetic_dir, tmp_path):
     assert os.path.isdir(run_dir / "warmup")
     # Exported after the last step, when the parameters had been offloaded for the rollout engine.
     assert (run_dir / "checkpoints" / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.timeout(SGLANG_TIMEOUT_S)
+def test_multi_turn_rollouts_with_sglang(arithmetic_dir, tmp_path):
+    """The multi-turn scheduler on SGLang: an environment that answers every turn (tests/envs_for_tests.py)
+    gives a turn that ends with the stop token an observation and another turn, up to env.max_turns; the
+    trainer scores SGLang's generated tokens between the observation tokens with SGLang's own logprobs (fp32
+    parity, as in single-turn rollouts). The random tiny model stops within 64 tokens about 40% of the time,
+    so of 16 trajectories a step some take more than one turn (all 16 ending at once: p ~ 4e-4)."""
+    model = tmp_path / "model"
+    made = run_python([str(REPO / "tools" / "make_tiny_model.py"), "--out", str(model), "--tool-chat"])
+    assert made.returncode == 0, made.stderr
+    run_dir = tmp_path / "run"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"""
+run_dir: {run_dir}
+model: {{path: {model}}}
+data: {{train_path: {arithmetic_dir / 'train.jsonl'}, chat_template: true, prompts_per_step: 4}}
+env: {{name: "envs_for_tests:CountingEnv", max_turns: 3}}
+rollout: {{engine: sglang, n_samples: 4, max_new_tokens: 64}}
+optim: {{lr: 1.0e-4}}
+train: {{steps: 2, micro_batch_size: 16}}
+checkpoint: {{save_final: false}}
+log: {{progress: false}}
+""")
+    # run from tests/, so that `envs_for_tests` imports as a recipe's own module would
+    proc = run_python(["-m", "megarl", "train", str(recipe)], cwd=REPO / "tests", timeout_s=SGLANG_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for m in read_metrics(run_dir):
+        assert 1 < m["env/turns_mean"] <= 3, m
+        assert m["rollout/logprob_diff_max"] <= 1e-4
