@@ -47,7 +47,7 @@ def make_run(model_dir, groups, engine, *, env: EnvConfig, max_new_tokens: int, 
     new_env = environment_factory(env)
     return RLRun(cfg=cfg, groups=groups, tokenizer=tokenizer, train_rows=[], eval_rows=[], sampler=None,
                  actor=None, reference=None, critic=None, rollout=engine, prompts_per_rank=0, advantages=None,
-                 kl=None, scorer=None, new_env=new_env, tool_schemas=new_env().tools,
+                 kl=None, scorer=None, reward_models=[], new_env=new_env, tool_schemas=new_env().tools,
                  observations=observation_format(cfg, tokenizer))
 
 
