@@ -18,13 +18,17 @@ LIMITS = SandboxConfig(cpu_s=1, wall_s=6.0, memory_mb=256, output_bytes=4096)
 TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"
 
 
-def leftover_processes() -> list[psutil.Process]:
-    """Our descendants, and any process anywhere still running from a sandbox directory."""
-    found = psutil.Process().children(recursive=True)
-    for proc in psutil.process_iter(["cmdline"]):
-        if any("megarl-sandbox-" in part for part in proc.info["cmdline"] or ()):
-            found.append(proc)
-    return found
+def sandbox_processes() -> set[int]:
+    """Every process on the machine running from a sandbox directory (a sandbox escapes our process tree
+    when it daemonizes), by pid."""
+    return {proc.pid for proc in psutil.process_iter(["cmdline"])
+            if any("megarl-sandbox-" in part for part in proc.info["cmdline"] or ())}
+
+
+def leftover_processes(before: set[int]) -> list[int]:
+    """Our descendants, and sandbox processes that were not running before the test (another job on a
+    shared machine may run sandboxes of its own)."""
+    return sorted({p.pid for p in psutil.Process().children(recursive=True)} | (sandbox_processes() - before))
 
 
 def sandbox_dirs() -> set[Path]:
@@ -33,10 +37,10 @@ def sandbox_dirs() -> set[Path]:
 
 @pytest.fixture(autouse=True)
 def nothing_left_running():
-    before = sandbox_dirs()  # a killed earlier process may have left some; only new ones count
+    dirs, processes = sandbox_dirs(), sandbox_processes()  # earlier, killed jobs may have left some
     yield
-    assert leftover_processes() == []
-    assert sandbox_dirs() - before == set()
+    assert leftover_processes(processes) == []
+    assert sandbox_dirs() - dirs == set()
 
 
 def test_correct_code_passes_and_wrong_code_fails():
