@@ -18,17 +18,12 @@ LIMITS = SandboxConfig(cpu_s=1, wall_s=6.0, memory_mb=256, output_bytes=4096)
 TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"
 
 
-def sandbox_processes() -> set[int]:
-    """Every process on the machine running from a sandbox directory (a sandbox escapes our process tree
-    when it daemonizes), by pid."""
-    return {proc.pid for proc in psutil.process_iter(["cmdline"])
-            if any("megarl-sandbox-" in part for part in proc.info["cmdline"] or ())}
-
-
-def leftover_processes(before: set[int]) -> list[int]:
-    """Our descendants, and sandbox processes that were not running before the test (another job on a
-    shared machine may run sandboxes of its own)."""
-    return sorted({p.pid for p in psutil.Process().children(recursive=True)} | (sandbox_processes() - before))
+def running_processes() -> set[int]:
+    """Our descendants, and every process on the machine running from a sandbox directory (a sandbox
+    escapes our process tree when it daemonizes), by pid."""
+    ours = {p.pid for p in psutil.Process().children(recursive=True)}
+    return ours | {proc.pid for proc in psutil.process_iter(["cmdline"])
+                   if any("megarl-sandbox-" in part for part in proc.info["cmdline"] or ())}
 
 
 def sandbox_dirs() -> set[Path]:
@@ -37,9 +32,11 @@ def sandbox_dirs() -> set[Path]:
 
 @pytest.fixture(autouse=True)
 def nothing_left_running():
-    dirs, processes = sandbox_dirs(), sandbox_processes()  # earlier, killed jobs may have left some
+    # only what appears during the test counts: the interpreter may keep helpers of its own (multiprocessing's
+    # resource tracker), and another job on the machine may run sandboxes
+    dirs, processes = sandbox_dirs(), running_processes()
     yield
-    assert leftover_processes(processes) == []
+    assert sorted(running_processes() - processes) == []
     assert sandbox_dirs() - dirs == set()
 
 
