@@ -204,8 +204,8 @@ def test_a_push_with_an_unknown_tensor_name_fails_loudly(push_result):
 
 # ---- CPU: the RL loop ----------------------------------------------------------------------------------
 # The phases of rl_step in the order the hardware sees them; on CPU the memory phases are skipped but timed.
-STEP_PHASES = ["generate", "reward", "release_rollout", "wake_trainer", "logprobs", "advantages", "train",
-               "sleep_trainer", "push", "wake_rollout", "eval"]
+STEP_PHASES = ["generate", "reward", "release_rollout", "wake_trainer", "logprobs", "advantages", "balance",
+               "train", "sleep_trainer", "push", "wake_rollout", "eval"]
 
 
 @pytest.mark.timeout(SGLANG_TIMEOUT_S)
