@@ -514,7 +514,8 @@ class TrainEngine:
                 problems.append(f"{sharded.key}: shape {tuple(saved[sharded.key].global_shape)} in the "
                                 f"checkpoint, {tuple(sharded.global_shape)} in this model")
         if problems:
-            shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+            more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+            shown = "\n  ".join(problems[:20]) + more
             raise CheckpointError(f"{path}: {len(problems)} tensor(s) do not match this model "
                                   f"(another architecture or size?):\n  {shown}")
 
@@ -572,7 +573,9 @@ class TrainEngine:
             # sequence parallelism splits every row evenly over TP ranks: pad the columns (masked, so no
             # loss sees them) and cut the outputs back
             width = -(-seq_len // self.groups.tp_size) * self.groups.tp_size
-            grow = lambda t: F.pad(t, (0, width - seq_len)) if t.dim() == 2 and t.shape[1] == seq_len else t  # noqa: E731
+            def grow(t: Tensor) -> Tensor:
+                return F.pad(t, (0, width - seq_len)) if t.dim() == 2 and t.shape[1] == seq_len else t
+
             tokens, extras = grow(tokens), {k: grow(v) for k, v in extras.items()}
         window = self.shape.sliding_window
         if window is not None and seq_len > window:
