@@ -61,6 +61,16 @@ def masked_mean(values: Tensor, mask: Tensor, *, dim: int | None = None, group=N
     return total / count.clamp(min=1).to(total.dtype)
 
 
+def group_sums(values: list[float], *, group) -> list[float]:
+    """Element-wise sums of `values` over the ranks of `group`, in one all-reduce (float64, so token counts
+    stay exact past 2**24); `values` itself when the group has one rank."""
+    if group is None or dist.get_world_size(group) == 1:
+        return values
+    totals = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(totals, group=group)
+    return totals.tolist()
+
+
 def global_loss_norm(mask: Tensor, *, group=None) -> LossNorm:
     """Counts of the global batch from this rank's full mini-batch mask.
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from megarl.algo.aggregate import masked_sum
+from megarl.algo.aggregate import group_sums, masked_sum
 from megarl.algo.losses import dpo_loss
 from megarl.config import Config, DPOConfig
 from megarl.data.prompts import PromptSampler
@@ -30,7 +30,7 @@ from megarl.data.supervised import Example, encode_pair, load_preference_pairs, 
 from megarl.engine.megatron import ParallelGroups, TrainEngine
 from megarl.loops.rl import learning_rate
 from megarl.loops.launch import init_groups
-from megarl.loops.sft import dp_sums, rows_per_rank, run_offline, total_steps
+from megarl.loops.sft import rows_per_rank, run_offline, total_steps
 
 Pair = tuple[Example, Example]  # (chosen, rejected), tokenized
 
@@ -97,7 +97,7 @@ def preference_loss(logprobs: Tensor, mb: dict[str, Tensor], *, dpo: DPOConfig, 
 def evaluate(run: DPORun) -> dict[str, float]:
     """Loss, reward accuracy and margin on the held-out pairs (forward only), means over all ranks' pairs."""
     pairs_per_chunk = run.cfg.train.micro_batch_size // 2
-    n_pairs = dp_sums([float(len(run.eval_pairs))], run.groups.dp)[0]
+    n_pairs = group_sums([float(len(run.eval_pairs))], group=run.groups.dp)[0]
     keys = ("loss", "reward_accuracy", "rewards/margin")
     totals = [0.0] * len(keys)
     for i in range(0, len(run.eval_pairs), pairs_per_chunk):
@@ -108,7 +108,7 @@ def evaluate(run: DPORun) -> dict[str, float]:
         logprobs = run.actor.logprobs(tokens, temperature=1.0, micro_batch_size=seqs)
         _, stats = preference_loss(logprobs, batch, dpo=run.cfg.dpo, pairs=n_pairs)
         totals = [t + float(stats[k]) for t, k in zip(totals, keys)]
-    return {f"eval/{k}": v for k, v in zip(keys, dp_sums(totals, run.groups.dp))}
+    return {f"eval/{k}": v for k, v in zip(keys, group_sums(totals, group=run.groups.dp))}
 
 
 # ---- the run -----------------------------------------------------------------------------------------------
@@ -136,7 +136,7 @@ def build_run(cfg: Config, groups: ParallelGroups) -> DPORun:
 def train(cfg: Config) -> Path:
     """Run a DPO recipe; returns the directory of the final checkpoint."""
     run = build_run(cfg, init_groups(cfg))
-    has_eval = dp_sums([float(len(run.eval_pairs))], run.groups.dp)[0] > 0
+    has_eval = group_sums([float(len(run.eval_pairs))], group=run.groups.dp)[0] > 0
     return run_offline(cfg, groups=run.groups, actor=run.actor, sampler=run.sampler,
                        steps=total_steps(cfg, len(run.train_pairs)), step=lambda: dpo_step(run),
                        evaluate=(lambda: evaluate(run)) if has_eval else None, desc="dpo")

@@ -26,7 +26,7 @@ from megarl.algo.advantages import (AdaptiveKLController, FixedKLController, bro
                                      dynamic_sampling_keep, gae, grpo_advantages, kl_penalized_token_rewards,
                                      reinforce_pp_advantages,
                                      reinforce_pp_baseline_advantages, rloo_advantages, whiten)
-from megarl.algo.aggregate import LossNorm, aggregate, global_loss_norm, masked_mean, masked_sum
+from megarl.algo.aggregate import LossNorm, aggregate, global_loss_norm, group_sums, masked_mean, masked_sum
 from megarl.algo.kl import kl_estimate
 from megarl.algo.losses import gspo_loss, ppo_clip_loss, value_loss
 from megarl.batch import RolloutBatch, pack_sequences
@@ -466,12 +466,8 @@ def global_sum(run: RLRun, value: float) -> float:
 
 
 def global_sums(run: RLRun, values: list[float]) -> list[float]:
-    """Sums over the data-parallel ranks, in one all-reduce (float64: token counts stay exact)."""
-    if run.groups.dp_size == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, group=run.groups.dp)
-    return t.tolist()
+    """Sums over the data-parallel ranks of the run, in one all-reduce."""
+    return group_sums(values, group=run.groups.dp)
 
 
 def learning_rate(optim, step: int) -> float:

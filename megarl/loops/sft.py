@@ -16,10 +16,9 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from megarl.algo.aggregate import masked_sum
+from megarl.algo.aggregate import group_sums, masked_sum
 from megarl.config import Config, RecipeError, dump_config
 from megarl.data.prompts import PromptSampler
 from megarl.data.supervised import Example, encode_sft_row, load_sft_rows, pad_examples
@@ -51,14 +50,6 @@ def total_steps(cfg: Config, n_rows: int) -> int:
     return cfg.train.steps
 
 
-def dp_sums(values: list[float], group) -> list[float]:
-    """Element-wise sums over the data-parallel ranks (float64, so token counts stay exact)."""
-    t = torch.tensor(values, dtype=torch.float64)
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(t, group=group)
-    return t.tolist()
-
-
 def check_finite(metrics: dict[str, float], step: int) -> None:
     if not math.isfinite(metrics["loss"]) or not math.isfinite(metrics["grad_norm"]):
         raise FloatingPointError(f"step {step}: loss {metrics['loss']}, grad norm {metrics['grad_norm']} "
@@ -77,7 +68,7 @@ def heldout_loss(engine: TrainEngine, examples: list[Example], *, pad_id: int, g
         logprobs = engine.logprobs(ids, temperature=1.0, micro_batch_size=len(chunk))
         nll += float(masked_sum(-logprobs, mask))
         tokens += float(mask.sum())
-    nll, tokens = dp_sums([nll, tokens], groups.dp)
+    nll, tokens = group_sums([nll, tokens], group=groups.dp)
     return nll / max(tokens, 1.0)
 
 
