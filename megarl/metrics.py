@@ -9,7 +9,19 @@ import contextlib
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+
+def check_finite(metrics: dict[str, float], *, step: int, what: str, keep: Callable[[], str] | None = None) -> None:
+    """A NaN or inf `loss` or `grad_norm` stops the run with a FloatingPointError naming the step, before the
+    step reaches a checkpoint. `keep` saves what replays the step and says where (the RL loop saves its
+    rollout batch, which cannot be regenerated); offline data is replayed by resuming the last checkpoint."""
+    if math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]):
+        return
+    kept = f"; {keep()}" if keep is not None else ""
+    raise FloatingPointError(f"step {step}: {what} loss {metrics['loss']}, grad norm {metrics['grad_norm']} "
+                             f"is not finite{kept}")
 
 
 class PhaseTimer:

@@ -94,6 +94,31 @@ def test_command_line_override_takes_effect(tmp_path, qwen2_dir, arithmetic_dir)
     assert not (run_dir / "warmup").exists()
 
 
+def test_a_non_finite_loss_stops_the_run_with_its_batch_saved_and_no_checkpoint(tmp_path, qwen2_dir,
+                                                                                arithmetic_dir):
+    """A critic learning rate of 1e30 makes Adam's first update ~1e30 per weight, so the step-2 values, and
+    with them the critic loss, overflow fp32. The run must stop at step 2, keep step 1's checkpoint as
+    `latest`, write no step-2 checkpoint or metrics, and save the step's rollout batch so it can be replayed.
+    The length-penalty reward (every response is cut at max_new_tokens) makes the returns non-zero."""
+    run_dir = tmp_path / "run"
+    extra = ("checkpoint:\n  every_steps: 1\n"
+             "reward:\n  terms:\n    - {kind: length_penalty, weight: 1.0, max_tokens: 4, cache_tokens: 3}\n")
+    recipe = write_recipe(tmp_path / "tiny.yaml", model_dir=qwen2_dir, data_dir=arithmetic_dir, run_dir=run_dir,
+                          extra=extra)
+    result = megarl_train(recipe, "algo.name=ppo", "critic.lr=1e30", "warmup.sft_steps=0", cwd=tmp_path)
+    assert result.returncode != 0
+    bad = run_dir / "bad_batch_step2_rank0.pt"
+    assert "step 2: critic loss" in result.stderr and f"is not finite; the batch is saved to {bad}" in result.stderr
+    from megarl.batch import RolloutBatch
+
+    batch = RolloutBatch.load(bad)
+    assert batch.tokens.shape[0] == 16 and bool(batch.returns.abs().sum() > 0)  # 4 prompts x 4 samples
+    assert [r["step"] for r in read_metrics(run_dir)] == [1]
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step")) == ["step00000001"]
+    assert (checkpoints / "latest").read_text().strip() == "step00000001"
+
+
 # Each case: (text appended to the recipe, overrides, substrings stderr must name).
 CONFIG_ERRORS = {
     "unknown_key_in_file": ("optim:\n  lrr: 0.001\n", [], ["optim.lrr", "unknown key", "did you mean 'lr'"]),

@@ -72,6 +72,20 @@ def test_two_data_parallel_ranks_give_the_single_rank_numbers(sft_run, qwen2_dir
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-9), (got["step"], key)
 
 
+@pytest.mark.timeout(RUN_TIMEOUT_S)
+def test_a_non_finite_loss_stops_the_run_before_it_is_checkpointed(qwen2_dir, tiny_data, tmp_path):
+    # A learning rate of 1e30 moves every weight by ~1e30 in Adam's first update, so step 2's logits, and
+    # its loss, overflow fp32. Step 1's checkpoint stays the latest; resuming from it replays step 2's rows.
+    proc = megarl_train(REPO / "recipes" / "sft_tiny.yaml", f"model.path={qwen2_dir}",
+                        f"data.train_path={tiny_data / 'train.jsonl'}", "data.eval_path=null", "optim.lr=1e30",
+                        "optim.warmup_steps=0", "train.steps=4", "checkpoint.every_steps=1", f"run_dir={tmp_path}")
+    assert proc.returncode != 0
+    assert "FloatingPointError: step 2: sft loss" in proc.stderr and "is not finite" in proc.stderr
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step00000001"
+    assert not (tmp_path / "checkpoints" / "step00000002").exists()
+
+
 # ---- chat conversations ------------------------------------------------------------------------------------
 CONVERSATION = (
     {"role": "system", "content": "Add little-endian numbers."},

@@ -41,7 +41,7 @@ from megarl.handoff import push_weights
 from megarl.loops.launch import init_groups
 from megarl.loops.resume import already_finished, find_resume, resume_run, save_run_checkpoint
 from megarl.loops.supervised import supervised_step
-from megarl.metrics import MetricsWriter, PhaseTimer
+from megarl.metrics import MetricsWriter, PhaseTimer, check_finite
 from megarl.packing import redistribute, sequence_lengths
 from megarl.rewards.scorer import Sample, Scorer, build_terms
 from megarl.rollout.multi_turn import FINISH_REASONS, run_trajectories
@@ -321,7 +321,7 @@ def train_policy(run: RLRun, batch: RolloutBatch, *, step: int) -> dict[str, flo
         metrics = run.actor.train_step(batch.tokens, extras, partial(policy_loss, algo=algo, norm=norm),
                                        temperature=cfg.rollout.temperature, entropy=algo.entropy_coef > 0,
                                        **micro_batching(cfg.train, batch))
-    check_finite(run, batch, metrics, step=step, what="policy")
+    check_finite(metrics, step=step, what="policy", keep=partial(keep_batch, run, batch, step=step))
     return metrics
 
 
@@ -359,19 +359,16 @@ def train_critic(run: RLRun, batch: RolloutBatch) -> dict[str, float]:
     error_var = metrics.pop("error_sq_mean") - metrics.pop("error_mean") ** 2
     metrics["explained_var"] = 1.0 - error_var / returns_var if returns_var > 0 else 0.0
     metrics = {k if k.startswith("critic/") else f"critic/{k}": v for k, v in metrics.items()}
-    check_finite(run, batch, {"loss": metrics["critic/loss"], "grad_norm": metrics["critic/grad_norm"]},
-                 step=run.critic.step, what="critic")
+    check_finite({"loss": metrics["critic/loss"], "grad_norm": metrics["critic/grad_norm"]},
+                 step=run.critic.step, what="critic", keep=partial(keep_batch, run, batch, step=run.critic.step))
     return metrics
 
 
-def check_finite(run: RLRun, batch: RolloutBatch, metrics: dict[str, float], *, step: int, what: str) -> None:
-    """A NaN or inf loss stops the run with the batch saved, so the step can be replayed and inspected."""
-    if math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]):
-        return
+def keep_batch(run: RLRun, batch: RolloutBatch, *, step: int) -> str:
+    """Save the step's rollout batch (each rank its share), so a non-finite step can be replayed alone."""
     path = Path(run.cfg.run_dir) / f"bad_batch_step{step}_rank{dist.get_rank()}.pt"
     batch.save(path)
-    raise FloatingPointError(f"step {step}: {what} loss {metrics['loss']}, grad norm {metrics['grad_norm']} "
-                             f"is not finite; the batch is saved to {path} to replay it")
+    return f"the batch is saved to {path} to replay it"
 
 
 def push_policy(run: RLRun) -> dict:

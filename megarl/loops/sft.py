@@ -27,7 +27,7 @@ from megarl.loops.launch import init_groups
 from megarl.loops.resume import already_finished, find_resume, restore_checkpoint, save_checkpoint
 from megarl.loops.rl import export_policy, learning_rate
 from megarl.loops.supervised import supervised_step
-from megarl.metrics import MetricsWriter
+from megarl.metrics import MetricsWriter, check_finite
 
 
 def rows_per_rank(cfg: Config, groups: ParallelGroups, *, seqs_per_row: int) -> int:
@@ -48,12 +48,6 @@ def total_steps(cfg: Config, n_rows: int) -> int:
     if cfg.train.epochs:
         return math.ceil(cfg.train.epochs * n_rows / cfg.data.prompts_per_step)
     return cfg.train.steps
-
-
-def check_finite(metrics: dict[str, float], step: int) -> None:
-    if not math.isfinite(metrics["loss"]) or not math.isfinite(metrics["grad_norm"]):
-        raise FloatingPointError(f"step {step}: loss {metrics['loss']}, grad norm {metrics['grad_norm']} "
-                                 f"is not finite")
 
 
 # ---- evaluation --------------------------------------------------------------------------------------------
@@ -129,7 +123,7 @@ def run_offline(cfg: Config, *, groups: ParallelGroups, actor: TrainEngine, samp
         for n in range(done + 1, steps + 1):
             began = time.perf_counter()
             metrics = step()
-            check_finite(metrics, n)
+            check_finite(metrics, step=n, what=desc)
             metrics["timing/step_s"] = time.perf_counter() - began
             if evaluate is not None and (n == 1 or n % cfg.data.eval_every == 0 or n == steps):
                 metrics.update(evaluate())
