@@ -158,11 +158,13 @@ class ScriptedEngine:
     def __init__(self, turn_ids: list[int]):
         self.turn_ids, self.calls = turn_ids, []
 
-    def generate(self, prompts, *, temperature, top_p, max_new_tokens, eos_id, pad_id) -> Generation:
+    def generate(self, prompts, *, temperature, top_p, max_new_tokens, eos_id, pad_id, on_response) -> Generation:
         self.calls.append(len(prompts))
         full = self.turn_ids + [eos_id]
         ids = full[:max_new_tokens]
         reason = "stop" if len(ids) == len(full) else "length"
+        for i in range(len(prompts)):
+            on_response(i, list(ids), [-0.5] * len(ids), reason)
         return Generation([list(ids) for _ in prompts], [[-0.5] * len(ids) for _ in prompts], [reason] * len(prompts))
 
 
