@@ -177,10 +177,10 @@ def test_samples_handed_to_the_pool_out_of_order_keep_the_failure_policy(ray_loc
         scoring = scorer.batch(len(responses))
         for i in reversed(range(len(responses))):
             scoring.submit(i, Sample("", responses[i], ""))
-        # three full chunks of two left for the workers as they filled; once all are back, every sample
-        # counts as scored before the result was asked for
+        # every sample left for the workers as it came (chunks of one: 6 samples, 2 workers); once all are
+        # back, every sample counts as scored before the result was asked for
         tasks = [ref for _, ref in scoring.sent]
-        assert len(tasks) == 3 and len(ray_local.wait(tasks, num_returns=3, timeout=60)[0]) == 3
+        assert len(tasks) == 6 and len(ray_local.wait(tasks, num_returns=6, timeout=60)[0]) == 6
         with caplog.at_level(logging.WARNING, logger="megarl.rewards.scorer"):
             rewards, failures, scored_before = scoring.result()
     finally:

@@ -202,6 +202,7 @@ def generate(run: RLRun, rows: list[PromptRow], *, n_samples: int, scoring: Scor
                              tools=run.tool_schemas) for row in rows]
     prompts = [ids for ids in encoded for _ in range(n_samples)]
     samples = [row for row in rows for _ in range(n_samples)]
+
     def last_turn(i: int, trajectory: Trajectory) -> None:
         row = samples[i]
         scoring.submit(i, Sample(row.prompt, response_text(run.tokenizer, trajectory), row.answer, row.metadata,

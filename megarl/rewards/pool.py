@@ -21,7 +21,9 @@ from megarl.config import RecipeError, RewardConfig
 from megarl.rewards.scorer import Outcome, Sample, build_terms, score_samples
 
 TASK_RETRIES = 1  # fresh workers a chunk gets after the one running it dies
-CHUNKS_PER_WORKER = 2  # smaller chunks keep all workers busy when samples take uneven times
+# Smaller chunks keep all workers busy when samples take uneven times, and leave for the workers sooner
+# while the rest of the batch is generated.
+CHUNKS_PER_WORKER = 4
 STARTUP_S = 60.0  # slack in a chunk's deadline for starting a worker and importing the rewards
 
 
