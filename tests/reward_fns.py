@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
 from pathlib import Path
 
 
@@ -40,6 +41,19 @@ def dies_once_per_marker(*, prompt, response, answer, metadata):
 
 def always_dies(*, prompt, response, answer, metadata):
     os._exit(1)
+
+
+def digest(*, prompt, response, answer, metadata):
+    """A number in [0, 1) that changes with any field of the sample, so equal rewards mean equal samples."""
+    fields = repr((prompt, response, answer, sorted(metadata.items()))).encode()
+    return zlib.crc32(fields) / 2**32
+
+
+def records_start(*, prompt, response, answer, metadata):
+    """Writes the wall-clock time scoring began into a new file under metadata["started"]; scores 1."""
+    started = time.time()
+    (Path(metadata["started"]) / f"{os.getpid()}-{time.monotonic_ns()}").write_text(repr(started))
+    return 1.0
 
 
 NOT_A_FUNCTION = 3

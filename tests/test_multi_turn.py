@@ -158,11 +158,13 @@ class ScriptedEngine:
     def __init__(self, turn_ids: list[int]):
         self.turn_ids, self.calls = turn_ids, []
 
-    def generate(self, prompts, *, temperature, top_p, max_new_tokens, eos_id, pad_id) -> Generation:
+    def generate(self, prompts, *, temperature, top_p, max_new_tokens, eos_id, pad_id, on_response) -> Generation:
         self.calls.append(len(prompts))
         full = self.turn_ids + [eos_id]
         ids = full[:max_new_tokens]
         reason = "stop" if len(ids) == len(full) else "length"
+        for i in range(len(prompts)):
+            on_response(i, list(ids), [-0.5] * len(ids), reason)
         return Generation([list(ids) for _ in prompts], [[-0.5] * len(ids) for _ in prompts], [reason] * len(prompts))
 
 
@@ -173,12 +175,14 @@ def tool_tokenizer(tool_chat_dir):
     return AutoTokenizer.from_pretrained(tool_chat_dir)
 
 
-def trajectories_of(tokenizer, env: EnvConfig, metadata: list[dict], *, turn_ids=(30, 31, 32), max_new_tokens=10):
+def trajectories_of(tokenizer, env: EnvConfig, metadata: list[dict], *, turn_ids=(30, 31, 32), max_new_tokens=10,
+                    on_last_turn=None):
     new_env = environment_factory(env)
     engine = ScriptedEngine(list(turn_ids))
     out = run_trajectories(engine, [[1, 40, 41] for _ in metadata], [new_env() for _ in metadata],
                            [("p", m) for m in metadata], tokenizer=tokenizer, observations=ObservationFormat(tokenizer),
-                           limits=env, temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens)
+                           limits=env, temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens,
+                           on_last_turn=on_last_turn)
     return out, engine
 
 
@@ -225,3 +229,26 @@ def test_limits_end_trajectories_and_are_recorded(tool_tokenizer):
     out, _ = trajectories_of(tool_tokenizer, EnvConfig(name="envs_for_tests:CountingEnv", max_turns=2,
                                                        options={"reward_per_step": 0.25}), [{}])
     assert out[0].env_reward == 0.5
+
+
+@pytest.mark.parametrize("env, metadata, max_new_tokens, expected", [
+    # single_turn: handed out as the engine returns the turn, before its step says "stop"
+    (EnvConfig(), [{}, {}], 10, [(0, 1, ""), (1, 1, "")]),
+    # the last turn allowed: handed out before its step, whatever that step says
+    (EnvConfig(name="envs_for_tests:CountingEnv", max_turns=2), [{}], 10, [(0, 2, "")]),
+    # a turn cut at max_new_tokens ends the trajectory at once
+    (EnvConfig(name="envs_for_tests:CountingEnv"), [{}], 3, [(0, 1, "length")]),
+    # otherwise the step decides: a failed step, and a step that says done on the second turn
+    (EnvConfig(name="envs_for_tests:SleepyEnv"), [{"raise": "boom"}, {}], 10, [(0, 1, "env_error"), (1, 2, "stop")]),
+])
+def test_a_trajectory_is_handed_out_once_as_soon_as_its_last_turn_is_known(tool_tokenizer, env, metadata,
+                                                                            max_new_tokens, expected):
+    handed = []
+
+    def on_last_turn(i, trajectory):  # what the trajectory is at that moment
+        handed.append((i, trajectory.turns, trajectory.finish_reason, list(trajectory.response_ids)))
+
+    out, _ = trajectories_of(tool_tokenizer, env, metadata, max_new_tokens=max_new_tokens, on_last_turn=on_last_turn)
+    assert sorted((i, turns, reason) for i, turns, reason, _ in handed) == expected
+    for i, _, _, response_ids in handed:
+        assert response_ids == out[i].response_ids  # the response was final when it was handed out

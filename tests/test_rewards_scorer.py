@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from pathlib import Path
 
 import pytest
 
@@ -155,20 +157,142 @@ def test_pool_survives_a_dying_worker_and_fails_only_what_keeps_dying(ray_local,
         scorer.close()
 
 
-def test_rl_reward_terms_see_prompts_metadata_and_response_lengths():
+# ---- scoring while generating ----------------------------------------------------------------------------
+def test_a_batch_must_get_each_sample_exactly_once():
+    scoring = Scorer(RewardConfig()).batch(3)
+    scoring.submit(2, Sample("", "1", "1"))
+    with pytest.raises(ValueError, match="sample 2 of the batch was handed in twice"):
+        scoring.submit(2, Sample("", "1", "1"))
+    with pytest.raises(ValueError, match="2 of 3 samples were never handed in, the first is 0"):
+        scoring.result()
+
+
+@pytest.mark.timeout(120)
+def test_samples_handed_to_the_pool_out_of_order_keep_the_failure_policy(ray_local, caplog):
+    cfg = RewardConfig(terms=[term("format", weight=0.5, pattern="ok"),
+                              term("custom", function="reward_fns:fails_on_bad")], timeout_s=0.5, workers=2)
+    responses = ("ok", "bad", "nan", "slow", "swallowing", "ok too")
+    scorer = Scorer(cfg)
+    try:
+        scoring = scorer.batch(len(responses))
+        for i in reversed(range(len(responses))):
+            scoring.submit(i, Sample("", responses[i], ""))
+        # every sample left for the workers as it came (chunks of one: 6 samples, 2 workers); once all are
+        # back, every sample counts as scored before the result was asked for
+        tasks = [ref for _, ref in scoring.sent]
+        assert len(tasks) == 6 and len(ray_local.wait(tasks, num_returns=6, timeout=60)[0]) == 6
+        with caplog.at_level(logging.WARNING, logger="megarl.rewards.scorer"):
+            rewards, failures, scored_before = scoring.result()
+    finally:
+        scorer.close()
+    # what in-process scoring of the same samples gives (test_failures_score_zero_are_counted_and_logged_once)
+    assert rewards == [1.5, 0.0, 0.0, 0.0, 0.0, 1.5] and failures == 4 and scored_before == 6
+    [record] = caplog.records
+    assert "4 of 6 rewards failed" in record.message and "'bad'" in record.message
+
+
+@pytest.mark.timeout(180)
+def test_the_pool_survives_dying_workers_while_samples_stream_in(ray_local, tmp_path):
+    scorer = Scorer(RewardConfig(terms=[term("custom", function="reward_fns:dies_once_per_marker")], workers=2))
+    try:
+        scoring = scorer.batch(4)  # chunks of one sample: each task's first worker dies, its retry scores
+        for i in (2, 0, 3, 1):
+            scoring.submit(i, Sample("", "r", "", {"marker": str(tmp_path / f"marker{i}")}))
+        rewards, failures, _ = scoring.result()
+    finally:
+        scorer.close()
+    assert (rewards, failures) == ([1.0] * 4, 0)
+    assert all((tmp_path / f"marker{i}").exists() for i in range(4))
+
+
+# A reward that changes with every field of a sample, plus one on its length in tokens.
+DIGEST = RewardConfig(terms=[term("custom", function="reward_fns:digest"),
+                             term("length_penalty", weight=0.5, max_tokens=12, cache_tokens=4)])
+
+
+def generate_scored(model_dir, groups, scorer: Scorer, *, seed: int):
+    """The loop's generate() of 6 prompts x 2 samples on a native engine seeded `seed`, every sample handed
+    to `scorer` as it ends: the batch, and (rewards, failures, scored before generation ended)."""
+    from test_multi_turn import make_run, rows
+
+    from megarl.config import EnvConfig
+    from megarl.loops.rl import generate
+    from megarl.rollout.native import NativeEngine
+
+    run = make_run(model_dir, groups, NativeEngine(str(model_dir), seed=seed), env=EnvConfig(),
+                   max_new_tokens=12, chat_template=False)
+    scoring = scorer.batch(12)
+    batch = generate(run, rows(6, bonus="x"), n_samples=2, scoring=scoring)
+    return batch, scoring.result()
+
+
+@pytest.mark.timeout(300)
+def test_rewards_scored_during_generation_equal_the_rewards_of_the_finished_batch(ray_local, qwen2_dir, groups):
+    import dataclasses
+
     import torch
 
-    from megarl.batch import RolloutBatch
-    from megarl.loops.rl import reward_terms
+    pooled = Scorer(dataclasses.replace(DIGEST, workers=2))
+    try:
+        batch, (rewards, failures, _) = generate_scored(qwen2_dir, groups, pooled, seed=7)
+    finally:
+        pooled.close()
+    plain_batch, (plain, plain_failures, scored_before) = generate_scored(qwen2_dir, groups, Scorer(DIGEST), seed=7)
+    assert torch.equal(batch.tokens, plain_batch.tokens)  # handing samples out does not change what is sampled
+    assert rewards == plain and failures == plain_failures == 0 and scored_before == 0
+    # ... and both are the terms on the finished batch's own fields, as scoring after generation sees them
+    samples = [Sample(*fields, response_tokens=int(n)) for *fields, n in zip(
+        batch.prompt_texts, batch.responses, batch.answers, batch.metadata, batch.response_mask.sum(-1))]
+    assert Scorer(DIGEST)(samples) == (rewards, 0)
+    assert len(set(rewards)) > 6  # more distinct rewards than prompts: the equalities above compare samples
 
-    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.float32)  # 2 and 3 response tokens
-    batch = RolloutBatch(tokens=torch.zeros(2, 4, dtype=torch.long), response_mask=mask,
-                         prompt_lens=torch.tensor([1, 1]), group_ids=torch.tensor([0, 0]),
-                         rollout_logprobs=torch.zeros(2, 4), responses=["42 bonus", "41"], answers=["42", "42"],
-                         finish_reasons=["stop", "length"], prompt_texts=["q", "q"],
-                         metadata=[{"bonus": "bonus"}, {"bonus": "bonus"}])
-    cfg = RewardConfig(terms=[term("custom", function="reward_fns:answer_in_response"),
-                              term("length_penalty", max_tokens=3, cache_tokens=2)])
-    rewards, failures = reward_terms(Scorer(cfg), batch)
-    # custom: 0.5 (answer) + 0.5 (bonus) and 0; length: 2 tokens -> -0.5, 3 tokens -> -1.
-    assert rewards == [0.5, -1.0] and failures == 0
+
+class GatedEngine:
+    """Answers the first prompt at once and holds the others back until some reward has begun scoring (a
+    file appears in `started`), failing after `wait_s`: generation can end only if scoring overlaps it."""
+
+    def __init__(self, started: Path, *, wait_s: float):
+        self.started, self.wait_s, self.ended = started, wait_s, None
+
+    def generate(self, prompts, *, temperature, top_p, max_new_tokens, eos_id, pad_id, on_response):
+        from megarl.rollout.native import Generation
+
+        response = [30, 31, eos_id]
+        on_response(0, response, [-0.5] * 3, "stop")
+        deadline = time.monotonic() + self.wait_s
+        while not any(self.started.iterdir()):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no reward began scoring within {self.wait_s} s of the first response")
+            time.sleep(0.02)
+        for i in range(1, len(prompts)):
+            on_response(i, response, [-0.5] * 3, "stop")
+        self.ended = time.time()
+        return Generation([response] * len(prompts), [[-0.5] * 3] * len(prompts), ["stop"] * len(prompts))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("workers", [2, 0])
+def test_scoring_on_the_pool_begins_before_generation_ends(ray_local, qwen2_dir, groups, tmp_path, workers):
+    from test_multi_turn import make_run, rows
+
+    from megarl.config import EnvConfig
+    from megarl.loops.rl import generate, score
+
+    # In this process nothing is scored before the batch is complete, so there the gate must close (1 s
+    # is then plenty); on the pool the first sample's task starts while the engine waits.
+    engine = GatedEngine(tmp_path, wait_s=120.0 if workers else 1.0)
+    run = make_run(qwen2_dir, groups, engine, env=EnvConfig(), max_new_tokens=4, chat_template=False)
+    run.scorer = Scorer(RewardConfig(terms=[term("custom", function="reward_fns:records_start")], workers=workers))
+    try:
+        scoring = run.scorer.batch(4)  # 4 samples on 2 workers: chunks of one, sent as each sample ends
+        if not workers:
+            with pytest.raises(AssertionError, match="no reward began scoring"):
+                generate(run, rows(2, started=str(tmp_path)), n_samples=2, scoring=scoring)
+            return
+        batch, failures, _ = score(run, generate(run, rows(2, started=str(tmp_path)), n_samples=2,
+                                                             scoring=scoring), scoring)
+    finally:
+        run.scorer.close()
+    assert batch.rewards.tolist() == [1.0] * 4 and failures == 0
+    starts = sorted(float(f.read_text()) for f in tmp_path.iterdir())
+    assert len(starts) == 4 and starts[0] <= engine.ended  # one same-machine clock

@@ -43,8 +43,8 @@ from megarl.loops.resume import already_finished, find_resume, resume_run, save_
 from megarl.loops.supervised import supervised_step
 from megarl.metrics import MetricsWriter, PhaseTimer, check_finite
 from megarl.packing import redistribute, sequence_lengths
-from megarl.rewards.scorer import Sample, Scorer, build_terms
-from megarl.rollout.multi_turn import FINISH_REASONS, run_trajectories
+from megarl.rewards.scorer import Sample, Scorer, Scoring, build_terms
+from megarl.rollout.multi_turn import FINISH_REASONS, Trajectory, run_trajectories
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +131,11 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
 def rollout(run: RLRun, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
     """Generate and score this rank's share of the step's prompts.
 
-    Rule rewards are scored as soon as a round of generation ends, because dynamic sampling (DAPO,
-    Yu et al. 2025) needs them to decide whether to draw more: groups whose final rewards are all equal
+    Each sample's reward terms are handed to the scorer as soon as its response is final; on a Ray pool
+    (reward.workers > 0) they are scored while the rest of the round generates, and what is left is
+    waited for in the "reward" phase. A round's rewards are complete when its generation ends, because
+    dynamic sampling (DAPO, Yu et al. 2025) needs them to decide whether to draw more (so scoring overlaps
+    the generation of its own round, never the next one): groups whose final rewards are all equal
     have zero advantage and no policy gradient, so they are dropped and another round of prompts is
     drawn, up to algo.max_sampling_rounds rounds. Kept groups beyond the batch are discarded. A batch
     still short after the last round is filled with dropped groups (they add no policy gradient but
@@ -141,17 +144,20 @@ def rollout(run: RLRun, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, floa
     cfg = run.cfg
     kept: list[RolloutBatch] = []
     dropped: list[RolloutBatch] = []
-    failures, n_kept, n_seen, rounds, reward_sum = 0, 0, 0, 0, 0.0
+    failures, n_kept, n_seen, rounds, reward_sum, hidden = 0, 0, 0, 0, 0.0, 0
     while True:
         rounds += 1
         with timer("generate"):
             rows = [run.train_rows[i] for i in run.sampler.next_batch(run.prompts_per_rank)]
-            batch = generate(run, rows, n_samples=cfg.rollout.n_samples)
+            scoring = start_scoring(run, len(rows) * cfg.rollout.n_samples)
+            batch = generate(run, rows, n_samples=cfg.rollout.n_samples, scoring=scoring)
         with timer("reward"):
-            batch, round_failures = score(run, batch)
+            batch, round_failures, round_hidden = score(run, batch, scoring)
         failures += round_failures
+        hidden += round_hidden
         if not cfg.algo.uses_dynamic_sampling:
-            return batch, {"reward/failures": global_sum(run, float(failures))}
+            failures, hidden, n = global_sums(run, [float(failures), float(hidden), float(len(batch))])
+            return batch, {"reward/failures": failures, "timing/reward_hidden_frac": hidden / n}
         # group ids restart at 0 in every round; shift them so groups stay distinct across rounds
         batch = dataclasses.replace(batch, group_ids=batch.group_ids + n_seen)
         n_seen += run.prompts_per_rank
@@ -168,10 +174,11 @@ def rollout(run: RLRun, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, floa
     if filled:
         log.warning("dynamic sampling: %d of %d groups on this rank still have equal rewards after %d rounds; "
                     "they fill the batch and add no policy gradient", filled, run.prompts_per_rank, rounds)
-    failures, rounds, n_kept, n_seen, filled, reward_sum = global_sums(
-        run, [float(failures), float(rounds), float(n_kept), float(n_seen), float(filled), reward_sum])
+    failures, rounds, n_kept, n_seen, filled, reward_sum, hidden = global_sums(
+        run, [float(failures), float(rounds), float(n_kept), float(n_seen), float(filled), reward_sum, float(hidden)])
     return full.select(torch.arange(want)), {
         "reward/failures": failures,
+        "timing/reward_hidden_frac": hidden / (n_seen * cfg.rollout.n_samples),
         "sampling/rounds": rounds / run.groups.dp_size,
         "sampling/kept_group_frac": n_kept / n_seen,
         "sampling/filled_groups": filled,
@@ -180,21 +187,34 @@ def rollout(run: RLRun, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, floa
     }
 
 
-def generate(run: RLRun, rows: list[PromptRow], *, n_samples: int) -> RolloutBatch:
+def start_scoring(run: RLRun, n: int) -> Scoring | None:
+    """A batch of `n` samples for the scorer, on the rank that scores (see score())."""
+    return run.scorer.batch(n) if run.is_rollout_rank else None
+
+
+def generate(run: RLRun, rows: list[PromptRow], *, n_samples: int, scoring: Scoring | None = None) -> RolloutBatch:
     """Sample `n_samples` trajectories for each row on this group's rollout engine, each with its own
     environment (megarl.rollout.multi_turn; with the single_turn environment, one response per sample);
-    all ranks get the batch. The response of a sample, which rewards score, is its model's last turn."""
+    all ranks get the batch. The response of a sample, which rewards score, is its model's last turn;
+    each is handed to `scoring` as soon as it is final, while the engine generates the others."""
     cfg = run.cfg.rollout
     encoded = [encode_prompt(run.tokenizer, row.prompt, chat_template=run.cfg.data.chat_template,
                              tools=run.tool_schemas) for row in rows]
     prompts = [ids for ids in encoded for _ in range(n_samples)]
     samples = [row for row in rows for _ in range(n_samples)]
+
+    def last_turn(i: int, trajectory: Trajectory) -> None:
+        row = samples[i]
+        scoring.submit(i, Sample(row.prompt, response_text(run.tokenizer, trajectory), row.answer, row.metadata,
+                                 response_tokens=sum(trajectory.generated_mask)))
+
     result = [None]
     if run.is_rollout_rank:
         result = [run_trajectories(run.rollout, prompts, [run.new_env() for _ in samples],
                                    [(row.prompt, row.metadata) for row in samples], tokenizer=run.tokenizer,
                                    observations=run.observations, limits=run.cfg.env, temperature=cfg.temperature,
-                                   top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens)]
+                                   top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                                   on_last_turn=last_turn if scoring is not None else None)]
     if dist.get_world_size(run.groups.mp) > 1:
         dist.broadcast_object_list(result, src=run.groups.mp_src_global_rank, group=run.groups.mp)
     trajectories = result[0]
@@ -206,7 +226,7 @@ def generate(run: RLRun, rows: list[PromptRow], *, n_samples: int) -> RolloutBat
         tokens=tokens, response_mask=mask, rollout_logprobs=rollout_logprobs,
         prompt_lens=torch.tensor([len(p) for p in prompts]),
         group_ids=torch.arange(len(rows)).repeat_interleave(n_samples),
-        responses=[run.tokenizer.decode(t.last_turn, skip_special_tokens=True) for t in trajectories],
+        responses=[response_text(run.tokenizer, t) for t in trajectories],
         answers=[row.answer for row in samples],
         finish_reasons=[t.finish_reason for t in trajectories],
         prompt_texts=[row.prompt for row in samples],
@@ -217,19 +237,24 @@ def generate(run: RLRun, rows: list[PromptRow], *, n_samples: int) -> RolloutBat
     )
 
 
-def score(run: RLRun, batch: RolloutBatch) -> tuple[RolloutBatch, int]:
-    """The recipe's rewards [B], plus the environment's, and the number of samples whose reward failed
-    (scored 0; see Scorer).
+def response_text(tokenizer, trajectory: Trajectory) -> str:
+    """What the reward terms score: the model's last turn, decoded."""
+    return tokenizer.decode(trajectory.last_turn, skip_special_tokens=True)
+
+
+def score(run: RLRun, batch: RolloutBatch, scoring: Scoring | None) -> tuple[RolloutBatch, int, int]:
+    """The recipe's rewards [B], plus the environment's and the reward models', the number of samples whose
+    reward failed (scored 0; see Scorer), and the number already scored when generation ended.
 
     Every rank of a model-parallel group holds the same batch; only its first rank scores (a sandbox or a
-    Ray pool must not run once per TP rank, and a reward with a timeout could differ between runs) and
-    the others receive the result. A reward-model term would be computed here, by the trainer over
-    `batch.tokens`, and added to these.
+    Ray pool must not run once per TP rank, and a reward with a timeout could differ between runs): its
+    `scoring` got every sample during generate() and the others receive the result. Reward-model terms
+    need the trainer's ranks, so they are scored here, after generation, over `batch.tokens`.
     """
-    result = [reward_terms(run.scorer, batch) if run.is_rollout_rank else None]
+    result = [scoring.result() if run.is_rollout_rank else None]
     if dist.get_world_size(run.groups.mp) > 1:
         dist.broadcast_object_list(result, src=run.groups.mp_src_global_rank, group=run.groups.mp)
-    rewards, failures = result[0]
+    rewards, failures, hidden = result[0]
     rewards = torch.tensor(rewards)
     micro_batch_size = math.gcd(len(batch), run.cfg.train.micro_batch_size)
     for weight, model in run.reward_models:  # every rank of the model-parallel group takes part
@@ -237,7 +262,7 @@ def score(run: RLRun, batch: RolloutBatch) -> tuple[RolloutBatch, int]:
                                                          micro_batch_size=micro_batch_size)
     if batch.env_rewards is not None:
         rewards = rewards + batch.env_rewards
-    return batch.replace(rewards=rewards), failures
+    return batch.replace(rewards=rewards), failures, hidden
 
 
 def reward_model_scores(model: TrainEngine, batch: RolloutBatch, *, pad_id: int, micro_batch_size: int) -> Tensor:
@@ -251,14 +276,6 @@ def reward_model_scores(model: TrainEngine, batch: RolloutBatch, *, pad_id: int,
     positions = torch.arange(batch.tokens.shape[1])
     last = torch.where(batch.response_mask.bool(), positions, batch.prompt_lens[:, None] - 1).max(dim=1).values
     return values.gather(1, (last + 1)[:, None]).squeeze(1)
-
-
-def reward_terms(scorer: Scorer, batch: RolloutBatch) -> tuple[list[float], int]:
-    """The recipe's reward terms on every sample of `batch` [B], and the number that failed."""
-    response_tokens = batch.response_mask.sum(-1).long().tolist()
-    samples = [Sample(*fields) for fields in zip(batch.prompt_texts, batch.responses, batch.answers,
-                                                 batch.metadata, response_tokens)]
-    return scorer(samples)
 
 
 def compute_logprobs(run: RLRun, batch: RolloutBatch) -> RolloutBatch:
@@ -386,7 +403,8 @@ def push_policy(run: RLRun) -> dict:
 def evaluate(run: RLRun) -> dict[str, float]:
     """Mean reward on the fixed held-out prompts (this rank's share), one sample each, as in training."""
     rows = run.eval_rows[run.groups.dp_rank:: run.groups.dp_size]
-    batch, _ = score(run, generate(run, rows, n_samples=1))
+    scoring = start_scoring(run, len(rows))
+    batch, _, _ = score(run, generate(run, rows, n_samples=1, scoring=scoring), scoring)
     total, calls, n = global_sums(run, [float(batch.rewards.sum()), float(batch.tool_calls.sum()),
                                         float(len(batch))])
     return {"eval/reward_mean": total / n, "eval/tool_calls_mean": calls / n}

@@ -4,6 +4,9 @@ is not finite scores 0, is counted, and the first one of a batch is logged. Scor
 
     scorer = Scorer(cfg.reward)                       # RecipeError now if a custom function does not import
     rewards, failures = scorer(samples)               # list[float] [B], int
+    scoring = scorer.batch(B)                         # or sample by sample, as generation finishes each
+    scoring.submit(i, sample)                         # ... for every i; on a pool, scoring starts now
+    rewards, failures, scored_before = scoring.result()
     scorer.close()
 """
 
@@ -173,11 +176,72 @@ class Scorer:
         else:
             self.pool = None
 
+    def batch(self, n: int) -> Scoring:
+        """A batch of `n` samples to hand in one by one as their responses are final (see Scoring)."""
+        return Scoring(self, n)
+
     def __call__(self, samples: Sequence[Sample]) -> tuple[list[float], int]:
-        outcomes = (self.pool.score(samples) if self.pool
-                    else score_samples(self.terms, samples, timeout_s=self.cfg.timeout_s))
-        return settle(outcomes, samples)
+        scoring = self.batch(len(samples))
+        for i, sample in enumerate(samples):
+            scoring.submit(i, sample)
+        rewards, failures, _ = scoring.result()
+        return rewards, failures
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+
+
+class Scoring:
+    """The rewards of one batch of `n` samples, handed in by index, in any order, while the rest are still
+    being generated.
+
+    On a pool, samples leave for the workers as soon as a chunk of them is full, so scoring overlaps
+    generation; `result()` sends the last partial chunk and waits for the rest. In this process, samples
+    are scored when `result()` is called: scoring here would hold up the generation that hands them in.
+    Outcomes depend on each sample alone, so the rewards are the same whatever the order of arrival.
+
+        scoring = scorer.batch(n)
+        scoring.submit(i, sample)                         # for every i in range(n), as sample i is final
+        rewards, failures, scored_before = scoring.result()
+    """
+
+    def __init__(self, scorer: Scorer, n: int):
+        self.scorer = scorer
+        self.samples: list[Sample | None] = [None] * n
+        self.chunk_size = scorer.pool.chunk_size(n) if scorer.pool is not None else n
+        self.waiting: list[int] = []  # indices handed in and not sent yet
+        self.sent: list[tuple[list[int], object]] = []  # (indices, task reference) of each chunk on the pool
+
+    def submit(self, i: int, sample: Sample) -> None:
+        if self.samples[i] is not None:
+            raise ValueError(f"sample {i} of the batch was handed in twice")
+        self.samples[i] = sample
+        self.waiting.append(i)
+        if self.scorer.pool is not None and len(self.waiting) == self.chunk_size:
+            self.send()
+
+    def send(self) -> None:
+        self.sent.append((self.waiting, self.scorer.pool.submit([self.samples[i] for i in self.waiting])))
+        self.waiting = []
+
+    def result(self) -> tuple[list[float], int, int]:
+        """Rewards [n] (failed samples at 0), the number that failed, and the number whose outcome was
+        already back when this was called (0 in this process): how much of scoring was hidden."""
+        missing = [i for i, sample in enumerate(self.samples) if sample is None]
+        if missing:
+            raise ValueError(f"{len(missing)} of {len(self.samples)} samples were never handed in, "
+                             f"the first is {missing[0]}")
+        samples: list[Sample] = self.samples
+        pool = self.scorer.pool
+        if pool is None or not samples:
+            return *settle(score_samples(self.scorer.terms, samples, timeout_s=self.scorer.cfg.timeout_s),
+                           samples), 0
+        if self.waiting:
+            self.send()
+        chunks, scored_before = pool.collect([ref for _, ref in self.sent], [len(ix) for ix, _ in self.sent])
+        outcomes: list[Outcome] = [(math.nan, "")] * len(samples)
+        for (indices, _), chunk in zip(self.sent, chunks):
+            for i, outcome in zip(indices, chunk):
+                outcomes[i] = outcome
+        return *settle(outcomes, samples), scored_before

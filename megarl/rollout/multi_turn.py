@@ -60,60 +60,86 @@ class Trajectory:
 
 def run_trajectories(engine, prompts: Sequence[list[int]], envs: Sequence[Environment],
                      rows: Sequence[tuple[str, dict]], *, tokenizer, observations: ObservationFormat | None,
-                     limits: EnvConfig, temperature: float, top_p: float, max_new_tokens: int) -> list[Trajectory]:
+                     limits: EnvConfig, temperature: float, top_p: float, max_new_tokens: int,
+                     on_last_turn: Callable[[int, Trajectory], None] | None = None) -> list[Trajectory]:
     """One trajectory per prompt, each with its own environment (reset with its row's (prompt text,
     metadata)). `max_new_tokens` limits each turn; `limits` the turns, tokens and tool time of a trajectory.
-    `observations` renders tool messages; it may be None only when no environment returns any."""
+    `observations` renders tool messages; it may be None only when no environment returns any.
+
+    `on_last_turn(i, trajectory)` is called once per trajectory, as soon as its last turn is known, so
+    its response can be scored while others are still generating: within the engine call, when the turn
+    hit a token limit or was the last turn allowed; otherwise once its environment step ended it. Its
+    response ids are final then; its finish reason and environment reward may not be yet."""
     eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    # single_turn's step always ends the episode, so its first turn is known to be the last one before the
+    # step runs (the finish reason is still the step's "stop").
+    max_turns = 1 if limits.kind == "single_turn" else limits.max_turns
     trajectories = [Trajectory(list(p)) for p in prompts]
     for env, (prompt, metadata) in zip(envs, rows):
         env.reset(prompt, metadata)
+    handed_out: set[int] = set()
+
+    def last_turn_known(i: int) -> None:
+        if on_last_turn is not None and i not in handed_out:
+            handed_out.add(i)
+            on_last_turn(i, trajectories[i])
+
+    def finish(i: int, reason: str) -> None:
+        trajectories[i].finish_reason = reason
+        last_turn_known(i)
+
+    def end_turn(j: int, ids: list[int], logprobs: list[float], reason: str) -> None:
+        """The engine's response `j` of this round, as soon as it is final."""
+        i = active[j]
+        traj, keep = trajectories[i], budget[i]
+        traj.turns += 1
+        traj.add(ids[:keep], logprobs[:keep])
+        traj.last_turn = ids[:keep]
+        if len(ids) > keep or (reason == "length" and keep < max_new_tokens):
+            finish(i, "max_tokens")
+        elif reason == "length":
+            finish(i, "length")
+        else:
+            stepping.append(i)
+            if traj.turns >= max_turns:  # whatever the step says, no turn follows
+                last_turn_known(i)
+
     active = list(range(len(prompts)))
     pool = ThreadPoolExecutor(max_workers=limits.tool_workers, thread_name_prefix="megarl-env")
     try:
         while active:
             budget = {i: _tokens_left(trajectories[i], limits, max_new_tokens) for i in active}
             for i in [i for i in active if budget[i] <= 0]:
-                trajectories[i].finish_reason = "max_tokens"
+                finish(i, "max_tokens")
             active = [i for i in active if budget[i] > 0]
             if not active:
                 break
             # One engine call for every active trajectory; one whose token budget is below the turn limit
             # is cut to its budget afterwards (engines take one max_new_tokens per call).
-            gen = engine.generate([trajectories[i].prompt_ids + trajectories[i].response_ids for i in active],
-                                  temperature=temperature, top_p=top_p,
-                                  max_new_tokens=max(budget[i] for i in active), eos_id=eos_id, pad_id=pad_id)
             stepping = []
-            for i, ids, logprobs, reason in zip(active, gen.response_ids, gen.logprobs, gen.finish_reasons):
-                traj, keep = trajectories[i], budget[i]
-                traj.turns += 1
-                traj.add(ids[:keep], logprobs[:keep])
-                traj.last_turn = ids[:keep]
-                if len(ids) > keep or (reason == "length" and keep < max_new_tokens):
-                    traj.finish_reason = "max_tokens"
-                elif reason == "length":
-                    traj.finish_reason = "length"
-                else:
-                    stepping.append(i)
+            engine.generate([trajectories[i].prompt_ids + trajectories[i].response_ids for i in active],
+                            temperature=temperature, top_p=top_p, max_new_tokens=max(budget[i] for i in active),
+                            eos_id=eos_id, pad_id=pad_id, on_response=end_turn)
+            stepping.sort()  # responses end in any order; the next round's batch keeps the trajectories' order
             texts = {i: _turn_text(tokenizer, trajectories[i].last_turn, eos_id) for i in stepping}
             results = _step_all(pool, envs, texts, trajectories, limits)
             active = []
             for i in stepping:
                 traj, result = trajectories[i], results[i]
                 if isinstance(result, str):  # the step did not return: "tool_time" or "env_error"
-                    traj.finish_reason = result
+                    finish(i, result)
                     continue
                 traj.tool_calls += result.tool_calls
                 traj.env_reward += result.reward or 0.0
                 if result.done:
-                    traj.finish_reason = "stop"
-                elif traj.turns >= limits.max_turns:
-                    traj.finish_reason = "max_turns"
+                    finish(i, "stop")
+                elif traj.turns >= max_turns:
+                    finish(i, "max_turns")
                 else:
                     obs = observations.ids([result.observation] if isinstance(result.observation, str)
                                            else list(result.observation))
                     if limits.max_tokens is not None and len(traj.response_ids) + len(obs) > limits.max_tokens:
-                        traj.finish_reason = "max_tokens"  # no room to answer the observation
+                        finish(i, "max_tokens")  # no room to answer the observation
                     else:
                         traj.add(obs, None)
                         active.append(i)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +60,11 @@ class Generation:
     finish_reasons: list[str]            # "stop" (EOS) or "length" (max_new_tokens)
 
 
+# An engine's call for each response as soon as it is final: (index in the call's prompts, response ids,
+# their logprobs, finish reason).
+ResponseCallback = Callable[[int, list[int], list[float], str], None]
+
+
 class NativeEngine:
     """A transformers model that samples batches and takes weights pushed by the trainer."""
 
@@ -85,8 +90,9 @@ class NativeEngine:
         self.generator.set_state(state)
 
     def generate(self, prompts: list[list[int]], *, temperature: float, top_p: float, max_new_tokens: int,
-                 eos_id: int, pad_id: int) -> Generation:
-        """Sample one response per prompt (repeat a prompt to get a group)."""
+                 eos_id: int, pad_id: int, on_response: ResponseCallback | None = None) -> Generation:
+        """Sample one response per prompt (repeat a prompt to get a group). `on_response(i, ids, logprobs,
+        finish_reason)` gets response i at the step it ends, while the others are still sampled."""
         batch = len(prompts)
         width = max(len(p) for p in prompts)
         # Left padding keeps every prompt's last token in the last column, so one step feeds one column.
@@ -101,6 +107,14 @@ class NativeEngine:
         out_logprobs = torch.zeros((batch, max_new_tokens), device=self.device)
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
         lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
+        responses: dict[int, tuple[list[int], list[float], str]] = {}
+
+        def ended(rows: Tensor, reason: str) -> None:
+            for i in rows.tolist():
+                responses[i] = (out_ids[i, : lengths[i]].tolist(), out_logprobs[i, : lengths[i]].tolist(), reason)
+                if on_response is not None:
+                    on_response(i, *responses[i])
+
         cache = None
         step_ids = ids
         for t in range(max_new_tokens):
@@ -113,18 +127,18 @@ class NativeEngine:
             out_ids[:, t] = token
             out_logprobs[:, t] = torch.where(done, 0.0, logprobs.gather(-1, token[:, None]).squeeze(-1))
             lengths += (~done).long()
-            done |= token == eos_id
+            stopped = ~done & (token == eos_id)  # [B] rows whose EOS is this step's token
+            done |= stopped
+            ended(stopped.nonzero().squeeze(1), "stop")
             if bool(done.all()):
                 break
             step_ids = token[:, None]
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
             positions = positions[:, -1:] + 1
-        return Generation(
-            response_ids=[out_ids[i, : lengths[i]].tolist() for i in range(batch)],
-            logprobs=[out_logprobs[i, : lengths[i]].tolist() for i in range(batch)],
-            finish_reasons=["stop" if bool(out_ids[i, lengths[i] - 1] == eos_id) else "length"
-                            for i in range(batch)],
-        )
+        ended((~done).nonzero().squeeze(1), "length")
+        ordered = [responses[i] for i in range(batch)]
+        return Generation(response_ids=[r[0] for r in ordered], logprobs=[r[1] for r in ordered],
+                          finish_reasons=[r[2] for r in ordered])
 
     def _sample(self, logprobs: Tensor, top_p: float) -> Tensor:
         """Draw from the distribution truncated to the smallest set with mass >= top_p."""

@@ -14,6 +14,7 @@ returns once SGLang has copied it, and only then is the reference dropped.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -24,7 +25,7 @@ from torch import Tensor
 
 from megarl.engine import cpu_compat
 from megarl.models.safetensors_dir import SafetensorsDir
-from megarl.rollout.native import Generation
+from megarl.rollout.native import Generation, ResponseCallback
 
 log = logging.getLogger(__name__)
 
@@ -84,26 +85,38 @@ class SGLangEngine:
         self._released: set[str] = set()
 
     def generate(self, prompts: list[list[int]], *, temperature: float, top_p: float, max_new_tokens: int,
-                 eos_id: int, pad_id: int) -> Generation:
+                 eos_id: int, pad_id: int, on_response: ResponseCallback | None = None) -> Generation:
         """One response per prompt; logprobs are SGLang's log_softmax(logits / temperature), before top-p.
+        `on_response(i, ids, logprobs, finish_reason)` gets response i as soon as SGLang returns it.
 
         A response stops at `eos_id` (kept as its last token) or at `max_new_tokens`. SGLang also stops
         at the EOS ids of the checkpoint's config.json and generation_config.json, whatever is passed here.
         """
         params = {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
                   "stop_token_ids": [eos_id], "ignore_eos": False}
-        outs = self.engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
-        response_ids, logprobs, reasons = [], [], []
-        for out in outs:
+        responses: dict[int, tuple[list[int], list[float], str]] = {}
+
+        # One request per prompt, all sent at once: SGLang's scheduler batches them as it would one batch
+        # request, and each is answered as it finishes rather than with the slowest.
+        async def request(i: int, ids: list[int]) -> None:
+            out = await self.engine.async_generate(input_ids=ids, sampling_params=params, return_logprob=True)
             meta = out["meta_info"]
-            ids = list(out["output_ids"])
             reason = meta["finish_reason"]["type"]
             if reason == "abort":
                 raise RuntimeError(f"SGLang aborted a request: {meta['finish_reason']}")
-            response_ids.append(ids)
-            logprobs.append([lp for lp, _, _ in meta["output_token_logprobs"]][: len(ids)])
-            reasons.append("stop" if reason == "stop" else "length")
-        return Generation(response_ids=response_ids, logprobs=logprobs, finish_reasons=reasons)
+            response = list(out["output_ids"])
+            responses[i] = (response, [lp for lp, _, _ in meta["output_token_logprobs"]][: len(response)],
+                            "stop" if reason == "stop" else "length")
+            if on_response is not None:
+                on_response(i, *responses[i])
+
+        async def all_requests() -> None:
+            await asyncio.gather(*(request(i, ids) for i, ids in enumerate(prompts)))
+
+        self.engine.loop.run_until_complete(all_requests())
+        ordered = [responses[i] for i in range(len(prompts))]
+        return Generation(response_ids=[r[0] for r in ordered], logprobs=[r[1] for r in ordered],
+                          finish_reasons=[r[2] for r in ordered])
 
     def rng_state(self) -> None:
         """None: SGLang's sampler state lives in its scheduler process and cannot be saved, so a resumed
