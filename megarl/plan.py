@@ -237,8 +237,8 @@ def rollout_engines(cfg: Config, shape: ModelShape, cluster: Cluster) -> list[in
         local = rank % gpus
         if local + rtp > gpus:
             raise PlanError(f"the rollout engine of rank {rank} (GPU {local} of its node) needs rollout.tp = {rtp} "
-                            f"GPUs and runs past the {gpus} GPUs of the node: make parallel.tp * parallel.cp a multiple "
-                            "of rollout.tp or a divisor of the GPUs per node")
+                            f"GPUs and runs past the {gpus} GPUs of the node: make parallel.tp * parallel.cp a "
+                            "multiple of rollout.tp or a divisor of the GPUs per node")
         for slot in range(rank, rank + rtp):  # rank r runs on GPU r % gpus of node r // gpus
             if slot in owner:
                 raise PlanError(f"rollout.tp = {rtp} is larger than parallel.tp * parallel.cp = {par.tp * par.cp}: the "

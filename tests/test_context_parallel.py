@@ -37,6 +37,16 @@ def test_rank_r_holds_chunks_r_and_its_mirror():
     assert split_sequence(values, cp=1, rank=0) is values
 
 
+def test_hierarchical_exchange_is_refused_naming_the_key(qwen2_dir):
+    from megarl.config import RecipeError
+    from megarl.engine.megatron import transformer_config
+    from megarl.models.arch import read_shape
+
+    with pytest.raises(RecipeError, match=r"model.megatron.cp_comm_type = 'a2a\+p2p' .* is not supported"):
+        transformer_config(read_shape(qwen2_dir), dtype="float32", tp=1, pp=1, cp=2,
+                           megatron={"cp_comm_type": "a2a+p2p"})
+
+
 def _worker(rank: int, init_file: str, out_dir: str, model_dir: str, tokens: torch.Tensor) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))

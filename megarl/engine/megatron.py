@@ -140,7 +140,6 @@ def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0) 
     )
 
 
-
 def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megatron: dict, ep: int = 1,
                        cp: int = 1):
     """Megatron TransformerConfig for an HF architecture; `megatron` holds extra fields from the recipe."""
