@@ -474,6 +474,10 @@ class Config:
                 raise ValueError(f"train.micro_batch_tokens (sequence packing) is for the RL loops; algo.name = "
                                  f"{self.algo.name!r} uses train.micro_batch_size")
             return
+        if self.train.micro_batch_tokens and self.parallel.cp > 1:
+            # context parallelism cuts each padded row into 2 * cp chunks; packed rows are not split
+            raise ValueError(f"train.micro_batch_tokens (sequence packing) cannot be combined with parallel.cp = "
+                             f"{self.parallel.cp} (context parallelism); turn one of them off")
         if n * prompts % micro and not self.train.micro_batch_tokens:
             raise ValueError(
                 f"rollout.n_samples * data.prompts_per_step = {n} * {prompts} = {n * prompts} samples per step"

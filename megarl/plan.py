@@ -217,9 +217,10 @@ def check_layout_for(cfg: Config, shape: ModelShape, cluster: Cluster, *,
 def rollout_engines(cfg: Config, shape: ModelShape, cluster: Cluster) -> list[int]:
     """Global ranks that start an SGLang engine, checked for placement and for SGLang's own TP split.
 
-    The RL loop starts one engine per Megatron model-parallel group (tp x pp ranks), on the group's first
-    rank, over `rollout.tp` consecutive GPUs from that rank's GPU. Megatron orders ranks tp, cp, dp, pp
-    (tp fastest), so those first ranks are tp * (cp_rank + cp * dp_rank) on the first pipeline stage."""
+    The RL loop starts one engine per data-parallel replica (tp x cp x pp ranks: context-parallel ranks hold
+    the same weights and share one rollout batch), on the replica's first rank, over `rollout.tp`
+    consecutive GPUs from that rank's GPU. Megatron orders ranks tp, cp, dp, pp (tp fastest), so those
+    first ranks are tp * cp * dp_rank on the first pipeline stage."""
     par, rtp, gpus = cfg.parallel, cfg.rollout.tp, cluster.gpus_per_node
     _divides(shape.heads, rtp, f"attention heads {shape.heads}", f"rollout.tp = {rtp}")
     if shape.kv_heads % rtp and rtp % shape.kv_heads:
@@ -230,18 +231,19 @@ def rollout_engines(cfg: Config, shape: ModelShape, cluster: Cluster) -> list[in
     if rtp > gpus:
         raise PlanError(f"rollout.tp = {rtp} is more than the {gpus} GPUs of a node (--gpus-per-node)")
     dp = cluster.world // (par.tp * par.pp * par.cp)
-    firsts = [par.tp * (c + par.cp * d) for d in range(dp) for c in range(par.cp)]
+    firsts = [par.tp * par.cp * d for d in range(dp)]
     owner: dict[int, int] = {}
     for rank in firsts:
         local = rank % gpus
         if local + rtp > gpus:
             raise PlanError(f"the rollout engine of rank {rank} (GPU {local} of its node) needs rollout.tp = {rtp} "
-                            f"GPUs and runs past the {gpus} GPUs of the node: make parallel.tp a multiple of "
-                            "rollout.tp or a divisor of the GPUs per node")
+                            f"GPUs and runs past the {gpus} GPUs of the node: make parallel.tp * parallel.cp a "
+                            "multiple of rollout.tp or a divisor of the GPUs per node")
         for slot in range(rank, rank + rtp):  # rank r runs on GPU r % gpus of node r // gpus
             if slot in owner:
-                raise PlanError(f"rollout.tp = {rtp} is larger than parallel.tp = {par.tp}: the rollout engines of "
-                                f"ranks {owner[slot]} and {rank} would share GPU {slot % gpus} of node {slot // gpus}")
+                raise PlanError(f"rollout.tp = {rtp} is larger than parallel.tp * parallel.cp = {par.tp * par.cp}: the "
+                                f"rollout engines of ranks {owner[slot]} and {rank} would share GPU {slot % gpus} of "
+                                f"node {slot // gpus}")
             owner[slot] = rank
     return firsts
 

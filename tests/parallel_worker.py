@@ -1,7 +1,7 @@
 """Run under torchrun by test_parallel.py: two optimizer steps of a policy loss on a fixed global batch.
 
-Every layout (TP, PP, DP, EP and their combinations) gets the same global batch: each DP rank takes its
-contiguous slice. Rank 0 writes the numbers and the full HF state dict after training to --out, so the
+Every layout (TP, PP, DP, EP, CP and their combinations) gets the same global batch: each DP rank takes its
+contiguous slice (the context-parallel ranks of a replica take the same one and split its sequences). Rank 0 writes the numbers and the full HF state dict after training to --out, so the
 test can compare every layout against the single-rank run, and whether the handoff of the untrained
 reference reproduced the checkpoint bit for bit.
 """
@@ -66,13 +66,14 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--micro-batch-tokens", type=int, default=0, help="pack sequences (0: padded rows)")
     parser.add_argument("--redistribute", action="store_true",
                         help="balance samples over DP ranks by tokens after the old logprobs, before training")
     args = parser.parse_args()
 
-    groups = init_parallel(tp=args.tp, pp=args.pp, ep=args.ep, seed=0)
+    groups = init_parallel(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, seed=0)
     optim = OptimConfig(lr=1e-3, grad_clip=1.0, distributed=True)
     actor = TrainEngine(model_dir=args.model, dtype="float32", megatron={}, groups=groups, optim=optim)
     reference = TrainEngine(model_dir=args.model, dtype="float32", megatron={}, groups=groups)

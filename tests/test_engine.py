@@ -434,8 +434,9 @@ def test_vocabulary_padding_takes_no_probability_mass(qwen2_dir, groups, tmp_pat
     positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand(tokens.shape[0], -1)
     with torch.no_grad():
         logits = engine.module(tokens, positions, None)
-        _, extra = engine._token_logprobs(logits, tokens, temperature=1.0, entropy=True)
-    expected = torch.nn.functional.pad(entropy_from_logits(ref_logits[:, :-1]), (1, 0))
+        labels = torch.nn.functional.pad(tokens[:, 1:], (0, 1))  # the token after each position
+        _, extra = engine._token_logprobs(logits, labels, temperature=1.0, entropy=True)
+    expected = entropy_from_logits(ref_logits)  # per position: the next-token distribution's entropy
     assert (extra["entropy"] - expected).abs().max() <= FP32_TOL
 
 

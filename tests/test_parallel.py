@@ -1,5 +1,5 @@
-"""Every parallel layout gives the numbers of one rank: TP=2, PP=2, DP=2, TP2xPP2, DP2xTP2, and expert
-parallel EP=2 and EP2xPP2 on MoE models, on gloo ranks.
+"""Every parallel layout gives the numbers of one rank: TP=2, PP=2, DP=2, TP2xPP2, DP2xTP2, context
+parallel CP=2 and DP2xCP2, and expert parallel EP=2 and EP2xPP2 on MoE models, on gloo ranks.
 
 Each layout runs tests/parallel_worker.py under torchrun (two optimizer steps of the PPO + KL + entropy
 policy loss on one fixed global batch; MoE models add their load-balancing loss; then three steps of a
@@ -18,11 +18,11 @@ from conftest import REPO, run_python
 LAYOUT_TIMEOUT_S = 300  # 4 gloo ranks on 2 cores take ~30 s; a hang fails the test instead of stalling CI
 
 
-def run_layout(model_dir, out_dir, *, nproc: int, tp: int = 1, pp: int = 1, ep: int = 1,
+def run_layout(model_dir, out_dir, *, nproc: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
                extra: tuple[str, ...] = ()) -> dict:
     args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             str(REPO / "tests" / "parallel_worker.py"), "--model", str(model_dir), "--out", str(out_dir),
-            "--tp", str(tp), "--pp", str(pp), "--ep", str(ep), *extra]
+            "--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--cp", str(cp), *extra]
     proc = run_python(args, timeout_s=LAYOUT_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads((out_dir / "result.json").read_text())
@@ -58,6 +58,16 @@ def single_rank(arch_dir, tmp_path_factory):
 def test_layout_matches_single_rank(arch, nproc, tp, pp, ep, single_rank, arch_dir, tmp_path):
     result = run_layout(arch_dir(arch), tmp_path, nproc=nproc, tp=tp, pp=pp, ep=ep)
     assert_same_numbers(result, single_rank(arch))
+
+
+# Context parallelism: every sequence cut into 2 * cp chunks (rank r holds r and 2 * cp - 1 - r), keys and
+# values exchanged in the local attention, per-token outputs gathered back; with DP=2, gradients are reduced
+# and the distributed optimizer sharded over DP x CP = 4 ranks while the data is split over DP only.
+@pytest.mark.timeout(2 * LAYOUT_TIMEOUT_S)
+@pytest.mark.parametrize("nproc", [2, 4], ids=["qwen2-cp2", "qwen2-dp2cp2"])
+def test_context_parallel_matches_single_rank(nproc, single_rank, arch_dir, tmp_path):
+    result = run_layout(arch_dir("qwen2"), tmp_path, nproc=nproc, cp=2)
+    assert_same_numbers(result, single_rank("qwen2"))
 
 
 # Packed micro-batches (train.micro_batch_tokens) and token balancing over DP ranks against the padded

@@ -129,8 +129,12 @@ MOE235 = ("qwen3-235b-a22b-grpo", "qwen3-235b-a22b", 16)
     (SEVEN_B, ["data.prompts_per_step=6"], "data.prompts_per_step 6 is not divisible by the data-parallel size 4"),
     (SEVEN_B, ["train.micro_batch_size=256"], "samples per data-parallel rank 128 (data.prompts_per_step / 4 * "
                                             "rollout.n_samples) is not divisible by train.micro_batch_size = 256"),
-    (SEVEN_B, ["rollout.tp=4"], "rollout.tp = 4 is larger than parallel.tp = 2: the rollout engines of ranks 0 and 2 "
-                                "would share GPU 2 of node 0"),
+    (SEVEN_B, ["rollout.tp=4"], "rollout.tp = 4 is larger than parallel.tp * parallel.cp = 2: the rollout engines of "
+                                "ranks 0 and 2 would share GPU 2 of node 0"),
+    # context-parallel ranks share their replica's engine: one engine per tp * cp = 4 GPUs fits rollout.tp = 4
+    (SEVEN_B, ["rollout.tp=4", "parallel.cp=2"], None),
+    (SEVEN_B, ["parallel.cp=2", "train.micro_batch_tokens=4096"],
+     "train.micro_batch_tokens (sequence packing) cannot be combined with parallel.cp = 2"),
     (LLAMA, ["rollout.tp=16"], "rollout.tp = 16 is more than the 8 GPUs of a node"),
     (SEVEN_B, ["rollout.tp=7"], "key/value heads 4 and rollout.tp = 7: neither divides the other"),
     (MOE30, ["rollout.tp=4", "parallel.tp=4", "parallel.ep=4"], None),  # a valid variation: no error

@@ -30,8 +30,10 @@ _CPU = torch.device("cpu")
 _CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor",
                     "torch.HalfTensor": "torch.cuda.HalfTensor",
                     "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
-# Modules that create tensors with a literal device="cuda"; they get a torch whose factories map it to CPU.
+# Modules that create tensors with a literal device="cuda" (or in pinned host memory, which needs a CUDA
+# allocator); they get a torch whose factories make plain CPU tensors.
 _LITERAL_CUDA_MODULES = (
+    "megatron.core.models.common.embeddings.rope_utils",  # the rotary table's context-parallel slice
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.utils",
     "megatron.core.transformer.utils",
@@ -172,6 +174,7 @@ def _on_cpu(factory, *args, **kwargs):
     device = kwargs.get("device")
     if device is not None and torch.device(device).type == "cuda":
         kwargs["device"] = _CPU
+    kwargs.pop("pin_memory", None)
     return factory(*args, **kwargs)
 
 

@@ -1,20 +1,30 @@
-"""Packed sequences for Megatron's local (non Transformer Engine) attention, the one that runs on CPU.
+"""Core attention for Megatron's local (non Transformer Engine) layer spec, the one that runs on CPU: packed
+sequences and context parallelism, which the local `DotProductAttention` refuses.
 
-Megatron hands packed ("thd") query, key and value [t, heads, dim] and `PackedSeqParams` to the core
-attention; rotary embeddings were already applied per segment from `cu_seqlens` (positions restart at 0 in
-every sequence). Transformer Engine's attention takes that as is. The local `DotProductAttention` refuses
-it, so this one computes the same thing as a batch of one row of t tokens under a block-diagonal causal
-mask: a token attends to the earlier tokens of its own segment only. Megatron's masked softmax fills masked
-scores with -10000 before the softmax, as it does with the causal mask of an unpacked batch, so each
-sequence's attention weights equal those of the same sequence alone (exp(-10000 - max) is 0 in fp32 and
-bf16). The mask is t x t booleans: fine for the CPU and debugging runs this spec serves.
+Packed sequences: Megatron hands packed ("thd") query, key and value [t, heads, dim] and `PackedSeqParams`
+to the core attention; rotary embeddings were already applied per segment from `cu_seqlens` (positions
+restart at 0 in every sequence). Transformer Engine's attention takes that as is. The local one refuses it,
+so this one computes the same thing as a batch of one row of t tokens under a block-diagonal causal mask: a
+token attends to the earlier tokens of its own segment only. Megatron's masked softmax fills masked scores
+with -10000 before the softmax, as it does with the causal mask of an unpacked batch, so each sequence's
+attention weights equal those of the same sequence alone (exp(-10000 - max) is 0 in fp32 and bf16). The mask
+is t x t booleans: fine for the CPU and debugging runs this spec serves.
+
+Context parallelism: each rank holds two chunks of every sequence (megarl.engine.context_parallel) with
+rotary embeddings already applied at their true positions. Keys and values are all-gathered over the
+context-parallel group, and the causal mask compares true positions: this rank's queries against every
+rank's keys. Transformer Engine exchanges them in a ring instead; the result is the same attention.
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from torch import Tensor
+
+from megarl.engine.context_parallel import all_gather_keys_values, cp_positions
 
 
 def block_causal_mask(cu_seqlens: Tensor, total: int, *, device) -> Tensor:
@@ -27,10 +37,39 @@ def block_causal_mask(cu_seqlens: Tensor, total: int, *, device) -> Tensor:
 
 
 class PackedLocalAttention(DotProductAttention):
-    """`DotProductAttention` that also takes packed sequences (PackedSeqParams with qkv_format "thd")."""
+    """`DotProductAttention` that also takes packed sequences (PackedSeqParams with qkv_format "thd") and
+    context parallelism (config.context_parallel_size > 1, over the `cp` group of `pg_collection`)."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+        cp_group = None
+        if config.context_parallel_size > 1:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            if pg_collection is None:
+                pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+            cp_group = pg_collection.cp
+            # The parent refuses context parallelism because it has no key/value exchange; this class adds
+            # it, so the parent is built for what it still computes: attention of this rank's queries.
+            config = copy.copy(config)
+            config.context_parallel_size = 1
+        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
+                         softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        self.cp_group = cp_group
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                 attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> Tensor:
+        if self.cp_group is not None:
+            if packed_seq_params is not None or attention_mask is not None:
+                raise ValueError("context-parallel local attention takes padded rows under the causal mask only "
+                                 "(no packed sequences, no attention mask of its own)")
+            # query [s, b, heads, dim]; keys and values [cp * s, b, groups, dim] after the exchange
+            key, value, key_pos = all_gather_keys_values(key, value, group=self.cp_group)
+            cp = self.cp_group.size()
+            query_pos = cp_positions(query.shape[0] * cp, cp=cp, rank=self.cp_group.rank(), device=query.device)
+            mask = (key_pos[None, :] > query_pos[:, None])[None, None]  # [1, 1, s, cp * s]
+            return super().forward(query, key, value, mask, attn_mask_type=attn_mask_type,
+                                   attention_bias=attention_bias)
         if packed_seq_params is None:
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                    attention_bias=attention_bias)

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from megarl.checkpoint import CheckpointError
 from megarl.config import RecipeError
+from megarl.engine.context_parallel import gather_sequence, split_sequence
 from megarl.engine.offload import TrainerMemory
 from megarl.models import layout
 from megarl.models.arch import ModelShape, padded_vocab_size, read_shape
@@ -55,8 +56,9 @@ class ParallelGroups:
     tp: dist.ProcessGroup
     pp: dist.ProcessGroup
     dp: dist.ProcessGroup
-    mp: dist.ProcessGroup          # tensor x pipeline: the ranks that hold one copy of the model
+    mp: dist.ProcessGroup          # tensor x context x pipeline: the ranks of one data-parallel replica
     ep: dist.ProcessGroup          # expert parallel: the ranks that split one layer's experts between them
+    cp: dist.ProcessGroup          # context parallel: the ranks that split every sequence between them
     tp_rank: int
     tp_size: int
     pp_rank: int
@@ -65,8 +67,10 @@ class ParallelGroups:
     dp_size: int
     ep_rank: int
     ep_size: int
+    cp_rank: int
+    cp_size: int
     pp_last_global_rank: int       # global rank of the last pipeline stage of this rank's pipeline
-    mp_src_global_rank: int        # global rank of this model-parallel group's first rank
+    mp_src_global_rank: int        # global rank of this replica's first rank (the one that feeds rollout)
 
     @property
     def is_pp_last(self) -> bool:
@@ -75,7 +79,6 @@ class ParallelGroups:
 
 def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0) -> ParallelGroups:
     """Initialize torch.distributed (torchrun env, else a one-process group) and Megatron's parallel state."""
-    check_context_parallel(cp)
     cuda = torch.cuda.is_available()
     if not cuda:
         from megarl.engine import cpu_compat
@@ -100,10 +103,10 @@ def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0) 
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                      context_parallel_size=cp, expert_model_parallel_size=ep)
     current = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-               ps.get_expert_model_parallel_world_size())
-    if current != (tp, pp, ep):
-        raise RuntimeError(f"Megatron's parallel state is already initialized with tp, pp, ep = {current}, "
-                           f"not the requested {(tp, pp, ep)}")
+               ps.get_expert_model_parallel_world_size(), ps.get_context_parallel_world_size())
+    if current != (tp, pp, ep, cp):
+        raise RuntimeError(f"Megatron's parallel state is already initialized with tp, pp, ep, cp = {current}, "
+                           f"not the requested {(tp, pp, ep, cp)}")
     tp_ranks = dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
     # Experts are split over Megatron's expert tensor-parallel group (default size tp); its rank generator
     # also puts tp innermost, so it holds the TP group's ranks and the weight gathers can use groups.tp.
@@ -112,24 +115,42 @@ def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0) 
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     pp_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
-    mp_ranks = dist.get_process_group_ranks(ps.get_model_parallel_group())
+    replica = ps.get_model_parallel_group()
+    if cp > 1:
+        # Megatron's model-parallel group (tensor x pipeline) leaves context parallelism out, its ranks hold
+        # the same weights; but context-parallel ranks also share one rollout batch and one rollout engine,
+        # so `mp` here is the whole replica: the ranks of one data-parallel index. Every rank creates every
+        # group, in the same order.
+        dp_of_rank: list[int | None] = [None] * world
+        dist.all_gather_object(dp_of_rank, ps.get_data_parallel_rank())
+        for index in sorted(set(dp_of_rank)):
+            group = dist.new_group([r for r, d in enumerate(dp_of_rank) if d == index])
+            if index == ps.get_data_parallel_rank():
+                replica = group
     return ParallelGroups(
         tp=ps.get_tensor_model_parallel_group(), pp=ps.get_pipeline_model_parallel_group(),
-        dp=ps.get_data_parallel_group(), mp=ps.get_model_parallel_group(),
-        ep=ps.get_expert_model_parallel_group(),
+        dp=ps.get_data_parallel_group(), mp=replica,
+        ep=ps.get_expert_model_parallel_group(), cp=ps.get_context_parallel_group(),
         tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
         pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp,
         dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
         ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep,
-        pp_last_global_rank=pp_ranks[-1], mp_src_global_rank=min(mp_ranks),
+        cp_rank=ps.get_context_parallel_rank(), cp_size=cp,
+        pp_last_global_rank=pp_ranks[-1], mp_src_global_rank=min(dist.get_process_group_ranks(replica)),
     )
 
 
-def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megatron: dict, ep: int = 1):
+def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megatron: dict, ep: int = 1,
+                       cp: int = 1):
     """Megatron TransformerConfig for an HF architecture; `megatron` holds extra fields from the recipe."""
     from megatron.core.transformer import TransformerConfig
 
     check_megatron_fields(megatron)
+    comm = megatron.get("cp_comm_type")
+    if cp > 1 and (comm == "a2a+p2p" or isinstance(comm, list) and "a2a+p2p" in comm):
+        # the hierarchical exchange needs hierarchical_context_parallel_sizes at parallel-state init
+        raise RecipeError("model.megatron.cp_comm_type = 'a2a+p2p' (hierarchical context parallelism) is not "
+                          "supported; use 'p2p', 'all_gather' or 'a2a'")
     torch_dtype = _DTYPES[dtype]
     kwargs = dict(
         num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
@@ -138,6 +159,7 @@ def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megat
         activation_func=F.silu, add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
         qk_layernorm=shape.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        context_parallel_size=cp,
         params_dtype=torch_dtype, pipeline_dtype=torch_dtype,
         bf16=torch_dtype == torch.bfloat16, fp16=torch_dtype == torch.float16,
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
@@ -191,20 +213,6 @@ def check_megatron_fields(megatron: dict) -> None:
         raise RecipeError(f"model.megatron.virtual_pipeline_model_parallel_size = {vpp}: virtual pipeline stages "
                           "are not supported; the train engine builds one model chunk per pipeline stage "
                           "(parallel.pp). Remove the key.")
-
-
-def check_context_parallel(cp: int) -> None:
-    """Context parallelism is refused before any process group exists, with the reason."""
-    if cp == 1:
-        return
-    if not uses_transformer_engine():
-        # Megatron's local DotProductAttention asserts context_parallel_size == 1; only Transformer
-        # Engine's attention exchanges keys and values between context-parallel ranks.
-        raise RecipeError(f"parallel.cp = {cp}: context parallelism needs Transformer Engine's attention, which "
-                          "needs a CUDA GPU and the transformer_engine package; Megatron's local attention "
-                          "(this machine) supports parallel.cp = 1 only")
-    raise RecipeError(f"parallel.cp = {cp}: the train engine does not split sequences over context-parallel "
-                      "ranks (each rank would see whole sequences); use parallel.cp = 1")
 
 
 def uses_transformer_engine() -> bool:
@@ -300,7 +308,7 @@ class TrainEngine:
         if value_head:
             self.shape = dataclasses.replace(self.shape, tied_embeddings=False)
         self.config = transformer_config(self.shape, dtype=dtype, tp=groups.tp_size, pp=groups.pp_size,
-                                         ep=groups.ep_size, megatron=megatron)
+                                         ep=groups.ep_size, cp=groups.cp_size, megatron=megatron)
         self.module = build_gpt(self.shape, self.config, groups=groups)
         self.value_head = value_head
         if value_head and groups.is_pp_last:
@@ -569,10 +577,15 @@ class TrainEngine:
         device = _device()
         batch, seq_len = tokens.shape
         width = seq_len
-        if self.config.sequence_parallel and not micro_batch_tokens and seq_len % self.groups.tp_size:
-            # sequence parallelism splits every row evenly over TP ranks: pad the columns (masked, so no
-            # loss sees them) and cut the outputs back
-            width = -(-seq_len // self.groups.tp_size) * self.groups.tp_size
+        cp = self.groups.cp_size
+        if cp > 1 and micro_batch_tokens:
+            raise ValueError(f"sequence packing (train.micro_batch_tokens = {micro_batch_tokens}) cannot be combined "
+                             f"with context parallelism (parallel.cp = {cp}); turn one of them off")
+        # Sequence parallelism splits every row evenly over TP ranks, context parallelism into 2 * cp chunks:
+        # pad the columns (masked, so no loss sees them) and cut the outputs back.
+        multiple = (self.groups.tp_size if self.config.sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
+        if not micro_batch_tokens and seq_len % multiple:
+            width = -(-seq_len // multiple) * multiple
             def grow(t: Tensor) -> Tensor:
                 return F.pad(t, (0, width - seq_len)) if t.dim() == 2 and t.shape[1] == seq_len else t
 
@@ -590,19 +603,30 @@ class TrainEngine:
             if batch % micro_batch_size != 0:
                 raise ValueError(f"batch of {batch} sequences is not divisible by micro_batch_size "
                                  f"{micro_batch_size}")
-            positions = torch.arange(width, device=device).unsqueeze(0).expand(micro_batch_size, -1)
+            cp_rank = self.groups.cp_rank
+            positions = split_sequence(torch.arange(width, device=device)[None], cp=cp, rank=cp_rank)
+            positions = positions.expand(micro_batch_size, -1)
             micro = []
             for i in range(0, batch, micro_batch_size):
                 index = torch.arange(i, i + micro_batch_size)
                 mb = {"tokens": tokens[index].to(device), **{k: v[index].to(device) for k, v in extras.items()}}
-                micro.append((index, None, (mb["tokens"], positions, None), mb))
+                # the token after each position, taken before the split: a context-parallel rank's last
+                # position of a chunk predicts a token that another rank holds
+                labels = F.pad(mb["tokens"][:, 1:], (0, 1))
+                inputs = (split_sequence(mb["tokens"], cp=cp, rank=cp_rank),
+                          split_sequence(labels, cp=cp, rank=cp_rank), positions, None)
+                micro.append((index, None, inputs, mb))
             shape_len, shape_batch = width, micro_batch_size
         n_micro = len(micro)
         chunks: list[tuple[Tensor, Tensor]] = []
         stat_sums: dict[str, Tensor] = {}
         # Megatron divides each micro-batch loss by the number of micro-batches and DDP averages over DP
         # ranks; loss functions here already return contributions normalized by global counts, so the
-        # scale below undoes both averages and the gradient is exactly that of the global loss.
+        # scale below undoes both averages and the gradient is exactly that of the global loss. Context
+        # parallelism changes nothing here: every CP rank computes the loss of the whole sequences (their
+        # outputs are gathered) and back-propagates it through its own positions only, so the CP ranks'
+        # gradients add up to the full one; DDP averages over DP x CP ranks and the schedule multiplies
+        # each loss by cp to match.
         # The MoE load-balancing loss is not returned here: each router attaches coeff * aux_loss of its
         # micro-batch to the autograd graph (MoEAuxLossAutoScaler), and the schedule scales its gradient by
         # 1 / n_micro, then DDP by 1 / dp. Its gradient is therefore that of coeff * (mean over the global
@@ -610,13 +634,19 @@ class TrainEngine:
         # that keeps the micro-batches (packing changes them), and part of grad_norm but not of the loss.
         loss_scale = float(n_micro * self.groups.dp_size)
 
-        def loss_func(index, row, ids, mb, output):
+        def aligned(per_position: Tensor) -> Tensor:
+            """[b, s / cp] per position of this rank -> [b, s] whole sequences, shifted right by one: column t
+            scores token t from the prefix before it (the value of the state before token t sits in column
+            t, like the logprob of token t); column 0 is 0."""
+            return F.pad(gather_sequence(per_position, group=self.groups.cp)[:, :-1], (1, 0))
+
+        def loss_func(index, row, labels, mb, output):
             if self.value_head:
-                # the value of the state before token t sits in column t, like the logprob of token t
-                out = F.pad(output[:, :-1, 0].float(), (1, 0))
-                kwargs = {}
+                out, kwargs = aligned(output[..., 0].float()), {}
             else:
-                out, kwargs = self._token_logprobs(output, ids, temperature=temperature, entropy=entropy)
+                per_position, kwargs = self._token_logprobs(output, labels, temperature=temperature,
+                                                            entropy=entropy)
+                out, kwargs = aligned(per_position), {k: aligned(v) for k, v in kwargs.items()}
             if row is not None:
                 out = unpack(out[0], row, width=seq_len)
                 kwargs = {k: unpack(v[0], row, width=seq_len) for k, v in kwargs.items()}
@@ -633,9 +663,9 @@ class TrainEngine:
             return loss * loss_scale, {}
 
         def forward_step(data_iterator, model):
-            index, row, (ids, positions, packed), mb = next(data_iterator)
+            index, row, (ids, labels, positions, packed), mb = next(data_iterator)
             output = model(ids, positions, None, packed_seq_params=packed)
-            return output, partial(loss_func, index, row, ids, mb)
+            return output, partial(loss_func, index, row, labels, mb)
 
         self.model.train(not forward_only)
         get_forward_backward_func()(
@@ -688,7 +718,8 @@ class TrainEngine:
                                      cu_seqlens_kv=row.cu_seqlens.to(device), max_seqlen_q=row.max_seqlen,
                                      max_seqlen_kv=row.max_seqlen)
             mb = {"tokens": tokens[row.index].to(device), **{k: v[row.index].to(device) for k, v in extras.items()}}
-            micro.append((row.index, row, (ids.to(device), positions.to(device), params), mb))
+            labels = F.pad(ids[:, 1:], (0, 1))  # the token after each position of the row
+            micro.append((row.index, row, (ids.to(device), labels.to(device), positions.to(device), params), mb))
         return micro
 
     def _dp_reduce(self, value: int, op) -> int:
@@ -698,18 +729,18 @@ class TrainEngine:
         dist.all_reduce(t, op=op, group=self.groups.dp)
         return int(t)
 
-    def _token_logprobs(self, logits: Tensor, tokens: Tensor, *, temperature: float, entropy: bool
+    def _token_logprobs(self, logits: Tensor, labels: Tensor, *, temperature: float, entropy: bool
                         ) -> tuple[Tensor, dict[str, Tensor]]:
-        """logits [b, T, V/tp] -> (logprobs [b, T], {"entropy": [b, T]} when asked); column t scores token t
-        from the prefix before it, column 0 is 0 (no prediction)."""
+        """logits [b, s, V/tp] and labels [b, s] (the token after each position) -> (logprobs of the labels
+        [b, s], {"entropy": [b, s]} of the next-token distribution when asked), position by position."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        scaled = self._mask_vocab_padding(logits[:, :-1].float() / temperature)
+        scaled = self._mask_vocab_padding(logits.float() / temperature)
         if not entropy:
-            return F.pad(-vocab_parallel_cross_entropy(scaled, tokens[:, 1:]), (1, 0)), {}
-        token_entropy = F.pad(self._vocab_parallel_entropy(scaled), (1, 0))
+            return -vocab_parallel_cross_entropy(scaled, labels), {}
+        token_entropy = self._vocab_parallel_entropy(scaled)
         # Megatron's cross entropy works in place on its input: give it a copy of the logits entropy used
-        logprobs = F.pad(-vocab_parallel_cross_entropy(scaled.clone(), tokens[:, 1:]), (1, 0))
+        logprobs = -vocab_parallel_cross_entropy(scaled.clone(), labels)
         return logprobs, {"entropy": token_entropy}
 
     def _mask_vocab_padding(self, logits: Tensor) -> Tensor:
