@@ -330,13 +330,14 @@ def test_packed_critic_values_and_train_step_equal_padded(qwen2_dir, groups):
 
 
 # ---- layouts the engine refuses ------------------------------------------------------------------------------
-def test_virtual_pipeline_and_context_parallel_are_refused_naming_the_key():
+def test_bad_virtual_stage_count_and_context_parallel_are_refused_naming_the_key():
     from megarl.config import RecipeError
     from megarl.engine.megatron import check_megatron_fields, init_parallel, uses_transformer_engine
 
-    with pytest.raises(RecipeError, match=r"model.megatron.virtual_pipeline_model_parallel_size = 2: virtual "
-                                          r"pipeline stages are not supported"):
-        check_megatron_fields({"virtual_pipeline_model_parallel_size": 2})
+    with pytest.raises(RecipeError, match=r"model.megatron.virtual_pipeline_model_parallel_size = 0: the number "
+                                          r"of virtual pipeline stages per pipeline rank must be a whole number"):
+        check_megatron_fields({"virtual_pipeline_model_parallel_size": 0})
+    check_megatron_fields({"virtual_pipeline_model_parallel_size": 2})  # the layout checks come at launch
     check_megatron_fields({"recompute_granularity": None})  # other fields pass
     assert not uses_transformer_engine()  # this machine: no GPU, so no Transformer Engine attention
     # refused before any process group is made, so this process's Megatron state is untouched
