@@ -174,28 +174,21 @@ def virtual_stages(megatron: dict, *, layers: int, pp: int) -> int:
         hint = f" (= layers / (pp * {per}) = {layers / (pp * per):g})" if per else ""
         raise PlanError("model.megatron.num_layers_per_virtual_pipeline_stage is not a TransformerConfig field: "
                         f"set virtual_pipeline_model_parallel_size{hint}")
-    vpp = megatron.get("virtual_pipeline_model_parallel_size") or 1
-    if vpp > 1:
-        if pp < 2:
-            raise PlanError(f"model.megatron.virtual_pipeline_model_parallel_size = {vpp} needs parallel.pp >= 2, "
-                            f"got {pp}")
-        _divides(layers, pp * vpp, f"layers {layers}",
-                 f"parallel.pp * model.megatron.virtual_pipeline_model_parallel_size = {pp} * {vpp} = {pp * vpp}")
-    return vpp
+    return megatron.get("virtual_pipeline_model_parallel_size") or 1
 
 
 def check_layout_for(cfg: Config, shape: ModelShape, cluster: Cluster, *,
                      prompt_tokens: int) -> Layout:
     """Every divisibility the launch needs, on this cluster; PlanError names both numbers."""
     par, world = cfg.parallel, cluster.world
+    vpp = virtual_stages(cfg.model.megatron, layers=shape.layers, pp=par.pp)
     try:
-        check_layout(shape, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, world_size=world,
+        check_layout(shape, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, world_size=world, vpp=vpp,
                      sequence_parallel=bool(cfg.model.megatron.get("sequence_parallel")))
     except ValueError as e:
         raise PlanError(f"{e} (world size = {cluster.nodes} nodes * {cluster.gpus_per_node} GPUs)") from None
     dp = world // (par.tp * par.pp * par.cp)
     expert_dp = world // (par.tp * par.ep * par.pp)
-    vpp = virtual_stages(cfg.model.megatron, layers=shape.layers, pp=par.pp)
 
     prompts, n, micro = cfg.data.prompts_per_step, cfg.rollout.n_samples, cfg.train.micro_batch_size
     _divides(prompts, dp, f"data.prompts_per_step {prompts}", f"the data-parallel size {dp} "

@@ -1,9 +1,12 @@
 """Run under torchrun by test_parallel.py: two optimizer steps of a policy loss on a fixed global batch.
 
-Every layout (TP, PP, DP, EP, CP and their combinations) gets the same global batch: each DP rank takes its
-contiguous slice (the context-parallel ranks of a replica take the same one and split its sequences). Rank 0 writes the numbers and the full HF state dict after training to --out, so the
+Every layout (TP, PP, VPP, DP, EP, CP and their combinations) gets the same global batch: each DP rank takes
+its contiguous slice (the context-parallel ranks of a replica take the same one and split its
+sequences). Rank 0 writes the numbers and the full HF state dict after training to --out, so the
 test can compare every layout against the single-rank run, and whether the handoff of the untrained
-reference reproduced the checkpoint bit for bit.
+reference reproduced the checkpoint bit for bit. With --save the actor's distributed checkpoint after the
+two steps goes to that directory; with --resume-from a fresh actor loads such a checkpoint (written at any
+layout) and takes a third step on the same batch.
 """
 
 from __future__ import annotations
@@ -67,6 +70,9 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--vpp", type=int, default=1, help="virtual pipeline stages per pipeline rank")
+    parser.add_argument("--save", help="save the actor's distributed checkpoint after its two steps here")
+    parser.add_argument("--resume-from", help="load this actor checkpoint into a fresh actor and take one step")
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--micro-batch-tokens", type=int, default=0, help="pack sequences (0: padded rows)")
     parser.add_argument("--redistribute", action="store_true",
@@ -75,8 +81,10 @@ def main() -> None:
 
     groups = init_parallel(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, seed=0)
     optim = OptimConfig(lr=1e-3, grad_clip=1.0, distributed=True)
-    actor = TrainEngine(model_dir=args.model, dtype="float32", megatron={}, groups=groups, optim=optim)
-    reference = TrainEngine(model_dir=args.model, dtype="float32", megatron={}, groups=groups)
+    megatron = {"virtual_pipeline_model_parallel_size": args.vpp} if args.vpp > 1 else {}
+    engine = partial(TrainEngine, model_dir=args.model, dtype="float32", megatron=megatron, groups=groups)
+    actor = engine(optim=optim)
+    reference = engine()
     batch = global_batch(actor.shape.vocab_size)
     per_rank = GLOBAL_BATCH // groups.dp_size
     mine = {k: v[groups.dp_rank * per_rank: (groups.dp_rank + 1) * per_rank] for k, v in batch.items()}
@@ -100,10 +108,11 @@ def main() -> None:
     algo = AlgoConfig(kl_coef=0.1, clip_low=0.2, clip_high=0.28, entropy_coef=0.05)
     loss_fn = partial(policy_loss, algo=algo, norm=norm)
     steps = [actor.train_step(tokens, mine, loss_fn, entropy=True, **kwargs) for _ in range(2)]
+    if args.save:
+        actor.save_checkpoint(args.save)
 
     # A critic on the same trunk fits the advantages as returns: its scalar head sits on the last stage
-    critic = TrainEngine(model_dir=args.model, dtype="float32", megatron={}, groups=groups, optim=optim,
-                         value_head=True)
+    critic = engine(optim=optim, value_head=True)
     values = critic.values(tokens, **micro) * mine["response_mask"]
     critic_extras = {"response_mask": mine["response_mask"], "values": values, "returns": mine["advantages"]}
     critic_fn = partial(critic_loss, value_clip=0.01, norm=norm)  # small: clipping is hit
@@ -125,6 +134,14 @@ def main() -> None:
     dist.all_gather_object(gathered, (groups.dp_rank, groups.tp_rank, groups.pp_rank, logprobs0.tolist(),
                                       trained_rows))
     tensors = dict(actor.pipeline_hf_tensors()) if groups.dp_rank == 0 or groups.ep_size > 1 else {}
+    resumed = {}
+    if args.resume_from:
+        resumed_actor = engine(optim=optim, load_weights=False)
+        resumed_actor.load_checkpoint(args.resume_from)
+        # copies: the handoff yields views of the parameters where no gather was needed
+        resumed["loaded"] = {k: v.clone() for k, v in resumed_actor.pipeline_hf_tensors()}
+        resumed["step"] = resumed_actor.train_step(tokens, mine, loss_fn, entropy=True, **kwargs)
+        resumed["stepped"] = dict(resumed_actor.pipeline_hf_tensors())
     if dist.get_rank() == 0:
         # The full logprobs of the global batch, in DP order, from TP rank 0 of each DP replica.
         by_dp = {dp: lp for dp, tp, pp, lp, _ in gathered if tp == 0 and pp == 0}
@@ -137,8 +154,11 @@ def main() -> None:
                                                      "tokens": batch["tokens"].tolist(),
                                                      "lengths": lengths_of(batch["response_mask"]).tolist(),
                                                      "trained_rows": [rows_by_dp[dp] for dp in sorted(rows_by_dp)],
-                                                     "handoff_exact_on_every_rank": all(all_exact)}))
+                                                     "handoff_exact_on_every_rank": all(all_exact),
+                                                     "resumed_step": resumed.get("step")}))
         torch.save({k: v.clone() for k, v in tensors.items()}, out / "weights.pt")
+        if resumed:
+            torch.save({"loaded": resumed["loaded"], "stepped": resumed["stepped"]}, out / "resumed.pt")
     dist.barrier()
     dist.destroy_process_group()
 

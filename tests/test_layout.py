@@ -184,6 +184,10 @@ def test_unknown_megatron_name_raises_key_error_naming_it(qwen2_dir, name):
     (dict(tp=8, pp=1, cp=1, world_size=8), "attention heads 4 is not divisible by parallel.tp = 8"),
     (dict(tp=4, pp=1, cp=1, world_size=4), "key/value heads (query groups) 2 is not divisible by parallel.tp = 4"),
     (dict(tp=1, pp=3, cp=1, world_size=3), "layers 2 is not divisible by parallel.pp = 3"),
+    (dict(tp=1, pp=1, cp=1, world_size=1, vpp=2),
+     "model.megatron.virtual_pipeline_model_parallel_size = 2 needs parallel.pp >= 2, got parallel.pp = 1"),
+    (dict(tp=1, pp=2, cp=1, world_size=2, vpp=2),
+     "layers 2 is not divisible by parallel.pp * model.megatron.virtual_pipeline_model_parallel_size = 2 * 2 = 4"),
 ])
 def test_layout_that_does_not_divide_names_both_numbers(qwen2_dir, layout, message):
     from megarl.models.arch import check_layout, read_shape

@@ -330,13 +330,14 @@ def test_packed_critic_values_and_train_step_equal_padded(qwen2_dir, groups):
 
 
 # ---- layouts the engine refuses ------------------------------------------------------------------------------
-def test_virtual_pipeline_is_refused_naming_the_key():
+def test_bad_virtual_stage_count_is_refused_naming_the_key():
     from megarl.config import RecipeError
     from megarl.engine.megatron import check_megatron_fields
 
-    with pytest.raises(RecipeError, match=r"model.megatron.virtual_pipeline_model_parallel_size = 2: virtual "
-                                          r"pipeline stages are not supported"):
-        check_megatron_fields({"virtual_pipeline_model_parallel_size": 2})
+    with pytest.raises(RecipeError, match=r"model.megatron.virtual_pipeline_model_parallel_size = 0: the number "
+                                          r"of virtual pipeline stages per pipeline rank must be a whole number"):
+        check_megatron_fields({"virtual_pipeline_model_parallel_size": 0})
+    check_megatron_fields({"virtual_pipeline_model_parallel_size": 2})  # the layout checks come at launch
     check_megatron_fields({"recompute_granularity": None})  # other fields pass
 
 

@@ -1,5 +1,6 @@
-"""Every parallel layout gives the numbers of one rank: TP=2, PP=2, DP=2, TP2xPP2, DP2xTP2, context
-parallel CP=2 and DP2xCP2, and expert parallel EP=2 and EP2xPP2 on MoE models, on gloo ranks.
+"""Every parallel layout gives the numbers of one rank: TP=2, PP=2, DP=2, TP2xPP2, DP2xTP2, virtual pipeline
+stages PP2xVPP2, context parallel CP=2 and DP2xCP2, and expert parallel EP=2 and EP2xPP2 on MoE models, on gloo
+ranks.
 
 Each layout runs tests/parallel_worker.py under torchrun (two optimizer steps of the PPO + KL + entropy
 policy loss on one fixed global batch; MoE models add their load-balancing loss; then three steps of a
@@ -13,7 +14,7 @@ import json
 import pytest
 import torch
 
-from conftest import REPO, run_python
+from conftest import REPO, _tiny_model_tool, run_python
 
 LAYOUT_TIMEOUT_S = 300  # 4 gloo ranks on 2 cores take ~30 s; a hang fails the test instead of stalling CI
 
@@ -95,6 +96,56 @@ def test_packing_and_dp_balancing_match_single_rank(pp, extra, single_rank, arch
         assert max(loads) - min(loads) < 34 - 30
 
 
+@pytest.fixture(scope="module")
+def qwen2_4_layers(tiny_models):
+    """The tiny Qwen2 with 4 layers: one per chunk of PP=2 x VPP=2."""
+    return _tiny_model_tool().make_tiny_model(tiny_models / "qwen2_4layers_seed0", arch="qwen2", seed=0, layers=4)
+
+
+@pytest.fixture(scope="module")
+def single_4_layers(qwen2_4_layers, tmp_path_factory):
+    """The single-rank run of the 4-layer model, and the actor checkpoint it saved after its two steps."""
+    out = tmp_path_factory.mktemp("layout_single_4_layers")
+    return run_layout(qwen2_4_layers, out / "run", nproc=1, extra=("--save", str(out / "ckpt"))), out / "ckpt"
+
+
+@pytest.mark.timeout(4 * LAYOUT_TIMEOUT_S)
+def test_virtual_pipeline_stages_match_single_rank_and_checkpoints_change_layout(qwen2_4_layers, single_4_layers,
+                                                                                 tmp_path):
+    """PP=2 x VPP=2: each rank holds two chunks of one layer (rank 0 layers 0 and 2, rank 1 layers 1 and 3)
+    and 4 micro-batches go through the interleaved 1F1B schedule; the numbers are the single-rank ones.
+    The actor checkpoint written at PP2xVPP2 loads at PP=1 and the single-rank one at PP2xVPP2: the loaded
+    weights are the saver's bit for bit, and the third step each then takes (restored Adam moments
+    included) agrees."""
+    single, single_ckpt = single_4_layers
+    vpp = run_layout(qwen2_4_layers, tmp_path / "vpp", nproc=2, pp=2,
+                     extra=("--vpp", "2", "--save", str(tmp_path / "ckpt_vpp"),
+                            "--resume-from", str(single_ckpt)))
+    assert_same_numbers(vpp, single)
+    pp1 = run_layout(qwen2_4_layers, tmp_path / "pp1", nproc=1, extra=("--resume-from", str(tmp_path / "ckpt_vpp")))
+
+    vpp_resumed = torch.load(tmp_path / "vpp" / "resumed.pt", weights_only=True)
+    pp1_resumed = torch.load(tmp_path / "pp1" / "resumed.pt", weights_only=True)
+    for loaded, saved in ((vpp_resumed["loaded"], single["weights"]), (pp1_resumed["loaded"], vpp["weights"])):
+        assert set(loaded) == set(saved)
+        assert all(torch.equal(loaded[name], saved[name]) for name in saved)
+    for key, want in pp1["resumed_step"].items():
+        assert vpp["resumed_step"][key] == pytest.approx(want, rel=1e-5, abs=1e-7), key
+    assert_same_weights(vpp_resumed["stepped"], pp1_resumed["stepped"])
+
+
+@pytest.mark.timeout(2 * LAYOUT_TIMEOUT_S)
+def test_virtual_pipeline_stages_with_packing_match_single_rank(qwen2_4_layers, single_4_layers, tmp_path):
+    """Packed micro-batches through the interleaved schedule: 64 tokens in rows of at most 24 fit in 3, which
+    the engine raises to 4 (the schedule takes a multiple of pp = 2)."""
+    from megarl.packing import count_bins
+
+    single, _ = single_4_layers
+    result = run_layout(qwen2_4_layers, tmp_path, nproc=2, pp=2, extra=("--vpp", "2", "--micro-batch-tokens", "24"))
+    assert count_bins(result["lengths"], 24) == 3
+    assert_same_numbers(result, single, lengths=result["lengths"])
+
+
 def assert_same_numbers(result: dict, reference: dict, *, lengths: list[int] | None = None) -> None:
     """A layout's run equals the single-rank run: logprobs, both models' steps, the trained weights.
     `lengths` restricts the logprob comparison to real tokens (packed rows have no output past them)."""
@@ -114,14 +165,19 @@ def assert_same_numbers(result: dict, reference: dict, *, lengths: list[int] | N
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
     assert result["critic_steps"][2]["critic/clipfrac"] > 0  # value clipping is exercised
     assert result["steps"][1]["clipfrac"] > 0  # the second step is off-policy: clipping is exercised
-    assert set(result["weights"]) == set(reference["weights"])
+    assert_same_weights(result["weights"], reference["weights"])
+
+
+def assert_same_weights(weights: dict, reference: dict) -> None:
+    """Trained HF state dicts of two layouts agree."""
+    assert set(weights) == set(reference)
     # Updated weights: almost every coordinate agrees to 1e-6 (0.05% of one lr=1e-3 Adam step). Adam divides
     # each gradient by its own running scale, so on the few coordinates whose gradient is a near-cancelling
     # sum (true value ~0: key biases, unused vocabulary rows), fp32 reduction-order noise becomes a visible
     # part of the step; those may differ by up to 5% of one step, and at most 0.1% of the model may do so.
     loose = total = 0
-    for name, want in reference["weights"].items():
-        diff = (result["weights"][name] - want).abs()
+    for name, want in reference.items():
+        diff = (weights[name] - want).abs()
         assert diff.max() <= 1e-4, f"{name}: max |diff| {diff.max():.3g}"
         loose += int((diff > 1e-6).sum())
         total += diff.numel()

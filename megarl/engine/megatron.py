@@ -30,7 +30,7 @@ from megarl.config import RecipeError
 from megarl.engine.context_parallel import gather_sequence, split_sequence
 from megarl.engine.offload import TrainerMemory
 from megarl.models import layout
-from megarl.models.arch import ModelShape, padded_vocab_size, read_shape
+from megarl.models.arch import ModelShape, check_virtual_stages, padded_vocab_size, read_shape
 from megarl.models.names import NameTable, name_rules
 from megarl.models.safetensors_dir import SafetensorsDir
 from megarl.packing import count_bins, pack, packed_row, plan_micro_batches, unpack
@@ -174,7 +174,22 @@ def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megat
         # Fused kernels are CUDA code; their unfused twins compute the same function.
         kwargs.update(bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
                       persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False)
+    vpp = megatron.get("virtual_pipeline_model_parallel_size") or 1
+    if vpp > 1:
+        # What Megatron's own training scripts pick for the interleaved schedule: separate isend/irecv calls,
+        # overlapped with compute. Batched into one batch_isend_irecv (the default) with pp = 2, a rank's
+        # previous and next stage are the same peer, and gloo pairs the two messages each way by posting
+        # order: activations land in gradient buffers and back (measured: wrong losses, no error).
+        kwargs.update(batch_p2p_comm=False, overlap_p2p_comm=True)
     kwargs.update(megatron)
+    check_virtual_stages(vpp, layers=shape.layers, pp=pp)
+    if vpp == 1:
+        # One chunk per stage is the plain 1F1B schedule; a size of 1 would select the interleaved one
+        # (and its micro-batch rules) for nothing.
+        kwargs["virtual_pipeline_model_parallel_size"] = None
+    elif pp == 2 and kwargs["batch_p2p_comm"] and not torch.cuda.is_available():
+        raise RecipeError("model.megatron.batch_p2p_comm: true with virtual pipeline stages and parallel.pp = 2 "
+                          "mixes up activations and gradients on gloo (both go to the same peer); leave it unset")
     return TransformerConfig(**kwargs)
 
 
@@ -207,12 +222,9 @@ def check_megatron_fields(megatron: dict) -> None:
     if unknown:
         raise RecipeError(f"model.megatron: unknown TransformerConfig field(s): {', '.join(unknown)}")
     vpp = megatron.get("virtual_pipeline_model_parallel_size")
-    if vpp is not None:
-        # Megatron's interleaved schedule takes a list of model chunks, each built for its virtual stage;
-        # the weight loading, handoff and checkpoints here address one chunk per pipeline stage.
-        raise RecipeError(f"model.megatron.virtual_pipeline_model_parallel_size = {vpp}: virtual pipeline stages "
-                          "are not supported; the train engine builds one model chunk per pipeline stage "
-                          "(parallel.pp). Remove the key.")
+    if vpp is not None and (type(vpp) is not int or vpp < 1):
+        raise RecipeError(f"model.megatron.virtual_pipeline_model_parallel_size = {vpp!r}: the number of virtual "
+                          "pipeline stages per pipeline rank must be a whole number >= 1")
 
 
 def uses_transformer_engine() -> bool:
@@ -226,11 +238,13 @@ def uses_transformer_engine() -> bool:
     return True
 
 
-def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups):
-    """One GPTModel chunk for this pipeline stage (weights uninitialized)."""
+def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: int | None = None):
+    """One GPTModel chunk of this pipeline stage (weights uninitialized): the whole stage, or with virtual
+    pipeline stages the chunk of virtual stage `vp_stage`, whose layers Megatron picks from the config."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
+    from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage
 
     experts = shape.experts or None
     if uses_transformer_engine():
@@ -247,11 +261,12 @@ def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups):
         config=config, transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(shape.vocab_size, tp=groups.tp_size),
         max_sequence_length=shape.max_position,
-        pre_process=groups.pp_rank == 0, post_process=groups.is_pp_last,
+        pre_process=groups.pp_rank == 0 and is_vp_first_stage(vp_stage, config.virtual_pipeline_model_parallel_size),
+        post_process=groups.is_pp_last and is_vp_last_stage(vp_stage, config.virtual_pipeline_model_parallel_size),
         parallel_output=True, share_embeddings_and_output_weights=shape.tied_embeddings,
         position_embedding_type="rope", rotary_base=int(shape.rope_theta),
         rope_scaling=shape.llama3_rope_factor is not None,
-        rope_scaling_factor=shape.llama3_rope_factor or 8.0,
+        rope_scaling_factor=shape.llama3_rope_factor or 8.0, vp_stage=vp_stage,
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
@@ -297,6 +312,10 @@ class TrainEngine:
     `value_head=True` makes a critic: the vocabulary projection is replaced by a scalar head, read from
     the checkpoint's `score.weight` when it has one (a reward model) and zero otherwise, so every value
     starts at 0.
+
+    With virtual pipeline stages (`model.megatron.virtual_pipeline_model_parallel_size`) this rank holds
+    one model chunk per virtual stage (`chunks`, `models`) and runs Megatron's interleaved schedule;
+    weights, handoff and checkpoints name every layer by its global index either way.
     """
 
     def __init__(self, *, model_dir: str, dtype: str, megatron: dict, groups: ParallelGroups, optim=None,
@@ -309,32 +328,58 @@ class TrainEngine:
             self.shape = dataclasses.replace(self.shape, tied_embeddings=False)
         self.config = transformer_config(self.shape, dtype=dtype, tp=groups.tp_size, pp=groups.pp_size,
                                          ep=groups.ep_size, cp=groups.cp_size, megatron=megatron)
-        self.module = build_gpt(self.shape, self.config, groups=groups)
+        vpp = self.config.virtual_pipeline_model_parallel_size
+        stages = [None] if vpp is None else list(range(vpp))
+        # in the order the interleaved schedule visits them; the last one of the last stage holds the head
+        self.chunks = [build_gpt(self.shape, self.config, groups=groups, vp_stage=v) for v in stages]
         self.value_head = value_head
         if value_head and groups.is_pp_last:
-            self.module.output_layer = ValueHead(self.shape.hidden, self.config.params_dtype)
+            self.chunks[-1].output_layer = ValueHead(self.shape.hidden, self.config.params_dtype)
         self.names = NameTable(name_rules(self.shape, te_spec=uses_transformer_engine()))
-        self._layer_offset = get_transformer_layer_offset(self.config)
+        self._layer_offsets = [get_transformer_layer_offset(self.config, vp_stage=v) for v in stages]
         # Expert-parallel rank r holds the experts r * experts_per_rank ... (r + 1) * experts_per_rank - 1.
         self._expert_offset = groups.ep_rank * (self.shape.experts // groups.ep_size)
         if load_weights:  # False: the weights come from a distributed checkpoint (`load_checkpoint`)
             self.load_hf(model_dir)
         if optim is None:
-            self.module.requires_grad_(False)
-            self.module.eval()
-            self.model, self.optimizer = self.module, None
+            for chunk in self.chunks:
+                chunk.requires_grad_(False)
+                chunk.eval()
+            self.models, self.optimizer = self.chunks, None
         else:
-            self.model, self.optimizer = self._wrap_for_training(optim)
-        self.memory = TrainerMemory(self.module, self.model if optim is not None else None, self.optimizer)
+            self.models, self.optimizer = self._wrap_for_training(optim)
+        self.memory = TrainerMemory(self.chunks, self.models if optim is not None else None, self.optimizer)
         self.step = 0
+
+    @property
+    def module(self):
+        """The GPTModel of an engine without virtual pipeline stages."""
+        return self._only(self.chunks)
+
+    @property
+    def model(self):
+        """`module`, wrapped in Megatron DDP when the engine trains."""
+        return self._only(self.models)
+
+    @staticmethod
+    def _only(chunks: list):
+        if len(chunks) > 1:
+            raise AttributeError(f"this engine holds {len(chunks)} model chunks (virtual pipeline stages): "
+                                 "use `chunks` / `models`")
+        return chunks[0]
+
+    def _named_parameters(self) -> Iterator[tuple[str, Tensor]]:
+        """(name with the global layer index, parameter) of every chunk on this rank."""
+        for chunk, offset in zip(self.chunks, self._layer_offsets):
+            for local_name, param in chunk.named_parameters():
+                yield _global_name(local_name, offset), param
 
     # ---- weights ----------------------------------------------------------------------------------
     def load_hf(self, model_dir: str | Path) -> None:
         """Copy an HF checkpoint into this rank's shards. Every Megatron parameter must be covered."""
         source = SafetensorsDir(model_dir)
         with torch.no_grad():
-            for local_name, param in self.module.named_parameters():
-                name = _global_name(local_name, self._layer_offset)
+            for name, param in self._named_parameters():
                 if self.value_head and name == "output_layer.weight":
                     if _HF_SCORE in source:
                         param.copy_(source.get(_HF_SCORE).reshape(param.shape))
@@ -377,8 +422,7 @@ class TrainEngine:
             raise ValueError("a critic is not a causal LM: its weights have no HF causal-LM export")
         ep_ranks = dist.get_process_group_ranks(self.groups.ep)
         experts_per_rank = self.shape.experts // self.groups.ep_size
-        for local_name, param in self.module.named_parameters():
-            name = _global_name(local_name, self._layer_offset)
+        for name, param in self._named_parameters():
             if name == "output_layer.weight" and self.shape.tied_embeddings:
                 continue
             rule, _, expert = self.names.lookup(name)
@@ -443,22 +487,22 @@ class TrainEngine:
                                                finalize_model_grads)
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        ddp = DistributedDataParallel(
-            config=self.config,
-            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                     use_distributed_optimizer=optim.distributed),
-            module=self.module,
-        )
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                   use_distributed_optimizer=optim.distributed)
+        ddps = [DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=chunk)
+                for chunk in self.chunks]
         opt_config = OptimizerConfig(
             optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.beta1,
             adam_beta2=optim.beta2, adam_eps=optim.eps, clip_grad=optim.grad_clip,
             bf16=self.config.bf16, fp16=self.config.fp16, params_dtype=self.config.params_dtype,
             use_distributed_optimizer=optim.distributed,
         )
-        optimizer = get_megatron_optimizer(opt_config, [ddp])
+        # one optimizer over every chunk: one gradient norm, one clipping, one step
+        optimizer = get_megatron_optimizer(opt_config, ddps)
         self.config.finalize_model_grads_func = finalize_model_grads
-        self.config.no_sync_func = ddp.no_sync
-        return ddp, optimizer
+        # the interleaved schedule takes one no_sync per chunk, the others a single one
+        self.config.no_sync_func = ddps[0].no_sync if len(ddps) == 1 else [ddp.no_sync for ddp in ddps]
+        return ddps, optimizer
 
     # ---- device memory choreography (co-located rollout) ------------------------------------------------
     # On GPU the trainer gives its device memory to the rollout engine between updates (megarl.engine.offload);
@@ -502,7 +546,8 @@ class TrainEngine:
         self._check_shapes(path, state["model"])
         strict = StrictHandling.RAISE_ALL if self.optimizer is not None else StrictHandling.RAISE_UNEXPECTED
         loaded = dist_checkpointing.load(state, str(path), strict=strict)
-        self.module.load_state_dict(loaded["model"])
+        for chunk, chunk_state in zip(self.chunks, loaded["model"], strict=True):
+            chunk.load_state_dict(chunk_state)
         if self.optimizer is not None:
             self.optimizer.load_state_dict(loaded["optimizer"])
 
@@ -546,7 +591,9 @@ class TrainEngine:
                             step=torch.zeros((), dtype=torch.float32))
 
     def _sharded_state(self, *, is_loading: bool) -> dict:
-        model_state = self.module.sharded_state_dict()
+        # One state dict per chunk. The tensors' keys in the checkpoint carry global layer indices (the dict
+        # keys inside each chunk's state do not), so any number of chunks per rank loads any other.
+        model_state = [chunk.sharded_state_dict() for chunk in self.chunks]
         state = {"model": model_state}
         if self.optimizer is not None:
             state["optimizer"] = self.optimizer.sharded_state_dict(model_state, is_loading=is_loading,
@@ -618,6 +665,14 @@ class TrainEngine:
                 micro.append((index, None, inputs, mb))
             shape_len, shape_batch = width, micro_batch_size
         n_micro = len(micro)
+        if self._schedulable(n_micro) != n_micro:
+            group = self.config.microbatch_group_size_per_vp_stage
+            raise ValueError(
+                f"{batch} sequences in micro-batches of {micro_batch_size} (train.micro_batch_size) make {n_micro} "
+                "micro-batches; the interleaved pipeline schedule (model.megatron.virtual_pipeline_model_parallel_"
+                f"size = {self.config.virtual_pipeline_model_parallel_size}) needs at least {group} and a count "
+                f"whose remainder modulo {group} (model.megatron.microbatch_group_size_per_vp_stage, default "
+                f"parallel.pp) is 0 or at least parallel.pp = {self.groups.pp_size}, e.g. {self._schedulable(n_micro)}")
         chunks: list[tuple[Tensor, Tensor]] = []
         stat_sums: dict[str, Tensor] = {}
         # Megatron divides each micro-batch loss by the number of micro-batches and DDP averages over DP
@@ -667,9 +722,13 @@ class TrainEngine:
             output = model(ids, positions, None, packed_seq_params=packed)
             return output, partial(loss_func, index, row, labels, mb)
 
-        self.model.train(not forward_only)
-        get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
+        for model in self.models:
+            model.train(not forward_only)
+        vpp = self.config.virtual_pipeline_model_parallel_size
+        # Every chunk reads every micro-batch in order (positions and packing for all, tokens for the first,
+        # the loss inputs for the last). The virtual stage count is passed, not read from parallel_state.
+        get_forward_backward_func(pp_size=self.groups.pp_size, vp_size=vpp)(
+            forward_step_func=forward_step, data_iterator=[iter(micro) for _ in self.models], model=self.models,
             num_microbatches=n_micro, seq_length=shape_len, micro_batch_size=shape_batch,
             forward_only=forward_only,
         )
@@ -696,13 +755,13 @@ class TrainEngine:
         lens = [int(n) for n in lengths]
         if max(lens) > tokens.shape[1]:
             raise ValueError(f"a length {max(lens)} exceeds the {tokens.shape[1]} columns of the batch")
-        n_micro = self._dp_reduce(count_bins(lens, max_tokens), dist.ReduceOp.MAX)
+        n_micro = self._schedulable(self._dp_reduce(count_bins(lens, max_tokens), dist.ReduceOp.MAX))
         while True:
             plan = plan_micro_batches(lens, max_tokens=max_tokens, n_micro=n_micro)
             # one more micro-batch helps; with one per sequence every plan fits, so this ends
             if self._dp_reduce(int(plan is None), dist.ReduceOp.MAX) == 0:
                 break
-            n_micro += 1
+            n_micro = self._schedulable(n_micro + 1)
         row_lens = [max(1, sum(lens[i] for i in part)) for part in plan]
         if self.groups.pp_size > 1:
             row_lens = [max(row_lens)] * len(plan)
@@ -721,6 +780,19 @@ class TrainEngine:
             labels = F.pad(ids[:, 1:], (0, 1))  # the token after each position of the row
             micro.append((row.index, row, (ids.to(device), labels.to(device), positions.to(device), params), mb))
         return micro
+
+    def _schedulable(self, n_micro: int) -> int:
+        """The smallest micro-batch count from `n_micro` up that the pipeline schedule runs. Any count runs
+        without virtual stages. The interleaved schedule runs micro-batches in groups of g =
+        `microbatch_group_size_per_vp_stage` (default pp) through each chunk: at least g of them, and a last
+        group of 0 or at least pp (a shorter one would leave stages waiting on each other)."""
+        if self.config.virtual_pipeline_model_parallel_size is None:
+            return n_micro
+        group, pp = self.config.microbatch_group_size_per_vp_stage, self.groups.pp_size
+        n_micro = max(n_micro, group)
+        while 0 < n_micro % group < pp:
+            n_micro += 1
+        return n_micro
 
     def _dp_reduce(self, value: int, op) -> int:
         if self.groups.dp_size == 1:
@@ -809,7 +881,8 @@ class TrainEngine:
                              micro_batch_size=micro_batch_size, forward_only=False, entropy=entropy,
                              lengths=lengths, micro_batch_tokens=micro_batch_tokens)
         ok, grad_norm, _ = self.optimizer.step()
-        self.model.zero_grad_buffer()
+        for model in self.models:
+            model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.step += 1
         metrics = self._reduce_stats(stats)

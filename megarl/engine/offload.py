@@ -27,10 +27,11 @@ _logged_skips: set[str] = set()
 
 
 class TrainerMemory:
-    """Offload and onload of one model: `ddp` and `optimizer` for a trained model, None for a frozen one."""
+    """Offload and onload of one model, whose `modules` are its chunks (one per virtual pipeline stage):
+    `ddps` (one per chunk) and `optimizer` for a trained model, None for a frozen one."""
 
-    def __init__(self, module: torch.nn.Module, ddp=None, optimizer=None):
-        self.module, self.ddp, self.optimizer = module, ddp, optimizer
+    def __init__(self, modules: list[torch.nn.Module], ddps: list | None = None, optimizer=None):
+        self.modules, self.ddps, self.optimizer = modules, ddps, optimizer
         self._host: dict[torch.Tensor, torch.Tensor] = {}  # parked parameter -> its pinned host copy
 
     def offload_training_state(self) -> None:
@@ -39,7 +40,8 @@ class TrainerMemory:
             return
         if self.optimizer is None:
             return
-        self.ddp.offload_grad_buffers(synchronize=True, empty_cache=False)
+        for ddp in self.ddps:
+            ddp.offload_grad_buffers(synchronize=True, empty_cache=False)
         for opt in _optimizers(self.optimizer):
             if _holds_model_params(opt):
                 _move_state(opt, torch.device("cpu"))
@@ -51,10 +53,10 @@ class TrainerMemory:
         """Move the parameters to pinned host memory."""
         if _skip_on_cpu("trainer: offload_params"):
             return
-        if self.ddp is None:
-            self._park(self.module.parameters())
+        if self.ddps is None:
+            self._park(param for module in self.modules for param in module.parameters())
         else:
-            for buffer in self.ddp.buffers + self.ddp.expert_parallel_buffers:
+            for buffer in self._buffers():
                 if buffer.param_data is not None:
                     buffer.offload_to_cpu(move_params=True, move_grads=False)
                 else:
@@ -65,14 +67,15 @@ class TrainerMemory:
         """Bring back whatever was offloaded: parameters, gradient buffers (zeroed), optimizer state."""
         if _skip_on_cpu("trainer: onload"):
             return
-        if self.ddp is None:
+        if self.ddps is None:
             self._unpark()
             return
-        for buffer in self.ddp.buffers + self.ddp.expert_parallel_buffers:
+        for buffer in self._buffers():
             if buffer.param_data is not None:
                 buffer.reload_from_cpu(move_params=True, move_grads=False)
         self._unpark()
-        self.ddp.restore_grad_buffers(synchronize=False)
+        for ddp in self.ddps:
+            ddp.restore_grad_buffers(synchronize=False)
         device = torch.device("cuda", torch.cuda.current_device())
         for opt in _optimizers(self.optimizer):
             if _holds_model_params(opt):
@@ -80,6 +83,9 @@ class TrainerMemory:
             else:
                 opt.restore_from_cpu()
         torch.cuda.synchronize()
+
+    def _buffers(self) -> list:
+        return [buffer for ddp in self.ddps for buffer in ddp.buffers + ddp.expert_parallel_buffers]
 
     def _park(self, params) -> None:
         for param in params:

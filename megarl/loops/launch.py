@@ -21,12 +21,13 @@ def init_groups(cfg: Config) -> ParallelGroups:
         raise RecipeError(f"model.path: {e}") from None
     par = cfg.parallel
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    check_megatron_fields(cfg.model.megatron)
     try:
         check_layout(shape, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, world_size=world_size,
+                     vpp=cfg.model.megatron.get("virtual_pipeline_model_parallel_size") or 1,
                      sequence_parallel=bool(cfg.model.megatron.get("sequence_parallel")))
     except ValueError as e:
         raise RecipeError(str(e)) from None
-    check_megatron_fields(cfg.model.megatron)
     try:
         return init_parallel(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, seed=cfg.seed)
     except ValueError as e:

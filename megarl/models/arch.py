@@ -118,14 +118,15 @@ def padded_vocab_size(vocab_size: int, *, tp: int, multiple: int = 128) -> int:
 
 
 def check_layout(shape: ModelShape, *, tp: int, pp: int, cp: int, world_size: int, ep: int = 1,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, vpp: int = 1) -> None:
     """The parallel layout must split this model and this world evenly; ValueError says which number
     does not divide which (keys as in the recipe's `parallel:` section).
 
     Expert parallelism splits the experts over `ep` ranks; Megatron lays those ranks out inside each
     pipeline stage next to the expert tensor-parallel ranks (as many as tp), so tp * ep * pp must divide the
-    world as well.
+    world as well. `vpp` is the number of virtual pipeline stages (`check_virtual_stages`).
     """
+    check_virtual_stages(vpp, layers=shape.layers, pp=pp)
     if ep > 1 and not shape.is_moe:
         raise ValueError(f"parallel.ep = {ep} needs a mixture-of-experts model; {shape.arch} has no experts")
     if shape.is_moe and tp > 1 and not sequence_parallel:
@@ -150,3 +151,18 @@ def check_layout(shape: ModelShape, *, tp: int, pp: int, cp: int, world_size: in
     for number, divisor, what, by in checks:
         if number % divisor:
             raise ValueError(f"{what} is not divisible by {by}")
+
+
+def check_virtual_stages(vpp: int, *, layers: int, pp: int) -> None:
+    """Virtual pipeline stages (`model.megatron.virtual_pipeline_model_parallel_size`) cut each of the pp
+    pipeline stages into vpp model chunks that the interleaved schedule visits in turn: it needs pp >= 2
+    and the same number of layers in every one of the pp * vpp chunks. ValueError names the numbers."""
+    key = "model.megatron.virtual_pipeline_model_parallel_size"
+    if vpp == 1:
+        return
+    if vpp < 1:
+        raise ValueError(f"{key} = {vpp} must be at least 1")
+    if pp < 2:
+        raise ValueError(f"{key} = {vpp} needs parallel.pp >= 2, got parallel.pp = {pp}")
+    if layers % (pp * vpp):
+        raise ValueError(f"layers {layers} is not divisible by parallel.pp * {key} = {pp} * {vpp} = {pp * vpp}")
