@@ -83,7 +83,8 @@ class _LazyPlanner(MCoreSavePlanner):
             self._cached = (name, self.resolve(name).contiguous())
         if self.progress is not None:
             self.progress()
-        return self._cached[1].as_strided(shape, stride, offset).reshape(chunk.sizes)
+        value = self._cached[1]  # may be a view (a TP slice of a full tensor): offsets count from its start
+        return value.as_strided(shape, stride, value.storage_offset() + offset).reshape(chunk.sizes)
 
 
 def read_parameters(path: str | Path, entries: dict[str, ShardedBase], values: dict[str, Tensor]) -> None:
@@ -104,7 +105,9 @@ def read_parameters(path: str | Path, entries: dict[str, ShardedBase], values: d
                 continue
             view = sharded.data
             shape = (1,) * sharded.prepend_axis_num + tuple(view.shape)
-            data = values[name].as_strided(tuple(view.shape), view.stride(), view.storage_offset()).view(shape)
+            value = values[name]
+            data = value.as_strided(tuple(view.shape), view.stride(), value.storage_offset() + view.storage_offset())
+            data = data.view(shape)
             request[f"{name}/{i}"] = dataclasses.replace(sharded, data=data, local_shape=shape, prepend_axis_num=0,
                                                          axis_fragmentations=None)
     # The chunks of a few parameters do not cover their global tensors: Megatron's whole-state integrity
