@@ -51,13 +51,17 @@ def save_hf(named_tensors: Iterable[tuple[str, Tensor]], *, source_dir: str | Pa
         weight_map.update({k: name for k in shard})
         shard, shard_size = {}, 0
 
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if shard and shard_size + nbytes > shard_bytes:
-            flush()
-        shard[name] = tensor.detach().to("cpu", copy=True).contiguous()
-        shard_size += nbytes
-        total += nbytes
+    try:
+        for name, tensor in named_tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            if shard and shard_size + nbytes > shard_bytes:
+                flush()
+            shard[name] = tensor.detach().to("cpu", copy=True).contiguous()
+            shard_size += nbytes
+            total += nbytes
+    except BaseException:
+        shutil.rmtree(tmp)  # a source that fails midway (a damaged checkpoint) leaves nothing behind
+        raise
     if shard:
         flush()
     if len(files) == 1:

@@ -72,6 +72,22 @@ def test_a_checkpoint_written_at_one_layout_reads_at_another(arch, nproc, layout
     assert_bit_exact(tmp_path / "hf", arch_dir(arch))
 
 
+@pytest.mark.parametrize("arch, layout", [("qwen2", {"tp": 2}), ("llama", {"pp": 2}), ("mixtral", {"ep": 2})],
+                         ids=["qwen2-tp2", "llama-pp2", "mixtral-ep2"])
+def test_a_converted_checkpoint_loads_bit_exact_at_another_layout(arch, layout, arch_dir, tmp_path):
+    """Written by one process (the streaming writer), read by a TrainEngine split two ways."""
+    assert to_megatron(arch_dir(arch), tmp_path / "megatron").returncode == 0
+    args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            str(REPO / "tests" / "convert_load_worker.py"), "--ckpt", str(tmp_path / "megatron"),
+            "--out", str(tmp_path / "loaded.safetensors"), *[f"--{k}={v}" for k, v in layout.items()]]
+    result = run_python(args, timeout_s=TOOL_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got, want = load_file(str(tmp_path / "loaded.safetensors")), hf_weights(arch_dir(arch))
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+
+
 def test_an_exported_checkpoint_loads_in_transformers_with_the_same_logits(qwen2_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -117,6 +133,16 @@ def test_missing_or_truncated_files_are_named(llama_megatron, tmp_path):
     result = to_hf(truncated, tmp_path / "out2")
     assert result.returncode != 0 and not (tmp_path / "out2").exists()
     assert shard.name in result.stderr, result.stderr[-2000:]
+
+
+def test_a_truncated_hf_weight_file_is_named(arch_dir, tmp_path):
+    cut = tmp_path / "cut"
+    shutil.copytree(arch_dir("llama"), cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    result = to_megatron(cut, tmp_path / "out")
+    assert result.returncode != 0 and not (tmp_path / "out").exists()
+    assert f"{weights}: not a readable safetensors file" in result.stderr, result.stderr[-2000:]
 
 
 def test_nothing_is_overwritten(llama_megatron, arch_dir, tmp_path):

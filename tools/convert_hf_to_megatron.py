@@ -3,11 +3,13 @@
     python tools/convert_hf_to_megatron.py --hf DIR --out DIR [--tp N] [--pp N] [--ep N] [--dtype bfloat16]
     torchrun --nproc_per_node=N tools/convert_hf_to_megatron.py --hf DIR --out DIR --tp N ...
 
-OUT gets `actor/` (the distributed checkpoint: each rank writes its own shards) and `hf/` (config and
-tokenizer files, so the checkpoint describes itself). The layout only decides how the work and the memory
-are split: under torchrun each process reads from the safetensors files just the slices its shard needs,
-so a model larger than one process's memory converts with enough processes. The result loads at any
-TP/PP/EP layout. OUT must not exist: nothing is overwritten; the output is published with one rename.
+OUT gets `actor/` (the distributed checkpoint) and `hf/` (config and tokenizer files, so the checkpoint
+describes itself). The model is never built: its Megatron skeleton lives on the meta device, and each
+tensor is read from the safetensors files (memory-mapped) when the writer reaches it and dropped once
+written, so memory holds about one tensor whatever the model size. The result loads at any TP/PP/EP
+layout. The layout only splits the writing: under torchrun each process writes its own shard of the
+checkpoint, reading from the safetensors files just the tensors that shard needs. OUT must not exist:
+nothing is overwritten; the output is published with one rename.
 """
 
 from __future__ import annotations
@@ -17,14 +19,12 @@ import os
 import shutil
 import sys
 import time
-import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megarl.checkpoint import copy_side_files  # noqa: E402
-from megarl.models.arch import check_layout, read_shape  # noqa: E402
 
 
 def main() -> None:
@@ -36,35 +36,36 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     args = parser.parse_args()
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
     out = Path(args.out)
     if out.exists():
         sys.exit(f"convert: {out} exists; choose a new directory (nothing is overwritten)")
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    from megarl.engine.megatron import meta_engine
+
     try:
-        shape = read_shape(args.hf)
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        check_layout(shape, tp=args.tp, pp=args.pp, cp=1, ep=args.ep, world_size=world)
+        engine = meta_engine(args.hf, dtype=args.dtype, tp=args.tp, pp=args.pp, ep=args.ep)
     except ValueError as e:
         sys.exit(f"convert: {e}")
-
-    import torch.distributed as dist
-
-    from megarl.engine.megatron import TrainEngine, init_parallel
-
-    groups = init_parallel(tp=args.tp, pp=args.pp, ep=args.ep)
     rank0 = dist.get_rank() == 0
     tmp = out.with_name(f".{out.name}.tmp")
     if rank0:
         shutil.rmtree(tmp, ignore_errors=True)
+        shape = engine.shape
         print(f"convert: {shape.arch}, {shape.layers} layers, hidden {shape.hidden}, from {args.hf} "
-              f"at tp={args.tp} pp={args.pp} ep={args.ep} on {world} process(es)", flush=True)
+              f"at tp={args.tp} pp={args.pp} ep={args.ep} on {dist.get_world_size()} process(es)", flush=True)
     dist.barrier()
     start = time.perf_counter()
-    engine = TrainEngine(model_dir=args.hf, dtype=args.dtype, megatron={}, groups=groups)
-    if rank0:
-        print(f"convert: read the HF weights in {time.perf_counter() - start:.1f} s; writing", flush=True)
-    engine.save_checkpoint(tmp / "actor")
+    bar = tqdm(desc="convert", unit="tensor", disable=not rank0)
+    try:
+        engine.save_checkpoint(tmp / "actor", hf_dir=args.hf, progress=bar.update)
+    except (FileNotFoundError, KeyError, ValueError) as e:  # a missing, truncated or foreign weight file
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        sys.exit(f"convert: {e}")
+    bar.close()
     if rank0:
         (tmp / "hf").mkdir()
         copy_side_files(args.hf, tmp / "hf")

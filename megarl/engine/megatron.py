@@ -30,7 +30,7 @@ from megarl.config import RecipeError
 from megarl.engine.context_parallel import gather_sequence, split_sequence
 from megarl.engine.offload import TrainerMemory
 from megarl.models import layout
-from megarl.models.arch import ModelShape, check_virtual_stages, padded_vocab_size, read_shape
+from megarl.models.arch import ModelShape, check_layout, check_virtual_stages, padded_vocab_size, read_shape
 from megarl.models.names import NameTable, name_rules
 from megarl.models.safetensors_dir import SafetensorsDir
 from megarl.packing import count_bins, pack, packed_row, plan_micro_batches, unpack
@@ -380,25 +380,15 @@ class TrainEngine:
         source = SafetensorsDir(model_dir)
         with torch.no_grad():
             for name, param in self._named_parameters():
-                if self.value_head and name == "output_layer.weight":
-                    if _HF_SCORE in source:
-                        param.copy_(source.get(_HF_SCORE).reshape(param.shape))
-                    continue
-                if name == "output_layer.weight" and self.shape.tied_embeddings:
-                    hf_names = ("model.embed_tokens.weight",)  # last pipeline stage's copy of tied weights
-                    rule_fuse = None
-                else:
-                    rule, _, _ = self.names.lookup(name)
-                    hf_names, rule_fuse = self.names.hf_names(name, expert_offset=self._expert_offset), rule.fuse
-                full = self._fuse([source.get(n) for n in hf_names], rule_fuse)
-                if name in _VOCAB_PARAMS:
-                    full = _pad_rows(full, param.shape[0] * self.groups.tp_size)
-                shard = layout.shard(full, dim=_tp_split(param), rank=self.groups.tp_rank,
-                                     size=self.groups.tp_size, gate_up=rule_fuse == "gate_up")
-                if shard.shape != param.shape:
-                    raise ValueError(f"{model_dir}: {hf_names} gives shape {tuple(shard.shape)} for {name}, "
-                                     f"expected {tuple(param.shape)}")
-                param.copy_(shard)
+                shard = self._hf_shard(source, name, param)
+                if shard is not None:
+                    param.copy_(shard)
+
+    def _hf_shard(self, source: SafetensorsDir, name: str, param: Tensor) -> Tensor | None:
+        """This rank's shard of parameter `name` (global layer index; shaped like `param`, which may be on the
+        meta device), made from the HF tensors it is built of; None for a critic's value head the checkpoint
+        has no `score.weight` for (it keeps its zeros)."""
+        if self.value_head and name == "output_layer.weight":
 
     def _fuse(self, parts: list[Tensor], fuse: str | None) -> Tensor:
         match fuse:
@@ -410,24 +400,30 @@ class TrainEngine:
                 return layout.join_gate_up(*parts)
         raise ValueError(f"unknown fused layout {fuse!r}")
 
-    def hf_tensors(self) -> Iterator[tuple[str, Tensor]]:
+    def hf_tensors(self, *, checkpoint: str | Path | None = None,
+                   bucket_bytes: int = 2**30) -> Iterator[tuple[str, Tensor]]:
         """Full HF-named tensors of this model, one at a time (TP shards all-gathered, experts gathered
         over the expert-parallel group with their global indices).
 
         Every rank of a pipeline stage takes part in the gathers; every rank yields the full tensors of
         its own stage's layers, every expert included, so the rank that feeds a rollout engine must also
         receive the other stages' tensors (`pipeline_hf_tensors`).
+
+        With `checkpoint`, the weights are read from that distributed checkpoint about `bucket_bytes` at a
+        time instead of from the module, which may then live on the meta device (`meta_engine`): memory
+        holds one bucket, whatever the model size. A checkpoint of another model is a CheckpointError.
         """
         if self.value_head:
             raise ValueError("a critic is not a causal LM: its weights have no HF causal-LM export")
         ep_ranks = dist.get_process_group_ranks(self.groups.ep)
         experts_per_rank = self.shape.experts // self.groups.ep_size
-        for name, param in self._named_parameters():
+        params = ((n, p, p.detach()) for n, p in self._named_parameters()) if checkpoint is None \
+            else self._checkpoint_params(Path(checkpoint), bucket_bytes=bucket_bytes)
+        for name, param, data in params:
             if name == "output_layer.weight" and self.shape.tied_embeddings:
                 continue
             rule, _, expert = self.names.lookup(name)
             dim = _tp_split(param)
-            data = param.detach()
             if dim is not None and self.groups.tp_size > 1:
                 shards = [torch.empty_like(data) for _ in range(self.groups.tp_size)]
                 dist.all_gather(shards, data.contiguous(), group=self.groups.tp)
@@ -520,15 +516,35 @@ class TrainEngine:
         self.memory.onload()
 
     # ---- distributed checkpoints ---------------------------------------------------------------------
-    def save_checkpoint(self, path: str | Path) -> None:
+    def save_checkpoint(self, path: str | Path, *, hf_dir: str | Path | None = None,
+                        progress: Callable[[], object] | None = None) -> None:
         """Model (and optimizer) state as a Megatron distributed checkpoint in directory `path`, written by
         every rank of the job collectively. The optimizer state is saved fully reshardable, so the
-        checkpoint loads at any TP, PP, EP or DP layout."""
+        checkpoint loads at any TP, PP, EP or DP layout.
+
+        With `hf_dir` (a model without optimizer), the weights are read from that HF checkpoint as the
+        writer reaches each one instead of from the module, which may then live on the meta device
+        (`meta_engine`): memory holds about one tensor, whatever the model size. `progress()` is called
+        after each tensor (chunk) is written."""
         from megatron.core import dist_checkpointing
 
         state = self._sharded_state(is_loading=False)
         Path(path).mkdir(parents=True, exist_ok=True)  # Megatron writes into an existing, empty directory
-        dist_checkpointing.save(state, str(path), content_metadata=_CHECKPOINT_METADATA)
+        if hf_dir is None:
+            dist_checkpointing.save(state, str(path), content_metadata=_CHECKPOINT_METADATA)
+            return
+        from megarl.engine.lazy_checkpoint import LazySave
+
+        if self.optimizer is not None:
+            raise ValueError("save_checkpoint(hf_dir=...) writes weights only; this engine has an optimizer")
+        source, params = SafetensorsDir(hf_dir), dict(self.module.named_parameters())
+
+        def resolve(local_name: str) -> Tensor:
+            name = _global_name(local_name, self._layer_offsets[0])
+            return self._hf_shard(source, name, params[local_name]).to(params[local_name].dtype)
+
+        dist_checkpointing.save(state, str(path), sharded_strategy=LazySave(resolve, progress=progress),
+                                content_metadata=_CHECKPOINT_METADATA)
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Restore what `save_checkpoint` wrote, whatever layout wrote it (a frozen or converted model
@@ -537,13 +553,9 @@ class TrainEngine:
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing.validation import StrictHandling
 
-        path = Path(path)
-        if not (path / "metadata.json").is_file():
-            raise CheckpointError(f"{path}: not a distributed checkpoint (no metadata.json)")
-        _check_files(path)
         self._fill_empty_adam_state()
         state = self._sharded_state(is_loading=True)
-        self._check_shapes(path, state["model"])
+        _check_checkpoint(Path(path), state["model"])
         strict = StrictHandling.RAISE_ALL if self.optimizer is not None else StrictHandling.RAISE_UNEXPECTED
         loaded = dist_checkpointing.load(state, str(path), strict=strict)
         for chunk, chunk_state in zip(self.chunks, loaded["model"], strict=True):
@@ -551,26 +563,25 @@ class TrainEngine:
         if self.optimizer is not None:
             self.optimizer.load_state_dict(loaded["optimizer"])
 
-    @staticmethod
-    def _check_shapes(path: Path, model_state: dict) -> None:
-        from megatron.core.dist_checkpointing import ShardedTensor, load_tensors_metadata
-        from megatron.core.dist_checkpointing.dict_utils import nested_values
+    def _checkpoint_params(self, path: Path, *, bucket_bytes: int) -> Iterator[tuple[str, Tensor, Tensor]]:
+        """(name with the global layer index, parameter, its value on this rank read from checkpoint `path`)
+        for every parameter, in module order, read a bucket of about `bucket_bytes` at a time (a larger
+        tensor alone). An engine of one model chunk (`module`)."""
+        from megarl.engine.lazy_checkpoint import read_parameters
 
-        saved = load_tensors_metadata(str(path))
-        problems = []
-        for sharded in nested_values(model_state):
-            if not isinstance(sharded, ShardedTensor):
-                continue
-            if sharded.key not in saved:
-                problems.append(f"{sharded.key}: not in the checkpoint")
-            elif tuple(saved[sharded.key].global_shape) != tuple(sharded.global_shape):
-                problems.append(f"{sharded.key}: shape {tuple(saved[sharded.key].global_shape)} in the "
-                                f"checkpoint, {tuple(sharded.global_shape)} in this model")
-        if problems:
-            more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-            shown = "\n  ".join(problems[:20]) + more
-            raise CheckpointError(f"{path}: {len(problems)} tensor(s) do not match this model "
-                                  f"(another architecture or size?):\n  {shown}")
+        model_state = self.module.sharded_state_dict()
+        _check_checkpoint(path, model_state)
+        params = list(self.module.named_parameters())
+        while params:
+            bucket = [params.pop(0)]
+            size = bucket[0][1].nbytes
+            while params and size + params[0][1].nbytes <= bucket_bytes:
+                size += params[0][1].nbytes
+                bucket.append(params.pop(0))
+            values = {name: torch.empty_like(param, device="cpu") for name, param in bucket}
+            read_parameters(path, {name: model_state[name] for name, _ in bucket}, values)
+            for name, param in bucket:
+                yield _global_name(name, self._layer_offsets[0]), param, values.pop(name)
 
     def _fill_empty_adam_state(self) -> None:
         """Give a fresh torch Adam (the optimizer Megatron falls back to without apex or Transformer Engine)
@@ -912,6 +923,49 @@ class TrainEngine:
         if self.groups.dp_size > 1:
             dist.all_reduce(values, group=self.groups.dp)
         return {k: float(v) for k, v in zip(keys[0], values.tolist())}
+
+
+def meta_engine(model_dir: str | Path, *, dtype: str, tp: int = 1, pp: int = 1, ep: int = 1) -> TrainEngine:
+    """A frozen TrainEngine whose model lives on the meta device: Megatron's names, shapes and sharding at
+    this layout, no weights, for the conversion tools to stream tensors through (`save_checkpoint(hf_dir=)`,
+    `hf_tensors(checkpoint=)`). ValueError, naming the numbers, when the layout does not split the model
+    or the torchrun world."""
+    import warnings
+
+    shape = read_shape(model_dir)
+    check_layout(shape, tp=tp, pp=pp, cp=1, ep=ep, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    # Without GPU-only Apex / Transformer Engine megatron warns at import about its fallbacks, which are the
+    # intended code on CPU; a conversion's output is its progress.
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+    groups = init_parallel(tp=tp, pp=pp, ep=ep)
+    with torch.device("meta"):
+        return TrainEngine(model_dir=str(model_dir), dtype=dtype, megatron={}, groups=groups, load_weights=False)
+
+
+def _check_checkpoint(path: Path, model_state: dict) -> None:
+    """Before reading distributed checkpoint `path` into a model whose sharded state is `model_state`: a
+    CheckpointError naming the missing or truncated file, or listing the tensors that do not match."""
+    from megatron.core.dist_checkpointing import ShardedTensor, load_tensors_metadata
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    if not (path / "metadata.json").is_file():
+        raise CheckpointError(f"{path}: not a distributed checkpoint (no metadata.json)")
+    _check_files(path)
+    saved = load_tensors_metadata(str(path))
+    problems = []
+    for sharded in nested_values(model_state):
+        if not isinstance(sharded, ShardedTensor):
+            continue
+        if sharded.key not in saved:
+            problems.append(f"{sharded.key}: not in the checkpoint")
+        elif tuple(saved[sharded.key].global_shape) != tuple(sharded.global_shape):
+            problems.append(f"{sharded.key}: shape {tuple(saved[sharded.key].global_shape)} in the "
+                            f"checkpoint, {tuple(sharded.global_shape)} in this model")
+    if problems:
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        shown = "\n  ".join(problems[:20]) + more
+        raise CheckpointError(f"{path}: {len(problems)} tensor(s) do not match this model "
+                              f"(another architecture or size?):\n  {shown}")
 
 
 def _check_files(path: Path) -> None:

@@ -9,27 +9,32 @@ from torch import Tensor
 
 
 class SafetensorsDir:
-    """Lazy read access to the tensors of an HF checkpoint directory (single file or sharded index)."""
+    """Lazy read access to the tensors of an HF checkpoint directory (single file or sharded index).
+
+    Each `get` maps its file only while it copies the one tensor out: a mapping kept open would leave
+    every page read so far resident in this process, as much memory as the checkpoint by the last tensor.
+    """
 
     def __init__(self, model_dir: str | Path):
         from safetensors import safe_open
 
-        model_dir = Path(model_dir)
+        self.model_dir = model_dir = Path(model_dir)
         index = model_dir / "model.safetensors.index.json"
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
             files = sorted(set(weight_map.values()))
         else:
             files = ["model.safetensors"]
-        self._handles, self._where = {}, {}
+        self._where: dict[str, Path] = {}
         for name in files:
             path = model_dir / name
             if not path.exists():
                 raise FileNotFoundError(f"{path}: weight file listed for the checkpoint is missing")
-            handle = safe_open(str(path), framework="pt")
-            self._handles[name] = handle
-            for key in handle.keys():
-                self._where[key] = name
+            try:
+                with safe_open(str(path), framework="pt") as handle:
+                    self._where.update(dict.fromkeys(handle.keys(), path))
+            except Exception as e:  # noqa: BLE001 - safetensors' errors do not name the file
+                raise ValueError(f"{path}: not a readable safetensors file (truncated?): {e}") from None
 
     def names(self) -> list[str]:
         return list(self._where)
@@ -40,4 +45,7 @@ class SafetensorsDir:
     def get(self, name: str) -> Tensor:
         if name not in self._where:
             raise KeyError(f"tensor {name!r} not found in the checkpoint")
-        return self._handles[self._where[name]].get_tensor(name)
+        from safetensors import safe_open
+
+        with safe_open(str(self._where[name]), framework="pt") as handle:
+            return handle.get_tensor(name)

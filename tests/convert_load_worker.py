@@ -1,0 +1,36 @@
+"""Run under torchrun by test_convert.py: load a converted checkpoint into a TrainEngine at a given layout
+and write the HF tensors it hands off (every stage's, gathered over TP and EP) to --out from rank 0."""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+warnings.filterwarnings("ignore")
+
+from megarl.engine.megatron import TrainEngine, init_parallel  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    args = parser.parse_args()
+    groups = init_parallel(tp=args.tp, pp=args.pp, ep=args.ep)
+    engine = TrainEngine(model_dir=f"{args.ckpt}/hf", dtype="float32", megatron={}, groups=groups, load_weights=False)
+    engine.load_checkpoint(f"{args.ckpt}/actor")
+    tensors = {name: t.clone() for name, t in engine.pipeline_hf_tensors()}
+    if dist.get_rank() == 0:
+        save_file(tensors, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
