@@ -389,6 +389,22 @@ class TrainEngine:
         meta device), made from the HF tensors it is built of; None for a critic's value head the checkpoint
         has no `score.weight` for (it keeps its zeros)."""
         if self.value_head and name == "output_layer.weight":
+            return source.get(_HF_SCORE).reshape(param.shape) if _HF_SCORE in source else None
+        if name == "output_layer.weight" and self.shape.tied_embeddings:
+            hf_names = ("model.embed_tokens.weight",)  # last pipeline stage's copy of tied weights
+            rule_fuse = None
+        else:
+            rule, _, _ = self.names.lookup(name)
+            hf_names, rule_fuse = self.names.hf_names(name, expert_offset=self._expert_offset), rule.fuse
+        full = self._fuse([source.get(n) for n in hf_names], rule_fuse)
+        if name in _VOCAB_PARAMS:
+            full = _pad_rows(full, param.shape[0] * self.groups.tp_size)
+        shard = layout.shard(full, dim=_tp_split(param), rank=self.groups.tp_rank,
+                             size=self.groups.tp_size, gate_up=rule_fuse == "gate_up")
+        if shard.shape != param.shape:
+            raise ValueError(f"{source.model_dir}: {hf_names} gives shape {tuple(shard.shape)} for {name}, "
+                             f"expected {tuple(param.shape)}")
+        return shard
 
     def _fuse(self, parts: list[Tensor], fuse: str | None) -> Tensor:
         match fuse:
