@@ -4,7 +4,8 @@ ranks.
 
 Each layout runs tests/parallel_worker.py under torchrun (two optimizer steps of the PPO + KL + entropy
 policy loss on one fixed global batch; MoE models add their load-balancing loss; then three steps of a
-critic with a scalar head) and is compared with the single-rank run of the same worker. Every rank's weight handoff must reproduce the HF checkpoint bit for bit.
+critic with a scalar head) and is compared with the single-rank run of the same worker. Every rank's weight
+handoff must reproduce the HF checkpoint bit for bit.
 """
 
 from __future__ import annotations

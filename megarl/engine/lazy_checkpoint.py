@@ -23,7 +23,8 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensor, apply_factories
 from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
-from megatron.core.dist_checkpointing.strategies.torch import (MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys,
+from megatron.core.dist_checkpointing.strategies.torch import (MCoreSavePlanner,
+                                                              _replace_state_dict_keys_with_sharded_keys,
                                                               mcore_to_pyt_state_dict)
 from torch import Tensor
 from torch.distributed import checkpoint as dcp

@@ -134,7 +134,8 @@ def check_layout(shape: ModelShape, *, tp: int, pp: int, cp: int, world_size: in
         raise ValueError(f"parallel.tp = {tp} with a mixture-of-experts model ({shape.arch}) needs "
                          f"model.megatron.sequence_parallel: true (with Transformer Engine on GPU)")
     checks = [
-        (world_size, tp * pp * cp, f"world size {world_size}", f"parallel.tp * parallel.pp * parallel.cp = {tp * pp * cp}"),
+        (world_size, tp * pp * cp, f"world size {world_size}",
+         f"parallel.tp * parallel.pp * parallel.cp = {tp * pp * cp}"),
         (shape.heads, tp, f"attention heads {shape.heads}", f"parallel.tp = {tp}"),
         (shape.kv_heads, tp, f"key/value heads (query groups) {shape.kv_heads}", f"parallel.tp = {tp}"),
         (shape.ffn, tp, f"MLP width {shape.ffn}", f"parallel.tp = {tp}"),

@@ -4,9 +4,9 @@
 Samples go to the workers in chunks, one Ray task each, as soon as a chunk is full (megarl.rewards.scorer.
 Scoring), so scoring runs while the rest of the batch is still being generated; a task rebuilds the terms
 from the recipe's RewardConfig in its worker and runs the same `score_samples` as the trainer would, so the
-outcomes are the same as in-process scoring. A worker that dies mid-task (a segfault, os._exit, the OOM killer) has its task
-retried on a fresh worker; a chunk that still fails, or is not back by its deadline, gives a failed outcome
-for each of its samples, which the scorer's failure policy turns into 0.
+outcomes are the same as in-process scoring. A worker that dies mid-task (a segfault, os._exit, the OOM
+killer) has its task retried on a fresh worker; a chunk that still fails, or is not back by its deadline,
+gives a failed outcome for each of its samples, which the scorer's failure policy turns into 0.
 """
 
 from __future__ import annotations
