@@ -544,15 +544,18 @@ class TrainEngine:
         after each tensor (chunk) is written."""
         from megatron.core import dist_checkpointing
 
-        state = self._sharded_state(is_loading=False)
         Path(path).mkdir(parents=True, exist_ok=True)  # Megatron writes into an existing, empty directory
         if hf_dir is None:
+            state = self._sharded_state(is_loading=False)
             dist_checkpointing.save(state, str(path), content_metadata=_CHECKPOINT_METADATA)
             return
         from megarl.engine.lazy_checkpoint import LazySave
 
         if self.optimizer is not None:
             raise ValueError("save_checkpoint(hf_dir=...) writes weights only; this engine has an optimizer")
+        # one model chunk (the conversion tools build no virtual stages); the files name tensors by their
+        # global keys, so the checkpoint loads into any number of chunks
+        state = {"model": self.module.sharded_state_dict()}
         source, params = SafetensorsDir(hf_dir), dict(self.module.named_parameters())
 
         def resolve(local_name: str) -> Tensor:
