@@ -243,8 +243,8 @@ def _all_gather_uneven(original):
 
     @functools.wraps(original)
     def all_gather(tensor_list, tensor, group=None, async_op=False):
-        rows = [t.shape[0] for t in tensor_list]
-        if len(set(rows)) == 1 or tensor.dim() == 0:
+        rows = [t.shape[0] if t.dim() else None for t in tensor_list]
+        if len(set(rows)) == 1 or None in rows:
             return original(tensor_list, tensor, group=group, async_op=async_op)
         if async_op:
             raise NotImplementedError("asynchronous all_gather of tensors of different lengths on the CPU")
