@@ -1,6 +1,6 @@
 """Run under torchrun by test_parallel.py: two optimizer steps of a policy loss on a fixed global batch.
 
-Every layout (TP, PP, VPP, DP, EP, CP and their combinations) gets the same global batch: each DP rank takes
+Every layout (TP, SP, PP, VPP, DP, EP, CP and their combinations) gets the same global batch: each DP rank takes
 its contiguous slice (the context-parallel ranks of a replica take the same one and split its
 sequences). Rank 0 writes the numbers and the full HF state dict after training to --out, so the
 test can compare every layout against the single-rank run, and whether the handoff of the untrained
@@ -71,6 +71,8 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--vpp", type=int, default=1, help="virtual pipeline stages per pipeline rank")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="model.megatron.sequence_parallel: activations split over TP ranks along the sequence")
     parser.add_argument("--save", help="save the actor's distributed checkpoint after its two steps here")
     parser.add_argument("--resume-from", help="load this actor checkpoint into a fresh actor and take one step")
     parser.add_argument("--micro-batch-size", type=int, default=2)
@@ -82,6 +84,8 @@ def main() -> None:
     groups = init_parallel(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, seed=0)
     optim = OptimConfig(lr=1e-3, grad_clip=1.0, distributed=True)
     megatron = {"virtual_pipeline_model_parallel_size": args.vpp} if args.vpp > 1 else {}
+    if args.sequence_parallel:
+        megatron["sequence_parallel"] = True
     engine = partial(TrainEngine, model_dir=args.model, dtype="float32", megatron=megatron, groups=groups)
     actor = engine(optim=optim)
     reference = engine()

@@ -1,6 +1,6 @@
 """Every parallel layout gives the numbers of one rank: TP=2, PP=2, DP=2, TP2xPP2, DP2xTP2, virtual pipeline
-stages PP2xVPP2, context parallel CP=2 and DP2xCP2, and expert parallel EP=2 and EP2xPP2 on MoE models, on gloo
-ranks.
+stages PP2xVPP2, context parallel CP=2 and DP2xCP2, sequence parallel TP=2, and expert parallel EP=2, EP2xPP2
+and EP2xTP2 (with sequence parallelism) on MoE models, on gloo ranks.
 
 Each layout runs tests/parallel_worker.py under torchrun (two optimizer steps of the PPO + KL + entropy
 policy loss on one fixed global batch; MoE models add their load-balancing loss; then three steps of a
@@ -60,6 +60,28 @@ def single_rank(arch_dir, tmp_path_factory):
 def test_layout_matches_single_rank(arch, nproc, tp, pp, ep, single_rank, arch_dir, tmp_path):
     result = run_layout(arch_dir(arch), tmp_path, nproc=nproc, tp=tp, pp=pp, ep=ep)
     assert_same_numbers(result, single_rank(arch))
+
+
+# Sequence parallelism (model.megatron.sequence_parallel): outside attention and the MLPs, each TP rank holds
+# every activation for its slice of the sequence; norm weights, the routers and the critic's value head see
+# only that slice, and their gradients are summed over TP. Qwen3 adds q/k norms over TP-split heads; packed
+# rows of 23 tokens (64 in rows of at most 24 make 18, 23, 23) are padded to split evenly. MoE layers train
+# under TP only with sequence parallelism: EP2 x TP2 gathers each TP rank's routed tokens, as many as its
+# router chose, inside the expert layer.
+@pytest.mark.timeout(2 * LAYOUT_TIMEOUT_S)
+@pytest.mark.parametrize("arch,nproc,ep,extra", [
+    ("qwen3", 2, 1, ("--micro-batch-tokens", "24")),
+    ("qwen2_moe", 4, 2, ()),
+], ids=["qwen3-tp2sp-packed", "qwen2_moe-ep2tp2sp"])
+def test_sequence_parallel_matches_single_rank(arch, nproc, ep, extra, single_rank, arch_dir, tmp_path):
+    from megarl.packing import count_bins, plan_micro_batches
+
+    result = run_layout(arch_dir(arch), tmp_path, nproc=nproc, tp=2, ep=ep, extra=("--sequence-parallel", *extra))
+    assert_same_numbers(result, single_rank(arch), lengths=result["lengths"] if extra else None)
+    if extra:
+        lengths = result["lengths"]
+        rows = plan_micro_batches(lengths, max_tokens=24, n_micro=count_bins(lengths, 24))
+        assert any(sum(lengths[i] for i in row) % 2 for row in rows)  # a row the engine pads for tp = 2
 
 
 # Context parallelism: every sequence cut into 2 * cp chunks (rank r holds r and 2 * cp - 1 - r), keys and

@@ -8,7 +8,9 @@ CUDA device is usable: on a GPU machine megatron runs untouched.
 
 Also here: two megatron/torch issues that bite any run without Transformer Engine (`te_general_gemm`
 referenced unbound in the MoE router utils; numpy split sizes passed to `all_to_all_single`), fixed
-only on the CPU path because GPU images ship Transformer Engine.
+only on the CPU path because GPU images ship Transformer Engine; and gloo's `all_gather`, which refuses
+tensors of different lengths per rank that the MoE dispatcher gathers under tensor parallelism (NCCL takes
+them).
 """
 
 from __future__ import annotations
@@ -229,6 +231,32 @@ def _patch_moe_without_te() -> None:
         return original(output, input, to_list(output_split_sizes), to_list(input_split_sizes), *args, **kwargs)
 
     torch.distributed.all_to_all_single = all_to_all_single
+    torch.distributed.all_gather = _all_gather_uneven(torch.distributed.all_gather)
+
+
+def _all_gather_uneven(original):
+    """`all_gather` that also takes tensors of different lengths (dim 0) per rank, which gloo refuses.
+
+    With tensor and sequence parallelism, the alltoall MoE dispatcher gathers each TP rank's routed tokens
+    over the (expert) tensor-parallel group, as many as its router sent: uneven. Each rank's length is known
+    from its output slot, so the rows are padded to the longest, gathered, and cut back."""
+
+    @functools.wraps(original)
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        rows = [t.shape[0] if t.dim() else None for t in tensor_list]
+        if len(set(rows)) == 1 or None in rows:
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        if async_op:
+            raise NotImplementedError("asynchronous all_gather of tensors of different lengths on the CPU")
+        longest = max(rows)
+        padded = torch.cat([tensor, tensor.new_zeros(longest - tensor.shape[0], *tensor.shape[1:])])
+        gathered = [torch.empty_like(padded) for _ in tensor_list]
+        original(gathered, padded.contiguous(), group=group)
+        for out, full, n in zip(tensor_list, gathered, rows):
+            out.copy_(full[:n])
+        return None
+
+    return all_gather
 
 
 def _patch_adam_step_restore() -> None:

@@ -251,12 +251,25 @@ def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: in
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm,
                                                           qk_layernorm=shape.qk_norm)
     else:
-        from megarl.engine.local_attention import PackedLocalAttention
+        from megatron.core.transformer.spec_utils import ModuleSpec
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-        spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=shape.qk_norm,
-                                        normalization="RMSNorm")
+        from megarl.engine.local_attention import PackedLocalAttention
+        from megarl.engine.rms_norm import RMSNorm
+
+        layer = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=shape.qk_norm,
+                                         normalization="RMSNorm")
+        attention = layer.submodules.self_attention.submodules
         # The local core attention refuses packed sequences; this one masks them block-diagonally.
-        spec.submodules.self_attention.submodules.core_attention = PackedLocalAttention
+        attention.core_attention = PackedLocalAttention
+        # Megatron's torch norm wrapper refuses sequence parallelism; megarl's RMSNorm takes it (and is the
+        # same function and parameter otherwise). The final norm is the block's, so the block is spelled out.
+        layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
+        if shape.qk_norm:
+            attention.q_layernorm = attention.k_layernorm = ModuleSpec(module=RMSNorm,
+                                                                       params={"sequence_split": False})
+        layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=groups.pp_rank)
+        spec = TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=RMSNorm)
     model = GPTModel(
         config=config, transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(shape.vocab_size, tp=groups.tp_size),
@@ -289,16 +302,28 @@ class ValueHead(torch.nn.Module):
     """A scalar head in place of GPTModel's output layer: hidden [s, b, h] -> values [s, b, 1].
 
     Called the way GPTModel calls its output layer. The weight is replicated across tensor-parallel
-    ranks (their hidden states are identical without sequence parallelism), like a norm weight, so
-    Megatron counts it once in the gradient norm and DDP averages it over data-parallel ranks only.
+    ranks, like a norm weight, so Megatron counts it once in the gradient norm and DDP averages it over
+    data-parallel ranks only. Under sequence parallelism (`sequence_parallel_group`, the TP group) the
+    hidden states are this rank's slice of the sequence [s / tp, b, h]: the slice's values are all-gathered
+    to [s, b, 1] (every TP rank computes the same loss from them, so the backward only hands each rank its
+    slice's gradient), and the weight, tagged `sequence_parallel`, gets its slices' gradients summed over TP
+    by Megatron's finalize_model_grads.
     """
 
-    def __init__(self, hidden: int, dtype: torch.dtype):
+    def __init__(self, hidden: int, dtype: torch.dtype, *, sequence_parallel_group: dist.ProcessGroup | None = None):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden, dtype=dtype, device=_device()))
+        self.weight.sequence_parallel = sequence_parallel_group is not None
+        self.sequence_parallel_group = sequence_parallel_group
 
     def forward(self, hidden_states: Tensor, weight=None, runtime_gather_output=None) -> tuple[Tensor, None]:
-        return F.linear(hidden_states, self.weight), None
+        values = F.linear(hidden_states, self.weight)
+        if self.sequence_parallel_group is not None:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            values = gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False,
+                                                          group=self.sequence_parallel_group)
+        return values, None
 
 
 # HF sequence-classification checkpoints (reward models) name their scalar head this way.
@@ -334,7 +359,9 @@ class TrainEngine:
         self.chunks = [build_gpt(self.shape, self.config, groups=groups, vp_stage=v) for v in stages]
         self.value_head = value_head
         if value_head and groups.is_pp_last:
-            self.chunks[-1].output_layer = ValueHead(self.shape.hidden, self.config.params_dtype)
+            sp_group = groups.tp if self.config.sequence_parallel else None
+            self.chunks[-1].output_layer = ValueHead(self.shape.hidden, self.config.params_dtype,
+                                                     sequence_parallel_group=sp_group)
         self.names = NameTable(name_rules(self.shape, te_spec=uses_transformer_engine()))
         self._layer_offsets = [get_transformer_layer_offset(self.config, vp_stage=v) for v in stages]
         # Expert-parallel rank r holds the experts r * experts_per_rank ... (r + 1) * experts_per_rank - 1.

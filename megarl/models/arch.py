@@ -130,9 +130,10 @@ def check_layout(shape: ModelShape, *, tp: int, pp: int, cp: int, world_size: in
     if ep > 1 and not shape.is_moe:
         raise ValueError(f"parallel.ep = {ep} needs a mixture-of-experts model; {shape.arch} has no experts")
     if shape.is_moe and tp > 1 and not sequence_parallel:
-        # Megatron refuses to train MoE layers under tensor parallelism without it
+        # Megatron refuses to train MoE layers under tensor parallelism without it (its MoE layer checks
+        # at the first training step); on CPU too, where megarl's RMSNorm carries sequence parallelism
         raise ValueError(f"parallel.tp = {tp} with a mixture-of-experts model ({shape.arch}) needs "
-                         f"model.megatron.sequence_parallel: true (with Transformer Engine on GPU)")
+                         f"model.megatron.sequence_parallel: true")
     checks = [
         (world_size, tp * pp * cp, f"world size {world_size}",
          f"parallel.tp * parallel.pp * parallel.cp = {tp * pp * cp}"),
