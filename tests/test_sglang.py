@@ -95,7 +95,7 @@ groups = init_parallel(tp=1, pp=1)
 for distributed in (True, False):
     engine = TrainEngine(model_dir={str(qwen2_dir)!r}, dtype="float32", megatron={{}}, groups=groups,
                          optim=OptimConfig(distributed=distributed))
-    ddp = engine.memory.ddp
+    (ddp,) = engine.memory.ddps  # one model chunk: no virtual pipeline stages
     buffers = ddp.buffers + ddp.expert_parallel_buffers
     assert buffers and all(hasattr(b, "param_data") and b.params for b in buffers)
     # Megatron keeps parameters in the buffer only with the distributed optimizer; otherwise they are
