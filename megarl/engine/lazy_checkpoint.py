@@ -14,10 +14,9 @@ would hold the whole shard in memory. `read_parameters` fills host tensors for a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-
-import dataclasses
 
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
