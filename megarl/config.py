@@ -138,6 +138,7 @@ class AlgoConfig:
     dynamic_sampling: bool | None = None  # drop groups whose rewards are all equal and sample more; null = dapo only
     max_sampling_rounds: int = 4  # dynamic sampling: most generation rounds per step before giving up
     loss_agg: LossAgg = "token-mean"  # how per-token losses reduce to one number
+    kl_loss_agg: LossAgg | None = None  # how the KL loss term (kl_coef, not in reward) reduces; null = loss_agg
     epochs: int = 1  # optimizer passes over each rollout batch
 
     def check(self) -> None:
@@ -211,6 +212,12 @@ class OptimConfig:
     grad_clip: float = 1.0  # global gradient-norm clip; 0 = off
     warmup_steps: int = 0  # linear learning-rate warmup, in optimizer steps
     distributed: bool = True  # shard optimizer state over data-parallel ranks (Megatron distributed optimizer)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (0-based): linear warmup over `warmup_steps`, then `lr`."""
+        if self.warmup_steps and step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        return self.lr
 
     def check(self) -> None:
         _positive(self, "lr", "eps")

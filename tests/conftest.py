@@ -123,7 +123,7 @@ def groups():
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megarl.engine.megatron import init_parallel
+    from megarl.engine.parallel import init_parallel
 
     yield init_parallel(tp=1, pp=1, seed=0)
     ps.destroy_model_parallel()

@@ -11,7 +11,8 @@ from safetensors.torch import save_file
 
 warnings.filterwarnings("ignore")
 
-from megarl.engine.megatron import TrainEngine, init_parallel  # noqa: E402
+from megarl.engine.megatron import TrainEngine  # noqa: E402
+from megarl.engine.parallel import init_parallel  # noqa: E402
 
 
 def main() -> None:

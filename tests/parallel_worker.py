@@ -26,8 +26,9 @@ warnings.filterwarnings("ignore")
 from megarl.algo.aggregate import global_loss_norm  # noqa: E402
 from megarl.batch import RolloutBatch  # noqa: E402
 from megarl.config import AlgoConfig, OptimConfig  # noqa: E402
-from megarl.engine.megatron import TrainEngine, init_parallel  # noqa: E402
-from megarl.loops.rl import critic_loss, policy_loss  # noqa: E402
+from megarl.engine.megatron import TrainEngine  # noqa: E402
+from megarl.engine.parallel import init_parallel  # noqa: E402
+from megarl.objective import CriticObjective, policy_objective  # noqa: E402
 from megarl.packing import redistribute, sequence_lengths  # noqa: E402
 
 GLOBAL_BATCH, SEQ_LEN = 8, 12
@@ -110,7 +111,7 @@ def main() -> None:
     norm = global_loss_norm(mine["response_mask"], group=groups.dp)
     # the entropy bonus exercises the vocab-parallel entropy and its gradient under TP
     algo = AlgoConfig(kl_coef=0.1, clip_low=0.2, clip_high=0.28, entropy_coef=0.05)
-    loss_fn = partial(policy_loss, algo=algo, norm=norm)
+    loss_fn = partial(policy_objective(algo), norm=norm)
     steps = [actor.train_step(tokens, mine, loss_fn, entropy=True, **kwargs) for _ in range(2)]
     if args.save:
         actor.save_checkpoint(args.save)
@@ -119,7 +120,7 @@ def main() -> None:
     critic = engine(optim=optim, value_head=True)
     values = critic.values(tokens, **micro) * mine["response_mask"]
     critic_extras = {"response_mask": mine["response_mask"], "values": values, "returns": mine["advantages"]}
-    critic_fn = partial(critic_loss, value_clip=0.01, norm=norm)  # small: clipping is hit
+    critic_fn = partial(CriticObjective(value_clip=0.01), norm=norm)  # small: clipping is hit
     critic_steps = [critic.train_step(tokens, critic_extras, critic_fn, **kwargs) for _ in range(3)]
     # summed over the real tokens: packed rows have no output past a sequence's end
     real = (torch.arange(tokens.shape[1])[None] < lengths_of(mine["response_mask"])[:, None]).float()

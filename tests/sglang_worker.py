@@ -21,7 +21,8 @@ warnings.filterwarnings("ignore")
 
 from megarl.batch import pack_sequences  # noqa: E402
 from megarl.config import OptimConfig  # noqa: E402
-from megarl.engine.megatron import TrainEngine, init_parallel  # noqa: E402
+from megarl.engine.megatron import TrainEngine  # noqa: E402
+from megarl.engine.parallel import init_parallel  # noqa: E402
 from megarl.handoff import push_weights  # noqa: E402
 from megarl.rollout.native import NativeEngine  # noqa: E402
 from megarl.rollout.sglang_engine import SGLangEngine  # noqa: E402

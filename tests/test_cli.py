@@ -192,7 +192,7 @@ def test_experts_that_do_not_divide_by_ep_exit_2(tmp_path, arch_dir, arithmetic_
 def test_chat_template_prompts_are_token_ids_of_the_rendered_turn(qwen2_dir):
     from transformers import AutoTokenizer
 
-    from megarl.loops.rl import encode_prompt
+    from megarl.data.prompts import encode_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(qwen2_dir)
     ids = encode_prompt(tokenizer, "12+35=", chat_template=True)

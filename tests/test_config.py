@@ -236,3 +236,11 @@ def test_sequence_packing_key_replaces_the_micro_batch_size_divisibility(recipe)
     assert error_of(path, ["algo.name=sft", "train.micro_batch_tokens=4096"]) == (
         f"{path}: train.micro_batch_tokens (sequence packing) is for the RL loops; algo.name = 'sft' uses "
         "train.micro_batch_size")
+
+
+def test_learning_rate_warms_up_linearly_then_holds():
+    from megarl.config import OptimConfig
+
+    optim = OptimConfig(lr=1e-3, warmup_steps=4)
+    assert [optim.lr_at(step) for step in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+    assert OptimConfig(lr=1e-3).lr_at(0) == 1e-3  # no warmup: the full rate from the first step

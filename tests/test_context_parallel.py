@@ -39,7 +39,7 @@ def test_rank_r_holds_chunks_r_and_its_mirror():
 
 def test_hierarchical_exchange_is_refused_naming_the_key(qwen2_dir):
     from megarl.config import RecipeError
-    from megarl.engine.megatron import transformer_config
+    from megarl.engine.model import transformer_config
     from megarl.models.arch import read_shape
 
     with pytest.raises(RecipeError, match=r"model.megatron.cp_comm_type = 'a2a\+p2p' .* is not supported"):
@@ -57,7 +57,8 @@ def _worker(rank: int, init_file: str, out_dir: str, model_dir: str, tokens: tor
 
     from megarl.engine.context_parallel import gather_sequence
     from megarl.engine.local_attention import PackedLocalAttention
-    from megarl.engine.megatron import TrainEngine, init_parallel
+    from megarl.engine.megatron import TrainEngine
+    from megarl.engine.parallel import init_parallel
 
     groups = init_parallel(tp=1, pp=1, cp=2, seed=0)
     result = {}

@@ -185,7 +185,7 @@ def test_push_makes_rollout_engine_equal_trainer_before_and_after_a_train_step(q
     from megarl.algo.aggregate import global_loss_norm
     from megarl.config import AlgoConfig
     from megarl.handoff import push_weights
-    from megarl.loops.rl import policy_loss
+    from megarl.objective import policy_objective
     from megarl.rollout.native import NativeEngine
 
     actor = make_engine(qwen2_dir, groups, train=True)
@@ -205,8 +205,8 @@ def test_push_makes_rollout_engine_equal_trainer_before_and_after_a_train_step(q
     mask = response_mask(tokens)
     extras = {"response_mask": mask, "old_logprobs": trainer_lp * mask,
               "advantages": torch.linspace(-1.0, 1.0, tokens.shape[0])[:, None] * mask}
-    metrics = actor.train_step(tokens, extras, partial(policy_loss, algo=AlgoConfig(), norm=global_loss_norm(mask)),
-                               temperature=1.0, micro_batch_size=4)
+    loss_fn = partial(policy_objective(AlgoConfig()), norm=global_loss_norm(mask))
+    metrics = actor.train_step(tokens, extras, loss_fn, temperature=1.0, micro_batch_size=4)
     assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
     after = engine_weights(actor)
     assert any(not torch.equal(before[k], after[k]) for k in before), "the train step changed no weight"
@@ -241,7 +241,7 @@ def test_step0_reference_equals_actor_and_ppo_is_on_policy(qwen2_dir, groups):
     from megarl.algo.aggregate import global_loss_norm
     from megarl.algo.losses import ppo_clip_loss
     from megarl.config import AlgoConfig
-    from megarl.loops.rl import policy_loss
+    from megarl.objective import policy_objective
 
     reference = make_engine(qwen2_dir, groups, train=False)
     actor = make_engine(qwen2_dir, groups, train=True)
@@ -260,7 +260,7 @@ def test_step0_reference_equals_actor_and_ppo_is_on_policy(qwen2_dir, groups):
     algo = AlgoConfig(kl_coef=0.1)
     metrics = actor.train_step(tokens, {"response_mask": mask, "old_logprobs": old, "ref_logprobs": ref,
                                         "advantages": advantages},
-                               partial(policy_loss, algo=algo, norm=global_loss_norm(mask)),
+                               partial(policy_objective(algo), norm=global_loss_norm(mask)),
                                temperature=1.0, micro_batch_size=2)
     # The training forward recomputes the logprobs; 1e-7 allows fp32 rounding of a different kernel order.
     assert metrics["clipfrac"] == 0.0
@@ -273,7 +273,7 @@ def test_step0_reference_equals_actor_and_ppo_is_on_policy(qwen2_dir, groups):
 def test_train_step_is_invariant_to_micro_batch_size(qwen2_dir, groups):
     from megarl.algo.aggregate import global_loss_norm
     from megarl.config import AlgoConfig
-    from megarl.loops.rl import policy_loss
+    from megarl.objective import policy_objective
 
     tokens = fixed_tokens()
     mask = response_mask(tokens)
@@ -283,7 +283,7 @@ def test_train_step_is_invariant_to_micro_batch_size(qwen2_dir, groups):
     noise = 0.3 * torch.randn(tokens.shape, generator=torch.Generator().manual_seed(7))
     extras = {"response_mask": mask, "old_logprobs": (base + noise) * mask, "ref_logprobs": base * mask,
               "advantages": torch.linspace(-1.0, 1.0, tokens.shape[0])[:, None] * mask}
-    loss_fn = partial(policy_loss, algo=AlgoConfig(kl_coef=0.1), norm=global_loss_norm(mask))
+    loss_fn = partial(policy_objective(AlgoConfig(kl_coef=0.1)), norm=global_loss_norm(mask))
 
     results = {}
     for micro_batch_size in (2, 4):
@@ -353,7 +353,7 @@ def test_critic_without_a_score_head_starts_at_zero_and_fits_returns(qwen2_dir, 
     from megarl.algo.aggregate import global_loss_norm
     from megarl.config import OptimConfig
     from megarl.engine.megatron import TrainEngine
-    from megarl.loops.rl import critic_loss
+    from megarl.objective import CriticObjective
 
     critic = TrainEngine(model_dir=str(qwen2_dir), dtype="float32", megatron={}, groups=groups,
                          optim=OptimConfig(lr=1e-2), value_head=True)
@@ -363,7 +363,7 @@ def test_critic_without_a_score_head_starts_at_zero_and_fits_returns(qwen2_dir, 
     assert torch.equal(old_values, torch.zeros_like(old_values))
     returns = torch.linspace(-1.0, 1.0, tokens.shape[0])[:, None] * mask
     extras = {"response_mask": mask, "values": old_values * mask, "returns": returns}
-    loss_fn = partial(critic_loss, value_clip=None, norm=global_loss_norm(mask))
+    loss_fn = partial(CriticObjective(value_clip=None), norm=global_loss_norm(mask))
     losses = [critic.train_step(tokens, extras, loss_fn, temperature=1.0, micro_batch_size=2)["critic/loss"]
               for _ in range(20)]
     # at V = 0 the loss is the token mean of 0.5 * R^2, computed here from the returns themselves
@@ -435,7 +435,7 @@ def test_vocabulary_padding_takes_no_probability_mass(qwen2_dir, groups, tmp_pat
     with torch.no_grad():
         logits = engine.module(tokens, positions, None)
         labels = torch.nn.functional.pad(tokens[:, 1:], (0, 1))  # the token after each position
-        _, extra = engine._token_logprobs(logits, labels, temperature=1.0, entropy=True)
+        _, extra = engine.schedule.token_logprobs(logits, labels, temperature=1.0, entropy=True)
     expected = entropy_from_logits(ref_logits)  # per position: the next-token distribution's entropy
     assert (extra["entropy"] - expected).abs().max() <= FP32_TOL
 
@@ -447,7 +447,7 @@ def test_reward_model_scores_equal_transformers_sequence_classifier(qwen2_dir, g
 
     from megarl.batch import RolloutBatch
     from megarl.engine.megatron import TrainEngine
-    from megarl.loops.rl import reward_model_scores
+    from megarl.loops.generation import reward_model_scores
 
     scored = with_score_head(qwen2_dir, tmp_path / "rm", seed=5)
     model = TrainEngine(model_dir=str(scored), dtype="float32", megatron={}, groups=groups, value_head=True)

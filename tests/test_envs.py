@@ -139,7 +139,7 @@ def test_demonstrations_tokenize_as_the_trajectory_the_rollout_builds(tool_chat_
     from transformers import AutoTokenizer
 
     from megarl.data.supervised import encode_conversation
-    from megarl.loops.rl import encode_prompt
+    from megarl.data.prompts import encode_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(tool_chat_dir)
     messages = demonstration(47, 86, use_tool=True)
@@ -158,15 +158,15 @@ def test_demonstrations_tokenize_as_the_trajectory_the_rollout_builds(tool_chat_
 def test_a_template_that_cannot_render_tool_messages_is_refused_at_launch(tool_chat_dir):
     from transformers import AutoTokenizer
 
-    from megarl.loops.rl import observation_format
+    from megarl.envs.tool_format import observation_format
 
     tokenizer = AutoTokenizer.from_pretrained(tool_chat_dir)
     tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'tool' %}"
                                "{{ raise_exception('no tools here') }}{% endif %}{{ m['content'] }}{% endfor %}")
     cfg = load_cfg_dict({"env": {"name": "calculator"}})
     with pytest.raises(RecipeError, match="env.name: calculator sends tool messages.*no tools here"):
-        observation_format(cfg, tokenizer)
-    assert observation_format(load_cfg_dict({}), tokenizer) is None  # single_turn renders nothing
+        observation_format(cfg.env, tokenizer)
+    assert observation_format(load_cfg_dict({}).env, tokenizer) is None  # single_turn renders nothing
 
 
 # ---- the env: section ---------------------------------------------------------------------------------------

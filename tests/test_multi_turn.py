@@ -21,7 +21,8 @@ from megarl.config import Config, DataConfig, EnvConfig, ModelConfig, RolloutCon
 from megarl.envs.environment import environment_factory
 from megarl.envs.tool_format import ObservationFormat
 from megarl.rollout.multi_turn import run_trajectories
-from megarl.rollout.native import Generation, NativeEngine
+from megarl.rollout.engine import Generation
+from megarl.rollout.native import NativeEngine
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,8 @@ def make_run(model_dir, groups, engine, *, env: EnvConfig, max_new_tokens: int, 
     """The parts of an RLRun that generate() reads, around a real engine."""
     from transformers import AutoTokenizer
 
-    from megarl.loops.rl import RLRun, observation_format
+    from megarl.envs.tool_format import observation_format
+    from megarl.loops.rl_run import RLRun
 
     cfg = Config(model=ModelConfig(path=str(model_dir)), data=DataConfig(train_path="unused.jsonl",
                                                                           chat_template=chat_template),
@@ -46,9 +48,9 @@ def make_run(model_dir, groups, engine, *, env: EnvConfig, max_new_tokens: int, 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     new_env = environment_factory(env)
     return RLRun(cfg=cfg, groups=groups, tokenizer=tokenizer, train_rows=[], eval_rows=[], sampler=None,
-                 actor=None, reference=None, critic=None, rollout=engine, prompts_per_rank=0, advantages=None,
-                 kl=None, scorer=None, reward_models=[], new_env=new_env, tool_schemas=new_env().tools,
-                 observations=observation_format(cfg, tokenizer))
+                 actor=None, reference=None, critic=None, rollout=engine, prompts_per_rank=0, objective=None,
+                 critic_objective=None, advantages=None, kl=None, scorer=None, reward_models=[], new_env=new_env,
+                 tool_schemas=new_env().tools, observations=observation_format(env, tokenizer))
 
 
 def rows(n: int, **metadata):
@@ -59,7 +61,8 @@ def rows(n: int, **metadata):
 
 
 def test_single_turn_environment_reproduces_the_plain_rollout(qwen2_dir, groups):
-    from megarl.loops.rl import encode_prompt, generate
+    from megarl.data.prompts import encode_prompt
+    from megarl.loops.generation import generate
 
     run = make_run(qwen2_dir, groups, NativeEngine(str(qwen2_dir), seed=7), env=EnvConfig(),
                    max_new_tokens=12, chat_template=False)
@@ -97,7 +100,9 @@ class RecordingEngine:
 def test_trajectory_is_generated_then_observation_tokens_and_the_trainer_scores_them(tool_chat_dir, groups):
     from megarl.algo.advantages import grpo_advantages
     from megarl.engine.megatron import TrainEngine
-    from megarl.loops.rl import advantage_fn, encode_prompt, generate
+    from megarl.data.prompts import encode_prompt
+    from megarl.loops.generation import generate
+    from megarl.objective import advantage_fn
 
     engine = RecordingEngine(NativeEngine(str(tool_chat_dir), seed=0))
     env = EnvConfig(name="envs_for_tests:CountingEnv", max_turns=3, max_tokens=240)

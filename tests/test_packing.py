@@ -266,7 +266,7 @@ def recording(loss_fn, seen: dict):
 def test_packed_train_step_equals_padded_with_entropy(qwen2_dir, groups):
     from megarl.algo.aggregate import global_loss_norm
     from megarl.config import AlgoConfig
-    from megarl.loops.rl import policy_loss
+    from megarl.objective import policy_objective
 
     tokens, lengths, mask, advantages = ragged_batch()
     ok = valid(lengths, tokens.shape[1])
@@ -275,7 +275,7 @@ def test_packed_train_step_equals_padded_with_entropy(qwen2_dir, groups):
     extras = {"response_mask": mask, "old_logprobs": (base + noise) * mask, "ref_logprobs": base * mask,
               "advantages": advantages, "row_id": torch.arange(6.0)[:, None].expand(-1, tokens.shape[1])}
     algo = AlgoConfig(kl_coef=0.1, entropy_coef=0.05)
-    loss_fn = partial(policy_loss, algo=algo, norm=global_loss_norm(mask))
+    loss_fn = partial(policy_objective(algo), norm=global_loss_norm(mask))
 
     runs = {}
     for budget in (None, 32):
@@ -307,7 +307,7 @@ def test_packed_train_step_equals_padded_with_entropy(qwen2_dir, groups):
 
 def test_packed_critic_values_and_train_step_equal_padded(qwen2_dir, groups):
     from megarl.algo.aggregate import global_loss_norm
-    from megarl.loops.rl import critic_loss
+    from megarl.objective import CriticObjective
 
     tokens, lengths, mask, advantages = ragged_batch()
     ok = valid(lengths, tokens.shape[1])
@@ -318,7 +318,7 @@ def test_packed_critic_values_and_train_step_equal_padded(qwen2_dir, groups):
         critic.module.output_layer.weight.data.normal_(generator=torch.Generator().manual_seed(0))
         values = critic.values(tokens, micro_batch_size=3, lengths=lengths, micro_batch_tokens=budget)
         extras = {"response_mask": mask, "values": values * mask, "returns": advantages}
-        step = critic.train_step(tokens, extras, partial(critic_loss, value_clip=0.5, norm=global_loss_norm(mask)),
+        step = critic.train_step(tokens, extras, partial(CriticObjective(value_clip=0.5), norm=global_loss_norm(mask)),
                                  temperature=1.0, micro_batch_size=3, lengths=lengths, micro_batch_tokens=budget)
         after = critic.values(tokens, micro_batch_size=3, lengths=lengths, micro_batch_tokens=budget)
         results[budget] = values, step, after
@@ -332,7 +332,7 @@ def test_packed_critic_values_and_train_step_equal_padded(qwen2_dir, groups):
 # ---- layouts the engine refuses ------------------------------------------------------------------------------
 def test_bad_virtual_stage_count_is_refused_naming_the_key():
     from megarl.config import RecipeError
-    from megarl.engine.megatron import check_megatron_fields
+    from megarl.engine.model import check_megatron_fields
 
     with pytest.raises(RecipeError, match=r"model.megatron.virtual_pipeline_model_parallel_size = 0: the number "
                                           r"of virtual pipeline stages per pipeline rank must be a whole number"):

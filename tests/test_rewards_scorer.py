@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from megarl.config import RecipeError, RewardConfig, RewardTermConfig
-from megarl.rewards.scorer import SampleTimeout, Sample, Scorer, build_terms, score_sample, time_limit
+from megarl.rewards.scorer import Scorer
+from megarl.rewards.terms import Sample, SampleTimeout, build_terms, score_sample, time_limit
 
 FORMAT = r"\A<think>.*</think>"
 
@@ -216,7 +217,7 @@ def generate_scored(model_dir, groups, scorer: Scorer, *, seed: int):
     from test_multi_turn import make_run, rows
 
     from megarl.config import EnvConfig
-    from megarl.loops.rl import generate
+    from megarl.loops.generation import generate
     from megarl.rollout.native import NativeEngine
 
     run = make_run(model_dir, groups, NativeEngine(str(model_dir), seed=seed), env=EnvConfig(),
@@ -255,7 +256,7 @@ class GatedEngine:
         self.started, self.wait_s, self.ended = started, wait_s, None
 
     def generate(self, prompts, *, temperature, top_p, max_new_tokens, eos_id, pad_id, on_response):
-        from megarl.rollout.native import Generation
+        from megarl.rollout.engine import Generation
 
         response = [30, 31, eos_id]
         on_response(0, response, [-0.5] * 3, "stop")
@@ -276,7 +277,7 @@ def test_scoring_on_the_pool_begins_before_generation_ends(ray_local, qwen2_dir,
     from test_multi_turn import make_run, rows
 
     from megarl.config import EnvConfig
-    from megarl.loops.rl import generate, score
+    from megarl.loops.generation import generate, score
 
     # In this process nothing is scored before the batch is complete, so there the gate must close (1 s
     # is then plenty); on the pool the first sample's task starts while the engine waits.

@@ -188,7 +188,7 @@ def test_full_size_recipe_placeholders_fail_and_layout_fits_one_8_gpu_node(name,
     from types import SimpleNamespace
 
     from megarl.config import ConfigError, load_config
-    from megarl.engine.megatron import transformer_config
+    from megarl.engine.model import transformer_config
     from megarl.loops.sft import rows_per_rank
     from megarl.models.arch import check_layout, read_shape
 

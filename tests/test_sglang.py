@@ -80,7 +80,8 @@ from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
 from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
 from megatron.core.optimizer.optimizer import FP32Optimizer
 from megarl.config import OptimConfig
-from megarl.engine.megatron import TrainEngine, init_parallel
+from megarl.engine.megatron import TrainEngine
+from megarl.engine.parallel import init_parallel
 for fn, args, kwargs in [
     (DistributedDataParallel.offload_grad_buffers, (None,), dict(synchronize=True, empty_cache=False)),
     (DistributedDataParallel.restore_grad_buffers, (None,), dict(synchronize=False)),

@@ -10,7 +10,7 @@ compared with (so load from other processes falls on both alike); the median is 
 shows up as lost throughput. Single process (TP = PP = DP = 1); fp32 on CPU, the checkpoint dtype on GPU.
 
 1. Megatron vs transformers on full-length rows (no padding): TrainEngine.train_step with the RL policy
-   loss (`megarl.loops.rl.policy_loss`, PPO clip, token mean) vs AutoModelForCausalLM forward, the same loss
+   loss (`megarl.objective.PolicyObjective`, PPO clip, token mean) vs AutoModelForCausalLM forward, the same loss
    on the same logprobs, backward and a torch AdamW step, over the same micro-batches.
 2. Packed vs padded on a ragged batch (lengths uniform in [seq_len / 8, seq_len], as RL responses spread):
    train.micro_batch_tokens = micro_batch_size * seq_len against train.micro_batch_size.
@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from megarl.algo.aggregate import global_loss_norm  # noqa: E402
 from megarl.config import AlgoConfig, OptimConfig  # noqa: E402
-from megarl.loops.rl import policy_loss  # noqa: E402
+from megarl.objective import policy_objective  # noqa: E402
 
 SIZES = {  # make_tiny_model arguments
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128),
@@ -122,7 +122,8 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from megarl.engine.megatron import TrainEngine, init_parallel
+    from megarl.engine.megatron import TrainEngine
+    from megarl.engine.parallel import init_parallel
 
     model_dir = args.model or str(make_model(args.size, Path(args.work_dir) / f"qwen2_{args.size}"))
     groups = init_parallel(tp=1, pp=1, seed=0)
@@ -135,7 +136,7 @@ def main(argv=None) -> None:
           f"{torch.get_num_threads()} threads, {dtype}, median of {args.reps} after {args.warmup} warmup")
 
     def megatron_step(tokens, extras, lengths=None, micro_batch_tokens=None):
-        loss_fn = partial(policy_loss, algo=AlgoConfig(), norm=global_loss_norm(extras["response_mask"]))
+        loss_fn = partial(policy_objective(AlgoConfig()), norm=global_loss_norm(extras["response_mask"]))
         return lambda: engine.train_step(tokens, extras, loss_fn, temperature=1.0, micro_batch_size=mbs,
                                          lengths=lengths, micro_batch_tokens=micro_batch_tokens)
 
@@ -143,7 +144,7 @@ def main(argv=None) -> None:
     full = torch.full((args.batch,), seq_len)
     tokens, extras = batch_for(full, seq_len=seq_len, vocab=vocab, seed=0)
     n_tokens = int(full.sum())
-    loss_fn = partial(policy_loss, algo=AlgoConfig(), norm=global_loss_norm(extras["response_mask"]))
+    loss_fn = partial(policy_objective(AlgoConfig()), norm=global_loss_norm(extras["response_mask"]))
     hf = hf_step_fn(model_dir, tokens, extras, micro_batch_size=mbs, loss_fn=loss_fn, lr=1e-6)
     t_megatron, t_hf = paired_medians(megatron_step(tokens, extras), hf, warmup=args.warmup, reps=args.reps)
     del hf

@@ -4,25 +4,34 @@ import torch
 from torch import Tensor
 
 KL_KINDS = ("k1", "k2", "k3")
+# k3 exponentiates the log-ratio: bounded to +-20 nats first (e^20 ~ 5e8), so one token the two policies
+# disagree on by hundreds of nats gives a large finite KL and no gradient, not inf and a NaN loss.
+MAX_K3_LOG_RATIO = 20.0
 
 
-def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, *, kind: str) -> Tensor:
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, *, kind: str, mask: Tensor | None = None) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman 2020, "Approximating KL divergence").
 
     logprobs, ref_logprobs: `[B, T]` log-probabilities of the sampled tokens under pi and pi_ref.
-    Returns `[B, T]`, no reduction (the caller masks and aggregates). With d = ref_logprobs - logprobs:
+    Returns `[B, T]`, no reduction (the caller aggregates). With d = ref_logprobs - logprobs:
       "k1": -d                      unbiased, can be negative
       "k2": 0.5 * d**2              biased, low variance, always >= 0
-      "k3": exp(d) - d - 1          unbiased, always >= 0
+      "k3": exp(d) - d - 1          unbiased, always >= 0; d clamped to +-MAX_K3_LOG_RATIO
+    mask `[B, T]`: positions where it is 0 (prompt, padding) get d = 0, so their estimate is 0 and their
+    gradient is exactly 0. Masking the result afterwards is not enough: k3 overflows where d > ~88.7 (fp32)
+    and the masked gradient is then 0 * inf = NaN.
     """
     if kind not in KL_KINDS:
         raise ValueError(f"unknown KL estimator kind {kind!r}; expected one of {', '.join(KL_KINDS)}")
     log_ratio = ref_logprobs - logprobs
+    if mask is not None:
+        log_ratio = torch.where(mask.bool(), log_ratio, 0.0)
     if kind == "k1":
         return -log_ratio
     if kind == "k2":
         return 0.5 * log_ratio.square()
     # expm1 keeps k3 accurate when the policies are close and d is tiny
+    log_ratio = log_ratio.clamp(-MAX_K3_LOG_RATIO, MAX_K3_LOG_RATIO)
     return torch.expm1(log_ratio) - log_ratio
 
 

@@ -13,6 +13,13 @@ from megarl.algo.aggregate import masked_mean
 from megarl.algo.kl import kl_estimate
 
 DPO_KINDS = ("sigmoid", "ipo")
+# Bounds on log importance ratios before exp: one token whose logprob moved by hundreds of nats (a numeric
+# blow-up, or a rollout engine that sampled a token the trainer gives ~0 probability) would otherwise make
+# the ratio inf and the loss NaN. Beyond e^20 the clip has long zeroed the gradient (or the dual clip capped
+# the loss), so the bound changes nothing a finite step can see. GSPO's sequence ratio is a mean over
+# tokens and is bounded tighter, above only: e^10 is already far outside any clip range.
+MAX_TOKEN_LOG_RATIO = 20.0
+MAX_SEQ_LOG_RATIO = 10.0
 
 
 def _clipped_surrogate(
@@ -25,6 +32,11 @@ def _clipped_surrogate(
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     # strictly greater: a tie (ratio inside the range, or A = 0) keeps the unclipped gradient
     return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def _approx_kl(log_ratio: Tensor, valid: Tensor) -> Tensor:
+    """k3 estimate of KL(new || old) per token from the (bounded) log-ratio log(new / old) `[B, T]`."""
+    return kl_estimate(log_ratio, torch.zeros_like(log_ratio), kind="k3", mask=valid)
 
 
 def ppo_clip_loss(
@@ -58,7 +70,7 @@ def ppo_clip_loss(
         raise ValueError("tis_cap needs rollout_logprobs")
     valid = mask.bool()
     # padding may hold arbitrary logprobs; zero the log-ratio there so exp cannot overflow into the graph
-    log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0)
+    log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0).clamp(-MAX_TOKEN_LOG_RATIO, MAX_TOKEN_LOG_RATIO)
     ratio = torch.exp(log_ratio)
     loss, clipped = _clipped_surrogate(ratio, advantages, clip_low=clip_low, clip_high=clip_high)
     if dual_clip is not None:
@@ -68,12 +80,13 @@ def ppo_clip_loss(
         clipped = clipped | dual
     stats = {}
     if tis_cap is not None:
+        # exp may overflow to inf here; the cap brings it back, and the weight is detached (no gradient)
         weight = torch.exp(torch.where(valid, old_logprobs - rollout_logprobs, 0.0)).clamp(max=tis_cap).detach()
         loss = loss * weight
         stats["tis_weight"] = torch.where(valid, weight, 0.0)
     stats["clipped"] = (clipped & valid).to(loss.dtype)
     stats["ratio"] = torch.where(valid, ratio.detach(), 0.0)
-    stats["approx_kl"] = torch.where(valid, kl_estimate(logprobs.detach(), old_logprobs, kind="k3"), 0.0)
+    stats["approx_kl"] = _approx_kl(log_ratio.detach(), valid)
     return torch.where(valid, loss, 0.0), stats
 
 
@@ -89,22 +102,23 @@ def gspo_loss(
     """Per-token GSPO loss with a sequence-level importance ratio (Zheng et al. 2025, GSPO-token form).
 
     logprobs, old_logprobs, mask: `[B, T]`; advantages_seq: `[B]`.
-    s_i = exp(mean over valid tokens of (logprobs - old_logprobs)), denominator = valid tokens of sequence i.
+    s_i = exp(mean over valid tokens of (logprobs - old_logprobs)), denominator = valid tokens of sequence i; the
+    mean log-ratio is clamped to at most MAX_SEQ_LOG_RATIO, and each token's to +-MAX_TOKEN_LOG_RATIO.
     s_i,t = sg(s_i) * exp(logprobs - sg(logprobs)): its value is s_i on every token and its gradient is per
     token; loss_t = max(-A_i * s_i,t, -A_i * clip(s_i,t, 1 - clip_low, 1 + clip_high)).
     Aggregate with "seq-mean-token-mean" to get GSPO's objective and gradient exactly.
     Returns (loss `[B, T]`, stats): "clipped", "ratio" (s_i on each valid token), "approx_kl" (k3, per token).
     """
     valid = mask.bool()
-    log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0)
-    seq_ratio = torch.exp(masked_mean(log_ratio, valid, dim=-1))  # [B]
+    log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0).clamp(-MAX_TOKEN_LOG_RATIO, MAX_TOKEN_LOG_RATIO)
+    seq_ratio = torch.exp(masked_mean(log_ratio, valid, dim=-1).clamp(max=MAX_SEQ_LOG_RATIO))  # [B]
     token_ratio = seq_ratio.detach()[:, None] * torch.exp(logprobs - logprobs.detach())
     advantages = advantages_seq[:, None].to(token_ratio.dtype)
     loss, clipped = _clipped_surrogate(token_ratio, advantages, clip_low=clip_low, clip_high=clip_high)
     stats = {
         "clipped": (clipped & valid).to(loss.dtype),
         "ratio": torch.where(valid, token_ratio.detach(), 0.0),
-        "approx_kl": torch.where(valid, kl_estimate(logprobs.detach(), old_logprobs, kind="k3"), 0.0),
+        "approx_kl": _approx_kl(log_ratio.detach(), valid),
     }
     return torch.where(valid, loss, 0.0), stats
 

@@ -148,3 +148,16 @@ class PromptSampler:
             raise ValueError(f"sampler state {state} does not fit {self.n_rows} rows")
         self.epoch, self.position = epoch, position
         self._order = self._epoch_order(epoch)
+
+
+def encode_prompt(tokenizer, prompt: str, *, chat_template: bool, tools: list[dict] | None = None) -> list[int]:
+    """Prompt token ids, wrapped as a user turn in the tokenizer's chat template when asked, which also
+    lists `tools` (JSON schemas) the way the template does.
+
+    The template is rendered to text and then tokenized, because `apply_chat_template(tokenize=True)`
+    returns a list in some transformers releases and a BatchEncoding in others.
+    """
+    if chat_template:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tools=tools or None,
+                                               add_generation_prompt=True, tokenize=False)
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"]

@@ -16,16 +16,13 @@ them).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import importlib
-import os
-import subprocess
-import tempfile
 import types
-from pathlib import Path
 
 import torch
+
+from megarl.config import RecipeError
 
 _installed = False
 _CPU = torch.device("cpu")
@@ -55,41 +52,20 @@ _LITERAL_CUDA_MODULES = (
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like", "empty_like")
 
 
-# CUDA driver stand-in: torch CUDA builds (the ones SGLang pins) ship kernel libraries that link against
-# libcuda, and some are loaded at import time (SGLang's kernels, flash_mla under megatron's attention).
-# On a machine without a driver every entry point here reports "no device", which is the truth there.
-_DRIVER_STAND_IN_C = """
-#define CUDA_ERROR_NO_DEVICE 100
-int cuInit(unsigned int flags) { return CUDA_ERROR_NO_DEVICE; }
-int cuDriverGetVersion(int *v) { if (v) *v = 0; return CUDA_ERROR_NO_DEVICE; }
-int cuDeviceGetCount(int *n) { if (n) *n = 0; return CUDA_ERROR_NO_DEVICE; }
-int cuPointerGetAttribute(void *d, int a, unsigned long long p) { return CUDA_ERROR_NO_DEVICE; }
-"""
+# TransformerConfig fields of a run without CUDA: fused kernels are CUDA code (their unfused twins compute the
+# same function), and weights are created on the CPU.
+TRANSFORMER_CONFIG = dict(bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+                          persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+                          use_cpu_initialization=True)
 
 
-def load_cuda_driver_stand_in() -> None:
-    """When no `libcuda.so.1` loads, build the stand-in above, load it into this process and put it on
-    LD_LIBRARY_PATH for child processes. A real driver, when present, is always used instead."""
-    try:
-        ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
-        return
-    except OSError:
-        pass
-    folder = Path(os.environ.get("MEGARL_CACHE", Path.home() / ".cache" / "megarl")) / "cuda-driver-stand-in"
-    lib = folder / "libcuda.so.1"
-    if not lib.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            src = Path(tmp) / "stand_in.c"
-            src.write_text(_DRIVER_STAND_IN_C)
-            built = Path(tmp) / "libcuda.so.1"
-            subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(built), str(src)],
-                           check=True, capture_output=True)
-            os.replace(built, lib)  # atomic: ranks starting together never load a half-written file
-    # Loaded by soname, later dlopen("libcuda.so.1") calls in this process resolve to it.
-    ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
-    paths = [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
-    os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([str(folder), *paths])
+def check_virtual_pipeline_p2p(*, batch_p2p_comm: bool, pp: int) -> None:
+    """With virtual pipeline stages and pp = 2, a rank's previous and next stage are the same peer; batched
+    into one batch_isend_irecv, gloo pairs the messages each way by posting order, so activations land in
+    gradient buffers (measured: wrong losses, no error). NCCL matches them correctly."""
+    if pp == 2 and batch_p2p_comm:
+        raise RecipeError("model.megatron.batch_p2p_comm: true with virtual pipeline stages and parallel.pp = 2 "
+                          "mixes up activations and gradients on gloo (both go to the same peer); leave it unset")
 
 
 def is_installed() -> bool:

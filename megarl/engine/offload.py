@@ -22,6 +22,8 @@ import logging
 
 import torch
 
+from megarl.device import on_gpu
+
 log = logging.getLogger(__name__)
 _logged_skips: set[str] = set()
 
@@ -139,7 +141,7 @@ def _release_cached_blocks() -> None:
 
 
 def _skip_on_cpu(what: str) -> bool:
-    if torch.cuda.is_available():
+    if on_gpu():
         return False
     if what not in _logged_skips:
         _logged_skips.add(what)

@@ -22,6 +22,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from megarl.config import EnvConfig, RecipeError
+
 QWEN_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 PYTHON_TAG = "<|python_tag|>"
 # End-of-message markers a Llama 3 turn may carry when special tokens are kept in its text.
@@ -137,3 +139,14 @@ class ObservationFormat:
 
     def ids(self, messages: list[str]) -> list[int]:
         return self.tokenizer(self.text(messages), add_special_tokens=False)["input_ids"]
+
+
+def observation_format(env: EnvConfig, tokenizer) -> ObservationFormat | None:
+    """How tool messages are rendered for the recipe's environment; None for single_turn, which sends none."""
+    if env.kind == "single_turn":
+        return None
+    try:
+        return ObservationFormat(tokenizer)
+    except Exception as e:  # noqa: BLE001 - the template's own errors (jinja) name what it could not render
+        raise RecipeError(f"env.name: {env.name} sends tool messages, but the chat template of model.path "
+                          f"cannot render them: {type(e).__name__}: {e}") from None

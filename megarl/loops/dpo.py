@@ -27,10 +27,13 @@ from megarl.algo.losses import dpo_loss
 from megarl.config import Config, DPOConfig
 from megarl.data.prompts import PromptSampler
 from megarl.data.supervised import Example, encode_pair, load_preference_pairs, pad_examples
-from megarl.engine.megatron import ParallelGroups, TrainEngine
-from megarl.loops.rl import learning_rate
+from megarl.engine.megatron import TrainEngine
+from megarl.engine.parallel import ParallelGroups
+from megarl.engine.roles import make_engine
 from megarl.loops.launch import init_groups
-from megarl.loops.sft import rows_per_rank, run_offline, total_steps
+from megarl.loops.lifecycle import final_dir, run_steps
+from megarl.loops.resume import RunState, already_finished, find_resume
+from megarl.loops.sft import offline_step, rows_per_rank, total_steps
 
 Pair = tuple[Example, Example]  # (chosen, rejected), tokenized
 
@@ -57,12 +60,9 @@ def dpo_step(run: DPORun) -> dict[str, float]:
     pairs = [run.train_pairs[i] for i in run.sampler.next_batch(run.pairs_per_rank)]
     tokens, mask = interleave(pairs, pad_id=run.pad_id)
     ref_logprobs = sequence_logprobs(run.reference, tokens, mask, micro_batch_size=micro)
-    lr = learning_rate(cfg.optim, run.actor.step)
-    run.actor.set_lr(lr)
     loss_fn = partial(preference_loss, dpo=cfg.dpo, pairs=run.pairs_per_rank * run.groups.dp_size)
-    metrics = run.actor.train_step(tokens, {"response_mask": mask, "ref_logprobs": ref_logprobs}, loss_fn,
-                                   temperature=1.0, micro_batch_size=micro)
-    return {**metrics, "lr": lr}
+    return run.actor.train_step(tokens, {"response_mask": mask, "ref_logprobs": ref_logprobs}, loss_fn,
+                                temperature=1.0, micro_batch_size=micro)
 
 
 def interleave(pairs: list[Pair], *, pad_id: int) -> tuple[Tensor, Tensor]:
@@ -124,9 +124,8 @@ def build_run(cfg: Config, groups: ParallelGroups) -> DPORun:
     encode = partial(encode_pair, tokenizer, chat_template=data.chat_template)
     train_pairs = [encode(pair) for pair in load(data.train_path)]
     eval_pairs = [encode(pair) for pair in load(data.eval_path)[:data.eval_prompts]] if data.eval_path else []
-    engine = partial(TrainEngine, model_dir=cfg.model.path, dtype=cfg.model.dtype, megatron=cfg.model.megatron,
-                     groups=groups)
-    return DPORun(cfg=cfg, groups=groups, actor=engine(optim=cfg.optim), reference=engine(),
+    engine = partial(make_engine, cfg, groups, model_dir=cfg.model.path)
+    return DPORun(cfg=cfg, groups=groups, actor=engine(role="actor"), reference=engine(role="reference"),
                   train_pairs=train_pairs, eval_pairs=eval_pairs[groups.dp_rank::groups.dp_size],
                   sampler=PromptSampler(len(train_pairs), seed=cfg.seed, shuffle=data.shuffle,
                                         dp_rank=groups.dp_rank, dp_size=groups.dp_size),
@@ -136,7 +135,12 @@ def build_run(cfg: Config, groups: ParallelGroups) -> DPORun:
 def train(cfg: Config) -> Path:
     """Run a DPO recipe; returns the directory of the final checkpoint."""
     run = build_run(cfg, init_groups(cfg))
+    steps = total_steps(cfg, len(run.train_pairs))
+    resume_from, done = find_resume(cfg)
+    if already_finished(cfg, resume_from, done, steps):
+        return final_dir(cfg)
     has_eval = group_sums([float(len(run.eval_pairs))], group=run.groups.dp)[0] > 0
-    return run_offline(cfg, groups=run.groups, actor=run.actor, sampler=run.sampler,
-                       steps=total_steps(cfg, len(run.train_pairs)), step=lambda: dpo_step(run),
-                       evaluate=(lambda: evaluate(run)) if has_eval else None, desc="dpo")
+    step = offline_step(cfg, partial(dpo_step, run), evaluate=partial(evaluate, run) if has_eval else None,
+                        steps=steps, desc="dpo")
+    state = RunState(groups=run.groups, engines={"actor": run.actor}, sampler=run.sampler)  # reference rebuilt
+    return run_steps(cfg, state, step=step, steps=steps, resume_from=resume_from, desc="dpo")

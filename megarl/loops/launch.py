@@ -8,7 +8,8 @@ import os
 import torch.distributed as dist
 
 from megarl.config import Config, RecipeError
-from megarl.engine.megatron import ParallelGroups, check_megatron_fields, init_parallel
+from megarl.engine.model import check_megatron_fields
+from megarl.engine.parallel import ParallelGroups, init_parallel
 from megarl.models.arch import check_layout, read_shape
 
 

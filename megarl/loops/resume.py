@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +29,11 @@ import torch.distributed as dist
 from megarl.checkpoint import (CheckpointError, copy_side_files, latest_checkpoint, publish, step_dir_name,
                                temporary_dir)
 from megarl.config import Config, RecipeError, dump_config
-from megarl.engine.megatron import set_trainer_rng_state, trainer_rng_state
+from megarl.data.prompts import PromptSampler
+from megarl.engine.dist_checkpoint import set_trainer_rng_state, trainer_rng_state
+from megarl.engine.megatron import TrainEngine
+from megarl.engine.parallel import ParallelGroups
+from megarl.rollout.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
 
@@ -75,27 +81,35 @@ def _layout(groups) -> dict[str, int]:
             "dp": groups.dp_size}
 
 
-def save_checkpoint(cfg: Config, step: int, *, groups, engines: dict, sampler, rollout=None,
-                    extra: dict | None = None) -> Path:
-    """Save a run after `step` (a collective call: every rank writes its share); returns the directory.
+@dataclass
+class RunState:
+    """What a checkpoint of a run holds, whatever the loop (RL, SFT, DPO)."""
 
-    engines: the trained models by name ("actor", "critic"); frozen ones are rebuilt from their checkpoint
-    and are not saved. sampler: this replica's prompt sampler. rollout: the rollout engine on the rank that
-    holds one (its sampler RNG is saved). extra: JSON state of the loop (weight version, KL controller).
-    """
+    groups: ParallelGroups
+    engines: dict[str, TrainEngine]  # trained models by name ("actor", "critic"); frozen ones are rebuilt
+    sampler: PromptSampler           # this data-parallel replica's prompt sampler
+    rollout: RolloutEngine | None = None  # on the rank that holds one: its sampler RNG is saved
+    extra: Callable[[], dict] = dict  # the loop's own JSON state (RL: weight version, KL controller)
+    load_extra: Callable[[dict], None] = lambda saved: None  # restores it from state.json
+
+
+def save_checkpoint(cfg: Config, step: int, state: RunState) -> Path:
+    """Save a run after `step` (a collective call: every rank writes its share); returns the directory."""
+    groups, engines = state.groups, state.engines
     name = [str(temporary_dir(checkpoint_root(cfg), step)) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(name, src=0)
     tmp = Path(name[0])
     for key, engine in engines.items():
         engine.save_checkpoint(tmp / key)
     if dist.get_rank() == groups.mp_src_global_rank:  # one writer per data-parallel replica
-        torch.save({"sampler": sampler.state_dict(), "rollout_rng": rollout.rng_state() if rollout else None},
+        rollout_rng = state.rollout.rng_state() if state.rollout is not None else None
+        torch.save({"sampler": state.sampler.state_dict(), "rollout_rng": rollout_rng},
                    tmp / f"dp{groups.dp_rank:05d}.pt")
     torch.save(trainer_rng_state(), tmp / f"rank{dist.get_rank():05d}.pt")
     if dist.get_rank() == 0:
-        state = {"step": step, "engine_steps": {k: e.step for k, e in engines.items()}, "layout": _layout(groups),
-                 **(extra or {})}
-        (tmp / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+        saved = {"step": step, "engine_steps": {k: e.step for k, e in engines.items()}, "layout": _layout(groups),
+                 **state.extra()}
+        (tmp / "state.json").write_text(json.dumps(saved, indent=2) + "\n")
         dump_config(cfg, tmp / "recipe.yaml")
         (tmp / "hf").mkdir()
         copy_side_files(cfg.model.path, tmp / "hf")
@@ -108,49 +122,31 @@ def save_checkpoint(cfg: Config, step: int, *, groups, engines: dict, sampler, r
     return final
 
 
-def restore_checkpoint(path: Path, *, groups, engines: dict, sampler, rollout=None) -> dict:
-    """Restore what `save_checkpoint` wrote to `path`; returns its state.json (step and the loop's extra)."""
-    state = json.loads((path / "state.json").read_text())
-    for key, engine in engines.items():
-        if key not in state["engine_steps"]:
+def restore_checkpoint(path: Path, state: RunState) -> int:
+    """Restore what `save_checkpoint` wrote to `path` into `state`; returns the step it holds."""
+    saved_state = json.loads((path / "state.json").read_text())
+    groups = state.groups
+    for key, engine in state.engines.items():
+        if key not in saved_state["engine_steps"]:
             raise CheckpointError(f"{path}: has no {key}, which this recipe trains")
         engine.load_checkpoint(path / key)
-        engine.step = state["engine_steps"][key]
-    saved, now = state["layout"], _layout(groups)
+        engine.step = saved_state["engine_steps"][key]
+    saved, now = saved_state["layout"], _layout(groups)
     if saved["dp"] == now["dp"]:
         mine = torch.load(path / f"dp{groups.dp_rank:05d}.pt", weights_only=True)
-        sampler.load_state_dict(mine["sampler"])
-        if rollout is not None and mine["rollout_rng"] is not None:
-            rollout.set_rng_state(mine["rollout_rng"])
+        state.sampler.load_state_dict(mine["sampler"])
+        if state.rollout is not None and mine["rollout_rng"] is not None:
+            state.rollout.set_rng_state(mine["rollout_rng"])
     else:
         # Each replica's prompts came from one global stream; continuing after the furthest position
         # repeats no prompt. Sampling is seeded again, so samples differ from an uninterrupted run.
         positions = [torch.load(p, weights_only=True)["sampler"] for p in sorted(path.glob("dp*.pt"))]
-        sampler.load_state_dict(max(positions, key=lambda s: (s["epoch"], s["position"])))
+        state.sampler.load_state_dict(max(positions, key=lambda s: (s["epoch"], s["position"])))
         log.warning("resuming with data-parallel size %d, saved with %d: the data order continues, the "
                     "rollout samples differ from an uninterrupted run", now["dp"], saved["dp"])
     if saved == now:
         set_trainer_rng_state(torch.load(path / f"rank{dist.get_rank():05d}.pt", weights_only=True))
     else:
         log.info("resuming at layout %s (saved at %s): trainer RNG streams start fresh", now, saved)
-    return state
-
-
-# ---- the RL run --------------------------------------------------------------------------------------------
-def _rl_engines(run) -> dict:
-    return {"actor": run.actor, **({"critic": run.critic} if run.critic is not None else {})}
-
-
-def save_run_checkpoint(run, step: int) -> Path:
-    return save_checkpoint(run.cfg, step, groups=run.groups, engines=_rl_engines(run), sampler=run.sampler,
-                           rollout=run.rollout, extra={"weight_version": run.weight_version,
-                                                       "kl": run.kl.state_dict()})
-
-
-def resume_run(run, path: Path) -> int:
-    """Restore an RL run from `path`; returns the step it holds."""
-    state = restore_checkpoint(path, groups=run.groups, engines=_rl_engines(run), sampler=run.sampler,
-                               rollout=run.rollout)
-    run.kl.load_state_dict(state["kl"])
-    run.weight_version = state["weight_version"]
-    return int(state["step"])
+    state.load_extra(saved_state)
+    return int(saved_state["step"])

@@ -16,18 +16,18 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-import torch.distributed as dist
-
 from megarl.algo.aggregate import group_sums, masked_sum
-from megarl.config import Config, RecipeError, dump_config
+from megarl.config import Config, RecipeError
 from megarl.data.prompts import PromptSampler
 from megarl.data.supervised import Example, encode_sft_row, load_sft_rows, pad_examples
-from megarl.engine.megatron import ParallelGroups, TrainEngine
+from megarl.engine.megatron import TrainEngine
+from megarl.engine.parallel import ParallelGroups
+from megarl.engine.roles import make_engine
 from megarl.loops.launch import init_groups
-from megarl.loops.resume import already_finished, find_resume, restore_checkpoint, save_checkpoint
-from megarl.loops.rl import export_policy, learning_rate
+from megarl.loops.lifecycle import final_dir, run_steps
+from megarl.loops.resume import RunState, already_finished, find_resume
 from megarl.loops.supervised import supervised_step
-from megarl.metrics import MetricsWriter, check_finite
+from megarl.metrics import check_finite
 
 
 def rows_per_rank(cfg: Config, groups: ParallelGroups, *, seqs_per_row: int) -> int:
@@ -81,59 +81,39 @@ def train(cfg: Config) -> Path:
     train_set = [encode(row) for row in load(data.train_path)]
     eval_set = [encode(row) for row in load(data.eval_path)[:data.eval_prompts]] if data.eval_path else []
     my_eval = eval_set[groups.dp_rank::groups.dp_size]
+    steps = total_steps(cfg, len(train_set))
+    resume_from, done = find_resume(cfg)
+    if already_finished(cfg, resume_from, done, steps):
+        return final_dir(cfg)
 
-    engine = TrainEngine(model_dir=cfg.model.path, dtype=cfg.model.dtype, megatron=cfg.model.megatron,
-                         groups=groups, optim=cfg.optim)
+    engine = make_engine(cfg, groups, role="actor", model_dir=cfg.model.path)
     sampler = PromptSampler(len(train_set), seed=cfg.seed, shuffle=data.shuffle, dp_rank=groups.dp_rank,
                             dp_size=groups.dp_size)
-    steps = total_steps(cfg, len(train_set))
     step_kwargs = dict(pad_id=tokenizer.pad_token_id, micro_batch_size=cfg.train.micro_batch_size)
 
-    def step() -> dict[str, float]:
-        lr = learning_rate(cfg.optim, engine.step)
-        engine.set_lr(lr)
+    def update() -> dict[str, float]:
         batch = [train_set[i] for i in sampler.next_batch(per_rank)]
-        return {**supervised_step(engine, batch, group=groups.dp, **step_kwargs), "lr": lr}
+        return supervised_step(engine, batch, group=groups.dp, **step_kwargs)
 
     def evaluate() -> dict[str, float]:
         return {"eval/loss": heldout_loss(engine, my_eval, groups=groups, **step_kwargs)}
 
-    return run_offline(cfg, groups=groups, actor=engine, sampler=sampler, steps=steps, step=step,
-                       evaluate=evaluate if eval_set else None, desc="sft")
+    state = RunState(groups=groups, engines={"actor": engine}, sampler=sampler)  # a reference is rebuilt
+    step = offline_step(cfg, update, evaluate=evaluate if eval_set else None, steps=steps, desc="sft")
+    return run_steps(cfg, state, step=step, steps=steps, resume_from=resume_from, desc="sft")
 
 
-def run_offline(cfg: Config, *, groups: ParallelGroups, actor: TrainEngine, sampler: PromptSampler, steps: int,
-                step: Callable[[], dict[str, float]], evaluate: Callable[[], dict[str, float]] | None,
-                desc: str) -> Path:
-    """The loop around one update of the SFT and DPO recipes: resume, metrics, held-out evaluation (after the
-    first step too, so the curve starts near the untrained model), checkpoints and the final HF export."""
-    run_dir = Path(cfg.run_dir)
-    final = run_dir / "checkpoints" / "final"
-    resume_from, done = find_resume(cfg)
-    if already_finished(cfg, resume_from, done, steps):
-        return final
-    parts = dict(groups=groups, engines={"actor": actor}, sampler=sampler)  # a reference is rebuilt, not saved
-    if resume_from is not None:
-        restore_checkpoint(resume_from, **parts)
-    if dist.get_rank() == 0:
-        dump_config(cfg, run_dir / "recipe.yaml")
-    writer = MetricsWriter(run_dir, total_steps=steps, enabled=dist.get_rank() == 0, progress=cfg.log.progress,
-                           tensorboard=cfg.log.tensorboard, desc=desc, resume_step=done)
-    try:
-        for n in range(done + 1, steps + 1):
-            began = time.perf_counter()
-            metrics = step()
-            check_finite(metrics, step=n, what=desc)
-            metrics["timing/step_s"] = time.perf_counter() - began
-            if evaluate is not None and (n == 1 or n % cfg.data.eval_every == 0 or n == steps):
-                metrics.update(evaluate())
-            if n % cfg.log.every_steps == 0 or n == steps:
-                writer.write(n, metrics)
-            if cfg.checkpoint.every_steps and n % cfg.checkpoint.every_steps == 0 and n < steps:
-                save_checkpoint(cfg, n, **parts)
-    finally:
-        writer.close()
-    if cfg.checkpoint.save_final:
-        save_checkpoint(cfg, steps, **parts)
-        export_policy(actor, groups, source_dir=cfg.model.path, out_dir=final, meta={"stage": desc, "step": steps})
-    return final
+def offline_step(cfg: Config, update: Callable[[], dict[str, float]], *,
+                 evaluate: Callable[[], dict[str, float]] | None, steps: int, desc: str) -> Callable[[int], dict]:
+    """One step of the SFT and DPO loops: `update()`, timed and stopped on a non-finite number, then the
+    held-out evaluation every `data.eval_every` steps, after the first step too (so the curve starts near
+    the untrained model) and after the last."""
+    def step(n: int) -> dict[str, float]:
+        began = time.perf_counter()
+        metrics = update()
+        check_finite(metrics, step=n, what=desc)
+        metrics["timing/step_s"] = time.perf_counter() - began
+        if evaluate is not None and (n == 1 or n % cfg.data.eval_every == 0 or n == steps):
+            metrics.update(evaluate())
+        return metrics
+    return step

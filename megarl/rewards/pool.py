@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from megarl.config import RecipeError, RewardConfig
-from megarl.rewards.scorer import Outcome, Sample, build_terms, score_samples
+from megarl.rewards.terms import Outcome, Sample, build_terms, score_samples
 
 TASK_RETRIES = 1  # fresh workers a chunk gets after the one running it dies
 # Smaller chunks keep all workers busy when samples take uneven times, and leave for the workers sooner

@@ -12,117 +12,14 @@ is not finite scores 0, is counted, and the first one of a batch is logged. Scor
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import logging
 import math
-import re
-import signal
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
-from megarl.config import RecipeError, RewardConfig, RewardTermConfig, SandboxConfig
-from megarl.rewards.exact import exact_answer_reward
-from megarl.rewards.math_answer import math_reward
-from megarl.rewards.sandbox import code_reward
-from megarl.rewards.shaping import format_reward, length_penalty
+from megarl.config import RewardConfig
+from megarl.rewards.terms import Outcome, Sample, build_terms, score_samples
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Sample:
-    """What a reward sees of one generated sample."""
-
-    prompt: str  # the prompt text, before any chat template
-    response: str  # the decoded response
-    answer: str  # the prompt row's reference answer
-    metadata: dict = field(default_factory=dict)  # the prompt row's metadata
-    response_tokens: int = 0  # response length in tokens, EOS included
-
-
-RewardFn = Callable[[Sample], float]
-# (reward, None) for a scored sample; (nan, why) for a failed one, which settle() turns into 0.
-Outcome = tuple[float, str | None]
-
-
-class SampleTimeout(BaseException):
-    """Scoring one sample ran past its time limit. A BaseException, so that reward code that catches
-    Exception (math-verify does, to return "no answer") cannot swallow it."""
-
-
-# ---- terms ------------------------------------------------------------------------------------------------
-def build_terms(cfg: RewardConfig) -> list[tuple[float, RewardFn]]:
-    """(weight, reward function) for every per-sample term of the recipe, checked now so that a missing
-    library or a custom function that does not import stops the launch with RecipeError naming the term's
-    key. Reward-model terms are not here: the trainer scores them (megarl.loops.rl)."""
-    return [(term.weight, term_function(term, key=f"reward.terms[{i}]")) for i, term in enumerate(cfg.terms)
-            if term.kind != "reward_model"]
-
-
-def term_function(term: RewardTermConfig, *, key: str) -> RewardFn:
-    match term.kind:
-        case "exact_answer":
-            return lambda s: exact_answer_reward(s.response, s.answer)
-        case "math":
-            _require("math_verify", key=f"{key}.kind", install="math-verify")
-            return lambda s: math_reward(s.response, s.answer)
-        case "format":
-            pattern = re.compile(term.pattern, re.DOTALL)
-            return lambda s: format_reward(s.response, pattern)
-        case "length_penalty":
-            max_tokens, cache_tokens = term.max_tokens, term.cache_tokens
-            return lambda s: length_penalty(s.response_tokens, max_tokens=max_tokens, cache_tokens=cache_tokens)
-        case "code":
-            limits = term.sandbox or SandboxConfig()
-            return lambda s: code_reward(s.response, s.answer, limits)
-        case "custom":
-            fn = import_function(term.function, key=f"{key}.function")
-            return lambda s: fn(prompt=s.prompt, response=s.response, answer=s.answer, metadata=s.metadata)
-    raise RecipeError(f"{key}.kind: unknown reward kind {term.kind!r}")
-
-
-def import_function(spec: str, *, key: str) -> Callable:
-    """The callable named by `module:function`; RecipeError naming `key` when it cannot be imported."""
-    module_name, _, name = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), name)
-    except Exception as e:  # noqa: BLE001 - any import-time error of user code is a recipe error
-        raise RecipeError(f"{key}: cannot import {spec!r}: {type(e).__name__}: {e}") from None
-    if not callable(fn):
-        raise RecipeError(f"{key}: {spec!r} is a {type(fn).__name__}, not a function")
-    return fn
-
-
-def _require(module: str, *, key: str, install: str) -> None:
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        raise RecipeError(f"{key}: this reward needs {install}: pip install {install}") from None
-
-
-# ---- scoring and the failure policy ---------------------------------------------------------------------
-def score_sample(terms: Sequence[tuple[float, RewardFn]], sample: Sample, *, timeout_s: float) -> Outcome:
-    """The weighted sum of the terms on one sample, or (nan, why) when a term raises, the sample takes
-    longer than `timeout_s` or the sum is not finite."""
-    try:
-        with time_limit(timeout_s):
-            total = sum(weight * float(fn(sample)) for weight, fn in terms)
-    except SampleTimeout as e:
-        return math.nan, str(e)
-    except Exception as e:  # noqa: BLE001 - a reward must never end the run
-        return math.nan, f"{type(e).__name__}: {e}"
-    if not math.isfinite(total):
-        return math.nan, f"reward is {total}"
-    return total, None
-
-
-def score_samples(terms: Sequence[tuple[float, RewardFn]], samples: Sequence[Sample], *,
-                  timeout_s: float) -> list[Outcome]:
-    """Outcomes of `samples` scored one after another in this process; what each Ray task runs too."""
-    return [score_sample(terms, s, timeout_s=timeout_s) for s in samples]
 
 
 def settle(outcomes: Sequence[Outcome], samples: Sequence[Sample]) -> tuple[list[float], int]:
@@ -133,33 +30,6 @@ def settle(outcomes: Sequence[Outcome], samples: Sequence[Sample]) -> tuple[list
         log.warning("%d of %d rewards failed and score 0; the first, on response %r: %s", len(failed),
                     len(outcomes), samples[i].response[:200], outcomes[i][1])
     return [0.0 if why is not None else value for value, why in outcomes], len(failed)
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float) -> Iterator[None]:
-    """Raise SampleTimeout in the body after `seconds` of wall time (SIGALRM).
-
-    Signals reach only the main thread, so elsewhere the body runs unbounded; the trainer scores on its
-    main thread and Ray runs tasks on its workers' main threads. A timer already running (pytest-timeout's,
-    say) is suspended meanwhile and re-armed with its remaining time afterwards.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def expire(signum, frame):
-        raise SampleTimeout(f"scoring took longer than {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    outer_s, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
-    start = time.monotonic()
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        if outer_s:
-            signal.setitimer(signal.ITIMER_REAL, max(outer_s - (time.monotonic() - start), 1e-3))
 
 
 class Scorer:

@@ -1,7 +1,6 @@
 """The native rollout engine: a transformers causal LM sampling in-process (CPU or GPU).
 
-It has the interface every rollout engine has (generate, update_weights, release/resume memory, flush
-cache) and serves when SGLang is not installed; on small models it also starts fastest.
+It implements the rollout-engine interface (megarl.rollout.engine.RolloutEngine) and serves when SGLang is not installed; on small models it also starts fastest.
 
 Logprobs are those of the distribution sampling draws from before top-p truncation, i.e.
 log_softmax(logits / temperature), which is what SGLang reports and what the trainer recomputes; with
@@ -13,11 +12,13 @@ from __future__ import annotations
 import inspect
 import logging
 import re
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor
+
+from megarl.device import current_device
+from megarl.rollout.engine import Generation, ResponseCallback
 
 log = logging.getLogger(__name__)
 
@@ -51,27 +52,13 @@ def _slots_of(name: str, param: Tensor) -> set[tuple[str, int | None, int | None
     return {(name, None, None)}
 
 
-@dataclass(frozen=True)
-class Generation:
-    """What an engine returns for each prompt it was given, in order."""
-
-    response_ids: list[list[int]]        # generated token ids, EOS included when it stopped on EOS
-    logprobs: list[list[float]]          # one per response token
-    finish_reasons: list[str]            # "stop" (EOS) or "length" (max_new_tokens)
-
-
-# An engine's call for each response as soon as it is final: (index in the call's prompts, response ids,
-# their logprobs, finish reason).
-ResponseCallback = Callable[[int, list[int], list[float], str], None]
-
-
 class NativeEngine:
     """A transformers model that samples batches and takes weights pushed by the trainer."""
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0, device: str | None = None):
         from transformers import AutoModelForCausalLM
 
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = torch.device(device) if device else current_device()
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(self.device).eval()
         self.generator = torch.Generator(device=self.device).manual_seed(seed)

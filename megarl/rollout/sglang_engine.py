@@ -23,9 +23,9 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import Tensor
 
-from megarl.engine import cpu_compat
+from megarl.device import load_cuda_driver_stand_in, on_gpu
 from megarl.models.safetensors_dir import SafetensorsDir
-from megarl.rollout.native import Generation, ResponseCallback
+from megarl.rollout.engine import Generation, ResponseCallback
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +60,11 @@ class SGLangEngine:
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0, tp_size: int = 1,
                  mem_fraction: float = 0.5, base_gpu_id: int = 0):
-        self.on_gpu = torch.cuda.is_available()
+        self.on_gpu = on_gpu()
         if not self.on_gpu:
             # SGLang's CPU mode, for this process and the scheduler processes it spawns.
             os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-            cpu_compat.load_cuda_driver_stand_in()
+            load_cuda_driver_stand_in()
         from sglang.srt.entrypoints.engine import Engine
 
         self.tp_size = tp_size

@@ -1,9 +1,13 @@
-"""How the recipe's algorithm reaches the math: each `algo.name` gives the estimator and loss of its paper,
-reward shaping and KL-in-reward land where they should, and the rollout batch keeps its rows aligned when
-dynamic sampling picks and joins groups. Expected numbers are worked out by hand from the formulas.
+"""megarl.objective: how the recipe's algorithm reaches the math. Each `algo.name` gives the estimator and loss
+of its paper, reward shaping and KL-in-reward land where they should, the loss reads only the batch fields
+it declares, every KL term is taken on response tokens and aggregated like the recipe says, extreme
+importance ratios stay finite, and the rollout batch keeps its rows aligned when dynamic sampling picks and
+joins groups. Expected numbers are worked out by hand from the formulas.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -11,7 +15,7 @@ import torch
 from megarl.algo.aggregate import LossNorm
 from megarl.batch import RolloutBatch
 from megarl.config import AlgoConfig, ConfigError, load_config
-from megarl.loops.rl import advantage_fn, kl_controller, policy_loss
+from megarl.objective import advantage_fn, kl_controller, policy_objective
 
 
 def make_batch(*, rewards, mask, old=None, ref=None, values=None, group_ids=None) -> RolloutBatch:
@@ -99,9 +103,9 @@ def test_gspo_clips_the_sequence_ratio_not_token_ratios():
     # token ratios e^0.3 and e^-0.3: each is outside [0.8, 1.2], their sequence mean of logs is 0 (ratio 1)
     logprobs = torch.tensor([[0.3, -0.3]], requires_grad=True)
     mb = {"response_mask": mask, "old_logprobs": old, "advantages": torch.ones(1, 2)}
-    _, ppo_stats = policy_loss(logprobs, mb, algo=AlgoConfig(name="grpo"), norm=norm_of(mask))
-    _, gspo_stats = policy_loss(logprobs, mb, algo=AlgoConfig(name="gspo", loss_agg="seq-mean-token-mean"),
-                                norm=norm_of(mask))
+    _, ppo_stats = policy_objective(AlgoConfig(name="grpo"))(logprobs, mb, norm=norm_of(mask))
+    gspo = policy_objective(AlgoConfig(name="gspo", loss_agg="seq-mean-token-mean"))
+    _, gspo_stats = gspo(logprobs, mb, norm=norm_of(mask))
     assert ppo_stats["clipfrac"] == pytest.approx(0.5)  # the token with ratio e^0.3 > 1.2 and A > 0
     assert gspo_stats["clipfrac"] == 0.0
     assert gspo_stats["loss"] == pytest.approx(-1.0)  # -A * s with s = 1
@@ -112,12 +116,12 @@ def test_dual_clip_and_tis_reach_the_loss():
     mb = {"response_mask": mask, "old_logprobs": torch.tensor([[0.0]]), "advantages": torch.tensor([[-1.0]]),
           "rollout_logprobs": torch.tensor([[0.5]])}
     logprobs = torch.tensor([[2.0]], requires_grad=True)  # ratio e^2 = 7.39 with A < 0
-    loss, _ = policy_loss(logprobs, mb, algo=AlgoConfig(), norm=norm_of(mask))
+    loss, _ = policy_objective(AlgoConfig())(logprobs, mb, norm=norm_of(mask))
     assert float(loss) == pytest.approx(7.389056, rel=1e-6)
-    loss, _ = policy_loss(logprobs, mb, algo=AlgoConfig(dual_clip=3.0), norm=norm_of(mask))
+    loss, _ = policy_objective(AlgoConfig(dual_clip=3.0))(logprobs, mb, norm=norm_of(mask))
     assert float(loss) == pytest.approx(3.0)  # capped at -c * A
     # TIS weight min(exp(old - rollout), cap) = exp(-0.5) = 0.6065 multiplies the dual-clipped loss
-    loss, stats = policy_loss(logprobs, mb, algo=AlgoConfig(dual_clip=3.0, tis_cap=2.0), norm=norm_of(mask))
+    loss, stats = policy_objective(AlgoConfig(dual_clip=3.0, tis_cap=2.0))(logprobs, mb, norm=norm_of(mask))
     assert float(loss) == pytest.approx(3.0 * 0.6065307, rel=1e-6)
     assert stats["tis_weight_mean"] == pytest.approx(0.6065307, rel=1e-6)
 
@@ -126,10 +130,78 @@ def test_entropy_bonus_lowers_the_loss_by_its_weight():
     mask = torch.tensor([[1.0, 1.0]])
     mb = {"response_mask": mask, "old_logprobs": torch.zeros(1, 2), "advantages": torch.zeros(1, 2)}
     entropy = torch.tensor([[2.0, 4.0]])
-    loss, stats = policy_loss(torch.zeros(1, 2), mb, algo=AlgoConfig(entropy_coef=0.1), norm=norm_of(mask),
-                              entropy=entropy)
+    loss, stats = policy_objective(AlgoConfig(entropy_coef=0.1))(torch.zeros(1, 2), mb, norm=norm_of(mask),
+                                                                 entropy=entropy)
     assert stats["entropy"] == pytest.approx(3.0)
     assert float(loss) == pytest.approx(-0.3)
+
+
+def test_the_objective_reads_only_the_fields_it_declares():
+    batch = make_batch(rewards=[1.0, 0.0], mask=[[0, 1, 1], [0, 1, 0]], ref=[[0.0, -1.0, -1.0], [0.0, -2.0, 0.0]])
+    batch = batch.replace(advantages=torch.ones(2, 3))
+    cases = {AlgoConfig(): ("response_mask", "old_logprobs", "advantages"),
+             AlgoConfig(kl_coef=0.1): ("response_mask", "old_logprobs", "advantages", "ref_logprobs"),
+             AlgoConfig(name="ppo", kl_coef=0.1, kl_in_reward=True): ("response_mask", "old_logprobs", "advantages"),
+             AlgoConfig(tis_cap=2.0): ("response_mask", "old_logprobs", "advantages", "rollout_logprobs")}
+    for algo, fields in cases.items():
+        objective = policy_objective(algo)
+        assert objective.fields == fields, algo
+        inputs = objective.inputs(batch)
+        assert set(inputs) == set(fields)
+        loss, stats = objective(torch.zeros(2, 3, requires_grad=True), inputs, norm=norm_of(batch.response_mask))
+        assert torch.isfinite(loss)
+        assert ("kl" in stats) == ("ref_logprobs" in fields)
+
+
+def test_kl_loss_has_no_nan_gradient_from_masked_positions():
+    # The prompt column holds a logprob far below anything a response token has: with k3, exp(ref - logprob)
+    # overflows there. Masked positions must not reach the loss or its gradient at all.
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    mb = {"response_mask": mask, "old_logprobs": torch.tensor([[0.0, -1.0, -1.0]]), "advantages": torch.zeros(1, 3),
+          "ref_logprobs": torch.tensor([[0.0, -1.2, -0.9]])}
+    logprobs = torch.tensor([[-100.0, -1.0, -1.0]], requires_grad=True)
+    loss, stats = policy_objective(AlgoConfig(kl_coef=0.5, kl_estimator="k3"))(logprobs, mb, norm=norm_of(mask))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all(), logprobs.grad
+    assert logprobs.grad[0, 0] == 0.0
+    # k3 with d = ref - logprob: e^-0.2 + 0.2 - 1 and e^0.1 - 0.1 - 1, token mean
+    expected = ((math.exp(-0.2) + 0.2 - 1) + (math.exp(0.1) - 0.1 - 1)) / 2
+    assert stats["kl"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("loss_agg, kl_loss_agg, expected_kl_term", [
+    # sequence 0: one token with k1 KL 1.0; sequence 1: three tokens with KL 0
+    ("seq-mean-token-mean", None, (1.0 + 0.0) / 2),   # GRPO's aggregation, for the KL term too
+    ("token-mean", None, 1.0 / 4),
+    ("seq-mean-token-mean", "token-mean", 1.0 / 4),   # algo.kl_loss_agg overrides it
+])
+def test_kl_loss_term_is_aggregated_like_the_recipe_says(loss_agg, kl_loss_agg, expected_kl_term):
+    mask = torch.tensor([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    zeros = torch.zeros(2, 3)
+    mb = {"response_mask": mask, "old_logprobs": zeros, "advantages": zeros,  # no policy-gradient term
+          "ref_logprobs": torch.tensor([[-1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])}
+    algo = AlgoConfig(kl_coef=0.2, kl_estimator="k1", loss_agg=loss_agg, kl_loss_agg=kl_loss_agg)
+    loss, stats = policy_objective(algo)(zeros.clone().requires_grad_(), mb, norm=norm_of(mask))
+    assert float(loss) == pytest.approx(0.2 * expected_kl_term)
+    assert stats["kl"] == pytest.approx(1.0 / 4)  # the logged KL is a token mean whatever the aggregation
+
+
+@pytest.mark.parametrize("algo", [
+    AlgoConfig(), AlgoConfig(dual_clip=3.0), AlgoConfig(tis_cap=2.0), AlgoConfig(kl_coef=0.1),
+    AlgoConfig(name="gspo", loss_agg="seq-mean-token-mean"),
+], ids=["ppo", "dual_clip", "tis", "kl", "gspo"])
+def test_extreme_ratios_give_finite_loss_and_gradients(algo):
+    # log-ratios of +-1000 nats (one token of each sign, with either sign of advantage)
+    mask = torch.ones(2, 2)
+    old = torch.tensor([[-1000.0, 0.0], [0.0, -1000.0]])
+    mb = {"response_mask": mask, "old_logprobs": old, "advantages": torch.tensor([[1.0, 1.0], [-1.0, -1.0]]),
+          "ref_logprobs": torch.zeros(2, 2), "rollout_logprobs": torch.full((2, 2), -500.0)}
+    logprobs = torch.tensor([[0.0, -1000.0], [-1000.0, 0.0]], requires_grad=True)
+    loss, stats = policy_objective(algo)(logprobs, mb, norm=norm_of(mask))
+    loss.backward()
+    assert torch.isfinite(loss), float(loss)
+    assert torch.isfinite(logprobs.grad).all(), logprobs.grad
+    assert all(math.isfinite(float(v)) for v in stats.values()), stats
 
 
 # ---- recipe checks -----------------------------------------------------------------------------------------

@@ -1,0 +1,298 @@
+"""The forward and backward passes of a train engine: micro-batches (padded, or packed by token budget)
+through Megatron's pipeline schedule, token logprobs and entropy from vocabulary-parallel logits, values
+of a scalar head, and the loss function's statistics reduced over the pipeline and data-parallel ranks.
+
+Sequences are [B, T] token ids, right padded. Outputs are aligned with the tokens: `logprobs[b, t]` is
+log p(tokens[b, t] | tokens[b, :t]) at the sampling temperature, and column 0 is 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from megarl.device import current_device
+from megarl.engine.context_parallel import gather_sequence, split_sequence
+from megarl.engine.model import StageModel
+from megarl.packing import count_bins, pack, packed_row, plan_micro_batches, unpack
+
+# A loss function sees one micro-batch: the head's output [b, T] (logprobs, or values of a critic) and
+# that micro-batch's slice of every extra tensor; it returns its contribution to the global loss and to
+# each summed statistic.
+LossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+
+
+class PipelineSchedule:
+    """Runs micro-batches of one model (`stage`, trained through `models`: its chunks, DDP-wrapped when the
+    engine trains) through Megatron's forward-backward schedule for this rank's pipeline stage."""
+
+    def __init__(self, stage: StageModel, models: list):
+        self.stage = stage
+        self.models = models
+
+    def run(self, tokens: Tensor, extras: dict[str, Tensor], loss_fn: LossFn | None, *, temperature: float,
+             micro_batch_size: int, forward_only: bool, entropy: bool = False, lengths: Tensor | None = None,
+             micro_batch_tokens: int | None = None) -> tuple[Tensor | None, dict[str, Tensor]]:
+        """Run the pipeline schedule over micro-batches.
+
+        The head's output per token, [b, T] (logprobs of an LM, values of a critic), goes to `loss_fn`
+        (with `entropy=` [b, T] as well when asked). Returns (the outputs [B, T] when `loss_fn` is None or
+        `forward_only`, else None; the loss function's statistics summed over micro-batches).
+
+        Micro-batches hold `micro_batch_size` padded rows, or, with `micro_batch_tokens`, are packed rows
+        of at most that many tokens (`lengths` [B], the real tokens of each row of `tokens`, is then
+        required; see `packed_micro_batches`). Loss functions see [b, T] tensors either way; packed
+        outputs are 0 past each sequence's end.
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        device = current_device()
+        batch, seq_len = tokens.shape
+        width = seq_len
+        cp = self.stage.groups.cp_size
+        if cp > 1 and micro_batch_tokens:
+            raise ValueError(f"sequence packing (train.micro_batch_tokens = {micro_batch_tokens}) cannot be combined "
+                             f"with context parallelism (parallel.cp = {cp}); turn one of them off")
+        # Sequence parallelism splits every row evenly over TP ranks, context parallelism into 2 * cp chunks:
+        # pad the columns (masked, so no loss sees them) and cut the outputs back.
+        multiple = (self.stage.groups.tp_size if self.stage.config.sequence_parallel else 1) * (2 * cp if cp > 1 else 1)
+        if not micro_batch_tokens and seq_len % multiple:
+            width = -(-seq_len // multiple) * multiple
+            def grow(t: Tensor) -> Tensor:
+                return F.pad(t, (0, width - seq_len)) if t.dim() == 2 and t.shape[1] == seq_len else t
+
+            tokens, extras = grow(tokens), {k: grow(v) for k, v in extras.items()}
+        window = self.stage.shape.sliding_window
+        if window is not None and seq_len > window:
+            # Megatron's attention here is full causal, which is the checkpoint's sliding-window attention
+            # only while a sequence fits in the window (transformers masks nothing more until then).
+            raise ValueError(f"sequence length {seq_len} exceeds the checkpoint's sliding_window {window}: "
+                             "sliding-window attention is not supported beyond the window")
+        if micro_batch_tokens:
+            micro = self.packed_micro_batches(tokens, extras, lengths, micro_batch_tokens)
+            shape_len, shape_batch = max(m[1].row_len for m in micro), 1
+        else:
+            if batch % micro_batch_size != 0:
+                raise ValueError(f"batch of {batch} sequences is not divisible by micro_batch_size "
+                                 f"{micro_batch_size}")
+            cp_rank = self.stage.groups.cp_rank
+            positions = split_sequence(torch.arange(width, device=device)[None], cp=cp, rank=cp_rank)
+            positions = positions.expand(micro_batch_size, -1)
+            micro = []
+            for i in range(0, batch, micro_batch_size):
+                index = torch.arange(i, i + micro_batch_size)
+                mb = {"tokens": tokens[index].to(device), **{k: v[index].to(device) for k, v in extras.items()}}
+                # the token after each position, taken before the split: a context-parallel rank's last
+                # position of a chunk predicts a token that another rank holds
+                labels = F.pad(mb["tokens"][:, 1:], (0, 1))
+                inputs = (split_sequence(mb["tokens"], cp=cp, rank=cp_rank),
+                          split_sequence(labels, cp=cp, rank=cp_rank), positions, None)
+                micro.append((index, None, inputs, mb))
+            shape_len, shape_batch = width, micro_batch_size
+        n_micro = len(micro)
+        if self.schedulable(n_micro) != n_micro:
+            group = self.stage.config.microbatch_group_size_per_vp_stage
+            raise ValueError(
+                f"{batch} sequences in micro-batches of {micro_batch_size} (train.micro_batch_size) make {n_micro} "
+                "micro-batches; the interleaved pipeline schedule (model.megatron.virtual_pipeline_model_parallel_"
+                f"size = {self.stage.config.virtual_pipeline_model_parallel_size}) needs at least {group} and a count "
+                f"whose remainder modulo {group} (model.megatron.microbatch_group_size_per_vp_stage, default "
+                f"parallel.pp) is 0 or at least parallel.pp = {self.stage.groups.pp_size}, e.g. {self.schedulable(n_micro)}")
+        chunks: list[tuple[Tensor, Tensor]] = []
+        stat_sums: dict[str, Tensor] = {}
+        # Megatron divides each micro-batch loss by the number of micro-batches and DDP averages over DP
+        # ranks; loss functions here already return contributions normalized by global counts, so the
+        # scale below undoes both averages and the gradient is exactly that of the global loss. Context
+        # parallelism changes nothing here: every CP rank computes the loss of the whole sequences (their
+        # outputs are gathered) and back-propagates it through its own positions only, so the CP ranks'
+        # gradients add up to the full one; DDP averages over DP x CP ranks and the schedule multiplies
+        # each loss by cp to match.
+        # The MoE load-balancing loss is not returned here: each router attaches coeff * aux_loss of its
+        # micro-batch to the autograd graph (MoEAuxLossAutoScaler), and the schedule scales its gradient by
+        # 1 / n_micro, then DDP by 1 / dp. Its gradient is therefore that of coeff * (mean over the global
+        # batch's micro-batches of each layer's aux loss), summed over layers: the same for every layout
+        # that keeps the micro-batches (packing changes them), and part of grad_norm but not of the loss.
+        loss_scale = float(n_micro * self.stage.groups.dp_size)
+
+        def aligned(per_position: Tensor) -> Tensor:
+            """[b, s / cp] per position of this rank -> [b, s] whole sequences, shifted right by one: column t
+            scores token t from the prefix before it (the value of the state before token t sits in column
+            t, like the logprob of token t); column 0 is 0."""
+            return F.pad(gather_sequence(per_position, group=self.stage.groups.cp)[:, :-1], (1, 0))
+
+        def loss_func(index, row, labels, mb, output):
+            if self.stage.value_head:
+                out, kwargs = aligned(output[..., 0].float()), {}
+            else:
+                per_position, kwargs = self.token_logprobs(output, labels, temperature=temperature,
+                                                            entropy=entropy)
+                out, kwargs = aligned(per_position), {k: aligned(v) for k, v in kwargs.items()}
+            if row is not None:
+                out = unpack(out[0], row, width=seq_len)
+                kwargs = {k: unpack(v[0], row, width=seq_len) for k, v in kwargs.items()}
+            if len(index) == 0:  # a packed micro-batch of padding only, so every rank has as many
+                return out.sum() * 0.0, {}
+            if loss_fn is None:
+                chunks.append((index, out.detach()))
+                return out.sum() * 0.0, {}
+            loss, stats = loss_fn(out, mb, **kwargs)
+            for key, value in stats.items():
+                stat_sums[key] = stat_sums.get(key, 0.0) + value.detach().float()
+            if forward_only:
+                chunks.append((index, out.detach()))
+            return loss * loss_scale, {}
+
+        def forward_step(data_iterator, model):
+            index, row, (ids, labels, positions, packed), mb = next(data_iterator)
+            output = model(ids, positions, None, packed_seq_params=packed)
+            return output, partial(loss_func, index, row, labels, mb)
+
+        for model in self.models:
+            model.train(not forward_only)
+        vpp = self.stage.config.virtual_pipeline_model_parallel_size
+        # Every chunk reads every micro-batch in order (positions and packing for all, tokens for the first,
+        # the loss inputs for the last). The virtual stage count is passed, not read from parallel_state.
+        get_forward_backward_func(pp_size=self.stage.groups.pp_size, vp_size=vpp)(
+            forward_step_func=forward_step, data_iterator=[iter(micro) for _ in self.models], model=self.models,
+            num_microbatches=n_micro, seq_length=shape_len, micro_batch_size=shape_batch,
+            forward_only=forward_only,
+        )
+        if not chunks:
+            return None, stat_sums
+        out = torch.zeros(batch, width, dtype=chunks[0][1].dtype, device=device)
+        out[torch.cat([index for index, _ in chunks])] = torch.cat([values for _, values in chunks])
+        return out[:, :seq_len], stat_sums
+
+    def packed_micro_batches(self, tokens: Tensor, extras: dict[str, Tensor], lengths: Tensor | None,
+                              max_tokens: int) -> list:
+        """Packed micro-batches of at most `max_tokens` tokens, as many on every data-parallel rank.
+
+        The count is the largest first-fit-decreasing bin count over DP ranks (Megatron's DDP and pipeline
+        schedules need one count everywhere), raised until the token-balanced split fits the budget on
+        every rank. With pipeline stages every row is padded to the step's longest, so every message
+        between stages has one shape. Each entry is (index [b], PackedRow, model inputs, micro-batch dict).
+        """
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        if lengths is None:
+            raise ValueError("packed micro-batches (micro_batch_tokens) need the sequence lengths")
+        device = current_device()
+        lens = [int(n) for n in lengths]
+        if max(lens) > tokens.shape[1]:
+            raise ValueError(f"a length {max(lens)} exceeds the {tokens.shape[1]} columns of the batch")
+        n_micro = self.schedulable(self._dp_reduce(count_bins(lens, max_tokens), dist.ReduceOp.MAX))
+        while True:
+            plan = plan_micro_batches(lens, max_tokens=max_tokens, n_micro=n_micro)
+            # one more micro-batch helps; with one per sequence every plan fits, so this ends
+            if self._dp_reduce(int(plan is None), dist.ReduceOp.MAX) == 0:
+                break
+            n_micro = self.schedulable(n_micro + 1)
+        row_lens = [max(1, sum(lens[i] for i in part)) for part in plan]
+        if self.stage.groups.pp_size > 1:
+            row_lens = [max(row_lens)] * len(plan)
+        if self.stage.config.sequence_parallel:
+            # sequence parallelism splits the row evenly over TP ranks
+            tp = self.stage.groups.tp_size
+            row_lens = [-(-n // tp) * tp for n in row_lens]
+        micro = []
+        for part, row_len in zip(plan, row_lens):
+            row = packed_row(part, lengths, row_len=row_len)
+            ids, positions = pack(tokens, row)
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=row.cu_seqlens.to(device),
+                                     cu_seqlens_kv=row.cu_seqlens.to(device), max_seqlen_q=row.max_seqlen,
+                                     max_seqlen_kv=row.max_seqlen)
+            mb = {"tokens": tokens[row.index].to(device), **{k: v[row.index].to(device) for k, v in extras.items()}}
+            labels = F.pad(ids[:, 1:], (0, 1))  # the token after each position of the row
+            micro.append((row.index, row, (ids.to(device), labels.to(device), positions.to(device), params), mb))
+        return micro
+
+    def schedulable(self, n_micro: int) -> int:
+        """The smallest micro-batch count from `n_micro` up that the pipeline schedule runs. Any count runs
+        without virtual stages. The interleaved schedule runs micro-batches in groups of g =
+        `microbatch_group_size_per_vp_stage` (default pp) through each chunk: at least g of them, and a last
+        group of 0 or at least pp (a shorter one would leave stages waiting on each other)."""
+        if self.stage.config.virtual_pipeline_model_parallel_size is None:
+            return n_micro
+        group, pp = self.stage.config.microbatch_group_size_per_vp_stage, self.stage.groups.pp_size
+        n_micro = max(n_micro, group)
+        while 0 < n_micro % group < pp:
+            n_micro += 1
+        return n_micro
+
+    def _dp_reduce(self, value: int, op) -> int:
+        if self.stage.groups.dp_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=current_device())
+        dist.all_reduce(t, op=op, group=self.stage.groups.dp)
+        return int(t)
+
+    def token_logprobs(self, logits: Tensor, labels: Tensor, *, temperature: float, entropy: bool
+                        ) -> tuple[Tensor, dict[str, Tensor]]:
+        """logits [b, s, V/tp] and labels [b, s] (the token after each position) -> (logprobs of the labels
+        [b, s], {"entropy": [b, s]} of the next-token distribution when asked), position by position."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        scaled = self._mask_vocab_padding(logits.float() / temperature)
+        if not entropy:
+            return -vocab_parallel_cross_entropy(scaled, labels), {}
+        token_entropy = self._vocab_parallel_entropy(scaled)
+        # Megatron's cross entropy works in place on its input: give it a copy of the logits entropy used
+        logprobs = -vocab_parallel_cross_entropy(scaled.clone(), labels)
+        return logprobs, {"entropy": token_entropy}
+
+    def _mask_vocab_padding(self, logits: Tensor) -> Tensor:
+        """Rows added to make the vocabulary split evenly over TP hold zero weights, so their logit is 0,
+        not -inf: they would take probability mass the HF model does not have. Give them the lowest
+        finite logit instead (finite, so 0 * logit stays 0 in the entropy)."""
+        vocab_slice = logits.shape[-1]
+        first = self.stage.groups.tp_rank * vocab_slice
+        real = max(0, min(vocab_slice, self.stage.shape.vocab_size - first))
+        if real == vocab_slice:
+            return logits
+        padding = torch.arange(vocab_slice, device=logits.device) >= real
+        return logits.masked_fill(padding, torch.finfo(logits.dtype).min)
+
+    def _vocab_parallel_entropy(self, logits: Tensor) -> Tensor:
+        """Entropy [b, T] of softmax over the full vocabulary from this rank's slice logits [b, T, V/tp].
+
+        H = log S + m - (1/S) sum_v exp(z_v - m) z_v with S = sum_v exp(z_v - m) over all slices. The sums
+        are all-reduced forward with an identity backward (every TP rank computes the same loss, so each
+        receives the full gradient of its own slice).
+        """
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        m = logits.detach().max(dim=-1, keepdim=True).values
+        if self.stage.groups.tp_size > 1:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.stage.groups.tp)
+        e = torch.exp(logits - m)
+        sums = torch.stack([e.sum(-1), (e * logits).sum(-1)])
+        if self.stage.groups.tp_size > 1:
+            sums = reduce_from_tensor_model_parallel_region(sums, group=self.stage.groups.tp)
+        return torch.log(sums[0]) + m.squeeze(-1) - sums[1] / sums[0]
+
+    def from_last_stage(self, tensor: Tensor | None, shape) -> Tensor:
+        if self.stage.groups.pp_size == 1:
+            return tensor
+        if tensor is None:
+            tensor = torch.empty(shape, dtype=torch.float32, device=current_device())
+        dist.broadcast(tensor, src=self.stage.groups.pp_last_global_rank, group=self.stage.groups.pp)
+        return tensor
+
+    def reduce_stats(self, stats: dict[str, Tensor]) -> dict[str, float]:
+        """Sum statistics over DP ranks and send them from the last pipeline stage to every rank."""
+        keys = [sorted(stats)] if self.stage.groups.is_pp_last else [None]
+        if self.stage.groups.pp_size > 1:
+            dist.broadcast_object_list(keys, src=self.stage.groups.pp_last_global_rank, group=self.stage.groups.pp)
+        values = torch.stack([torch.as_tensor(stats.get(k, 0.0), dtype=torch.float64) for k in keys[0]]) \
+            if keys[0] else torch.zeros(0, dtype=torch.float64)
+        values = values.to(current_device())
+        if self.stage.groups.pp_size > 1:
+            dist.broadcast(values, src=self.stage.groups.pp_last_global_rank, group=self.stage.groups.pp)
+        if self.stage.groups.dp_size > 1:
+            dist.all_reduce(values, group=self.stage.groups.dp)
+        return {k: float(v) for k, v in zip(keys[0], values.tolist())}

@@ -1,0 +1,155 @@
+"""HF checkpoints in and out of a Megatron model: each rank's shards cut from safetensors files on load, and
+full HF-named tensors gathered from the shards (tensor, expert and pipeline parallel) for the weight
+handoff and the HF export, one tensor at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megarl.device import current_device
+from megarl.engine.model import StageModel, tp_split
+from megarl.models import layout
+from megarl.models.arch import ModelShape
+from megarl.models.safetensors_dir import SafetensorsDir
+
+# Parameters with one row per (padded) vocabulary entry: padded on load, truncated on export.
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+# HF sequence-classification checkpoints (reward models) name their scalar head this way.
+_HF_SCORE = "score.weight"
+
+
+def load_hf(stage: StageModel, model_dir: str | Path) -> None:
+    """Copy an HF checkpoint into this rank's shards. Every Megatron parameter must be covered."""
+    source = SafetensorsDir(model_dir)
+    with torch.no_grad():
+        for name, param in stage.named_parameters():
+            shard = hf_shard(stage, source, name, param)
+            if shard is not None:
+                param.copy_(shard)
+
+
+def hf_shard(stage: StageModel, source: SafetensorsDir, name: str, param: Tensor) -> Tensor | None:
+    """This rank's shard of parameter `name` (global layer index; shaped like `param`, which may be on the
+    meta device), made from the HF tensors it is built of; None for a critic's value head the checkpoint
+    has no `score.weight` for (it keeps its zeros)."""
+    if stage.value_head and name == "output_layer.weight":
+        return source.get(_HF_SCORE).reshape(param.shape) if _HF_SCORE in source else None
+    if name == "output_layer.weight" and stage.shape.tied_embeddings:
+        hf_names = ("model.embed_tokens.weight",)  # last pipeline stage's copy of tied weights
+        rule_fuse = None
+    else:
+        rule, _, _ = stage.names.lookup(name)
+        hf_names, rule_fuse = stage.names.hf_names(name, expert_offset=stage.expert_offset), rule.fuse
+    full = _fuse(stage.shape, [source.get(n) for n in hf_names], rule_fuse)
+    if name in VOCAB_PARAMS:
+        full = _pad_rows(full, param.shape[0] * stage.groups.tp_size)
+    shard = layout.shard(full, dim=tp_split(param), rank=stage.groups.tp_rank,
+                         size=stage.groups.tp_size, gate_up=rule_fuse == "gate_up")
+    if shard.shape != param.shape:
+        raise ValueError(f"{source.model_dir}: {hf_names} gives shape {tuple(shard.shape)} for {name}, "
+                         f"expected {tuple(param.shape)}")
+    return shard
+
+
+def _fuse(shape: ModelShape, parts: list[Tensor], fuse: str | None) -> Tensor:
+    match fuse:
+        case None:
+            return parts[0]
+        case "qkv":
+            return layout.join_qkv(*parts, groups=shape.kv_heads, head_dim=shape.head_dim)
+        case "gate_up":
+            return layout.join_gate_up(*parts)
+    raise ValueError(f"unknown fused layout {fuse!r}")
+
+
+def hf_tensors(stage: StageModel, params: Iterator[tuple[str, Tensor, Tensor]] | None = None
+               ) -> Iterator[tuple[str, Tensor]]:
+    """Full HF-named tensors of this model, one at a time (TP shards all-gathered, experts gathered
+    over the expert-parallel group with their global indices).
+
+    Every rank of a pipeline stage takes part in the gathers; every rank yields the full tensors of
+    its own stage's layers, every expert included, so the rank that feeds a rollout engine must also
+    receive the other stages' tensors (`pipeline_hf_tensors`).
+
+    `params` yields (name with the global layer index, parameter, its value on this rank); by default the
+    parameters' own values. The conversion tools pass values read from a distributed checkpoint instead
+    (megarl.engine.dist_checkpoint.checkpoint_params), the parameters then living on the meta device.
+    """
+    if stage.value_head:
+        raise ValueError("a critic is not a causal LM: its weights have no HF causal-LM export")
+    ep_ranks = dist.get_process_group_ranks(stage.groups.ep)
+    experts_per_rank = stage.shape.experts // stage.groups.ep_size
+    if params is None:
+        params = ((n, p, p.detach()) for n, p in stage.named_parameters())
+    for name, param, data in params:
+        if name == "output_layer.weight" and stage.shape.tied_embeddings:
+            continue
+        rule, _, expert = stage.names.lookup(name)
+        dim = tp_split(param)
+        if dim is not None and stage.groups.tp_size > 1:
+            shards = [torch.empty_like(data) for _ in range(stage.groups.tp_size)]
+            dist.all_gather(shards, data.contiguous(), group=stage.groups.tp)
+            data = layout.unshard(shards, dim=dim, gate_up=rule.fuse == "gate_up")
+        if name in VOCAB_PARAMS:
+            data = data[: stage.shape.vocab_size]
+        if expert is None:
+            yield from zip(stage.names.hf_names(name), _split(stage.shape, data, rule.fuse))
+            continue
+        # Every EP rank holds this local expert slot for a different global expert: each rank in turn
+        # broadcasts its copy, so no rank holds more than one extra expert tensor at a time.
+        for ep_rank, src in enumerate(ep_ranks):
+            copy = data
+            if stage.groups.ep_size > 1:
+                copy = data.contiguous() if ep_rank == stage.groups.ep_rank else torch.empty_like(data)
+                dist.broadcast(copy, src=src, group=stage.groups.ep)
+            yield from zip(stage.names.hf_names(name, expert_offset=ep_rank * experts_per_rank),
+                           _split(stage.shape, copy, rule.fuse))
+
+
+def _split(shape: ModelShape, full: Tensor, fuse: str | None) -> tuple[Tensor, ...]:
+    match fuse:
+        case None:
+            return (full,)
+        case "qkv":
+            return layout.split_qkv(full, groups=shape.kv_heads, head_dim=shape.head_dim)
+        case "gate_up":
+            return layout.split_gate_up(full)
+    raise ValueError(f"unknown fused layout {fuse!r}")
+
+
+def pipeline_hf_tensors(stage: StageModel) -> Iterator[tuple[str, Tensor]]:
+    """`hf_tensors` of every pipeline stage, delivered in stage order to every rank of the pipeline.
+
+    Each stage in turn sends its tensors one at a time over the pipeline group (a name broadcast,
+    then the tensor), so no rank ever holds more than one extra full tensor.
+    """
+    if stage.groups.pp_size == 1:
+        yield from hf_tensors(stage)
+        return
+    pp_ranks = dist.get_process_group_ranks(stage.groups.pp)
+    for index, src in enumerate(pp_ranks):
+        mine = hf_tensors(stage) if index == stage.groups.pp_rank else None
+        while True:
+            item = next(mine, None) if mine is not None else None
+            header = [None if item is None else (item[0], tuple(item[1].shape), item[1].dtype)]
+            dist.broadcast_object_list(header, src=src, group=stage.groups.pp)
+            if header[0] is None:
+                break
+            name, shape, dtype = header[0]
+            tensor = item[1].contiguous() if item is not None else torch.empty(
+                shape, dtype=dtype, device=current_device())
+            dist.broadcast(tensor, src=src, group=stage.groups.pp)
+            yield name, tensor
+
+
+def _pad_rows(full: Tensor, rows: int) -> Tensor:
+    """Zero rows appended to a vocabulary matrix up to Megatron's padded size."""
+    if full.shape[0] == rows:
+        return full
+    return torch.cat([full, full.new_zeros(rows - full.shape[0], *full.shape[1:])])

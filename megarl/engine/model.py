@@ -1,0 +1,263 @@
+"""Building this rank's share of a model: Megatron's TransformerConfig from an HF architecture, the layer spec
+(Transformer Engine's on GPU when installed, the local one otherwise), GPTModel chunks per virtual pipeline
+stage, and the critic's value head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from megarl.config import RecipeError
+from megarl.device import current_device, on_gpu
+from megarl.engine import cpu_compat
+from megarl.engine.parallel import ParallelGroups
+from megarl.models.arch import ModelShape, check_virtual_stages, padded_vocab_size, read_shape
+from megarl.models.names import NameTable, name_rules
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megatron: dict, ep: int = 1,
+                       cp: int = 1):
+    """Megatron TransformerConfig for an HF architecture; `megatron` holds extra fields from the recipe."""
+    from megatron.core.transformer import TransformerConfig
+
+    check_megatron_fields(megatron)
+    comm = megatron.get("cp_comm_type")
+    if cp > 1 and (comm == "a2a+p2p" or isinstance(comm, list) and "a2a+p2p" in comm):
+        # the hierarchical exchange needs hierarchical_context_parallel_sizes at parallel-state init
+        raise RecipeError("model.megatron.cp_comm_type = 'a2a+p2p' (hierarchical context parallelism) is not "
+                          "supported; use 'p2p', 'all_gather' or 'a2a'")
+    torch_dtype = _DTYPES[dtype]
+    kwargs = dict(
+        num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
+        num_query_groups=shape.kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn,
+        normalization="RMSNorm", layernorm_epsilon=shape.norm_eps, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        context_parallel_size=cp,
+        params_dtype=torch_dtype, pipeline_dtype=torch_dtype,
+        bf16=torch_dtype == torch.bfloat16, fp16=torch_dtype == torch.float16,
+        variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+        # Initialization is overwritten by the checkpoint, but it is also what tags each weight with its
+        # tensor-parallel split (`tensor_model_parallel`, `partition_dim`), which grad-norm and the
+        # weight gathers rely on.
+        perform_initialization=True,
+    )
+    if shape.is_moe:
+        kwargs.update(_moe_config(shape))
+    if not on_gpu():
+        kwargs.update(cpu_compat.TRANSFORMER_CONFIG)
+    vpp = megatron.get("virtual_pipeline_model_parallel_size") or 1
+    if vpp > 1:
+        # What Megatron's own training scripts pick for the interleaved schedule: separate isend/irecv calls,
+        # overlapped with compute. Batched into one batch_isend_irecv (the default) with pp = 2, a rank's
+        # previous and next stage are the same peer, and gloo pairs the two messages each way by posting
+        # order: activations land in gradient buffers and back (measured: wrong losses, no error).
+        kwargs.update(batch_p2p_comm=False, overlap_p2p_comm=True)
+    kwargs.update(megatron)
+    check_virtual_stages(vpp, layers=shape.layers, pp=pp)
+    if vpp == 1:
+        # One chunk per stage is the plain 1F1B schedule; a size of 1 would select the interleaved one
+        # (and its micro-batch rules) for nothing.
+        kwargs["virtual_pipeline_model_parallel_size"] = None
+    elif not on_gpu():
+        cpu_compat.check_virtual_pipeline_p2p(batch_p2p_comm=kwargs["batch_p2p_comm"], pp=pp)
+    return TransformerConfig(**kwargs)
+
+
+def _moe_config(shape: ModelShape) -> dict:
+    """TransformerConfig MoE fields that route exactly as transformers does (megarl.models.arch).
+
+    Megatron's default router takes the top-k logits and softmaxes over those k: the renormalized top-k
+    probabilities of `norm_topk`. Without renormalization, `moe_router_pre_softmax` softmaxes over all
+    experts before the top-k. Dropless (no capacity factor): every token reaches its k experts, as in HF.
+    """
+    return dict(
+        num_moe_experts=shape.experts, moe_router_topk=shape.topk, moe_ffn_hidden_size=shape.moe_ffn,
+        moe_router_pre_softmax=not shape.norm_topk, moe_router_score_function="softmax",
+        moe_shared_expert_intermediate_size=shape.shared_ffn or None, moe_shared_expert_gate=shape.shared_ffn > 0,
+        # Switch-Transformer load balancing per micro-batch, summed over layers; HF adds it only when
+        # `output_router_logits` and over all layers' tokens at once (and with top-k times Megatron's scale),
+        # so the coefficient means the same strength only roughly. A recipe can override it (model.megatron).
+        moe_router_load_balancing_type="aux_loss" if shape.aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=shape.aux_loss_coeff, moe_expert_capacity_factor=None,
+        # Grouped GEMM needs the CUDA-only grouped_gemm / Transformer Engine kernels.
+        moe_grouped_gemm=uses_transformer_engine(),
+    )
+
+
+def check_megatron_fields(megatron: dict) -> None:
+    """The recipe's `model.megatron` keys must be TransformerConfig fields the engine can honour."""
+    from megatron.core.transformer import TransformerConfig
+
+    unknown = sorted(set(megatron) - {f.name for f in dataclasses.fields(TransformerConfig)})
+    if unknown:
+        raise RecipeError(f"model.megatron: unknown TransformerConfig field(s): {', '.join(unknown)}")
+    vpp = megatron.get("virtual_pipeline_model_parallel_size")
+    if vpp is not None and (type(vpp) is not int or vpp < 1):
+        raise RecipeError(f"model.megatron.virtual_pipeline_model_parallel_size = {vpp!r}: the number of virtual "
+                          "pipeline stages per pipeline rank must be a whole number >= 1")
+
+
+def uses_transformer_engine() -> bool:
+    """Transformer Engine layers when TE imports and a GPU is present; the local spec otherwise."""
+    if not on_gpu():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: int | None = None):
+    """One GPTModel chunk of this pipeline stage (weights uninitialized): the whole stage, or with virtual
+    pipeline stages the chunk of virtual stage `vp_stage`, whose layers Megatron picks from the config."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                          get_gpt_layer_with_transformer_engine_spec)
+    from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage
+
+    experts = shape.experts or None
+    if uses_transformer_engine():
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm,
+                                                          qk_layernorm=shape.qk_norm)
+    else:
+        from megatron.core.transformer.spec_utils import ModuleSpec
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+        from megarl.engine.local_attention import PackedLocalAttention
+        from megarl.engine.rms_norm import RMSNorm
+
+        layer = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=shape.qk_norm,
+                                         normalization="RMSNorm")
+        attention = layer.submodules.self_attention.submodules
+        # The local core attention refuses packed sequences; this one masks them block-diagonally.
+        attention.core_attention = PackedLocalAttention
+        # Megatron's torch norm wrapper refuses sequence parallelism; megarl's RMSNorm takes it (and is the
+        # same function and parameter otherwise). The final norm is the block's, so the block is spelled out.
+        layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
+        if shape.qk_norm:
+            attention.q_layernorm = attention.k_layernorm = ModuleSpec(module=RMSNorm,
+                                                                       params={"sequence_split": False})
+        layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=groups.pp_rank)
+        spec = TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=RMSNorm)
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(shape.vocab_size, tp=groups.tp_size),
+        max_sequence_length=shape.max_position,
+        pre_process=groups.pp_rank == 0 and is_vp_first_stage(vp_stage, config.virtual_pipeline_model_parallel_size),
+        post_process=groups.is_pp_last and is_vp_last_stage(vp_stage, config.virtual_pipeline_model_parallel_size),
+        parallel_output=True, share_embeddings_and_output_weights=shape.tied_embeddings,
+        position_embedding_type="rope", rotary_base=int(shape.rope_theta),
+        rope_scaling=shape.llama3_rope_factor is not None,
+        rope_scaling_factor=shape.llama3_rope_factor or 8.0, vp_stage=vp_stage,
+    )
+    if on_gpu():
+        model.cuda(current_device())
+    return model
+
+
+def global_name(local_name: str, layer_offset: int) -> str:
+    """Megatron names layers per pipeline stage from 0; the name table uses global indices."""
+    parts = local_name.split(".")
+    if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers":
+        parts[2] = str(int(parts[2]) + layer_offset)
+    return ".".join(parts)
+
+
+def tp_split(param: Tensor) -> int | None:
+    return param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+
+
+class ValueHead(torch.nn.Module):
+    """A scalar head in place of GPTModel's output layer: hidden [s, b, h] -> values [s, b, 1].
+
+    Called the way GPTModel calls its output layer. The weight is replicated across tensor-parallel
+    ranks, like a norm weight, so Megatron counts it once in the gradient norm and DDP averages it over
+    data-parallel ranks only. Under sequence parallelism (`sequence_parallel_group`, the TP group) the
+    hidden states are this rank's slice of the sequence [s / tp, b, h]: the slice's values are all-gathered
+    to [s, b, 1] (every TP rank computes the same loss from them, so the backward only hands each rank its
+    slice's gradient), and the weight, tagged `sequence_parallel`, gets its slices' gradients summed over TP
+    by Megatron's finalize_model_grads.
+    """
+
+    def __init__(self, hidden: int, dtype: torch.dtype, *, sequence_parallel_group: dist.ProcessGroup | None = None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden, dtype=dtype, device=current_device()))
+        self.weight.sequence_parallel = sequence_parallel_group is not None
+        self.sequence_parallel_group = sequence_parallel_group
+
+    def forward(self, hidden_states: Tensor, weight=None, runtime_gather_output=None) -> tuple[Tensor, None]:
+        values = F.linear(hidden_states, self.weight)
+        if self.sequence_parallel_group is not None:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            values = gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False,
+                                                          group=self.sequence_parallel_group)
+        return values, None
+
+
+@dataclass
+class StageModel:
+    """This rank's share of one model: the GPTModel chunks of its pipeline stage (one per virtual stage, in
+    the order the interleaved schedule visits them; the last one of the last stage holds the head), the
+    shape and Megatron config they were built from, and how their parameters are named globally."""
+
+    shape: ModelShape
+    config: object                 # megatron.core.transformer.TransformerConfig
+    groups: ParallelGroups
+    chunks: list                   # GPTModel per virtual pipeline stage of this rank
+    layer_offsets: list[int]       # global index of each chunk's first layer
+    names: NameTable               # Megatron <-> HF names
+    value_head: bool               # a scalar head instead of the vocabulary projection (critic, reward model)
+
+    @property
+    def expert_offset(self) -> int:
+        """Expert-parallel rank r holds the experts r * experts_per_rank ... (r + 1) * experts_per_rank - 1."""
+        return self.groups.ep_rank * (self.shape.experts // self.groups.ep_size)
+
+    @property
+    def module(self):
+        """The GPTModel of a stage without virtual pipeline stages."""
+        if len(self.chunks) > 1:
+            raise AttributeError(f"this engine holds {len(self.chunks)} model chunks (virtual pipeline stages): "
+                                 "use `chunks` / `models`")
+        return self.chunks[0]
+
+    def named_parameters(self) -> Iterator[tuple[str, Tensor]]:
+        """(name with the global layer index, parameter) of every chunk on this rank."""
+        for chunk, offset in zip(self.chunks, self.layer_offsets):
+            for local_name, param in chunk.named_parameters():
+                yield global_name(local_name, offset), param
+
+
+def build_stage_model(model_dir: str, *, dtype: str, megatron: dict, groups: ParallelGroups,
+                      value_head: bool) -> StageModel:
+    """This rank's chunks of the model in HF checkpoint directory `model_dir`, weights uninitialized
+    (megarl.engine.hf_weights.load_hf fills them). A critic's (`value_head`) embeddings are never tied."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    shape = read_shape(model_dir)
+    if value_head:
+        shape = dataclasses.replace(shape, tied_embeddings=False)
+    config = transformer_config(shape, dtype=dtype, tp=groups.tp_size, pp=groups.pp_size, ep=groups.ep_size,
+                                cp=groups.cp_size, megatron=megatron)
+    vpp = config.virtual_pipeline_model_parallel_size
+    stages = [None] if vpp is None else list(range(vpp))
+    chunks = [build_gpt(shape, config, groups=groups, vp_stage=v) for v in stages]
+    if value_head and groups.is_pp_last:
+        sp_group = groups.tp if config.sequence_parallel else None
+        chunks[-1].output_layer = ValueHead(shape.hidden, config.params_dtype, sequence_parallel_group=sp_group)
+    return StageModel(shape=shape, config=config, groups=groups, chunks=chunks,
+                      layer_offsets=[get_transformer_layer_offset(config, vp_stage=v) for v in stages],
+                      names=NameTable(name_rules(shape, te_spec=uses_transformer_engine())), value_head=value_head)

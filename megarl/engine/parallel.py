@@ -1,0 +1,106 @@
+"""Process groups: Megatron's parallel state, started once and handed to the rest of megarl as explicit groups.
+
+This module and the train engine's are the only ones that read Megatron's global `parallel_state`;
+everything else receives a `ParallelGroups`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megarl.device import load_cuda_driver_stand_in, on_gpu
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """Process groups and ranks handed to the rest of megarl (None group = a size-1 axis)."""
+
+    tp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    mp: dist.ProcessGroup          # tensor x context x pipeline: the ranks of one data-parallel replica
+    ep: dist.ProcessGroup          # expert parallel: the ranks that split one layer's experts between them
+    cp: dist.ProcessGroup          # context parallel: the ranks that split every sequence between them
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    ep_rank: int
+    ep_size: int
+    cp_rank: int
+    cp_size: int
+    pp_last_global_rank: int       # global rank of the last pipeline stage of this rank's pipeline
+    mp_src_global_rank: int        # global rank of this replica's first rank (the one that feeds rollout)
+
+    @property
+    def is_pp_last(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0) -> ParallelGroups:
+    """Initialize torch.distributed (torchrun env, else a one-process group) and Megatron's parallel state."""
+    cuda = on_gpu()
+    if not cuda:
+        load_cuda_driver_stand_in()  # before megatron's imports, which may load CUDA kernels
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if not dist.is_initialized():
+        if "RANK" in os.environ:
+            if cuda:
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group("nccl" if cuda else "gloo")
+        else:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if not cuda:
+        from megarl.engine import cpu_compat
+
+        cpu_compat.install()
+    world = dist.get_world_size()
+    if world % (tp * pp * cp) != 0:
+        raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     context_parallel_size=cp, expert_model_parallel_size=ep)
+    current = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+               ps.get_expert_model_parallel_world_size(), ps.get_context_parallel_world_size())
+    if current != (tp, pp, ep, cp):
+        raise RuntimeError(f"Megatron's parallel state is already initialized with tp, pp, ep, cp = {current}, "
+                           f"not the requested {(tp, pp, ep, cp)}")
+    tp_ranks = dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
+    # Experts are split over Megatron's expert tensor-parallel group (default size tp); its rank generator
+    # also puts tp innermost, so it holds the TP group's ranks and the weight gathers can use groups.tp.
+    if dist.get_process_group_ranks(ps.get_expert_tensor_parallel_group()) != tp_ranks:
+        raise RuntimeError("Megatron's expert tensor-parallel group differs from the tensor-parallel group")
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+    pp_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+    replica = ps.get_model_parallel_group()
+    if cp > 1:
+        # Megatron's model-parallel group (tensor x pipeline) leaves context parallelism out, its ranks hold
+        # the same weights; but context-parallel ranks also share one rollout batch and one rollout engine,
+        # so `mp` here is the whole replica: the ranks of one data-parallel index. Every rank creates every
+        # group, in the same order.
+        dp_of_rank: list[int | None] = [None] * world
+        dist.all_gather_object(dp_of_rank, ps.get_data_parallel_rank())
+        for index in sorted(set(dp_of_rank)):
+            group = dist.new_group([r for r, d in enumerate(dp_of_rank) if d == index])
+            if index == ps.get_data_parallel_rank():
+                replica = group
+    return ParallelGroups(
+        tp=ps.get_tensor_model_parallel_group(), pp=ps.get_pipeline_model_parallel_group(),
+        dp=ps.get_data_parallel_group(), mp=replica,
+        ep=ps.get_expert_model_parallel_group(), cp=ps.get_context_parallel_group(),
+        tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
+        pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp,
+        dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep,
+        cp_rank=ps.get_context_parallel_rank(), cp_size=cp,
+        pp_last_global_rank=pp_ranks[-1], mp_src_global_rank=min(dist.get_process_group_ranks(replica)),
+    )

@@ -1,0 +1,76 @@
+"""One run lifecycle for every loop (RL, SFT, DPO): resume, the steps with their metrics and periodic
+checkpoints, then the final checkpoint and HF export.
+
+    resume_from, done = find_resume(cfg)            # before any work, so a finished run does none
+    if already_finished(cfg, resume_from, done, steps): return final_dir(cfg)
+    ... build the loop's models, sampler and rollout engine into a RunState ...
+    return run_steps(cfg, state, step=one_step, steps=steps, resume_from=resume_from, desc="rl")
+
+A loop's `step(n)` does one update and returns that step's metrics (its own evaluation and non-finite
+checks included); everything around it is here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megarl.checkpoint import save_hf
+from megarl.config import Config, dump_config
+from megarl.engine.megatron import TrainEngine
+from megarl.engine.parallel import ParallelGroups
+from megarl.loops.resume import RunState, restore_checkpoint, save_checkpoint
+from megarl.metrics import MetricsWriter
+
+
+def final_dir(cfg: Config) -> Path:
+    """Where the final HF checkpoint of a run goes."""
+    return Path(cfg.run_dir) / "checkpoints" / "final"
+
+
+def run_steps(cfg: Config, state: RunState, *, step: Callable[[int], dict[str, float]], steps: int,
+              resume_from: Path | None, desc: str, on_start: Callable[[], object] | None = None) -> Path:
+    """Restore `state` from `resume_from` (when given), call `on_start()` (RL: the first weight push, of the
+    restored weights), then run steps up to `steps`: metrics every
+    `log.every_steps` (and the last), a checkpoint every `checkpoint.every_steps`, and with
+    `checkpoint.save_final` a last checkpoint plus the actor exported as an HF checkpoint. Returns the
+    directory of that export."""
+    start = restore_checkpoint(resume_from, state) if resume_from is not None else 0
+    if dist.get_rank() == 0:
+        dump_config(cfg, Path(cfg.run_dir) / "recipe.yaml")
+    writer = MetricsWriter(cfg.run_dir, total_steps=steps, enabled=dist.get_rank() == 0, progress=cfg.log.progress,
+                           tensorboard=cfg.log.tensorboard, desc=desc, resume_step=start)
+    try:
+        if on_start is not None:
+            on_start()
+        for n in range(start + 1, steps + 1):
+            metrics = step(n)
+            if n % cfg.log.every_steps == 0 or n == steps:
+                writer.write(n, metrics)
+            if cfg.checkpoint.every_steps and n % cfg.checkpoint.every_steps == 0 and n < steps:
+                save_checkpoint(cfg, n, state)
+    finally:
+        writer.close()
+    final = final_dir(cfg)
+    if cfg.checkpoint.save_final:
+        save_checkpoint(cfg, steps, state)
+        export_policy(state.engines["actor"], state.groups, source_dir=cfg.model.path, out_dir=final,
+                      meta={"stage": desc, "step": steps})
+    return final
+
+
+def export_policy(engine: TrainEngine, groups: ParallelGroups, *, source_dir: str, out_dir: Path,
+                  meta: dict) -> None:
+    """Write the model as an HF checkpoint from global rank 0; its model-parallel peers join the gathers
+    (with expert parallelism that is every rank: the expert-parallel peers sit in other data-parallel ranks)."""
+    engine.onload()  # on GPU the parameters wait on the host from the weight push to the next step
+    if groups.dp_rank == 0 or groups.ep_size > 1:
+        tensors = engine.pipeline_hf_tensors()
+        if dist.get_rank() == 0:
+            save_hf(tensors, source_dir=source_dir, out_dir=out_dir, meta=meta)
+        else:
+            for _ in tensors:
+                pass
+    dist.barrier()

@@ -1,0 +1,120 @@
+"""What one RL run holds, and how it is built from the recipe (once, before the first step).
+
+Every option of the recipe is resolved here into an object (engines, the objective, the advantage
+estimator, the KL controller, the scorer, the environment), so the loop (megarl.loops.rl) never branches
+on the config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from megarl.algo.advantages import AdaptiveKLController, FixedKLController
+from megarl.algo.aggregate import group_sums
+from megarl.config import Config, RecipeError
+from megarl.data.prompts import PromptRow, PromptSampler
+from megarl.engine.megatron import TrainEngine
+from megarl.engine.parallel import ParallelGroups
+from megarl.engine.roles import make_engine
+from megarl.envs.environment import Environment, SingleTurn, environment_factory
+from megarl.envs.tool_format import ObservationFormat, observation_format
+from megarl.objective import (AdvantageFn, CriticObjective, PolicyObjective, advantage_fn, kl_controller,
+                              policy_objective)
+from megarl.rewards.scorer import Scorer
+from megarl.rewards.terms import build_terms
+from megarl.rollout.backends import make_rollout_engine
+from megarl.rollout.engine import RolloutEngine
+
+
+@dataclass
+class RLRun:
+    """Everything one RL run holds, built once from the recipe (`build_run`)."""
+
+    cfg: Config
+    groups: ParallelGroups
+    tokenizer: object
+    train_rows: list[PromptRow]
+    eval_rows: list[PromptRow]
+    sampler: PromptSampler
+    actor: TrainEngine
+    reference: TrainEngine | None     # when algo.kl_coef > 0
+    critic: TrainEngine | None        # when algo.name is ppo
+    rollout: RolloutEngine | None     # the engine, on the first rank of the model-parallel group only
+    prompts_per_rank: int
+    objective: PolicyObjective
+    critic_objective: CriticObjective | None
+    advantages: AdvantageFn
+    kl: FixedKLController | AdaptiveKLController
+    scorer: Scorer                    # the recipe's per-sample reward terms, in process or on Ray workers
+    reward_models: list[tuple[float, TrainEngine]]  # (weight, frozen scalar-head model) of reward_model terms
+    weight_version: int = 0
+    new_env: Callable[[], Environment] = SingleTurn  # one trajectory's environment (env.name)
+    tool_schemas: list[dict] = dataclasses.field(default_factory=list)  # the environment's tools, for the prompt
+    observations: ObservationFormat | None = None  # renders tool messages; None when the env sends none
+
+    @property
+    def is_rollout_rank(self) -> bool:
+        return self.rollout is not None
+
+    def trainer_engines(self) -> list[TrainEngine]:
+        return [e for e in (self.actor, self.reference, self.critic) if e is not None]
+
+    def trained_engines(self) -> dict[str, TrainEngine]:
+        """The models a checkpoint saves, by name (frozen ones are rebuilt from their checkpoints)."""
+        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+
+    def global_sums(self, values: list[float]) -> list[float]:
+        """Sums over the data-parallel ranks of the run, in one all-reduce."""
+        return group_sums(values, group=self.groups.dp)
+
+
+def check_launch(cfg: Config, groups: ParallelGroups) -> None:
+    """Batch sizes against this launch's data-parallel size, and the reward terms and environment import;
+    RecipeError names the keys."""
+    build_terms(cfg.reward)  # a custom reward that does not import stops here, before any work
+    environment_factory(cfg.env)  # and so does an environment
+    dp = groups.dp_size
+    if cfg.data.prompts_per_step % dp:
+        raise RecipeError(f"data.prompts_per_step={cfg.data.prompts_per_step} is not divisible by the "
+                          f"data-parallel size {dp} (world size / (parallel.tp * parallel.pp * parallel.cp))")
+    samples = cfg.data.prompts_per_step // dp * cfg.rollout.n_samples
+    if samples % cfg.train.micro_batch_size and not cfg.train.micro_batch_tokens:
+        raise RecipeError(f"samples per data-parallel rank {samples} (data.prompts_per_step / {dp} * "
+                          f"rollout.n_samples) is not divisible by train.micro_batch_size={cfg.train.micro_batch_size}")
+    if cfg.warmup.sft_steps and cfg.warmup.batch_size % dp:
+        raise RecipeError(f"warmup.batch_size={cfg.warmup.batch_size} is not divisible by the data-parallel size {dp}")
+
+
+def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: list[PromptRow],
+              eval_rows: list[PromptRow], model_dir: str) -> RLRun:
+    """The engines (actor; reference when algo.kl_coef > 0; critic for PPO; the reward models, which stay
+    on the device the whole step because their scores are needed as generation ends) and the rollout
+    engine, on the first rank of each model-parallel group, seeded per data-parallel replica (not per
+    global rank, so a run resumed at another TP/PP layout samples as the one that saved it)."""
+    algo = cfg.algo
+    actor = make_engine(cfg, groups, role="actor", model_dir=model_dir)
+    reference = make_engine(cfg, groups, role="reference", model_dir=model_dir) if algo.kl_coef > 0 else None
+    critic = None
+    if algo.name == "ppo":
+        critic = make_engine(cfg, groups, role="critic", model_dir=cfg.critic.path or model_dir)
+    reward_models = [(term.weight, make_engine(cfg, groups, role="reward_model", model_dir=term.path))
+                     for term in cfg.reward.terms if term.kind == "reward_model"]
+    rollout = None
+    if dist.get_rank() == groups.mp_src_global_rank:
+        rollout = make_rollout_engine(cfg.rollout, model_dir, dtype=cfg.model.dtype, seed=cfg.seed + groups.dp_rank)
+    new_env = environment_factory(cfg.env)
+    return RLRun(
+        cfg=cfg, groups=groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
+        sampler=PromptSampler(len(train_rows), seed=cfg.seed, shuffle=cfg.data.shuffle, dp_rank=groups.dp_rank,
+                              dp_size=groups.dp_size),
+        actor=actor, reference=reference, critic=critic,
+        rollout=rollout, prompts_per_rank=cfg.data.prompts_per_step // groups.dp_size,
+        objective=policy_objective(algo),
+        critic_objective=CriticObjective(value_clip=cfg.critic.value_clip) if critic is not None else None,
+        advantages=advantage_fn(algo, group=groups.dp), kl=kl_controller(algo), scorer=Scorer(cfg.reward),
+        reward_models=reward_models, new_env=new_env, tool_schemas=new_env().tools,
+        observations=observation_format(cfg.env, tokenizer))

@@ -1,0 +1,57 @@
+"""The supervised warm start of an RL run: a few SFT steps on the train set's answers before RL, for models
+that would never earn a reward from sampling alone (`warmup:` in the recipe)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+from megarl.config import Config
+from megarl.data.prompts import PromptRow, PromptSampler, encode_prompt
+from megarl.data.supervised import completion_example
+from megarl.engine.parallel import ParallelGroups
+from megarl.engine.roles import make_engine
+from megarl.loops.lifecycle import export_policy
+from megarl.loops.supervised import supervised_step
+
+log = logging.getLogger(__name__)
+
+
+def sft_warmup(cfg: Config, groups: ParallelGroups, tokenizer, rows: list[PromptRow]) -> str:
+    """Supervised steps on the train set's answers; returns the HF directory RL starts from.
+
+    Each example is the prompt as RL encodes it, then the answer and EOS, as a rollout should end. Steps
+    stop at `warmup.sft_steps`, or earlier once the mean probability of the whole answer reaches
+    `warmup.stop_answer_prob`. The result is exported to RUN_DIR/warmup, so the actor, the reference and the
+    rollout engine all start from the same weights, and a rerun reuses it instead of training again.
+    """
+    out = Path(cfg.run_dir) / "warmup"
+    if (out / "megarl_checkpoint.json").exists():
+        log.info("reusing supervised warm start in %s", out)
+        return str(out)
+    engine = make_engine(cfg, groups, role="warmup", model_dir=cfg.model.path)
+    sampler = PromptSampler(len(rows), seed=cfg.seed + 1, dp_rank=groups.dp_rank, dp_size=groups.dp_size)
+    per_rank = cfg.warmup.batch_size // groups.dp_size
+    bar = tqdm(total=cfg.warmup.sft_steps, desc="sft warm start", dynamic_ncols=True,
+               disable=not (cfg.log.progress and dist.get_rank() == 0))
+    for step in range(cfg.warmup.sft_steps):
+        examples = [completion_example(encode_prompt(tokenizer, r.prompt, chat_template=cfg.data.chat_template),
+                                       tokenizer(r.answer, add_special_tokens=False)["input_ids"]
+                                       + [tokenizer.eos_token_id])
+                    for r in (rows[i] for i in sampler.next_batch(per_rank))]
+        metrics = supervised_step(engine, examples, pad_id=tokenizer.pad_token_id, group=groups.dp,
+                                  micro_batch_size=math.gcd(per_rank, cfg.train.micro_batch_size))
+        bar.set_postfix({"nll": f"{metrics['loss']:.3f}", "answer_prob": f"{metrics['response_prob']:.3f}"},
+                        refresh=False)
+        bar.update(1)
+        if metrics["response_prob"] >= cfg.warmup.stop_answer_prob:
+            break
+    bar.close()
+    log.info("supervised warm start: %d steps, answer probability %.3f", step + 1, metrics["response_prob"])
+    export_policy(engine, groups, source_dir=cfg.model.path, out_dir=out,
+                  meta={"stage": "sft_warmup", "steps": step + 1, "answer_prob": metrics["response_prob"]})
+    return str(out)

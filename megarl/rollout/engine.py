@@ -1,0 +1,75 @@
+"""The rollout-engine interface: what the RL loop asks of a generation backend, and the one place that picks it.
+
+Two engines implement it: `native` (a transformers model in-process; megarl.rollout.native) and `sglang`
+(SGLang's offline engine, co-located with the trainer; megarl.rollout.sglang_engine). The loop calls, per
+step and in this order: `generate`, `release_memory` (the trainer takes the device), then after the update
+`resume_weights`, `update_weights` + `flush_cache` (megarl.handoff.push_weights), `resume_cache`.
+megarl.rollout.backends picks the recipe's engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor
+
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What an engine returns for each prompt it was given, in order."""
+
+    response_ids: list[list[int]]        # generated token ids, EOS included when it stopped on EOS
+    logprobs: list[list[float]]          # one per response token
+    finish_reasons: list[str]            # "stop" (EOS) or "length" (max_new_tokens)
+
+
+# An engine's call for each response as soon as it is final: (index in the call's prompts, response ids,
+# their logprobs, finish reason).
+ResponseCallback = Callable[[int, list[int], list[float], str], None]
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """A generation backend that takes the trainer's weights after every update."""
+
+    weight_version: int  # the version of the last complete weight push (0: the checkpoint it started from)
+
+    def generate(self, prompts: list[list[int]], *, temperature: float, top_p: float, max_new_tokens: int,
+                 eos_id: int, pad_id: int, on_response: ResponseCallback | None = None) -> Generation:
+        """One response per prompt (repeat a prompt for a group). Logprobs are log_softmax(logits /
+        temperature) of each sampled token, before top-p truncation. `on_response` gets each response as
+        soon as it is final, while the others are still generated."""
+        ...
+
+    def update_weights(self, buckets: Iterable[list[tuple[str, Tensor]]], *, version: int) -> None:
+        """Load full HF-named tensors, bucket by bucket; every tensor of the model must arrive, else an error."""
+        ...
+
+    def flush_cache(self) -> None:
+        """Drop cached prefixes computed with the previous weights."""
+        ...
+
+    def release_memory(self) -> None:
+        """Give the device memory (weights, KV cache) to the trainer; a no-op where the engine keeps it."""
+        ...
+
+    def resume_weights(self) -> None:
+        """Take the weight memory back, ahead of the push that fills it."""
+        ...
+
+    def resume_cache(self) -> None:
+        """Take the KV cache back once the push is done."""
+        ...
+
+    def rng_state(self) -> Tensor | None:
+        """The sampler's random state for checkpoints; None when the engine cannot save it."""
+        ...
+
+    def set_rng_state(self, state: Tensor | None) -> None:
+        ...
+
+    def shutdown(self) -> None:
+        ...
