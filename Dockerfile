@@ -20,7 +20,7 @@ FROM python:3.11-slim AS cpu
 ENV PIP_NO_CACHE_DIR=1
 WORKDIR /workspace/megarl
 COPY . .
-RUN pip install -e '.[test]'
+RUN pip install -e '.[test]' -c constraints.txt
 CMD ["pytest", "-q", "tests"]
 
 # ---- GPU: SGLang's CUDA image (CUDA, torch, sglang) + Transformer Engine + apex + megatron-core + megarl ----
