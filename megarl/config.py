@@ -91,9 +91,14 @@ class ParallelConfig:
     pp: int = 1  # pipeline-parallel size
     ep: int = 1  # expert-parallel size (MoE models)
     cp: int = 1  # context-parallel size
+    # How long a rank waits in a collective before the job fails, for every process group (NCCL and gloo):
+    # ranks wait through a whole generation phase and a cold start of large models, so far above the
+    # 10-minute default of NCCL.
+    timeout_minutes: float = 60.0
 
     def check(self) -> None:
         _at_least(self, 1, "tp", "pp", "ep", "cp")
+        _positive(self, "timeout_minutes")
 
 
 @dataclass(frozen=True)

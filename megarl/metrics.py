@@ -25,7 +25,8 @@ def check_finite(metrics: dict[str, float], *, step: int, what: str, keep: Calla
 
 
 class PhaseTimer:
-    """`with timer("generate"): ...` records `timing/generate_s`; phases keep their first-use order."""
+    """`with timer("generate"): ...` records `timing/generate_s`; phases keep their first-use order. An error
+    raised inside a phase (a collective that timed out, say) carries a note naming the phase."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
@@ -35,6 +36,10 @@ class PhaseTimer:
         start = time.perf_counter()
         try:
             yield
+        except Exception as e:
+            e.add_note(f"megarl: raised in the {phase!r} phase of the step, "
+                       f"{time.perf_counter() - start:.1f} s after it began")
+            raise
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 

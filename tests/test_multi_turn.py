@@ -39,8 +39,11 @@ def make_run(model_dir, groups, engine, *, env: EnvConfig, max_new_tokens: int, 
     """The parts of an RLRun that generate() reads, around a real engine."""
     from transformers import AutoTokenizer
 
+    from megarl.config import RewardConfig
     from megarl.envs.tool_format import observation_format
     from megarl.loops.rl_run import RLRun
+    from megarl.rewards.scorer import Scorer
+    from megarl.rollout.placement import RolloutPlacement
 
     cfg = Config(model=ModelConfig(path=str(model_dir)), data=DataConfig(train_path="unused.jsonl",
                                                                           chat_template=chat_template),
@@ -49,7 +52,10 @@ def make_run(model_dir, groups, engine, *, env: EnvConfig, max_new_tokens: int, 
     new_env = environment_factory(env)
     return RLRun(cfg=cfg, groups=groups, tokenizer=tokenizer, train_rows=[], eval_rows=[], sampler=None,
                  actor=None, reference=None, critic=None, rollout=engine, prompts_per_rank=0, objective=None,
-                 critic_objective=None, advantages=None, kl=None, scorer=None, reward_models=[], new_env=new_env,
+                 placement=RolloutPlacement(tp=1, engines=1, engine_index=0, exchange=None, exchange_ranks=(0,),
+                                            exchange_engines=(0,)),
+                 critic_objective=None, advantages=None, kl=None, scorer=Scorer(RewardConfig()), reward_models=[],
+                 new_env=new_env,
                  tool_schemas=new_env().tools, observations=observation_format(env, tokenizer))
 
 
@@ -66,7 +72,7 @@ def test_single_turn_environment_reproduces_the_plain_rollout(qwen2_dir, groups)
 
     run = make_run(qwen2_dir, groups, NativeEngine(str(qwen2_dir), seed=7), env=EnvConfig(),
                    max_new_tokens=12, chat_template=False)
-    batch = generate(run, rows(6), n_samples=2)
+    batch = generate(run, rows(6), n_samples=2).batch
     # the rollout as it is without environments: one engine call, responses packed after their prompts
     plain = NativeEngine(str(qwen2_dir), seed=7)
     prompts = [encode_prompt(run.tokenizer, r.prompt, chat_template=False) for r in rows(6) for _ in range(2)]
@@ -107,7 +113,7 @@ def test_trajectory_is_generated_then_observation_tokens_and_the_trainer_scores_
     engine = RecordingEngine(NativeEngine(str(tool_chat_dir), seed=0))
     env = EnvConfig(name="envs_for_tests:CountingEnv", max_turns=3, max_tokens=240)
     run = make_run(tool_chat_dir, groups, engine, env=env, max_new_tokens=100, chat_template=True)
-    batch = generate(run, rows(16), n_samples=1)  # distinct prompts: each context identifies its trajectory
+    batch = generate(run, rows(16), n_samples=1).batch  # distinct prompts: each context identifies its trajectory
     fmt = ObservationFormat(run.tokenizer)
     eos = run.tokenizer.eos_token_id
     multi_turn = 0

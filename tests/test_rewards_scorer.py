@@ -222,9 +222,9 @@ def generate_scored(model_dir, groups, scorer: Scorer, *, seed: int):
 
     run = make_run(model_dir, groups, NativeEngine(str(model_dir), seed=seed), env=EnvConfig(),
                    max_new_tokens=12, chat_template=False)
-    scoring = scorer.batch(12)
-    batch = generate(run, rows(6, bonus="x"), n_samples=2, scoring=scoring)
-    return batch, scoring.result()
+    run.scorer = scorer
+    generated = generate(run, rows(6, bonus="x"), n_samples=2)
+    return generated.batch, generated.scoring.result()
 
 
 @pytest.mark.timeout(300)
@@ -285,15 +285,14 @@ def test_scoring_on_the_pool_begins_before_generation_ends(ray_local, qwen2_dir,
     run = make_run(qwen2_dir, groups, engine, env=EnvConfig(), max_new_tokens=4, chat_template=False)
     run.scorer = Scorer(RewardConfig(terms=[term("custom", function="reward_fns:records_start")], workers=workers))
     try:
-        scoring = run.scorer.batch(4)  # 4 samples on 2 workers: chunks of one, sent as each sample ends
+        # 4 samples on 2 workers: chunks of one, sent as each sample ends
         if not workers:
             with pytest.raises(AssertionError, match="no reward began scoring"):
-                generate(run, rows(2, started=str(tmp_path)), n_samples=2, scoring=scoring)
+                generate(run, rows(2, started=str(tmp_path)), n_samples=2)
             return
-        batch, failures, _ = score(run, generate(run, rows(2, started=str(tmp_path)), n_samples=2,
-                                                             scoring=scoring), scoring)
+        batch, failures, _, engines = score(run, generate(run, rows(2, started=str(tmp_path)), n_samples=2))
     finally:
         run.scorer.close()
-    assert batch.rewards.tolist() == [1.0] * 4 and failures == 0
+    assert batch.rewards.tolist() == [1.0] * 4 and failures == 0 and engines == 1
     starts = sorted(float(f.read_text()) for f in tmp_path.iterdir())
     assert len(starts) == 4 and starts[0] <= engine.ended  # one same-machine clock

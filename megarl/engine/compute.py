@@ -97,12 +97,13 @@ class PipelineSchedule:
         n_micro = len(micro)
         if self.schedulable(n_micro) != n_micro:
             group = self.stage.config.microbatch_group_size_per_vp_stage
+            config, pp = self.stage.config, self.stage.groups.pp_size
             raise ValueError(
                 f"{batch} sequences in micro-batches of {micro_batch_size} (train.micro_batch_size) make {n_micro} "
                 "micro-batches; the interleaved pipeline schedule (model.megatron.virtual_pipeline_model_parallel_"
-                f"size = {self.stage.config.virtual_pipeline_model_parallel_size}) needs at least {group} and a count "
+                f"size = {config.virtual_pipeline_model_parallel_size}) needs at least {group} and a count "
                 f"whose remainder modulo {group} (model.megatron.microbatch_group_size_per_vp_stage, default "
-                f"parallel.pp) is 0 or at least parallel.pp = {self.stage.groups.pp_size}, e.g. {self.schedulable(n_micro)}")
+                f"parallel.pp) is 0 or at least parallel.pp = {pp}, e.g. {self.schedulable(n_micro)}")
         chunks: list[tuple[Tensor, Tensor]] = []
         stat_sums: dict[str, Tensor] = {}
         # Megatron divides each micro-batch loss by the number of micro-batches and DDP averages over DP

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -36,15 +37,18 @@ class ParallelGroups:
     cp_rank: int
     cp_size: int
     pp_last_global_rank: int       # global rank of the last pipeline stage of this rank's pipeline
-    mp_src_global_rank: int        # global rank of this replica's first rank (the one that feeds rollout)
+    mp_src_global_rank: int        # global rank of this replica's first rank (the one that writes its sampler state)
+    timeout: timedelta             # how long a collective of any group waits (parallel.timeout_minutes)
 
     @property
     def is_pp_last(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
 
-def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0) -> ParallelGroups:
-    """Initialize torch.distributed (torchrun env, else a one-process group) and Megatron's parallel state."""
+def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0,
+                  timeout: timedelta = timedelta(minutes=60)) -> ParallelGroups:
+    """Initialize torch.distributed (torchrun env, else a one-process group) and Megatron's parallel state.
+    Every process group waits `timeout` in a collective before it fails (parallel.timeout_minutes)."""
     cuda = on_gpu()
     if not cuda:
         load_cuda_driver_stand_in()  # before megatron's imports, which may load CUDA kernels
@@ -55,9 +59,9 @@ def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0) 
         if "RANK" in os.environ:
             if cuda:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group("nccl" if cuda else "gloo")
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
         else:
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     if not cuda:
         from megarl.engine import cpu_compat
 
@@ -67,7 +71,8 @@ def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0) 
         raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     context_parallel_size=cp, expert_model_parallel_size=ep)
+                                     context_parallel_size=cp, expert_model_parallel_size=ep,
+                                     distributed_timeout_minutes=timeout.total_seconds() / 60)
     current = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
                ps.get_expert_model_parallel_world_size(), ps.get_context_parallel_world_size())
     if current != (tp, pp, ep, cp):
@@ -90,7 +95,7 @@ def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0) 
         dp_of_rank: list[int | None] = [None] * world
         dist.all_gather_object(dp_of_rank, ps.get_data_parallel_rank())
         for index in sorted(set(dp_of_rank)):
-            group = dist.new_group([r for r, d in enumerate(dp_of_rank) if d == index])
+            group = dist.new_group([r for r, d in enumerate(dp_of_rank) if d == index], timeout=timeout)
             if index == ps.get_data_parallel_rank():
                 replica = group
     return ParallelGroups(
@@ -103,4 +108,5 @@ def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0) 
         ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep,
         cp_rank=ps.get_context_parallel_rank(), cp_size=cp,
         pp_last_global_rank=pp_ranks[-1], mp_src_global_rank=min(dist.get_process_group_ranks(replica)),
+        timeout=timeout,
     )

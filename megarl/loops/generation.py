@@ -1,8 +1,9 @@
-"""The rollout phase of an RL step: sample trajectories on the rollout engine and score them.
+"""The rollout phase of an RL step: sample trajectories on the rollout engines and score them.
 
-`rollout` draws this rank's prompts (more rounds with dynamic sampling), `generate` runs the environment's
-trajectories on the group's rollout engine and shares the batch with the group's other ranks, `score` adds
-the recipe's rewards. `evaluate` does the same on the held-out prompts.
+`rollout` draws this replica's prompts (more rounds with dynamic sampling), `generate` runs the
+environment's trajectories on the engines of this rank's exchange group (megarl.rollout.placement: every
+device generates, whatever the trainer's layout) and hands every rank its replica's batch, `score` adds the
+recipe's rewards. `evaluate` does the same on the held-out prompts.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,7 +26,9 @@ from megarl.loops.rl_run import RLRun
 from megarl.metrics import PhaseTimer
 from megarl.rewards.scorer import Scoring
 from megarl.rewards.terms import Sample
+from megarl.packing import balanced_partition
 from megarl.rollout.multi_turn import Trajectory, run_trajectories
+from megarl.rollout.placement import RolloutPlacement
 
 log = logging.getLogger(__name__)
 
@@ -45,29 +49,38 @@ def rollout(run: RLRun, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, floa
     cfg = run.cfg
     kept: list[RolloutBatch] = []
     dropped: list[RolloutBatch] = []
-    failures, n_kept, n_seen, rounds, reward_sum, hidden = 0, 0, 0, 0, 0.0, 0
+    failures, n_kept, n_seen, rounds, reward_sum, hidden, engines = 0, 0, 0, 0, 0.0, 0, 0
+    done = False
     while True:
-        rounds += 1
+        # A replica that has its groups still takes part in its exchange group's rounds, drawing nothing
+        # (its engine may generate for another replica).
+        if not done:
+            rounds += 1
         with timer("generate"):
-            rows = [run.train_rows[i] for i in run.sampler.next_batch(run.prompts_per_rank)]
-            scoring = start_scoring(run, len(rows) * cfg.rollout.n_samples)
-            batch = generate(run, rows, n_samples=cfg.rollout.n_samples, scoring=scoring)
+            draw = 0 if done else run.prompts_per_rank
+            rows = [run.train_rows[i] for i in run.sampler.next_batch(draw)] if draw else []
+            generated = generate(run, rows, n_samples=cfg.rollout.n_samples)
         with timer("reward"):
-            batch, round_failures, round_hidden = score(run, batch, scoring)
+            batch, round_failures, round_hidden, round_engines = score(run, generated)
         failures += round_failures
         hidden += round_hidden
+        engines = max(engines, round_engines)
         if not cfg.algo.uses_dynamic_sampling:
-            failures, hidden, n = run.global_sums([float(failures), float(hidden), float(len(batch))])
-            return batch, {"reward/failures": failures, "timing/reward_hidden_frac": hidden / n}
-        # group ids restart at 0 in every round; shift them so groups stay distinct across rounds
-        batch = dataclasses.replace(batch, group_ids=batch.group_ids + n_seen)
-        n_seen += run.prompts_per_rank
-        reward_sum += float(batch.rewards.sum())
-        keep = dynamic_sampling_keep(batch.rewards, batch.group_ids)
-        kept.append(batch.select(keep.nonzero().squeeze(1)))
-        dropped.append(batch.select((~keep).nonzero().squeeze(1)))
-        n_kept += int(keep.sum()) // cfg.rollout.n_samples
-        if n_kept >= run.prompts_per_rank or rounds == cfg.algo.max_sampling_rounds:
+            failures, hidden, engines, n = run.global_sums([float(failures), float(hidden), float(engines),
+                                                            float(len(batch))])
+            return batch, {"reward/failures": failures, "timing/reward_hidden_frac": hidden / n,
+                           "rollout/engines": engines}
+        if batch is not None:
+            # group ids restart at 0 in every round; shift them so groups stay distinct across rounds
+            batch = dataclasses.replace(batch, group_ids=batch.group_ids + n_seen)
+            n_seen += run.prompts_per_rank
+            reward_sum += float(batch.rewards.sum())
+            keep = dynamic_sampling_keep(batch.rewards, batch.group_ids)
+            kept.append(batch.select(keep.nonzero().squeeze(1)))
+            dropped.append(batch.select((~keep).nonzero().squeeze(1)))
+            n_kept += int(keep.sum()) // cfg.rollout.n_samples
+        done = n_kept >= run.prompts_per_rank or rounds == cfg.algo.max_sampling_rounds
+        if not _anyone(run.placement, not done):
             break
     want = run.prompts_per_rank * cfg.rollout.n_samples
     full = RolloutBatch.concat(kept + dropped, pad_id=run.tokenizer.pad_token_id)
@@ -75,11 +88,13 @@ def rollout(run: RLRun, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, floa
     if filled:
         log.warning("dynamic sampling: %d of %d groups on this rank still have equal rewards after %d rounds; "
                     "they fill the batch and add no policy gradient", filled, run.prompts_per_rank, rounds)
-    failures, rounds, n_kept, n_seen, filled, reward_sum, hidden = run.global_sums(
-        [float(failures), float(rounds), float(n_kept), float(n_seen), float(filled), reward_sum, float(hidden)])
+    failures, rounds, n_kept, n_seen, filled, reward_sum, hidden, engines = run.global_sums(
+        [float(failures), float(rounds), float(n_kept), float(n_seen), float(filled), reward_sum, float(hidden),
+         float(engines)])
     return full.select(torch.arange(want)), {
         "reward/failures": failures,
         "timing/reward_hidden_frac": hidden / (n_seen * cfg.rollout.n_samples),
+        "rollout/engines": engines,
         "sampling/rounds": rounds / run.groups.dp_size,
         "sampling/kept_group_frac": n_kept / n_seen,
         "sampling/filled_groups": filled,
@@ -88,37 +103,71 @@ def rollout(run: RLRun, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, floa
     }
 
 
-def start_scoring(run: RLRun, n: int) -> Scoring | None:
-    """A batch of `n` samples for the scorer, on the rank that scores (see score())."""
-    return run.scorer.batch(n) if run.is_rollout_rank else None
+def _anyone(place: RolloutPlacement, flag: bool) -> bool:
+    """Whether `flag` holds on any rank of the exchange group (whose ranks generate in lockstep)."""
+    if place.exchange is None:
+        return flag
+    value = torch.tensor([int(flag)])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=place.exchange)
+    return bool(value)
 
 
-def generate(run: RLRun, rows: list[PromptRow], *, n_samples: int, scoring: Scoring | None = None) -> RolloutBatch:
-    """Sample `n_samples` trajectories for each row on this group's rollout engine, each with its own
-    environment (megarl.rollout.multi_turn; with the single_turn environment, one response per sample);
-    all ranks get the batch. The response of a sample, which rewards score, is its model's last turn;
-    each is handed to `scoring` as soon as it is final, while the engine generates the others."""
-    cfg = run.cfg.rollout
+@dataclass
+class Generated:
+    """One round of generation as this rank sees it: its replica's batch, and what its engine (when it hosts
+    one) must still score."""
+
+    batch: RolloutBatch | None        # this replica's samples in order; None when it drew no prompt this round
+    scoring: Scoring | None           # the rewards of this engine's samples, on a rank that hosts an engine
+    part: list[int]                   # exchange-wide indices of the samples this rank's engine generated
+    replica: list[int]                # exchange-wide indices of this replica's samples, in batch order
+    generated: int                    # 1 when this rank's engine generated any sample, else 0
+    reporter: bool                    # this replica reports its exchange group's counts (the group's first)
+
+
+def generate(run: RLRun, rows: list[PromptRow], *, n_samples: int) -> Generated:
+    """Sample `n_samples` trajectories for each row, each with its own environment (megarl.rollout.multi_turn;
+    with the single_turn environment, one response per sample), on the engines of this rank's exchange
+    group (megarl.rollout.placement): the group's replicas pool their prompts, the samples are split over
+    the engines by prompt tokens, and every rank receives its replica's batch. Each response the rewards
+    score (a sample's last turn) goes to its engine's scorer as soon as it is final, while the engine
+    generates the others."""
+    cfg, place = run.cfg.rollout, run.placement
     encoded = [encode_prompt(run.tokenizer, row.prompt, chat_template=run.cfg.data.chat_template,
                              tools=run.tool_schemas) for row in rows]
-    prompts = [ids for ids in encoded for _ in range(n_samples)]
-    samples = [row for row in rows for _ in range(n_samples)]
+    # every replica of the exchange group, in data-parallel order (its ranks all hold the same rows)
+    shares = {dp: (their_rows, their_ids)
+              for dp, their_rows, their_ids in _exchange(place, (run.groups.dp_rank, rows, encoded))}
+    samples = [(dp, row, ids) for dp in sorted(shares) for row, ids in zip(*shares[dp]) for _ in range(n_samples)]
+    parts = balanced_partition([len(ids) for _, _, ids in samples], len(place.exchange_engines))
+    part = parts[place.exchange_engines.index(dist.get_rank())] if place.hosts_engine else []
+    scoring = run.scorer.batch(len(part)) if place.hosts_engine else None
 
     def last_turn(i: int, trajectory: Trajectory) -> None:
-        row = samples[i]
+        _, row, _ = samples[part[i]]
         scoring.submit(i, Sample(row.prompt, response_text(run.tokenizer, trajectory), row.answer, row.metadata,
                                  response_tokens=sum(trajectory.generated_mask)))
 
-    result = [None]
-    if run.is_rollout_rank:
-        result = [run_trajectories(run.rollout, prompts, [run.new_env() for _ in samples],
-                                   [(row.prompt, row.metadata) for row in samples], tokenizer=run.tokenizer,
-                                   observations=run.observations, limits=run.cfg.env, temperature=cfg.temperature,
-                                   top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-                                   on_last_turn=last_turn if scoring is not None else None)]
-    if dist.get_world_size(run.groups.mp) > 1:
-        dist.broadcast_object_list(result, src=run.groups.mp_src_global_rank, group=run.groups.mp)
-    trajectories = result[0]
+    mine = None
+    if place.hosts_engine:
+        mine = (part, run_trajectories(
+            run.rollout, [samples[i][2] for i in part], [run.new_env() for _ in part],
+            [(samples[i][1].prompt, samples[i][1].metadata) for i in part], tokenizer=run.tokenizer,
+            observations=run.observations, limits=run.cfg.env, temperature=cfg.temperature, top_p=cfg.top_p,
+            max_new_tokens=cfg.max_new_tokens, on_last_turn=last_turn))
+    trajectories: dict[int, Trajectory] = {}
+    for done in _exchange(place, mine):
+        if done is not None:
+            trajectories.update(zip(*done))
+    replica = [i for i, (dp, _, _) in enumerate(samples) if dp == run.groups.dp_rank]
+    batch = _batch(run, [samples[i][1] for i in replica], [samples[i][2] for i in replica],
+                   [trajectories[i] for i in replica], n_samples=n_samples) if replica else None
+    return Generated(batch=batch, scoring=scoring, part=part, replica=replica, generated=int(bool(part)),
+                     reporter=run.groups.dp_rank == min(shares))
+
+
+def _batch(run: RLRun, rows: list[PromptRow], prompts: list[list[int]], trajectories: list[Trajectory], *,
+           n_samples: int) -> RolloutBatch:
     tokens, mask, rollout_logprobs = pack_sequences(prompts, [t.response_ids for t in trajectories],
                                                     [t.logprobs for t in trajectories],
                                                     pad_id=run.tokenizer.pad_token_id,
@@ -126,16 +175,25 @@ def generate(run: RLRun, rows: list[PromptRow], *, n_samples: int, scoring: Scor
     return RolloutBatch(
         tokens=tokens, response_mask=mask, rollout_logprobs=rollout_logprobs,
         prompt_lens=torch.tensor([len(p) for p in prompts]),
-        group_ids=torch.arange(len(rows)).repeat_interleave(n_samples),
+        group_ids=torch.arange(len(rows) // n_samples).repeat_interleave(n_samples),
         responses=[response_text(run.tokenizer, t) for t in trajectories],
-        answers=[row.answer for row in samples],
+        answers=[row.answer for row in rows],
         finish_reasons=[t.finish_reason for t in trajectories],
-        prompt_texts=[row.prompt for row in samples],
-        metadata=[row.metadata for row in samples],
+        prompt_texts=[row.prompt for row in rows],
+        metadata=[row.metadata for row in rows],
         turns=torch.tensor([t.turns for t in trajectories]),
         tool_calls=torch.tensor([t.tool_calls for t in trajectories]),
         env_rewards=torch.tensor([t.env_reward for t in trajectories]),
     )
+
+
+def _exchange(place: RolloutPlacement, item) -> list:
+    """`item` of every rank of the exchange group, in rank order."""
+    if place.exchange is None:
+        return [item]
+    out = [None] * len(place.exchange_ranks)
+    dist.all_gather_object(out, item, group=place.exchange)
+    return out
 
 
 def response_text(tokenizer, trajectory: Trajectory) -> str:
@@ -143,27 +201,39 @@ def response_text(tokenizer, trajectory: Trajectory) -> str:
     return tokenizer.decode(trajectory.last_turn, skip_special_tokens=True)
 
 
-def score(run: RLRun, batch: RolloutBatch, scoring: Scoring | None) -> tuple[RolloutBatch, int, int]:
-    """The recipe's rewards [B], plus the environment's and the reward models', the number of samples whose
-    reward failed (scored 0; see Scorer), and the number already scored when generation ended.
+def score(run: RLRun, generated: Generated) -> tuple[RolloutBatch | None, int, int, int]:
+    """The replica's batch with the recipe's rewards [B], plus the environment's and the reward models'; and
+    the number of samples whose reward failed (scored 0; see Scorer), the number already scored when
+    generation ended, and the number of engines that generated, over the exchange group, on the replica
+    that reports them (0 on the group's other replicas, so sums over data-parallel ranks count each once).
 
-    Every rank of a model-parallel group holds the same batch; only its first rank scores (a sandbox or a
-    Ray pool must not run once per TP rank, and a reward with a timeout could differ between runs): its
-    `scoring` got every sample during generate() and the others receive the result. Reward-model terms
-    need the trainer's ranks, so they are scored here, after generation, over `batch.tokens`.
+    Each engine's rank scores the samples its engine generated (a sandbox or a Ray pool runs once per
+    sample, not once per rank) and the exchange group shares the rewards. Reward-model terms need the
+    trainer's ranks, so they are scored here, after generation, over `batch.tokens`.
     """
-    result = [scoring.result() if run.is_rollout_rank else None]
-    if dist.get_world_size(run.groups.mp) > 1:
-        dist.broadcast_object_list(result, src=run.groups.mp_src_global_rank, group=run.groups.mp)
-    rewards, failures, hidden = result[0]
-    rewards = torch.tensor(rewards)
+    result = (generated.part, *generated.scoring.result()) if generated.scoring is not None else None
+    rewards_of: dict[int, float] = {}
+    counts = torch.zeros(3, dtype=torch.float64)  # failures, scored before generation ended, engines
+    for item in _exchange(run.placement, result):
+        if item is not None:
+            part, rewards, _, _ = item
+            rewards_of.update(zip(part, rewards))
+    if result is not None:
+        counts += torch.tensor([result[2], result[3], generated.generated], dtype=torch.float64)
+    if run.placement.exchange is not None:  # every sample was scored by exactly one engine's rank
+        dist.all_reduce(counts, group=run.placement.exchange)
+    failures, hidden, engines = (int(c) * generated.reporter for c in counts.tolist())
+    batch = generated.batch
+    if batch is None:
+        return None, failures, hidden, engines
+    rewards = torch.tensor([rewards_of[i] for i in generated.replica])
     micro_batch_size = math.gcd(len(batch), run.cfg.train.micro_batch_size)
     for weight, model in run.reward_models:  # every rank of the model-parallel group takes part
         rewards = rewards + weight * reward_model_scores(model, batch, pad_id=run.tokenizer.pad_token_id,
                                                          micro_batch_size=micro_batch_size)
     if batch.env_rewards is not None:
         rewards = rewards + batch.env_rewards
-    return batch.replace(rewards=rewards), failures, hidden
+    return batch.replace(rewards=rewards), failures, hidden, engines
 
 
 def reward_model_scores(model: TrainEngine, batch: RolloutBatch, *, pad_id: int, micro_batch_size: int) -> Tensor:
@@ -182,8 +252,7 @@ def reward_model_scores(model: TrainEngine, batch: RolloutBatch, *, pad_id: int,
 def evaluate(run: RLRun) -> dict[str, float]:
     """Mean reward on the fixed held-out prompts (this rank's share), one sample each, as in training."""
     rows = run.eval_rows[run.groups.dp_rank:: run.groups.dp_size]
-    scoring = start_scoring(run, len(rows))
-    batch, _, _ = score(run, generate(run, rows, n_samples=1, scoring=scoring), scoring)
-    total, calls, n = run.global_sums([float(batch.rewards.sum()), float(batch.tool_calls.sum()),
-                                        float(len(batch))])
+    batch, _, _, _ = score(run, generate(run, rows, n_samples=1))
+    mine = [float(batch.rewards.sum()), float(batch.tool_calls.sum()), float(len(batch))] if batch else [0.0] * 3
+    total, calls, n = run.global_sums(mine)
     return {"eval/reward_mean": total / n, "eval/tool_calls_mean": calls / n}

@@ -4,6 +4,7 @@ built, then Megatron's parallel state starts. Shared by the RL, SFT and DPO loop
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -30,6 +31,7 @@ def init_groups(cfg: Config) -> ParallelGroups:
     except ValueError as e:
         raise RecipeError(str(e)) from None
     try:
-        return init_parallel(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, seed=cfg.seed)
+        return init_parallel(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, seed=cfg.seed,
+                             timeout=timedelta(minutes=par.timeout_minutes))
     except ValueError as e:
         raise RecipeError(f"parallel: {e}") from None

@@ -5,7 +5,8 @@ A checkpoint directory (see megarl.checkpoint for how it is published atomically
                        run may resume at another TP, PP or EP layout
   state.json           step, optimizer step counts, the layout that wrote it, the loop's own state (RL:
                        weight version and KL controller)
-  dp{d}.pt             per data-parallel replica: its prompt sampler position and rollout sampler RNG
+  dp{d}.pt             per data-parallel replica: its prompt sampler position
+  engine{e}.pt         per rollout engine: its sampler RNG (restored when the engine count is unchanged)
   rank{r}.pt           per rank: torch and Megatron RNG states (restored when the layout is unchanged)
   recipe.yaml          the recipe of the run
   hf/                  the model's config and tokenizer files, so conversion tools need nothing else
@@ -34,6 +35,7 @@ from megarl.engine.dist_checkpoint import set_trainer_rng_state, trainer_rng_sta
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
 from megarl.rollout.engine import RolloutEngine
+from megarl.rollout.placement import RolloutPlacement
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +78,10 @@ def already_finished(cfg: Config, path: Path | None, step: int, steps: int) -> b
     return False
 
 
-def _layout(groups) -> dict[str, int]:
+def _layout(state: RunState) -> dict[str, int]:
+    groups = state.groups
     return {"world": dist.get_world_size(), "tp": groups.tp_size, "pp": groups.pp_size, "ep": groups.ep_size,
-            "dp": groups.dp_size}
+            "dp": groups.dp_size, "engines": state.placement.engines if state.placement is not None else 0}
 
 
 @dataclass
@@ -89,6 +92,7 @@ class RunState:
     engines: dict[str, TrainEngine]  # trained models by name ("actor", "critic"); frozen ones are rebuilt
     sampler: PromptSampler           # this data-parallel replica's prompt sampler
     rollout: RolloutEngine | None = None  # on the rank that holds one: its sampler RNG is saved
+    placement: RolloutPlacement | None = None  # where the job's rollout engines live (RL)
     extra: Callable[[], dict] = dict  # the loop's own JSON state (RL: weight version, KL controller)
     load_extra: Callable[[dict], None] = lambda saved: None  # restores it from state.json
 
@@ -102,12 +106,12 @@ def save_checkpoint(cfg: Config, step: int, state: RunState) -> Path:
     for key, engine in engines.items():
         engine.save_checkpoint(tmp / key)
     if dist.get_rank() == groups.mp_src_global_rank:  # one writer per data-parallel replica
-        rollout_rng = state.rollout.rng_state() if state.rollout is not None else None
-        torch.save({"sampler": state.sampler.state_dict(), "rollout_rng": rollout_rng},
-                   tmp / f"dp{groups.dp_rank:05d}.pt")
+        torch.save({"sampler": state.sampler.state_dict()}, tmp / f"dp{groups.dp_rank:05d}.pt")
+    if state.rollout is not None:
+        torch.save({"rollout_rng": state.rollout.rng_state()}, tmp / f"engine{state.placement.engine_index:05d}.pt")
     torch.save(trainer_rng_state(), tmp / f"rank{dist.get_rank():05d}.pt")
     if dist.get_rank() == 0:
-        saved = {"step": step, "engine_steps": {k: e.step for k, e in engines.items()}, "layout": _layout(groups),
+        saved = {"step": step, "engine_steps": {k: e.step for k, e in engines.items()}, "layout": _layout(state),
                  **state.extra()}
         (tmp / "state.json").write_text(json.dumps(saved, indent=2) + "\n")
         dump_config(cfg, tmp / "recipe.yaml")
@@ -131,12 +135,17 @@ def restore_checkpoint(path: Path, state: RunState) -> int:
             raise CheckpointError(f"{path}: has no {key}, which this recipe trains")
         engine.load_checkpoint(path / key)
         engine.step = saved_state["engine_steps"][key]
-    saved, now = saved_state["layout"], _layout(groups)
+    saved, now = saved_state["layout"], _layout(state)
+    if state.rollout is not None and saved.get("engines") == now["engines"]:
+        rng = torch.load(path / f"engine{state.placement.engine_index:05d}.pt", weights_only=True)["rollout_rng"]
+        if rng is not None:
+            state.rollout.set_rng_state(rng)
+    elif state.rollout is not None:
+        log.warning("resuming with %d rollout engines, saved with %s: the engines' samplers are seeded again, "
+                    "so samples differ from an uninterrupted run", now["engines"], saved.get("engines"))
     if saved["dp"] == now["dp"]:
         mine = torch.load(path / f"dp{groups.dp_rank:05d}.pt", weights_only=True)
         state.sampler.load_state_dict(mine["sampler"])
-        if state.rollout is not None and mine["rollout_rng"] is not None:
-            state.rollout.set_rng_state(mine["rollout_rng"])
     else:
         # Each replica's prompts came from one global stream; continuing after the furthest position
         # repeats no prompt. Sampling is seeded again, so samples differ from an uninterrupted run.
@@ -144,7 +153,7 @@ def restore_checkpoint(path: Path, state: RunState) -> int:
         state.sampler.load_state_dict(max(positions, key=lambda s: (s["epoch"], s["position"])))
         log.warning("resuming with data-parallel size %d, saved with %d: the data order continues, the "
                     "rollout samples differ from an uninterrupted run", now["dp"], saved["dp"])
-    if saved == now:
+    if {k: v for k, v in saved.items() if k != "engines"} == {k: v for k, v in now.items() if k != "engines"}:
         set_trainer_rng_state(torch.load(path / f"rank{dist.get_rank():05d}.pt", weights_only=True))
     else:
         log.info("resuming at layout %s (saved at %s): trainer RNG streams start fresh", now, saved)

@@ -212,6 +212,7 @@ def train(cfg: Config) -> Path:
         run.weight_version = saved["weight_version"]
 
     state = RunState(groups=groups, engines=run.trained_engines(), sampler=run.sampler, rollout=run.rollout,
+                     placement=run.placement,
                      extra=lambda: {"weight_version": run.weight_version, "kl": run.kl.state_dict()},
                      load_extra=load_extra)
     try:

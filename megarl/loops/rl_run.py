@@ -8,6 +8,7 @@ on the config.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,12 +23,14 @@ from megarl.engine.parallel import ParallelGroups
 from megarl.engine.roles import make_engine
 from megarl.envs.environment import Environment, SingleTurn, environment_factory
 from megarl.envs.tool_format import ObservationFormat, observation_format
+from megarl.models.arch import read_shape
 from megarl.objective import (AdvantageFn, CriticObjective, PolicyObjective, advantage_fn, kl_controller,
                               policy_objective)
 from megarl.rewards.scorer import Scorer
 from megarl.rewards.terms import build_terms
 from megarl.rollout.backends import make_rollout_engine
 from megarl.rollout.engine import RolloutEngine
+from megarl.rollout.placement import RolloutPlacement, place_rollout
 
 
 @dataclass
@@ -43,7 +46,8 @@ class RLRun:
     actor: TrainEngine
     reference: TrainEngine | None     # when algo.kl_coef > 0
     critic: TrainEngine | None        # when algo.name is ppo
-    rollout: RolloutEngine | None     # the engine, on the first rank of the model-parallel group only
+    rollout: RolloutEngine | None     # this rank's engine: on the first rank of every group of rollout.tp ranks
+    placement: RolloutPlacement       # where the job's engines live, and which ranks exchange with this one
     prompts_per_rank: int
     objective: PolicyObjective
     critic_objective: CriticObjective | None
@@ -55,10 +59,6 @@ class RLRun:
     new_env: Callable[[], Environment] = SingleTurn  # one trajectory's environment (env.name)
     tool_schemas: list[dict] = dataclasses.field(default_factory=list)  # the environment's tools, for the prompt
     observations: ObservationFormat | None = None  # renders tool messages; None when the env sends none
-
-    @property
-    def is_rollout_rank(self) -> bool:
-        return self.rollout is not None
 
     def trainer_engines(self) -> list[TrainEngine]:
         return [e for e in (self.actor, self.reference, self.critic) if e is not None]
@@ -87,15 +87,34 @@ def check_launch(cfg: Config, groups: ParallelGroups) -> None:
                           f"rollout.n_samples) is not divisible by train.micro_batch_size={cfg.train.micro_batch_size}")
     if cfg.warmup.sft_steps and cfg.warmup.batch_size % dp:
         raise RecipeError(f"warmup.batch_size={cfg.warmup.batch_size} is not divisible by the data-parallel size {dp}")
+    rollout_tp, world = cfg.rollout.tp, dist.get_world_size()
+    if world % rollout_tp:
+        raise RecipeError(f"rollout.tp = {rollout_tp} does not divide the world size {world}: every rank must "
+                          "belong to one rollout engine")
+    heads = read_shape(cfg.model.path).heads
+    if heads % rollout_tp:
+        raise RecipeError(f"rollout.tp = {rollout_tp} does not divide the {heads} attention heads of the model "
+                          f"in model.path")
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if per_node % rollout_tp:
+        raise RecipeError(f"rollout.tp = {rollout_tp} does not divide the {per_node} ranks per node: an engine's "
+                          "devices must be on one node")
 
 
 def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: list[PromptRow],
               eval_rows: list[PromptRow], model_dir: str) -> RLRun:
-    """The engines (actor; reference when algo.kl_coef > 0; critic for PPO; the reward models, which stay
-    on the device the whole step because their scores are needed as generation ends) and the rollout
-    engine, on the first rank of each model-parallel group, seeded per data-parallel replica (not per
-    global rank, so a run resumed at another TP/PP layout samples as the one that saved it)."""
+    """The rollout engines, one on the first rank of every group of `rollout.tp` ranks (megarl.rollout.placement),
+    each seeded by its index (so a run resumed at another trainer layout with the same world size samples
+    as the one that saved it), started before the trainer's models are built: SGLang sizes its KV cache from
+    the device memory free when it starts. Then the train engines: actor; reference when algo.kl_coef > 0;
+    critic for PPO; the reward models, which stay on the device the whole step because their scores are
+    needed as generation ends."""
     algo = cfg.algo
+    placement = place_rollout(rollout_tp=cfg.rollout.tp, replica=groups.mp, timeout=groups.timeout)
+    rollout = None
+    if placement.hosts_engine:
+        rollout = make_rollout_engine(cfg.rollout, model_dir, dtype=cfg.model.dtype,
+                                      seed=cfg.seed + placement.engine_index)
     actor = make_engine(cfg, groups, role="actor", model_dir=model_dir)
     reference = make_engine(cfg, groups, role="reference", model_dir=model_dir) if algo.kl_coef > 0 else None
     critic = None
@@ -103,16 +122,13 @@ def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: lis
         critic = make_engine(cfg, groups, role="critic", model_dir=cfg.critic.path or model_dir)
     reward_models = [(term.weight, make_engine(cfg, groups, role="reward_model", model_dir=term.path))
                      for term in cfg.reward.terms if term.kind == "reward_model"]
-    rollout = None
-    if dist.get_rank() == groups.mp_src_global_rank:
-        rollout = make_rollout_engine(cfg.rollout, model_dir, dtype=cfg.model.dtype, seed=cfg.seed + groups.dp_rank)
     new_env = environment_factory(cfg.env)
     return RLRun(
         cfg=cfg, groups=groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
         sampler=PromptSampler(len(train_rows), seed=cfg.seed, shuffle=cfg.data.shuffle, dp_rank=groups.dp_rank,
                               dp_size=groups.dp_size),
         actor=actor, reference=reference, critic=critic,
-        rollout=rollout, prompts_per_rank=cfg.data.prompts_per_step // groups.dp_size,
+        rollout=rollout, placement=placement, prompts_per_rank=cfg.data.prompts_per_step // groups.dp_size,
         objective=policy_objective(algo),
         critic_objective=CriticObjective(value_clip=cfg.critic.value_clip) if critic is not None else None,
         advantages=advantage_fn(algo, group=groups.dp), kl=kl_controller(algo), scorer=Scorer(cfg.reward),

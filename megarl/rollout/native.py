@@ -1,6 +1,7 @@
 """The native rollout engine: a transformers causal LM sampling in-process (CPU or GPU).
 
-It implements the rollout-engine interface (megarl.rollout.engine.RolloutEngine) and serves when SGLang is not installed; on small models it also starts fastest.
+It implements the rollout-engine interface (megarl.rollout.engine.RolloutEngine) and serves when SGLang is
+not installed; on small models it also starts fastest.
 
 Logprobs are those of the distribution sampling draws from before top-p truncation, i.e.
 log_softmax(logits / temperature), which is what SGLang reports and what the trainer recomputes; with

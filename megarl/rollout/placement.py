@@ -1,0 +1,82 @@
+"""Where the rollout engines live: one on every group of `rollout.tp` consecutive ranks, whatever the trainer's
+TP, PP, CP and EP, so every device generates (world / rollout.tp engines in all).
+
+A data-parallel replica of the trainer (the ranks that hold one copy of the model: TP x CP x PP) and a
+rollout group (the ranks one engine spans) need not nest: with pipeline stages a replica's ranks are not
+consecutive. Ranks that are linked through either kind of group form one *exchange group*: its replicas'
+prompts are pooled, split over its engines by prompt tokens, and every rank of the group receives what the
+engines generated for its replica. In the common layouts an exchange group is one replica (TP innermost,
+rollout.tp dividing TP x CP x PP); with pipeline stages and rollout.tp > 1 it can hold several replicas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class RolloutPlacement:
+    """This rank's view of the rollout engines of the job."""
+
+    tp: int                          # ranks per engine (rollout.tp)
+    engines: int                     # engines in the job: world size / tp
+    engine_index: int | None         # this rank's engine (0 ... engines - 1); None when it hosts none
+    exchange: dist.ProcessGroup | None  # the exchange group of this rank; None when it is this rank alone
+    exchange_ranks: tuple[int, ...]  # its global ranks, ascending
+    exchange_engines: tuple[int, ...]  # the global ranks in it that host an engine, ascending
+
+    @property
+    def hosts_engine(self) -> bool:
+        return self.engine_index is not None
+
+
+def place_rollout(*, rollout_tp: int, replica: dist.ProcessGroup, timeout: timedelta) -> RolloutPlacement:
+    """The placement for engines of `rollout_tp` ranks each (the first rank of each group hosts the engine
+    object; on GPU an SGLang engine spans the group's devices); `replica` is this rank's data-parallel
+    replica (ParallelGroups.mp); `timeout`, how long a collective of the exchange groups waits. A collective
+    call: every rank creates every exchange group, in one order."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % rollout_tp:
+        raise ValueError(f"rollout.tp = {rollout_tp} does not divide the world size {world}")
+    replicas: list[tuple[int, ...] | None] = [None] * world
+    dist.all_gather_object(replicas, tuple(dist.get_process_group_ranks(replica)))
+    components = exchange_groups(replicas, rollout_tp=rollout_tp)
+    mine = next(ranks for ranks in components if rank in ranks)
+    exchange = None
+    for ranks in components:
+        # every rank creates every group; one-rank groups need none
+        if len(ranks) > 1:
+            group = dist.new_group(list(ranks), timeout=timeout)
+            if ranks == mine:
+                exchange = group
+    return RolloutPlacement(tp=rollout_tp, engines=world // rollout_tp,
+                            engine_index=rank // rollout_tp if rank % rollout_tp == 0 else None,
+                            exchange=exchange, exchange_ranks=mine,
+                            exchange_engines=tuple(r for r in mine if r % rollout_tp == 0))
+
+
+def exchange_groups(replicas: list[tuple[int, ...]], *, rollout_tp: int) -> list[tuple[int, ...]]:
+    """The exchange groups of a job whose rank r belongs to replica `replicas[r]` (its ranks) and to the
+    rollout group of ranks r // rollout_tp * rollout_tp ... + rollout_tp - 1: the sets of ranks linked
+    through either kind of group (union-find), each ascending, in order of their first rank."""
+    world = len(replicas)
+    parent = list(range(world))
+
+    def root(r: int) -> int:
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    linked = [list(ranks) for ranks in set(replicas)]
+    linked += [list(range(start, start + rollout_tp)) for start in range(0, world, rollout_tp)]
+    for members in linked:
+        for other in members[1:]:
+            parent[root(other)] = root(members[0])
+    components: dict[int, list[int]] = {}
+    for r in range(world):
+        components.setdefault(root(r), []).append(r)
+    return sorted(tuple(ranks) for ranks in components.values())
