@@ -109,7 +109,7 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling mass, in (0, 1]
     max_new_tokens: int = 64  # generation length limit per sample
     bucket_bytes: int = 64 * 2**20  # weight handoff bucket size
-    tp: int = 1  # tensor-parallel size of each SGLang engine (independent of parallel.tp)
+    tp: int = 1  # ranks per engine (SGLang's TP size): one engine on every group of this many ranks
     mem_fraction: float = 0.5  # SGLang's static memory fraction (weights + KV cache): of the GPU, on CPU of free RAM
 
     def check(self) -> None:

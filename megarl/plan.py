@@ -210,11 +210,9 @@ def check_layout_for(cfg: Config, shape: ModelShape, cluster: Cluster, *,
 def rollout_engines(cfg: Config, shape: ModelShape, cluster: Cluster) -> list[int]:
     """Global ranks that start an SGLang engine, checked for placement and for SGLang's own TP split.
 
-    The RL loop starts one engine per data-parallel replica (tp x cp x pp ranks: context-parallel ranks hold
-    the same weights and share one rollout batch), on the replica's first rank, over `rollout.tp`
-    consecutive GPUs from that rank's GPU. Megatron orders ranks tp, cp, dp, pp (tp fastest), so those
-    first ranks are tp * cp * dp_rank on the first pipeline stage."""
-    par, rtp, gpus = cfg.parallel, cfg.rollout.tp, cluster.gpus_per_node
+    The RL loop starts one engine on every group of `rollout.tp` consecutive ranks, whatever the trainer's
+    layout (megarl.rollout.placement), over those ranks' GPUs: every GPU generates."""
+    rtp, gpus = cfg.rollout.tp, cluster.gpus_per_node
     _divides(shape.heads, rtp, f"attention heads {shape.heads}", f"rollout.tp = {rtp}")
     if shape.kv_heads % rtp and rtp % shape.kv_heads:
         raise PlanError(f"key/value heads {shape.kv_heads} and rollout.tp = {rtp}: neither divides the other "
@@ -223,22 +221,9 @@ def rollout_engines(cfg: Config, shape: ModelShape, cluster: Cluster) -> list[in
     _divides(ffn, rtp, f"{name} {ffn}", f"rollout.tp = {rtp}")
     if rtp > gpus:
         raise PlanError(f"rollout.tp = {rtp} is more than the {gpus} GPUs of a node (--gpus-per-node)")
-    dp = cluster.world // (par.tp * par.pp * par.cp)
-    firsts = [par.tp * par.cp * d for d in range(dp)]
-    owner: dict[int, int] = {}
-    for rank in firsts:
-        local = rank % gpus
-        if local + rtp > gpus:
-            raise PlanError(f"the rollout engine of rank {rank} (GPU {local} of its node) needs rollout.tp = {rtp} "
-                            f"GPUs and runs past the {gpus} GPUs of the node: make parallel.tp * parallel.cp a "
-                            "multiple of rollout.tp or a divisor of the GPUs per node")
-        for slot in range(rank, rank + rtp):  # rank r runs on GPU r % gpus of node r // gpus
-            if slot in owner:
-                raise PlanError(f"rollout.tp = {rtp} is larger than parallel.tp * parallel.cp = {par.tp * par.cp}: the "
-                                f"rollout engines of ranks {owner[slot]} and {rank} would share GPU {slot % gpus} of "
-                                f"node {slot // gpus}")
-            owner[slot] = rank
-    return firsts
+    # an engine's GPUs must be on one node
+    _divides(gpus, rtp, f"GPUs per node {gpus}", f"rollout.tp = {rtp}")
+    return list(range(0, cluster.world, rtp))
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -341,11 +326,11 @@ def rollout_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Clus
         static = int(cfg.rollout.mem_fraction * cluster.gpu_mem_gib * GIB)
         kv = max(0, static - weights)
         engines = len(layout.rollout_engines)
-    else:  # native: a transformers model on the first rank of each model-parallel group, whole
-        rtp, engines = 1, cluster.world // (layout.tp * layout.pp)
+    else:  # native: a whole transformers model on the first rank of every group of rollout.tp ranks
+        rtp, engines = 1, cluster.world // cfg.rollout.tp
         per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype_bytes
         weights = full * dtype_bytes
-        samples = cfg.data.prompts_per_step // layout.dp * cfg.rollout.n_samples
+        samples = -(-cfg.data.prompts_per_step * cfg.rollout.n_samples // engines)  # the step's samples, split
         kv = samples * layout.seq_len * per_token
         static = weights + kv
     tokens = kv // per_token

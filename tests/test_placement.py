@@ -62,3 +62,12 @@ def test_every_engine_generates_and_gets_every_update(tmp_path, qwen2_dir, arith
         assert record["rollout/engines"] == engines, record
         assert record["rollout/logprob_diff_max"] <= 1e-4, record
         assert record["grad_norm"] > 0 and math.isfinite(record["loss"]), record
+
+
+@pytest.mark.timeout(ENGINE_RUN_TIMEOUT_S)
+def test_an_expert_parallel_moe_model_runs_an_engine_per_rank(tmp_path, arch_dir, arithmetic_dir):
+    # EP = 2: each rank holds half the experts; each engine must receive all of them after every update
+    records = run_rl(tmp_path, arch_dir("qwen2_moe"), arithmetic_dir, nproc=2, overrides=("parallel.ep=2",))
+    for record in records:
+        assert record["rollout/engines"] == 2, record
+        assert record["rollout/logprob_diff_max"] <= 1e-4, record

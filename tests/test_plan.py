@@ -129,9 +129,8 @@ MOE235 = ("qwen3-235b-a22b-grpo", "qwen3-235b-a22b", 16)
     (SEVEN_B, ["data.prompts_per_step=6"], "data.prompts_per_step 6 is not divisible by the data-parallel size 4"),
     (SEVEN_B, ["train.micro_batch_size=256"], "samples per data-parallel rank 128 (data.prompts_per_step / 4 * "
                                             "rollout.n_samples) is not divisible by train.micro_batch_size = 256"),
-    (SEVEN_B, ["rollout.tp=4"], "rollout.tp = 4 is larger than parallel.tp * parallel.cp = 2: the rollout engines of "
-                                "ranks 0 and 2 would share GPU 2 of node 0"),
-    # context-parallel ranks share their replica's engine: one engine per tp * cp = 4 GPUs fits rollout.tp = 4
+    # engines sit on every group of rollout.tp GPUs, whatever the trainer's tp * cp (here 2, then 4)
+    (SEVEN_B, ["rollout.tp=4"], None),
     (SEVEN_B, ["rollout.tp=4", "parallel.cp=2"], None),
     (SEVEN_B, ["parallel.cp=2", "train.micro_batch_tokens=4096"],
      "train.micro_batch_tokens (sequence packing) cannot be combined with parallel.cp = 2"),
@@ -260,3 +259,17 @@ def test_estimate_equals_measured_memory_of_the_tiny_model(arch, dtype, request,
     assert 0 <= real["grads"] - actor.grads <= padding_bound
     print(f"{arch} {dtype}: params {real['params']} measured / {actor.params} estimated bytes; grads "
           f"{real['grads']} / {actor.grads}; optimizer {real['optim']} / {actor.optim}")
+
+
+@pytest.mark.parametrize("target,overrides,engines", [
+    (LLAMA, [], 8),                        # pp = 2: both pipeline stages' GPUs generate (64 GPUs / rollout.tp 8)
+    (LLAMA, ["rollout.tp=4"], 16),
+    (SEVEN_B, ["rollout.tp=1"], 8),        # trainer tp = 2: every GPU runs its own engine
+    (MOE30, [], 8),
+])
+def test_every_gpu_belongs_to_a_rollout_engine(target, overrides, engines, capsys):
+    name, model, nodes = target
+    code, out, err = megarl(plan_args(name, model, nodes, *overrides, "--json"), capsys)
+    assert code in (0, 1), out + err
+    rollout = json.loads(out)["rollout"]
+    assert rollout["engines"] == engines and rollout["engines"] * rollout["gpus"] == nodes * 8

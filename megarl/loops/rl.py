@@ -53,17 +53,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
     with timer("train"):
         train_metrics = train_policy(run, batch, step=step)
         train_metrics |= train_critic(run, batch) if run.critic is not None else {}
-    with timer("sleep_trainer"):
-        for engine in (run.actor, run.critic):
-            if engine is not None:
-                engine.offload_training_state()
-    with timer("push"):
-        push_stats = push_policy(run)
-    with timer("wake_rollout"):
-        for engine in run.trainer_engines():
-            engine.offload_params()
-        if run.rollout is not None:
-            run.rollout.resume_cache()
+    push_stats = hand_over(run, timer)
     with timer("eval"):
         eval_metrics = evaluate(run) if run.eval_rows and step % cfg.data.eval_every == 0 else {}
     metrics = batch_metrics(run, batch)
@@ -125,6 +115,25 @@ def keep_batch(run: RLRun, batch: RolloutBatch, *, step: int) -> str:
     path = Path(run.cfg.run_dir) / f"bad_batch_step{step}_rank{dist.get_rank()}.pt"
     batch.save(path)
     return f"the batch is saved to {path} to replay it"
+
+
+def hand_over(run: RLRun, timer: PhaseTimer) -> dict:
+    """Give the devices back to the rollout engines with the new weights: the trainer's gradients and
+    optimizer state leave the device, the weights are pushed, the trainer's parameters leave too and the
+    engines take back their KV cache. Also how a run starts (the engines released their memory while the
+    trainer was built). Returns the push's counts."""
+    with timer("sleep_trainer"):
+        for engine in (run.actor, run.critic):
+            if engine is not None:
+                engine.offload_training_state()
+    with timer("push"):
+        push_stats = push_policy(run)
+    with timer("wake_rollout"):
+        for engine in run.trainer_engines():
+            engine.offload_params()
+        if run.rollout is not None:
+            run.rollout.resume_cache()
+    return push_stats
 
 
 def push_policy(run: RLRun) -> dict:
@@ -218,7 +227,7 @@ def train(cfg: Config) -> Path:
     try:
         # the first push hands over the trainer's own (or restored) weights, which also proves the name table
         return run_steps(cfg, state, step=partial(rl_step, run), steps=cfg.train.steps, resume_from=resume_from,
-                         desc="rl", on_start=partial(push_policy, run))
+                         desc="rl", on_start=lambda: hand_over(run, PhaseTimer()))
     finally:
         run.scorer.close()
         if run.rollout is not None:

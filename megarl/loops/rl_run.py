@@ -115,6 +115,7 @@ def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: lis
     if placement.hosts_engine:
         rollout = make_rollout_engine(cfg.rollout, model_dir, dtype=cfg.model.dtype,
                                       seed=cfg.seed + placement.engine_index)
+        rollout.release_memory()  # its KV cache is sized; the trainer is built in the memory it gives back
     actor = make_engine(cfg, groups, role="actor", model_dir=model_dir)
     reference = make_engine(cfg, groups, role="reference", model_dir=model_dir) if algo.kl_coef > 0 else None
     critic = None
