@@ -1,7 +1,8 @@
 """`megarl` command line.
 
     megarl train RECIPE.yaml [key.path=value ...]
-    megarl plan RECIPE.yaml [key.path=value ...] --nodes N --gpus-per-node G [--gpu-mem-gb 80] [--json]
+    megarl plan RECIPE.yaml [key.path=value ...] --nodes N --gpus-per-node G [--gpu-mem-gb 80]
+        [--host-mem-gb 2048] [--prompt-tokens 1024 | --seq-tokens 4096] [--json]
 
 Run `train` directly for one process, or under torchrun (`torchrun --nproc_per_node=N -m megarl train ...`)
 for one process per device. A recipe or data error stops before any work with exit code 2 and a
@@ -18,6 +19,7 @@ import sys
 import warnings
 
 from megarl.config import ConfigError, RecipeError, load_config
+from megarl.plan import DEFAULT_HOST_MEM_GIB, DEFAULT_SEQ_TOKENS
 
 
 def _quiet_expected_warnings() -> None:
@@ -40,10 +42,16 @@ def main(argv: list[str] | None = None) -> None:
     plan_p.add_argument("--nodes", type=int, required=True, help="nodes in the cluster")
     plan_p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node")
     plan_p.add_argument("--gpu-mem-gb", type=float, default=80.0, help="memory per GPU in GiB (default 80)")
+    plan_p.add_argument("--host-mem-gb", type=float, default=DEFAULT_HOST_MEM_GIB,
+                        help="host memory per node in GiB, for the trainer state offloaded during rollouts "
+                             f"(default {DEFAULT_HOST_MEM_GIB:g}, a DGX H100 node)")
     plan_p.add_argument("--model-config", help="the model's HF config.json when model.path is not on this "
                         "machine (default: model.path/config.json)")
     plan_p.add_argument("--prompt-tokens", type=int, default=1024,
-                        help="longest prompt in tokens; sequences are this + rollout.max_new_tokens (default 1024)")
+                        help="longest prompt in tokens; sequences are this + rollout.max_new_tokens, or + "
+                             "env.max_tokens for a multi-turn env (default 1024)")
+    plan_p.add_argument("--seq-tokens", type=int,
+                        help=f"SFT and DPO: the longest tokenized row (default {DEFAULT_SEQ_TOKENS})")
     plan_p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     plan_p.add_argument("--log-level", default="WARNING", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -94,9 +102,11 @@ def run_plan(args: argparse.Namespace) -> int:
     from megarl.plan import Cluster, PlanError, plan, read_model, render_table, to_json
 
     try:
-        if min(args.nodes, args.gpus_per_node) < 1 or args.gpu_mem_gb <= 0 or args.prompt_tokens < 1:
+        counts = [args.nodes, args.gpus_per_node, args.prompt_tokens] + ([] if args.seq_tokens is None else [args.seq_tokens])
+        if min(counts) < 1 or min(args.gpu_mem_gb, args.host_mem_gb) <= 0:
             raise PlanError(f"--nodes {args.nodes}, --gpus-per-node {args.gpus_per_node}, --prompt-tokens "
-                            f"{args.prompt_tokens} must be >= 1 and --gpu-mem-gb {args.gpu_mem_gb} > 0")
+                            f"{args.prompt_tokens}, --seq-tokens {args.seq_tokens} must be >= 1 and --gpu-mem-gb "
+                            f"{args.gpu_mem_gb}, --host-mem-gb {args.host_mem_gb} > 0")
         # The recipe names the cluster's checkpoint and data: their existence is checked at launch, not here.
         cfg = load_config(args.recipe, args.overrides, check_paths=False)
         config_json = Path(args.model_config) if args.model_config else Path(cfg.model.path) / "config.json"
@@ -105,8 +115,9 @@ def run_plan(args: argparse.Namespace) -> int:
             raise PlanError(f"{where}: no config.json at {config_json}; where the checkpoint is not on this "
                             "machine, pass --model-config FILE (recipes/gpu/configs/ holds the shipped models')")
         shape = read_model(config_json)
-        result = plan(cfg, shape, Cluster(args.nodes, args.gpus_per_node, args.gpu_mem_gb),
-                      recipe=args.recipe, prompt_tokens=args.prompt_tokens)
+        cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_mem_gb, args.host_mem_gb)
+        result = plan(cfg, shape, cluster, recipe=args.recipe, prompt_tokens=args.prompt_tokens,
+                      seq_tokens=args.seq_tokens)
     except (ConfigError, PlanError) as e:
         print(f"megarl: plan error: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 """`megarl plan`: check a recipe against a cluster and estimate the memory of every GPU, without a GPU.
 
-    megarl plan RECIPE.yaml --nodes 8 --gpus-per-node 8 [--gpu-mem-gb 80] [--model-config config.json] [--json]
+    megarl plan RECIPE.yaml --nodes 8 --gpus-per-node 8 [--gpu-mem-gb 80] [--host-mem-gb 2048]
+        [--model-config config.json] [--json] [key.path=value ...]
 
 Planning reads the recipe (its files need not exist on this machine) and the model's HF `config.json` (from
 `model.path`, or `--model-config` where the checkpoint lives only on the cluster), then:
@@ -9,8 +10,9 @@ Planning reads the recipe (its files need not exist on this machine) and the mod
    (and by pp * virtual stages), experts by ep and the expert grid tp*ep*pp by the world, the global batch
    by the data-parallel size and micro-batch, and that every rollout engine fits inside one node without
    sharing a GPU with another engine. A failure raises PlanError naming both numbers (exit code 2).
-2. estimates, per GPU, the bytes each phase of an RL step holds on the device (train, weight push, rollout)
-   and says whether the largest fits (exit code 0) or not (exit code 1).
+2. estimates, per GPU, the bytes each phase of an RL step holds on the device (train, weight push, rollout;
+   SFT and DPO only train), and per node the host memory the offloaded trainer state takes, and says
+   whether everything fits (exit code 0) or not (exit code 1, with the reasons).
 
 The estimate follows the code it models, so its assumptions are those of megarl's engines:
 - Parameters: exactly the tensors Megatron's GPTModel creates on the most-loaded GPU of a pipeline stage
@@ -32,13 +34,29 @@ The estimate follows the code it models, so its assumptions are those of megarl'
   1 + (pp-1)/(pp*vpp) with virtual stages; the last stage holds one, plus the logprob head: 16 bytes per token
   and vocabulary entry of its TP slice (bf16 logits, fp32 copies for temperature and vocabulary padding, one
   kept by the cross entropy for backward), 8 more with an entropy bonus. Sequences are right padded to
-  prompt + max_new_tokens tokens (the prompt length is an input, `--prompt-tokens`).
+  the longest the recipe allows (`sequence_tokens`): prompt + rollout.max_new_tokens for one turn; prompt +
+  env.max_tokens for a multi-turn environment (generated and observation tokens of all turns); for SFT and
+  DPO, whose loops pad a batch to its longest row and truncate nothing, the longest row (`--seq-tokens`).
+  The prompt length is an input, `--prompt-tokens`.
+- Models, as the loops build them: RL: the actor, the frozen reference when algo.kl_coef > 0, PPO's critic;
+  SFT: the actor; DPO: the actor and its frozen reference (no gradients, no optimizer).
 - Phases, as `megarl.loops.rl` orders them on GPU: train = every trainer model's parameters, gradients and
   optimizer state on the device with the larger of the actor's and the critic's activations; push = trainer
   parameters (gradients and optimizer state already offloaded) + SGLang's weights + one handoff bucket + two
-  copies of the largest full tensor (TP shards and their concatenation); rollout = SGLang's static pool,
-  `rollout.mem_fraction` of the GPU (weights + KV cache), with the trainer offloaded. The native engine
-  never releases memory: its full-size weights stay in every phase and its KV cache holds the rank's samples.
+  copies of the largest full tensor (TP shards and their concatenation); rollout = SGLang's static pool with
+  the trainer offloaded. SFT and DPO have no rollout engine: the train phase only. The native engine never
+  releases memory: its full-size weights stay in every phase and its KV cache holds the rank's samples.
+- SGLang's pool, as SGLang 0.5.23 sizes it (kv_cache_configurator): the engines start before the trainer
+  builds its models, so the memory free when a scheduler measures it is the GPU less the CUDA contexts and
+  the engine's communicators (ENGINE_START_USED_GIB); the KV cache gets `rollout.mem_fraction` of that,
+  less the engine's weights (its GPU's share of the model: full / rollout.tp).
+- Host memory (megarl.engine.offload, during every rollout of an RL step): each trainer model's parameters
+  in pinned buffers, the actor's and critic's optimizer state (Adam moments, fp32 master copy) moved to host
+  memory by Megatron; gradient buffers are freed, not copied. With the distributed optimizer Megatron makes
+  the pinned copy of a parameter buffer through a pageable one on the first offload, so one buffer's worth
+  more is held briefly. Plus HOST_RESERVE_GIB per GPU for the processes (trainer, SGLang scheduler,
+  tokenizer). Summed over the GPUs of the fullest node (pipeline stages are Megatron's outermost rank
+  axis), against HOST_USABLE_FRACTION of `--host-mem-gb`.
 - Not modelled: CUDA contexts, NCCL buffers and SGLang's CUDA graphs (a fixed RESERVE_GIB per GPU instead),
   allocator fragmentation (only USABLE_FRACTION of the GPU counts as usable), expert load imbalance.
 
@@ -58,6 +76,12 @@ from megarl.models.arch import ModelShape, check_layout, padded_vocab_size, read
 GIB = 2**30
 RESERVE_GIB = 4.0  # CUDA contexts of trainer and SGLang scheduler (~0.5 each), NCCL communicators (1-3)
 USABLE_FRACTION = 0.95  # the rest is left to allocator fragmentation
+ENGINE_START_USED_GIB = 1.5  # in use when SGLang measures free memory: both CUDA contexts, its communicators
+HOST_RESERVE_GIB = 8.0  # host memory per GPU of the trainer process and SGLang's scheduler and tokenizer
+HOST_USABLE_FRACTION = 0.9  # the rest is left to the OS and the file cache
+DEFAULT_HOST_MEM_GIB = 2048.0  # a DGX H100/H200 node: 2 TiB
+DEFAULT_SEQ_TOKENS = 4096  # SFT and DPO: the longest row when --seq-tokens is not given
+OFFLINE_ALGOS = ("sft", "dpo")  # trained on a fixed data set: no rollout engine, nothing offloaded
 LOGITS_BYTES = 16  # per token and vocabulary entry of the TP slice, for the logprob head (see module doc)
 ENTROPY_BYTES = 8  # two more fp32 tensors of that size when algo.entropy_coef > 0
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -139,6 +163,7 @@ class Cluster:
     nodes: int
     gpus_per_node: int
     gpu_mem_gib: float = 80.0
+    host_mem_gib: float = DEFAULT_HOST_MEM_GIB  # per node
 
     @property
     def world(self) -> int:
@@ -157,7 +182,7 @@ class Layout:
     expert_dp: int
     vpp: int  # virtual pipeline stages per GPU (1 = none)
     micro_batches: int  # per data-parallel rank per optimizer step
-    seq_len: int  # tokens per padded sequence: prompt + max_new_tokens
+    seq_len: int  # tokens per padded sequence (`sequence_tokens`)
     rollout_engines: list[int] = field(default_factory=list)  # global rank holding each SGLang engine
 
 
@@ -177,8 +202,33 @@ def virtual_stages(megatron: dict, *, layers: int, pp: int) -> int:
     return megatron.get("virtual_pipeline_model_parallel_size") or 1
 
 
-def check_layout_for(cfg: Config, shape: ModelShape, cluster: Cluster, *,
-                     prompt_tokens: int) -> Layout:
+def sequence_tokens(cfg: Config, *, prompt_tokens: int, seq_tokens: int | None) -> tuple[int, str]:
+    """Tokens of the longest sequence a step can hold, and where the number comes from.
+
+    One turn: the prompt and rollout.max_new_tokens. A multi-turn environment: the prompt and env.max_tokens,
+    which bounds the generated and observation tokens of all turns together (megarl.rollout.multi_turn). SFT
+    and DPO: the longest tokenized row, `seq_tokens` (their loops pad to it and truncate nothing)."""
+    offline = cfg.algo.name in OFFLINE_ALGOS
+    if seq_tokens is not None and not offline:
+        raise PlanError(f"--seq-tokens is for SFT and DPO recipes; a sequence of algo.name {cfg.algo.name} is "
+                        "--prompt-tokens + rollout.max_new_tokens (env.max_tokens with a multi-turn env)")
+    if offline:
+        tokens = DEFAULT_SEQ_TOKENS if seq_tokens is None else seq_tokens
+        given = f"--seq-tokens default {DEFAULT_SEQ_TOKENS}" if seq_tokens is None else "--seq-tokens"
+        return tokens, f"{tokens} tokens, the longest {cfg.algo.name} row ({given}; rows are not truncated)"
+    if cfg.env.name != "single_turn":
+        if cfg.env.max_tokens is None:
+            raise PlanError(f"env.max_tokens is null: a multi-turn trajectory (env.name {cfg.env.name}) has no "
+                            "length bound to plan for; set it (generated and observation tokens of all turns)")
+        return (prompt_tokens + cfg.env.max_tokens,
+                f"{prompt_tokens + cfg.env.max_tokens} tokens = --prompt-tokens {prompt_tokens} + env.max_tokens "
+                f"{cfg.env.max_tokens} (all turns of env {cfg.env.name})")
+    return (prompt_tokens + cfg.rollout.max_new_tokens,
+            f"{prompt_tokens + cfg.rollout.max_new_tokens} tokens = --prompt-tokens {prompt_tokens} + "
+            f"rollout.max_new_tokens {cfg.rollout.max_new_tokens}")
+
+
+def check_layout_for(cfg: Config, shape: ModelShape, cluster: Cluster, *, seq_len: int) -> Layout:
     """Every divisibility the launch needs, on this cluster; PlanError names both numbers."""
     par, world = cfg.parallel, cluster.world
     vpp = virtual_stages(cfg.model.megatron, layers=shape.layers, pp=par.pp)
@@ -190,21 +240,29 @@ def check_layout_for(cfg: Config, shape: ModelShape, cluster: Cluster, *,
     dp = world // (par.tp * par.pp * par.cp)
     expert_dp = world // (par.tp * par.ep * par.pp)
 
-    prompts, n, micro = cfg.data.prompts_per_step, cfg.rollout.n_samples, cfg.train.micro_batch_size
+    prompts, micro = cfg.data.prompts_per_step, cfg.train.micro_batch_size
     _divides(prompts, dp, f"data.prompts_per_step {prompts}", f"the data-parallel size {dp} "
              f"(world size {world} / (parallel.tp * parallel.pp * parallel.cp))")
-    samples = prompts // dp * n
-    _divides(samples, micro, f"samples per data-parallel rank {samples} (data.prompts_per_step / {dp} * "
-             f"rollout.n_samples)", f"train.micro_batch_size = {micro}")
+    # sequences per prompt: RL's samples, SFT's row, DPO's chosen and rejected (megarl.loops.sft.rows_per_rank)
+    match cfg.algo.name:
+        case "sft":
+            per_prompt, what, times = 1, "sequences", ""
+        case "dpo":
+            per_prompt, what, times = 2, "sequences", " * 2 (chosen and rejected)"
+        case _:
+            per_prompt, what, times = cfg.rollout.n_samples, "samples", " * rollout.n_samples"
+    samples = prompts // dp * per_prompt
+    _divides(samples, micro, f"{what} per data-parallel rank {samples} (data.prompts_per_step / {dp}{times})",
+             f"train.micro_batch_size = {micro}")
     micro_batches = samples // micro
     if vpp > 1:
         # Megatron's interleaved schedule runs micro-batches in groups of pp.
         _divides(micro_batches, par.pp, f"micro-batches per data-parallel rank {micro_batches}",
                  f"parallel.pp = {par.pp} (interleaved pipeline schedule)")
-    engines = rollout_engines(cfg, shape, cluster) if cfg.rollout.engine == "sglang" else []
+    offline = cfg.algo.name in OFFLINE_ALGOS
+    engines = rollout_engines(cfg, shape, cluster) if cfg.rollout.engine == "sglang" and not offline else []
     return Layout(tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, dp=dp, expert_dp=expert_dp, vpp=vpp,
-                  micro_batches=micro_batches, seq_len=prompt_tokens + cfg.rollout.max_new_tokens,
-                  rollout_engines=engines)
+                  micro_batches=micro_batches, seq_len=seq_len, rollout_engines=engines)
 
 
 def rollout_engines(cfg: Config, shape: ModelShape, cluster: Cluster) -> list[int]:
@@ -323,7 +381,9 @@ def rollout_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Clus
         kv_heads = max(1, shape.kv_heads // rtp)  # replicated when rollout.tp exceeds the KV heads
         per_token = 2 * shape.layers * kv_heads * shape.head_dim * dtype_bytes
         weights = full * dtype_bytes // rtp
-        static = int(cfg.rollout.mem_fraction * cluster.gpu_mem_gib * GIB)
+        # SGLang takes mem_fraction of the memory free when its scheduler starts, before the trainer's
+        # models exist (megarl.loops.rl_run.build_run); its weights are charged against that budget.
+        static = int(cfg.rollout.mem_fraction * (cluster.gpu_mem_gib - ENGINE_START_USED_GIB) * GIB)
         kv = max(0, static - weights)
         engines = len(layout.rollout_engines)
     else:  # native: a whole transformers model on the first rank of every group of rollout.tp ranks
@@ -339,6 +399,38 @@ def rollout_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Clus
 
 
 @dataclass(frozen=True)
+class HostMemory:
+    """Host memory of the trainer state offloaded while the rollout engines generate (megarl.engine.offload).
+    Per-GPU numbers are those of the pipeline stage that holds the most."""
+
+    params: int  # bytes per GPU: every trainer model's parameters, in pinned buffers
+    optim: int  # bytes per GPU: the trained models' optimizer state (moments, fp32 master copy)
+    first_offload: int  # bytes per GPU: the pageable copy of one parameter buffer Megatron pins through, once
+    per_node: int  # bytes on the fullest node, HOST_RESERVE_GIB per GPU included
+    limit: int  # usable bytes per node
+
+
+def host_memory(cfg: Config, cluster: Cluster, layout: Layout, stages: list[list[ModelMemory]],
+                buffers: list[int]) -> HostMemory:
+    """What the RL loop moves to the host, per GPU of each pipeline stage (`stages[s]`: its models; `buffers[s]`:
+    the bytes of its largest DDP parameter buffer), summed over the GPUs of the fullest node. SFT and DPO
+    offload nothing."""
+    limit = int(HOST_USABLE_FRACTION * cluster.host_mem_gib * GIB)
+    reserve = int(HOST_RESERVE_GIB * GIB)
+    if cfg.algo.name in OFFLINE_ALGOS:
+        return HostMemory(params=0, optim=0, first_offload=0, per_node=cluster.gpus_per_node * reserve, limit=limit)
+    per_gpu = [(sum(m.params for m in models), sum(m.optim for m in models),
+                buffers[s] if cfg.optim.distributed else 0) for s, models in enumerate(stages)]
+    # Megatron's rank order puts pipeline stages outermost: ranks [s * world/pp, (s+1) * world/pp) are stage s.
+    per_stage = cluster.world // layout.pp
+    nodes = [sum(sum(per_gpu[rank // per_stage]) + reserve
+                 for rank in range(n * cluster.gpus_per_node, (n + 1) * cluster.gpus_per_node))
+             for n in range(cluster.nodes)]
+    params, optim, first = max(per_gpu, key=sum)
+    return HostMemory(params=params, optim=optim, first_offload=first, per_node=max(nodes), limit=limit)
+
+
+@dataclass(frozen=True)
 class Plan:
     recipe: str
     cluster: Cluster
@@ -346,9 +438,10 @@ class Plan:
     layout: Layout
     stage: int  # the pipeline stage whose GPUs hold the most
     models: list[ModelMemory]
-    rollout: Rollout
+    rollout: Rollout | None  # None for SFT and DPO
     phases: dict[str, int]  # bytes per GPU in each phase, reserve included
     limit: int  # usable bytes per GPU
+    host: HostMemory
     assumptions: list[str]
 
     @property
@@ -356,8 +449,24 @@ class Plan:
         return max(self.phases.values())
 
     @property
+    def problems(self) -> list[str]:
+        """Why the plan does not fit, one sentence each; empty when it fits."""
+        out = [f"{name}: {_gib(nbytes)} GiB per GPU, more than the {_gib(self.limit)} GiB usable"
+               for name, nbytes in self.phases.items() if nbytes > self.limit]
+        r = self.rollout
+        if r is not None and r.samples < 1:
+            out.append(f"rollout: the KV cache holds no full-length sample of {self.layout.seq_len} tokens "
+                       f"({_gib(r.kv_bytes)} GiB per GPU): raise rollout.mem_fraction or rollout.tp")
+        h = self.host
+        if h.per_node > h.limit:
+            out.append(f"host: the offloaded trainer state takes {_gib(h.per_node)} GiB per node, more than the "
+                       f"{_gib(h.limit)} GiB usable of --host-mem-gb {self.cluster.host_mem_gib:g}: use more "
+                       "nodes, or more model parallelism (the optimizer state is sharded over the data-parallel ranks)")
+        return out
+
+    @property
     def fits(self) -> bool:
-        return self.peak <= self.limit and self.rollout.samples >= 1
+        return not self.problems
 
 
 def _largest_tensor(shape: ModelShape) -> int:
@@ -367,51 +476,67 @@ def _largest_tensor(shape: ModelShape) -> int:
     return max(shape.vocab_size * h, h * (shape.heads + 2 * shape.kv_heads) * d, mlp, 2 * shape.shared_ffn * h)
 
 
+def trainer_roles(cfg: Config) -> list[tuple[str, bool, bool]]:
+    """(name, trainable, value_head) of every model the recipe's loop builds on each GPU (megarl.loops)."""
+    match cfg.algo.name:
+        case "sft":
+            return [("actor", True, False)]
+        case "dpo":
+            return [("actor", True, False), ("reference", False, False)]
+    roles = [("actor", True, False)]
+    if cfg.algo.kl_coef > 0:
+        roles.append(("reference", False, False))
+    if cfg.algo.name == "ppo":
+        roles.append(("critic", True, True))
+    return roles
+
+
 def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
-         prompt_tokens: int = 1024) -> Plan:
-    """Check the layout (PlanError) and estimate every phase's bytes per GPU on the most-loaded stage.
+         prompt_tokens: int = 1024, seq_tokens: int | None = None) -> Plan:
+    """Check the layout (PlanError) and estimate every phase's bytes per GPU on the most-loaded stage, and
+    the host memory of the fullest node.
 
     PPO's critic is planned with the policy's architecture (its default checkpoint) and a value head."""
-    layout = check_layout_for(cfg, shape, cluster, prompt_tokens=prompt_tokens)
+    seq_len, seq_source = sequence_tokens(cfg, prompt_tokens=prompt_tokens, seq_tokens=seq_tokens)
+    layout = check_layout_for(cfg, shape, cluster, seq_len=seq_len)
     dtype, optim, megatron = cfg.model.dtype, cfg.optim, cfg.model.megatron
-    act_bytes = DTYPE_BYTES[dtype]
-    rollout = rollout_memory(cfg, shape, layout, cluster)
+    dtype_bytes = DTYPE_BYTES[dtype]
+    rollout = None if cfg.algo.name in OFFLINE_ALGOS else rollout_memory(cfg, shape, layout, cluster)
     logits = LOGITS_BYTES + (ENTROPY_BYTES if cfg.algo.entropy_coef > 0 else 0)
     vocab_slice = padded_vocab_size(shape.vocab_size, tp=layout.tp) // layout.tp
     state_args = dict(dtype=dtype, distributed=optim.distributed, dp=layout.dp * layout.cp,
                       expert_dp=layout.expert_dp)
-    roles = [("actor", shape, True, False)]
-    if cfg.algo.kl_coef > 0:
-        roles.append(("reference", shape, False, False))
-    if cfg.algo.name == "ppo":
-        roles.append(("critic", shape, True, True))
+    reserve = int(RESERVE_GIB * GIB)
+    gathered = 2 * _largest_tensor(shape) * dtype_bytes
 
-    best = None
-    for stage in sorted({0, layout.pp - 1}):
-        models = []
-        for name, model_shape, trainable, value_head in roles:
-            counts = stage_params(model_shape, tp=layout.tp, pp=layout.pp, ep=layout.ep, stage=stage,
+    stages, buffers, best = [], [], None
+    for stage in range(layout.pp):
+        models, largest_buffer = [], 0
+        for name, trainable, value_head in trainer_roles(cfg):
+            counts = stage_params(shape, tp=layout.tp, pp=layout.pp, ep=layout.ep, stage=stage,
                                   value_head=value_head)
             params, grads, opt = model_state(counts, trainable=trainable, **state_args)
-            acts = activation_bytes(model_shape, layout, stage=stage, megatron=megatron,
-                                    micro_batch_size=cfg.train.micro_batch_size, act_bytes=act_bytes,
+            acts = activation_bytes(shape, layout, stage=stage, megatron=megatron,
+                                    micro_batch_size=cfg.train.micro_batch_size, act_bytes=dtype_bytes,
                                     head_bytes_per_token=0 if value_head else logits * vocab_slice) \
                 if trainable else 0
             models.append(ModelMemory(name, params, grads, opt, acts))
-        reserve = int(RESERVE_GIB * GIB)
-        resident = rollout.static if rollout.engine == "native" else 0  # the native engine never lets go
+            if trainable:  # a DDP buffer per model for dense and one for expert parameters
+                largest_buffer = max(largest_buffer, counts.dense * dtype_bytes, counts.expert * dtype_bytes)
+        stages.append(models)
+        buffers.append(largest_buffer)
         states = sum(m.state for m in models)
-        train = states + max(m.activations for m in models) + resident + reserve
-        # Engines sit on the first stage's GPUs: the push and the rollout are planned there.
-        if stage == 0:
-            push_weights = rollout.static if rollout.engine == "native" else rollout.weights
-            gathered = 2 * _largest_tensor(shape) * DTYPE_BYTES[dtype]
-            push = sum(m.params for m in models) + push_weights + cfg.rollout.bucket_bytes + gathered + reserve
-            roll = rollout.static + reserve
-        else:
-            push = sum(m.params for m in models) + reserve
-            roll = reserve
-        phases = {"train": train, "push": push, "rollout": roll}
+        trainer_params = sum(m.params for m in models)
+        if rollout is None:  # SFT, DPO: the trainer alone, never offloaded
+            phases = {"train": states + max(m.activations for m in models) + reserve}
+        elif rollout.engine == "native":  # it never lets go: its weights and KV cache stay in every phase
+            phases = {"train": states + max(m.activations for m in models) + rollout.static + reserve,
+                      "push": trainer_params + rollout.static + cfg.rollout.bucket_bytes + gathered + reserve,
+                      "rollout": rollout.static + reserve}
+        else:  # every GPU of every stage belongs to an SGLang engine
+            phases = {"train": states + max(m.activations for m in models) + reserve,
+                      "push": trainer_params + rollout.weights + cfg.rollout.bucket_bytes + gathered + reserve,
+                      "rollout": rollout.static + reserve}
         if best is None or max(phases.values()) > max(best[2].values()):
             best = (stage, models, phases)
     stage, models, phases = best
@@ -421,17 +546,30 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
                  topk=shape.topk, moe_ffn=shape.moe_ffn, shared_ffn=shape.shared_ffn)
     return Plan(recipe=recipe, cluster=cluster, model=model, layout=layout, stage=stage, models=models,
                 rollout=rollout, phases=phases, limit=int(USABLE_FRACTION * cluster.gpu_mem_gib * GIB),
-                assumptions=assumptions(cfg, layout, prompt_tokens=prompt_tokens, experts=shape.is_moe))
+                host=host_memory(cfg, cluster, layout, stages, buffers),
+                assumptions=assumptions(cfg, layout, seq_source=seq_source, experts=shape.is_moe))
 
 
-def assumptions(cfg: Config, layout: Layout, *, prompt_tokens: int, experts: bool) -> list[str]:
+def assumptions(cfg: Config, layout: Layout, *, seq_source: str, experts: bool) -> list[str]:
     megatron = cfg.model.megatron
     recompute = megatron.get("recompute_granularity") or "none"
     if recompute == "full":
         recompute += f" ({megatron.get('recompute_method')}, units of {megatron.get('recompute_num_layers')} layer(s))"
-    return [
-        f"sequences padded to {layout.seq_len} tokens = --prompt-tokens {prompt_tokens} + rollout.max_new_tokens "
-        f"{cfg.rollout.max_new_tokens}",
+    offline = cfg.algo.name in OFFLINE_ALGOS
+    if offline:
+        phases = (f"{cfg.algo.name} has no rollout engine: one phase, train, with every model resident"
+                  + (" (the frozen reference beside the actor)" if cfg.algo.name == "dpo" else ""))
+        host = f"host: nothing offloaded; {HOST_RESERVE_GIB:g} GiB per GPU for the processes"
+    else:
+        phases = ("phases as the RL loop orders them: train (all trainer models resident), push (trainer parameters "
+                  "+ rollout weights + one bucket + 2 copies of the largest tensor), rollout (trainer offloaded); "
+                  "a rollout engine on every GPU")
+        host = ("host, per node: every trainer model's parameters pinned, the trained models' optimizer state, "
+                + ("one parameter buffer's pageable copy on the first offload, " if cfg.optim.distributed else "")
+                + f"{HOST_RESERVE_GIB:g} GiB per GPU for the processes; usable = {HOST_USABLE_FRACTION:.0%} of "
+                "--host-mem-gb")
+    out = [
+        f"sequences padded to {seq_source}",
         f"parameters in model.dtype {cfg.model.dtype}; gradients fp32; Adam moments fp32"
         + ("" if cfg.model.dtype == "float32" else " plus an fp32 master copy")
         + (f", sharded over dp*cp = {layout.dp * layout.cp}" + (f" (experts: {layout.expert_dp})" if experts else "")
@@ -440,11 +578,18 @@ def assumptions(cfg: Config, layout: Layout, *, prompt_tokens: int, experts: boo
         f"sequence_parallel {bool(megatron.get('sequence_parallel'))}; fused attention (no seq^2 term); "
         "balanced expert routing",
         f"logprob head: {LOGITS_BYTES} bytes per token and vocabulary entry of the TP slice"
-        f" (+{ENTROPY_BYTES} with an entropy bonus)",
-        "phases as the RL loop orders them: train (all trainer models resident), push (trainer parameters + "
-        "rollout weights + one bucket + 2 copies of the largest tensor), rollout (trainer offloaded)",
+        + ("" if offline else f" (+{ENTROPY_BYTES} with an entropy bonus)"),
+        phases,
+    ]
+    if not offline and cfg.rollout.engine == "sglang":
+        out.append(f"SGLang's pool: rollout.mem_fraction {cfg.rollout.mem_fraction:g} of the memory free when the "
+                   f"engine starts (the GPU less {ENGINE_START_USED_GIB:g} GiB of contexts), before the trainer's "
+                   "models; the KV cache is what its weights leave")
+    return out + [
+        host,
         f"reserve {RESERVE_GIB:g} GiB per GPU for CUDA contexts and NCCL; usable = {USABLE_FRACTION:.0%} of the GPU",
-        "not counted: DDP bucket padding, expert load imbalance, SGLang CUDA graphs beyond the reserve",
+        "not counted: DDP bucket padding, expert load imbalance, SGLang CUDA graphs beyond the reserve, "
+        "reward models (algo reward terms of kind reward_model)",
     ]
 
 
@@ -456,18 +601,23 @@ def _gib(nbytes: float) -> str:
 
 
 def render_table(p: Plan) -> str:
-    c, lay, r, m = p.cluster, p.layout, p.rollout, p.model
+    c, lay, r, m, h = p.cluster, p.layout, p.rollout, p.model, p.host
     experts = (f", {m['experts']} experts top-{m['topk']} (width {m['moe_ffn']})" if m["experts"] else "")
+    if r is None:
+        rollout = "rollout: none (trained on a fixed data set)"
+    else:
+        rollout = (f"rollout: {r.engines} {r.engine} engine(s) x {r.gpus} GPU(s); weights {_gib(r.weights)} GiB/GPU, "
+                   f"KV cache {_gib(r.kv_bytes)} GiB = {r.kv_tokens} tokens = {r.samples} full-length samples")
     lines = [
-        f"megarl plan: {p.recipe} on {c.nodes} node(s) x {c.gpus_per_node} GPUs, {c.gpu_mem_gib:g} GiB each",
+        f"megarl plan: {p.recipe} on {c.nodes} node(s) x {c.gpus_per_node} GPUs, {c.gpu_mem_gib:g} GiB each, "
+        f"{c.host_mem_gib:g} GiB host memory per node",
         f"model: {m['arch']}, {m['params'] / 1e9:.2f}B parameters, {m['layers']} layers, hidden {m['hidden']}, "
         f"{m['heads']} heads / {m['kv_heads']} query groups{experts}",
         f"layout: world {c.world} = tp {lay.tp} x pp {lay.pp} x cp {lay.cp} x dp {lay.dp}"
         + (f"; experts: tp {lay.tp} x ep {lay.ep} x pp {lay.pp} x expert-dp {lay.expert_dp}" if m["experts"] else "")
         + (f"; {lay.vpp} virtual stages" if lay.vpp > 1 else ""),
         f"batch: {lay.micro_batches} micro-batches per data-parallel rank, {lay.seq_len} tokens per sequence",
-        f"rollout: {r.engines} {r.engine} engine(s) x {r.gpus} GPU(s); weights {_gib(r.weights)} GiB/GPU, "
-        f"KV cache {_gib(r.kv_bytes)} GiB = {r.kv_tokens} tokens = {r.samples} full-length samples",
+        rollout,
         "",
         f"GiB per GPU (pipeline stage {p.stage})  params   grads   optim   activations",
     ]
@@ -479,10 +629,13 @@ def render_table(p: Plan) -> str:
     lines.append(f"phase      GiB per GPU   (usable {_gib(p.limit)})")
     for name, nbytes in p.phases.items():
         lines.append(f"  {name:<9}{_gib(nbytes):>12}   {'ok' if nbytes <= p.limit else 'DOES NOT FIT'}")
-    if r.samples < 1:
-        lines.append(f"  the KV cache holds no full-length sample of {lay.seq_len} tokens: raise rollout.mem_fraction "
-                     "or rollout.tp")
-    lines.append(f"fits: {'yes' if p.fits else 'no'} (peak {_gib(p.peak)} of {_gib(p.limit)} GiB usable)")
+    lines.append(f"host memory per node: {_gib(h.per_node)} GiB (usable {_gib(h.limit)})   "
+                 f"{'ok' if h.per_node <= h.limit else 'DOES NOT FIT'}")
+    if r is not None:
+        lines.append(f"  per GPU: parameters {_gib(h.params)} pinned, optimizer {_gib(h.optim)}, first offload "
+                     f"{_gib(h.first_offload)}, processes {HOST_RESERVE_GIB:g}")
+    lines.append(f"fits: {'yes' if p.fits else 'no'} (peak {_gib(p.peak)} of {_gib(p.limit)} GiB usable per GPU)")
+    lines += [f"  - {problem}" for problem in p.problems]
     lines.append("assumptions:")
     lines += [f"  - {a}" for a in p.assumptions]
     return "\n".join(lines)
@@ -490,9 +643,12 @@ def render_table(p: Plan) -> str:
 
 def to_json(p: Plan) -> str:
     out = {
-        "recipe": p.recipe, "fits": p.fits, "peak_gib": p.peak / GIB, "usable_gib": p.limit / GIB,
-        "cluster": asdict(p.cluster), "model": p.model, "layout": asdict(p.layout), "stage": p.stage,
-        "models": [{**asdict(m), "state": m.state} for m in p.models], "rollout": asdict(p.rollout),
-        "phases_gib": {k: v / GIB for k, v in p.phases.items()}, "assumptions": p.assumptions,
+        "recipe": p.recipe, "fits": p.fits, "problems": p.problems, "peak_gib": p.peak / GIB,
+        "usable_gib": p.limit / GIB, "cluster": asdict(p.cluster), "model": p.model, "layout": asdict(p.layout),
+        "stage": p.stage, "models": [{**asdict(m), "state": m.state} for m in p.models],
+        "rollout": asdict(p.rollout) if p.rollout is not None else None,
+        "phases_gib": {k: v / GIB for k, v in p.phases.items()},
+        "host": {**asdict(p.host), "per_node_gib": p.host.per_node / GIB, "usable_gib": p.host.limit / GIB},
+        "assumptions": p.assumptions,
     }
     return json.dumps(out, indent=2)

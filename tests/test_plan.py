@@ -1,7 +1,9 @@
-"""`megarl plan`: every shipped GPU recipe fits the cluster its header names, with the exact command the header
-gives; broken layouts exit 2 naming which number does not divide which; a plan that does not fit exits 1;
-and the estimate of parameters, gradients and optimizer state equals what a real TrainEngine allocates for
-the tiny models (differences below are each explained and bounded).
+"""`megarl plan`: every shipped GPU recipe (and the 7B SFT and DPO recipes) fits the cluster its header names,
+with the exact command the header gives, GPU and host memory both; broken layouts exit 2 naming which number
+does not divide which; a plan that does not fit exits 1 with the reason; SFT and DPO are planned with the
+models their loops build and no rollout engine, multi-turn recipes with env.max_tokens; SGLang's KV cache is
+sized as SGLang sizes it; and the estimate of parameters, gradients and optimizer state equals what a real
+TrainEngine allocates for the tiny models (differences below are each explained and bounded).
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from conftest import REPO, run_python
 pytestmark = pytest.mark.timeout(120)
 
 GPU_RECIPES = sorted((REPO / "recipes" / "gpu").glob("*.yaml"))
+# recipes outside recipes/gpu/ whose header names a cluster and its `megarl plan` command
+CHECKED_RECIPES = sorted(p for p in (REPO / "recipes").glob("*.yaml") if "Check:" in p.read_text())
+OFFLINE_RECIPES = [REPO / "recipes" / "sft_7b.yaml", REPO / "recipes" / "dpo_7b.yaml"]
 CONFIGS = REPO / "recipes" / "gpu" / "configs"
 
 
@@ -63,11 +68,26 @@ def test_shipped_recipe_fits_the_cluster_its_header_names(recipe, capsys, monkey
     assert "fits: yes" in out and "DOES NOT FIT" not in out
     code, out, err = megarl([*args, "--json"], capsys)
     result = json.loads(out)
-    assert code == 0 and result["fits"] and result["peak_gib"] <= result["usable_gib"]
+    assert code == 0 and result["fits"] and result["problems"] == []
+    assert result["peak_gib"] <= result["usable_gib"]
     assert result["rollout"]["samples"] >= 1
+    assert 0 < result["host"]["per_node"] <= result["host"]["limit"]
+    # every GPU generates: engines x GPUs per engine = the world
+    assert result["rollout"]["engines"] * result["rollout"]["gpus"] == result["cluster"]["nodes"] * 8
     # The cluster in the header comment is the one the command plans.
     nodes, gpus = int(args[args.index("--nodes") + 1]), int(args[args.index("--gpus-per-node") + 1])
     assert re.search(rf"\b{nodes} nodes? x {gpus} H", recipe.read_text().splitlines()[0])
+
+
+@pytest.mark.parametrize("recipe", CHECKED_RECIPES, ids=lambda p: p.stem)
+def test_7b_recipe_fits_the_node_its_header_names(recipe, capsys, monkeypatch):
+    assert {p.stem for p in CHECKED_RECIPES} == {"sft_7b", "dpo_7b", "agent_python_7b"}
+    monkeypatch.chdir(REPO)
+    code, out, err = megarl([*header_command(recipe), "--json"], capsys)
+    result = json.loads(out)
+    assert code == 0 and result["fits"] and result["problems"] == [], out + err
+    header = re.sub(r"\s*#\s*", " ", recipe.read_text().split("Check:", 1)[0])
+    assert re.search(r"one node of 8 H(100|200)", header)  # the cluster the command plans
 
 
 def test_shipped_recipes_stop_on_placeholder_paths_but_load_for_planning():
@@ -161,7 +181,7 @@ def test_missing_model_config_exits_2_and_says_how_to_plan(capsys):
 # ---- does not fit: exit 1 -----------------------------------------------------------------------------------
 def test_too_little_memory_exits_1_and_names_the_phase(capsys):
     # 235B on 80 GiB GPUs: a 4-GPU rollout engine's bf16 weights (110 GiB per GPU) leave no KV cache.
-    code, out, _ = megarl(plan_args(*MOE235, gpu_mem_gb=80), capsys)
+    code, out, _ = megarl(plan_args(*MOE235, "rollout.tp=4", gpu_mem_gb=80), capsys)
     assert code == 1
     assert "the KV cache holds no full-length sample" in out
     assert "fits: no" in out
@@ -273,3 +293,159 @@ def test_every_gpu_belongs_to_a_rollout_engine(target, overrides, engines, capsy
     assert code in (0, 1), out + err
     rollout = json.loads(out)["rollout"]
     assert rollout["engines"] == engines and rollout["engines"] * rollout["gpus"] == nodes * 8
+
+
+# ---- SGLang's KV cache, as SGLang sizes it ----------------------------------------------------------------------
+@pytest.mark.parametrize("gpu_mem_gb,fraction", [(80, 0.7), (80, 0.5), (140, 0.88)])
+def test_sglang_pool_is_mem_fraction_of_the_memory_free_when_the_engine_starts(gpu_mem_gb, fraction, capsys):
+    """SGLang's KV budget is free-after-weights - free-before * (1 - f) = f * free-before - weights, with
+    free-before the GPU less the contexts: the engines start before the trainer builds its models."""
+    from megarl.plan import ENGINE_START_USED_GIB, GIB
+
+    code, out, err = megarl(plan_args(*SEVEN_B, f"rollout.mem_fraction={fraction}", "--json",
+                                      gpu_mem_gb=gpu_mem_gb), capsys)
+    assert code in (0, 1), out + err
+    r = json.loads(out)["rollout"]
+    free_at_start = (gpu_mem_gb - ENGINE_START_USED_GIB) * GIB
+    assert r["kv_bytes"] + r["weights"] == r["static"] == int(fraction * free_at_start)
+    assert r["static"] < fraction * gpu_mem_gb * GIB
+    assert r["weights"] == 7_615_616_512 * 2 // 2  # bf16 Qwen2.5-7B over rollout.tp = 2 GPUs
+
+
+def test_every_pipeline_stage_plans_a_rollout_engine_and_its_weight_push(capsys):
+    """The last pipeline stage's GPUs hold engines too. One micro-batch per step keeps a single micro-batch in
+    flight on the first stage, so the last stage (output layer, logprob head) is the fullest one the plan
+    reports: its push and rollout phases hold the engine's weights and pool."""
+    from megarl.plan import GIB, RESERVE_GIB
+
+    overrides = ["data.prompts_per_step=4", "train.micro_batch_size=8", "rollout.mem_fraction=0.6", "--json"]
+    code, out, _ = megarl(plan_args(*LLAMA, *overrides), capsys)
+    result = json.loads(out)
+    assert code == 0 and (result["layout"]["pp"], result["stage"], result["layout"]["micro_batches"]) == (2, 1, 1)
+    rollout, phases = result["rollout"], result["phases_gib"]
+    assert phases["rollout"] * GIB == rollout["static"] + RESERVE_GIB * GIB
+    params = sum(m["params"] for m in result["models"])
+    assert phases["push"] * GIB > params + rollout["weights"] + RESERVE_GIB * GIB
+
+
+# ---- SFT and DPO: no rollout engine; DPO's frozen reference ----------------------------------------------------
+@pytest.mark.parametrize("recipe", OFFLINE_RECIPES, ids=lambda p: p.stem)
+def test_sft_and_dpo_are_planned_without_a_rollout_engine(recipe, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    args = header_command(recipe)
+    code, out, err = megarl(args, capsys)
+    assert code == 0, out + err
+    assert "rollout: none" in out and "fits: yes" in out and "push" not in out.split("assumptions:")[0]
+    code, out, _ = megarl([*args, "--json"], capsys)
+    result = json.loads(out)
+    assert result["rollout"] is None and result["layout"]["rollout_engines"] == []
+    assert list(result["phases_gib"]) == ["train"]
+    assert result["host"]["params"] == result["host"]["optim"] == 0  # nothing is offloaded
+    models = {m["name"]: m for m in result["models"]}
+    if recipe.stem == "sft_7b":
+        assert list(models) == ["actor"]
+        assert result["layout"]["micro_batches"] == 128 // 4 // 2  # rows / dp / micro_batch_size
+    else:
+        assert list(models) == ["actor", "reference"]
+        ref, actor = models["reference"], models["actor"]
+        assert ref["params"] == actor["params"] and ref["grads"] == ref["optim"] == ref["activations"] == 0
+        assert result["layout"]["micro_batches"] == 64 // 2 * 2 // 2  # pairs / dp * 2 sequences / micro
+    assert result["layout"]["seq_len"] == 4096
+
+
+def test_dpo_plans_its_reference_even_without_a_kl_coefficient(capsys):
+    """algo.kl_coef builds an RL reference; DPO's reference is always built (megarl.loops.dpo.build_run)."""
+    args = ["plan", str(OFFLINE_RECIPES[1]), "algo.kl_coef=0", "--nodes", "1", "--gpus-per-node", "8",
+            "--model-config", str(CONFIGS / "qwen2.5-7b" / "config.json"), "--json"]
+    code, out, _ = megarl(args, capsys)
+    assert code == 0 and [m["name"] for m in json.loads(out)["models"]] == ["actor", "reference"]
+
+
+def test_seq_tokens_sets_the_offline_sequence_and_is_refused_for_rl(capsys):
+    base = ["plan", str(OFFLINE_RECIPES[0]), "--nodes", "1", "--gpus-per-node", "8",
+            "--model-config", str(CONFIGS / "qwen2.5-7b" / "config.json"), "--json"]
+    acts = {}
+    for tokens in (2048, 8192):
+        code, out, _ = megarl([*base, "--seq-tokens", str(tokens)], capsys)
+        result = json.loads(out)
+        assert code == 0 and result["layout"]["seq_len"] == tokens
+        acts[tokens] = result["models"][0]["activations"]
+    assert acts[8192] == pytest.approx(4 * acts[2048], rel=1e-6)  # linear in tokens (no seq^2 term)
+    code, _, err = megarl(plan_args(*SEVEN_B, "--seq-tokens", "2048"), capsys)
+    assert code == 2 and "--seq-tokens is for SFT and DPO recipes" in err
+    code, _, err = megarl(plan_args(*SEVEN_B, "algo.name=sft"), capsys)  # the same recipe, planned as SFT
+    assert code == 0, err
+    code, _, err = megarl([*base, "--seq-tokens", "0"], capsys)
+    assert code == 2 and "--seq-tokens 0 must be >= 1" in err
+
+
+# ---- multi-turn: the sequence is the prompt and env.max_tokens -------------------------------------------------
+def agent_args(*extra: str) -> list[str]:
+    return ["plan", str(REPO / "recipes" / "agent_python_7b.yaml"), *extra, "--nodes", "1", "--gpus-per-node", "8",
+            "--model-config", str(CONFIGS / "qwen2.5-7b" / "config.json")]
+
+
+def test_multi_turn_sequences_are_the_prompt_and_env_max_tokens(capsys):
+    code, out, err = megarl(agent_args("--json"), capsys)
+    result = json.loads(out)
+    assert code == 0, err
+    assert result["layout"]["seq_len"] == 1024 + 6144  # env.max_tokens, not rollout.max_new_tokens 2048
+    assert any("env.max_tokens 6144" in a for a in result["assumptions"])
+    code, out, _ = megarl(agent_args("env.max_tokens=3000", "--prompt-tokens", "500", "--json"), capsys)
+    assert code == 0 and json.loads(out)["layout"]["seq_len"] == 3500
+    code, out, _ = megarl(agent_args("env.name=single_turn", "env.sandbox=null", "--json"), capsys)
+    assert code == 0 and json.loads(out)["layout"]["seq_len"] == 1024 + 2048  # one turn: max_new_tokens
+
+
+def test_multi_turn_without_env_max_tokens_exits_2(capsys):
+    code, out, err = megarl(agent_args("env.max_tokens=null"), capsys)
+    assert code == 2 and out == ""
+    assert "env.max_tokens is null" in err and "env.name python" in err
+
+
+# ---- host memory of the offloaded trainer state ------------------------------------------------------------
+def test_host_memory_counts_what_the_offload_moves(capsys):
+    """Per GPU: every trainer model's parameters (the frozen reference's too), the trained models' optimizer
+    state (not their gradients: the buffers are freed), one parameter buffer's first-offload copy; per node:
+    the GPUs of the node and the process reserve."""
+    from megarl.plan import GIB, HOST_RESERVE_GIB
+
+    code, out, _ = megarl(plan_args("llama-3.3-70b-ppo", "llama-3.3-70b", 8, "--json"), capsys)
+    result = json.loads(out)
+    host, models = result["host"], {m["name"]: m for m in result["models"]}
+    assert code == 0 and set(models) == {"actor", "reference", "critic"}
+    assert host["params"] == sum(m["params"] for m in models.values())
+    assert host["optim"] == models["actor"]["optim"] + models["critic"]["optim"]
+    assert 0 < host["first_offload"] <= models["actor"]["params"]
+    # pp = 4 on 8 nodes: each node holds 8 GPUs of one stage; the fullest is the stage the plan reports
+    assert host["per_node"] == 8 * (host["params"] + host["optim"] + host["first_offload"] + HOST_RESERVE_GIB * GIB)
+
+
+def test_host_memory_sums_the_stages_a_node_holds(capsys):
+    """pp = 2 on 2 nodes x 4 GPUs: node 0 holds stage 0, node 1 stage 1 (Megatron's outermost rank axis); on one
+    node x 8 GPUs the node holds 4 GPUs of each stage."""
+    from megarl.plan import GIB, HOST_RESERVE_GIB
+
+    args = ["plan", str(REPO / "recipes" / "gpu" / "qwen2.5-7b-grpo-gsm8k.yaml"), "parallel.pp=2", "rollout.tp=2",
+            "--model-config", str(CONFIGS / "qwen2.5-7b" / "config.json"), "--json"]
+    code, out, _ = megarl([*args, "--nodes", "1", "--gpus-per-node", "8"], capsys)
+    one_node = json.loads(out)["host"]["per_node"]
+    code, out, _ = megarl([*args, "--nodes", "2", "--gpus-per-node", "4"], capsys)
+    host = json.loads(out)["host"]
+    assert code == 0
+    assert host["per_node"] == 4 * (host["params"] + host["optim"] + host["first_offload"] + HOST_RESERVE_GIB * GIB)
+    # one node holds both stages, which differ (embedding vs output layer): less than twice the fuller one
+    assert host["per_node"] < one_node < 2 * host["per_node"]
+
+
+def test_too_little_host_memory_exits_1_and_says_so(capsys):
+    code, out, _ = megarl(plan_args(*LLAMA, "--host-mem-gb", "256"), capsys)
+    assert code == 1
+    assert re.search(r"host memory per node: [\d.]+ GiB \(usable 230.4\)\s+DOES NOT FIT", out)
+    assert "fits: no" in out and "host: the offloaded trainer state takes" in out
+    code, out, _ = megarl(plan_args(*LLAMA, "--host-mem-gb", "256", "--json"), capsys)
+    result = json.loads(out)
+    assert not result["fits"] and len(result["problems"]) == 1 and result["problems"][0].startswith("host:")
+    assert result["host"]["per_node_gib"] > result["host"]["usable_gib"] == pytest.approx(0.9 * 256)
+    # the GPU phases are unchanged: only the host does not fit
+    assert result["peak_gib"] <= result["usable_gib"]
