@@ -4,6 +4,8 @@
     megarl plan RECIPE.yaml [key.path=value ...] --nodes N --gpus-per-node G [--gpu-mem-gb 80]
         [--host-mem-gb 2048] [--prompt-tokens 1024 | --seq-tokens 4096] [--json]
 
+Overrides may come before, between or after the flags.
+
 Run `train` directly for one process, or under torchrun (`torchrun --nproc_per_node=N -m megarl train ...`)
 for one process per device. A recipe or data error stops before any work with exit code 2 and a
 message that names the file and the key or line. `plan` checks a recipe's layout for a cluster and estimates
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"SFT and DPO: the longest tokenized row (default {DEFAULT_SEQ_TOKENS})")
     plan_p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     plan_p.add_argument("--log-level", default="WARNING", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _quiet_expected_warnings()
@@ -93,6 +95,17 @@ def main(argv: list[str] | None = None) -> None:
 
             if dist.get_rank() == 0:
                 print(f"megarl: done; final checkpoint in {final}")
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse, taking key=value overrides wherever they stand: argparse ends a positional list at the first
+    flag, so overrides after a flag come back unparsed and are appended here, in order."""
+    args, rest = parser.parse_known_args(argv)
+    stray = [word for word in rest if word.startswith("-") or "=" not in word]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    args.overrides = [*args.overrides, *rest]
+    return args
 
 
 def run_plan(args: argparse.Namespace) -> int:

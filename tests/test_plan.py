@@ -2,8 +2,9 @@
 with the exact command the header gives, GPU and host memory both; broken layouts exit 2 naming which number
 does not divide which; a plan that does not fit exits 1 with the reason; SFT and DPO are planned with the
 models their loops build and no rollout engine, multi-turn recipes with env.max_tokens; SGLang's KV cache is
-sized as SGLang sizes it; and the estimate of parameters, gradients and optimizer state equals what a real
-TrainEngine allocates for the tiny models (differences below are each explained and bounded).
+sized as SGLang sizes it; overrides are taken before or after the flags; and the estimate of parameters,
+gradients and optimizer state equals what a real TrainEngine allocates for the tiny models (differences
+below are each explained and bounded).
 """
 
 from __future__ import annotations
@@ -449,3 +450,34 @@ def test_too_little_host_memory_exits_1_and_says_so(capsys):
     assert result["host"]["per_node_gib"] > result["host"]["usable_gib"] == pytest.approx(0.9 * 256)
     # the GPU phases are unchanged: only the host does not fit
     assert result["peak_gib"] <= result["usable_gib"]
+
+
+# ---- overrides before, between and after the flags -------------------------------------------------------------
+def test_overrides_are_taken_before_between_and_after_the_flags(capsys):
+    recipe = str(REPO / "recipes" / "gpu" / "qwen2.5-7b-grpo-gsm8k.yaml")
+    config = str(CONFIGS / "qwen2.5-7b" / "config.json")
+    orders = [
+        ["plan", recipe, "parallel.tp=4", "rollout.tp=4", "--nodes", "1", "--gpus-per-node", "8",
+         "--model-config", config, "--json"],
+        ["plan", recipe, "--nodes", "1", "--gpus-per-node", "8", "--model-config", config, "--json",
+         "parallel.tp=4", "rollout.tp=4"],
+        ["plan", recipe, "parallel.tp=4", "--nodes", "1", "--gpus-per-node", "8", "rollout.tp=4",
+         "--model-config", config, "--json"],
+        ["plan", "--nodes", "1", recipe, "--gpus-per-node", "8", "--model-config", config, "parallel.tp=4",
+         "--json", "rollout.tp=4"],
+    ]
+    for args in orders:
+        code, out, err = megarl(args, capsys)
+        result = json.loads(out)
+        assert code == 0, err
+        assert (result["layout"]["tp"], result["rollout"]["gpus"]) == (4, 4), args
+    # the later of two overrides of one key wins, wherever they stand
+    code, out, _ = megarl([*orders[0], "rollout.tp=2"], capsys)
+    assert json.loads(out)["rollout"]["gpus"] == 2
+
+
+def test_an_unknown_flag_or_word_among_the_overrides_is_an_error(capsys):
+    for stray in (["--nodez", "3"], ["stray"]):
+        code, out, err = megarl([*plan_args(*SEVEN_B), *stray], capsys)
+        assert code == 2 and out == ""
+        assert f"unrecognized arguments: {' '.join(stray)}" in err
