@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def check_finite(metrics: dict[str, float], *, step: int, what: str, keep: Callable[[], str] | None = None) -> None:
@@ -50,7 +53,8 @@ class MetricsWriter:
     def __init__(self, run_dir: str | Path, *, total_steps: int, enabled: bool, progress: bool,
                  tensorboard: bool, desc: str = "rl", resume_step: int = 0):
         """A fresh run (`resume_step` 0) starts metrics.jsonl over; a resumed one keeps the records of the
-        steps up to `resume_step` and drops the ones a crash left after it, which are recomputed."""
+        steps up to `resume_step` and drops the ones a crash left after it, which are recomputed, and a
+        partial record (a run killed while writing it), with a warning."""
         self.enabled = enabled
         self._bar = None
         self._tb = None
@@ -62,8 +66,7 @@ class MetricsWriter:
         path = run_dir / "metrics.jsonl"
         kept = []
         if resume_step and path.exists():
-            kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resume_step]
+            kept = [line for line in _complete_records(path) if json.loads(line)["step"] <= resume_step]
         path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         self._file = path.open("a", encoding="utf-8")
         if progress:
@@ -101,6 +104,22 @@ class MetricsWriter:
             self._tb.close()
         if self._file is not None:
             self._file.close()
+
+
+def _complete_records(path: Path) -> list[str]:
+    """The lines of metrics file `path` that hold a whole JSON record; others are dropped with a warning."""
+    kept = []
+    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            json.loads(line)
+        except json.JSONDecodeError:
+            log.warning("%s:%d: dropping a partial record (the run stopped while writing it): %.80s", path,
+                        line_no, line)
+            continue
+        kept.append(line)
+    return kept
 
 
 def _plain(value):

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import run_python
+from conftest import run_python, subprocess_env
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -151,6 +154,49 @@ def test_missing_model_dir_exits_2_naming_file_and_key(tmp_path, arithmetic_dir)
     for text in (str(recipe), "model.path", str(missing)):
         assert text in result.stderr, (text, result.stderr)
     assert "Traceback" not in result.stderr
+
+
+def test_model_dir_without_config_json_exits_2_naming_model_path(tmp_path, qwen2_dir, arithmetic_dir):
+    model = tmp_path / "model"
+    shutil.copytree(qwen2_dir, model)
+    (model / "config.json").unlink()
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=model, data_dir=arithmetic_dir, run_dir=tmp_path / "run")
+    result = megarl_train(recipe, cwd=tmp_path, timeout_s=60)
+    assert result.returncode == 2, result.stderr[-4000:]
+    assert f"model.path: {model} is not an HF checkpoint directory: it has no config.json" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_run_dir_that_cannot_be_written_exits_2_before_any_work(tmp_path, qwen2_dir, arithmetic_dir):
+    # a path under a regular file cannot be created, whoever runs the test (root ignores permissions)
+    (tmp_path / "a_file").write_text("")
+    run_dir = tmp_path / "a_file" / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=qwen2_dir, data_dir=arithmetic_dir, run_dir=run_dir)
+    result = megarl_train(recipe, "--log-level=INFO", cwd=tmp_path, timeout_s=60)
+    assert result.returncode == 2, result.stderr[-4000:]
+    assert f"run_dir: cannot write to {run_dir}: Not a directory" in result.stderr
+    assert "supervised warm start" not in result.stderr and "Traceback" not in result.stderr  # before the warm start
+
+
+def test_a_full_disk_during_a_checkpoint_says_so_and_where(tmp_path, qwen2_dir, arithmetic_dir):
+    """run_dir on an 800 KiB tmpfs (mounted in a user and mount namespace of its own): the first checkpoint
+    (~1.5 MB) cannot fit."""
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no user namespaces here to mount a small tmpfs in")
+    small = tmp_path / "small"
+    small.mkdir()
+    run_dir = small / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=qwen2_dir, data_dir=arithmetic_dir, run_dir=run_dir,
+                          extra="checkpoint:\n  every_steps: 1\n")
+    script = (f"mount -t tmpfs -o size=800k tmpfs {small} && exec {sys.executable} -m megarl train {recipe} "
+              "warmup.sft_steps=0 data.eval_path=null train.steps=2")
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=tmp_path, env=subprocess_env(),
+                            capture_output=True, text=True, timeout=TRAIN_TIMEOUT_S)
+    assert result.returncode == 2, result.stderr[-4000:]
+    tmp_dir = run_dir / "checkpoints" / f".tmp-step{1:08d}"
+    assert f"megarl: checkpoint error: the disk is full: writing {tmp_dir} failed with" in result.stderr, \
+        result.stderr[-4000:]
+    assert "of 0.8 MiB on that filesystem" in result.stderr
 
 
 def test_malformed_data_row_exits_2_naming_file_and_line(tmp_path, qwen2_dir, arithmetic_dir):

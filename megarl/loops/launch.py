@@ -4,6 +4,8 @@ built, then Megatron's parallel state starts. Shared by the RL, SFT and DPO loop
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -16,6 +18,7 @@ from megarl.models.arch import check_layout, read_shape
 def init_groups(cfg: Config) -> ParallelGroups:
     """Check the model and the parallel layout against this launch, then start the parallel state.
     A mismatch is a RecipeError naming the keys, raised before any model is built."""
+    check_run_dir(cfg.run_dir)
     try:
         shape = read_shape(cfg.model.path)
     except ValueError as e:
@@ -33,3 +36,14 @@ def init_groups(cfg: Config) -> ParallelGroups:
         return init_parallel(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, seed=cfg.seed)
     except ValueError as e:
         raise RecipeError(f"parallel: {e}") from None
+
+
+def check_run_dir(run_dir: str) -> None:
+    """Create `run_dir` and write a file in it now, so that a directory the run cannot write is a RecipeError
+    naming `run_dir` before any work, not a traceback at the first checkpoint."""
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
+    except OSError as e:
+        raise RecipeError(f"run_dir: cannot write to {run_dir}: {e.strerror or e}") from None
