@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """`megarl train`: 0 when the run finished, 2 for a recipe, data or checkpoint error, 143 (SIGTERM,
+    """`megarl train`: 0 when the run finished, 2 for a recipe, data or checkpoint error, 1 when every reward
+    failed for reward.max_failed_steps steps (or any other error, with its traceback), 143 (SIGTERM,
     SIGUSR1) or 130 (SIGINT) when a signal stopped it (megarl.loops.stop)."""
     import shlex
 
@@ -79,6 +80,7 @@ def run_train(args: argparse.Namespace) -> int:
         return 2
     from megarl.checkpoint import CheckpointError, latest_checkpoint
     from megarl.data.prompts import DataError
+    from megarl.rewards.scorer import RewardFailure
 
     match cfg.algo.name:
         case "sft":
@@ -106,6 +108,9 @@ def run_train(args: argparse.Namespace) -> int:
     except CheckpointError as e:
         print(f"megarl: checkpoint error: {e}", file=sys.stderr)
         return 2
+    except RewardFailure as e:
+        say(f"megarl: reward error: {e}")
+        return 1
     except Stopped as e:
         saved = f"checkpoint {e.checkpoint}" if e.checkpoint is not None else "no step ran, nothing saved"
         say(f"megarl: stopped by {e.signal_name} after step {e.step} ({saved}); to resume, run the same "

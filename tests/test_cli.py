@@ -199,6 +199,25 @@ def test_a_full_disk_during_a_checkpoint_says_so_and_where(tmp_path, qwen2_dir, 
     assert "of 0.8 MiB on that filesystem" in result.stderr
 
 
+def test_a_run_whose_every_reward_fails_stops_naming_the_term_and_its_error(tmp_path, qwen2_dir, arithmetic_dir):
+    """A reward that returns the string "1.0" fails every sample; with reward.max_failed_steps=2 the run
+    stops in step 2, before its metrics, with exit code 1."""
+    run_dir = tmp_path / "run"
+    extra = "reward:\n  max_failed_steps: 2\n  terms:\n    - {kind: custom, function: 'reward_fns:returns_text'}\n"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=qwen2_dir, data_dir=arithmetic_dir, run_dir=run_dir,
+                          extra=extra)
+    result = run_python(["-m", "megarl", "train", str(recipe), "warmup.sft_steps=0", "train.steps=4"],
+                        cwd=Path(__file__).parent, timeout_s=TRAIN_TIMEOUT_S)  # reward_fns imports from tests/
+    assert result.returncode == 1, result.stderr[-4000:]
+    assert ("megarl: reward error: every reward failed in 2 consecutive steps (up to step 2; "
+            "reward.max_failed_steps=2)") in result.stderr, result.stderr[-4000:]
+    assert "reward.terms[0] (reward_fns:returns_text): returned '1.0' (str), not a number" in result.stderr
+    assert "Traceback" not in result.stderr
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1] and records[0]["reward/failed_frac"] == 1.0
+    assert records[0]["reward/mean"] == 0.0
+
+
 def test_malformed_data_row_exits_2_naming_file_and_line(tmp_path, qwen2_dir, arithmetic_dir):
     train = tmp_path / "train.jsonl"
     train.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": \n'

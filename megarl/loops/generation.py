@@ -58,7 +58,8 @@ def rollout(run: RLRun, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, floa
         hidden += round_hidden
         if not cfg.algo.uses_dynamic_sampling:
             failures, hidden, n = run.global_sums([float(failures), float(hidden), float(len(batch))])
-            return batch, {"reward/failures": failures, "timing/reward_hidden_frac": hidden / n}
+            return batch, {"reward/failures": failures, "reward/failed_frac": failures / n,
+                           "timing/reward_hidden_frac": hidden / n}
         # group ids restart at 0 in every round; shift them so groups stay distinct across rounds
         batch = dataclasses.replace(batch, group_ids=batch.group_ids + n_seen)
         n_seen += run.prompts_per_rank
@@ -79,6 +80,7 @@ def rollout(run: RLRun, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, floa
         [float(failures), float(rounds), float(n_kept), float(n_seen), float(filled), reward_sum, float(hidden)])
     return full.select(torch.arange(want)), {
         "reward/failures": failures,
+        "reward/failed_frac": failures / (n_seen * cfg.rollout.n_samples),
         "timing/reward_hidden_frac": hidden / (n_seen * cfg.rollout.n_samples),
         "sampling/rounds": rounds / run.groups.dp_size,
         "sampling/kept_group_frac": n_kept / n_seen,
