@@ -446,7 +446,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LogConfig:
-    progress: bool = True  # console progress bar
+    progress: bool = True  # console progress: a bar on a terminal, else one summary line per logged step
     tensorboard: bool = False  # also write TensorBoard events to run_dir
     every_steps: int = 1  # print and record metrics every this many steps
 

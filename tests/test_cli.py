@@ -87,6 +87,34 @@ def test_final_checkpoint_loads_in_transformers_and_recipe_is_saved(trained_run)
     assert (trained_run / "recipe.yaml").is_file()
 
 
+def test_console_without_a_terminal_logs_one_line_per_logged_step(tmp_path, qwen2_dir, arithmetic_dir):
+    """stderr is a pipe here: no progress bar (carriage returns), a summary line per logged step with phase
+    times, the warm start's early end said as such, and no final checkpoint claimed when none is written."""
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "tiny.yaml", model_dir=qwen2_dir, data_dir=arithmetic_dir, run_dir=run_dir)
+    result = megarl_train(recipe, "log.progress=true", "train.steps=4", "log.every_steps=2",
+                          "warmup.stop_answer_prob=1e-30", "checkpoint.save_final=false", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "\r" not in result.stderr
+    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("rl step ")]
+    assert [ln.split(" | ")[0] for ln in lines] == ["rl step 2/4", "rl step 4/4"], result.stderr[-4000:]
+    for line in lines:
+        assert "reward " in line and "loss " in line and " tok/s" in line and "generate " in line, line
+    assert "megarl: sft warm start: stopped early after 1 of 2 steps: answer probability" in result.stderr
+    assert "final checkpoint in" not in result.stdout and "no final checkpoint" in result.stdout
+    assert not (run_dir / "checkpoints" / "final").exists()
+
+
+def test_train_without_a_recipe_prints_its_usage(capsys):
+    from megarl.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: megarl train") and "recipe YAML file" in err and "required" not in err
+
+
 def test_command_line_override_takes_effect(tmp_path, qwen2_dir, arithmetic_dir):
     run_dir = tmp_path / "run"
     recipe = write_recipe(tmp_path / "tiny.yaml", model_dir=qwen2_dir, data_dir=arithmetic_dir, run_dir=run_dir)
