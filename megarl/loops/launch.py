@@ -17,8 +17,8 @@ from megarl.models.arch import check_layout, read_shape
 
 def init_groups(cfg: Config) -> ParallelGroups:
     """Check the model and the parallel layout against this launch, then start the parallel state.
-    A mismatch is a RecipeError naming the keys, raised before any model is built."""
-    check_run_dir(cfg.run_dir)
+    A mismatch is a RecipeError naming the keys, raised before any model is built, and so is a run_dir
+    that cannot be written."""
     try:
         shape = read_shape(cfg.model.path)
     except ValueError as e:
@@ -32,6 +32,7 @@ def init_groups(cfg: Config) -> ParallelGroups:
                      sequence_parallel=bool(cfg.model.megatron.get("sequence_parallel")))
     except ValueError as e:
         raise RecipeError(str(e)) from None
+    check_run_dir(cfg.run_dir)
     try:
         return init_parallel(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, seed=cfg.seed)
     except ValueError as e:
