@@ -12,6 +12,7 @@ tokenizer files are copied from the source model.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -102,6 +103,31 @@ LATEST = "latest"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be resumed from; the message names the file."""
+
+
+# Below this much free space a failed write is taken for a full disk: Megatron's writer processes and
+# torch.save report one as "unexpected pos N vs M" or a worker failure, with the errno lost on the way.
+_NEARLY_FULL_BYTES = 64 * 2**20
+
+
+def disk_full_error(exc: BaseException, path: Path) -> CheckpointError | None:
+    """A CheckpointError saying that the disk is full and where, when `exc`, raised while writing `path`,
+    is ENOSPC (anywhere in its chain) or the filesystem of `path` is nearly full; None otherwise."""
+    chain, seen = exc, set()
+    nospace = False
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        nospace |= isinstance(chain, OSError) and chain.errno == errno.ENOSPC
+        chain = chain.__cause__ or chain.__context__
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+    usage = shutil.disk_usage(existing)
+    if not nospace and usage.free >= _NEARLY_FULL_BYTES:
+        return None
+    first_line = (str(exc).strip().splitlines() or [""])[-1]
+    return CheckpointError(f"the disk is full: writing {path} failed with {usage.free / 2**20:.1f} MiB free of "
+                           f"{usage.total / 2**20:.1f} MiB on that filesystem ({type(exc).__name__}: "
+                           f"{first_line}); free space (or lower checkpoint.keep_last, or move run_dir) and "
+                           f"run again to resume from the last complete checkpoint")
 
 
 def step_dir_name(step: int) -> str:

@@ -8,7 +8,9 @@ Overrides may come before, between or after the flags.
 
 Run `train` directly for one process, or under torchrun (`torchrun --nproc_per_node=N -m megarl train ...`)
 for one process per device. A recipe or data error stops before any work with exit code 2 and a
-message that names the file and the key or line. `plan` checks a recipe's layout for a cluster and estimates
+message that names the file and the key or line. SIGTERM or SIGUSR1 (a preemption, a job time limit) stops
+a run after its current step with a checkpoint and exit code 143, Ctrl-C with exit code 130 (a second
+Ctrl-C at once); the same command resumes it (megarl/loops/stop.py). `plan` checks a recipe's layout for a cluster and estimates
 its memory per GPU on any machine (see megarl/plan.py): exit code 0 when it fits, 1 when it does not, 2 for
 a recipe or layout error.
 """
@@ -19,6 +21,7 @@ import argparse
 import logging
 import sys
 import warnings
+from pathlib import Path
 
 from megarl.config import ConfigError, RecipeError, load_config
 from megarl.plan import DEFAULT_HOST_MEM_GIB, DEFAULT_SEQ_TOKENS
@@ -33,9 +36,9 @@ def _quiet_expected_warnings() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="megarl", description="RL, DPO and SFT post-training of LLMs on Megatron-core")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command")
     train_p = sub.add_parser("train", help="run a recipe")
-    train_p.add_argument("recipe", help="recipe YAML file")
+    train_p.add_argument("recipe", nargs="?", help="recipe YAML file")
     train_p.add_argument("overrides", nargs="*", help="key.path=value overrides of recipe fields")
     train_p.add_argument("--log-level", default="WARNING", help="Python logging level (default WARNING)")
     plan_p = sub.add_parser("plan", help="check a recipe's layout for a cluster and estimate memory per GPU")
@@ -57,6 +60,10 @@ def main(argv: list[str] | None = None) -> None:
     plan_p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     plan_p.add_argument("--log-level", default="WARNING", help=argparse.SUPPRESS)
     args = parse_args(parser, argv)
+    if args.command is None or (args.command == "train" and args.recipe is None):
+        # without this, argparse says only which positional argument is missing
+        (parser if args.command is None else train_p).print_help(sys.stderr)
+        sys.exit(2)
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _quiet_expected_warnings()
@@ -64,37 +71,78 @@ def main(argv: list[str] | None = None) -> None:
         case "plan":
             sys.exit(run_plan(args))
         case "train":
-            try:
-                cfg = load_config(args.recipe, args.overrides)
-            except ConfigError as e:
-                print(f"megarl: recipe error: {e}", file=sys.stderr)
-                sys.exit(2)
-            from megarl.checkpoint import CheckpointError
-            from megarl.data.prompts import DataError
+            sys.exit(run_train(args))
 
-            match cfg.algo.name:
-                case "sft":
-                    from megarl.loops.sft import train
-                case "dpo":
-                    from megarl.loops.dpo import train
-                case _:  # every policy-gradient algorithm
-                    from megarl.loops.rl import train
 
-            try:
-                final = train(cfg)
-            except RecipeError as e:
-                print(f"megarl: recipe error: {args.recipe}: {e}", file=sys.stderr)
-                sys.exit(2)
-            except DataError as e:
-                print(f"megarl: data error: {e}", file=sys.stderr)
-                sys.exit(2)
-            except CheckpointError as e:
-                print(f"megarl: checkpoint error: {e}", file=sys.stderr)
-                sys.exit(2)
-            import torch.distributed as dist
+def run_train(args: argparse.Namespace) -> int:
+    """`megarl train`: 0 when the run finished, 2 for a recipe, data or checkpoint error, 1 when every reward
+    failed for reward.max_failed_steps steps (or any other error, with its traceback), 143 (SIGTERM,
+    SIGUSR1) or 130 (SIGINT) when a signal stopped it (megarl.loops.stop)."""
+    import shlex
 
-            if dist.get_rank() == 0:
-                print(f"megarl: done; final checkpoint in {final}")
+    from megarl.loops.stop import EXIT_INTERRUPTED, STOP, Stopped
+
+    STOP.install()  # before any work: a signal during the start is honoured before the first step
+    try:
+        cfg = load_config(args.recipe, args.overrides)
+    except ConfigError as e:
+        print(f"megarl: recipe error: {e}", file=sys.stderr)
+        return 2
+    from megarl.checkpoint import CheckpointError, latest_checkpoint
+    from megarl.data.prompts import DataError
+    from megarl.rewards.scorer import RewardFailure
+
+    match cfg.algo.name:
+        case "sft":
+            from megarl.loops.sft import train
+        case "dpo":
+            from megarl.loops.dpo import train
+        case _:  # every policy-gradient algorithm
+            from megarl.loops.rl import train
+
+    import torch.distributed as dist
+
+    def say(message: str) -> None:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(message, file=sys.stderr, flush=True)
+
+    resume = shlex.join(["megarl", "train", args.recipe, *args.overrides])
+    try:
+        final = train(cfg)
+    except RecipeError as e:
+        print(f"megarl: recipe error: {args.recipe}: {e}", file=sys.stderr)
+        return 2
+    except DataError as e:
+        print(f"megarl: data error: {e}", file=sys.stderr)
+        return 2
+    except CheckpointError as e:
+        print(f"megarl: checkpoint error: {e}", file=sys.stderr)
+        return 2
+    except RewardFailure as e:
+        say(f"megarl: reward error: {e}")
+        return 1
+    except Stopped as e:
+        saved = f"checkpoint {e.checkpoint}" if e.checkpoint is not None else "no step ran, nothing saved"
+        say(f"megarl: stopped by {e.signal_name} after step {e.step} ({saved}); to resume, run the same "
+            f"command with the same run_dir (checkpoint.resume: auto): {resume}")
+        return e.exit_code
+    except KeyboardInterrupt:
+        try:
+            last = latest_checkpoint(Path(cfg.run_dir) / "checkpoints")
+        except CheckpointError:
+            last = None
+        say(f"megarl: interrupted; {f'the last checkpoint is {last}' if last else 'no checkpoint was saved'}; "
+            f"to resume, run the same command: {resume}")
+        return EXIT_INTERRUPTED
+    finally:
+        STOP.restore()
+    if dist.get_rank() == 0:
+        if cfg.checkpoint.save_final:
+            print(f"megarl: done; final checkpoint in {final}")
+        else:
+            print(f"megarl: done; no final checkpoint (checkpoint.save_final is false), metrics in "
+                  f"{Path(cfg.run_dir) / 'metrics.jsonl'}")
+    return 0
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
@@ -110,8 +158,6 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
 
 def run_plan(args: argparse.Namespace) -> int:
     """`megarl plan`: print the plan; return 0 (fits), 1 (does not fit) or 2 (recipe or layout error)."""
-    from pathlib import Path
-
     from megarl.plan import Cluster, PlanError, plan, read_model, render_table, to_json
 
     try:

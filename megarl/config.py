@@ -333,12 +333,15 @@ class RewardConfig:
     timeout_s: float = 30.0  # time limit of scoring one sample (all its terms); past it the sample fails
     workers: int = 0  # Ray workers that score in parallel; 0 = score in the trainer process
     ray_address: str | None = None  # Ray cluster for the workers; null = start a local instance
+    # Stop the run after this many consecutive steps in which every sample's reward failed (a broken reward
+    # function trains on zeros); the error names the term and its first failure. 0 = never stop.
+    max_failed_steps: int = 3
 
     def check(self) -> None:
         if not self.terms:
             raise FieldError("terms", "needs at least one term")
         _positive(self, "timeout_s")
-        _at_least(self, 0, "workers")
+        _at_least(self, 0, "workers", "max_failed_steps")
         if self.ray_address is not None and self.workers == 0:
             raise FieldError("ray_address", "is set but workers is 0: scoring would not use the cluster")
 
@@ -448,7 +451,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LogConfig:
-    progress: bool = True  # console progress bar
+    progress: bool = True  # console progress: a bar on a terminal, else one summary line per logged step
     tensorboard: bool = False  # also write TensorBoard events to run_dir
     every_steps: int = 1  # print and record metrics every this many steps
 

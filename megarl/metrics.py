@@ -1,16 +1,22 @@
-"""Run observability: per-phase timers, `RUN_DIR/metrics.jsonl`, a console progress bar, TensorBoard.
+"""Run observability: per-phase timers, `RUN_DIR/metrics.jsonl`, console progress, TensorBoard.
 
-Only the logging rank (global rank 0) writes; every rank may time phases.
+Console progress is a bar on a terminal and one summary line per logged step elsewhere (a log file, a
+pipe), where a bar would be carriage returns. Only the logging rank (global rank 0) writes; every rank may
+time phases.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def check_finite(metrics: dict[str, float], *, step: int, what: str, keep: Callable[[], str] | None = None) -> None:
@@ -48,15 +54,19 @@ class PhaseTimer:
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to metrics.jsonl; shows a progress bar with the key numbers."""
+    """Appends one JSON object per step to metrics.jsonl; shows the key numbers on the console (a progress
+    bar on a terminal, else a `summary_line` per logged step)."""
 
     CONSOLE_KEYS = ("reward/mean", "eval/reward_mean", "loss", "reward_accuracy", "eval/loss", "kl", "grad_norm")
 
     def __init__(self, run_dir: str | Path, *, total_steps: int, enabled: bool, progress: bool,
                  tensorboard: bool, desc: str = "rl", resume_step: int = 0):
         """A fresh run (`resume_step` 0) starts metrics.jsonl over; a resumed one keeps the records of the
-        steps up to `resume_step` and drops the ones a crash left after it, which are recomputed."""
+        steps up to `resume_step` and drops the ones a crash left after it, which are recomputed, and a
+        partial record (a run killed while writing it), with a warning."""
         self.enabled = enabled
+        self.desc, self.total_steps = desc, total_steps
+        self._lines = progress and not sys.stderr.isatty()
         self._bar = None
         self._tb = None
         self._file = None
@@ -67,11 +77,10 @@ class MetricsWriter:
         path = run_dir / "metrics.jsonl"
         kept = []
         if resume_step and path.exists():
-            kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resume_step]
+            kept = [line for line in _complete_records(path) if json.loads(line)["step"] <= resume_step]
         path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         self._file = path.open("a", encoding="utf-8")
-        if progress:
+        if progress and not self._lines:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=resume_step, desc=desc, dynamic_ncols=True)
@@ -94,10 +103,12 @@ class MetricsWriter:
                 if isinstance(value, (int, float)):
                     self._tb.add_scalar(key, value, step)
         if self._bar is not None:
-            shown = {"eval" if k.startswith("eval/") else k.split("/")[-1]: f"{metrics[k]:.3g}"
-                     for k in self.CONSOLE_KEYS if k in metrics}
+            shown = {_label(k): f"{metrics[k]:.3g}" for k in self.CONSOLE_KEYS if k in metrics}
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(1)
+        if self._lines:
+            print(summary_line(self.desc, step, self.total_steps, metrics, keys=self.CONSOLE_KEYS), file=sys.stderr,
+                  flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
@@ -106,6 +117,45 @@ class MetricsWriter:
             self._tb.close()
         if self._file is not None:
             self._file.close()
+
+
+def summary_line(desc: str, step: int, total_steps: int, metrics: dict[str, float], *, keys: tuple[str, ...],
+                 phases: int = 4) -> str:
+    """One console line for a step: its key numbers, throughput, and its time with the `phases` longest
+    phases, e.g. `rl step 3/40 | reward 0.25 loss 0.0123 | 1.2e+03 tok/s | 1.31 s: generate 0.61 train 0.4`."""
+    numbers = " ".join(f"{_label(k)} {metrics[k]:.3g}" for k in keys if k in metrics)
+    parts = [f"{desc} step {step}/{total_steps}", numbers]
+    if "throughput/tokens_per_s" in metrics:
+        parts.append(f"{metrics['throughput/tokens_per_s']:.3g} tok/s")
+    timings = {k[len("timing/"):-len("_s")]: v for k, v in metrics.items()
+               if k.startswith("timing/") and k.endswith("_s")}
+    if "step" in timings:  # SFT and DPO time the whole step only
+        parts.append(f"{timings['step']:.3g} s")
+    elif timings:
+        longest = sorted(timings.items(), key=lambda kv: -kv[1])[:phases]
+        parts.append(f"{sum(timings.values()):.3g} s: " + " ".join(f"{k} {v:.2g}" for k, v in longest))
+    return " | ".join(p for p in parts if p)
+
+
+def _label(key: str) -> str:
+    """The console's short name of a metric: `reward/mean` -> reward, `eval/...` -> eval, `a/b` -> b."""
+    return "reward" if key == "reward/mean" else "eval" if key.startswith("eval/") else key.split("/")[-1]
+
+
+def _complete_records(path: Path) -> list[str]:
+    """The lines of metrics file `path` that hold a whole JSON record; others are dropped with a warning."""
+    kept = []
+    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            json.loads(line)
+        except json.JSONDecodeError:
+            log.warning("%s:%d: dropping a partial record (the run stopped while writing it): %.80s", path,
+                        line_no, line)
+            continue
+        kept.append(line)
+    return kept
 
 
 def _plain(value):

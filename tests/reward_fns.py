@@ -57,3 +57,8 @@ def records_start(*, prompt, response, answer, metadata):
 
 
 NOT_A_FUNCTION = 3
+
+
+def returns_text(*, prompt, response, answer, metadata):
+    """A reward with a bug: a number as a string, which must fail its sample, never count as 1.0."""
+    return "1.0"

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import run_python
+from conftest import run_python, subprocess_env
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -84,6 +87,34 @@ def test_final_checkpoint_loads_in_transformers_and_recipe_is_saved(trained_run)
     assert (trained_run / "recipe.yaml").is_file()
 
 
+def test_console_without_a_terminal_logs_one_line_per_logged_step(tmp_path, qwen2_dir, arithmetic_dir):
+    """stderr is a pipe here: no progress bar (carriage returns), a summary line per logged step with phase
+    times, the warm start's early end said as such, and no final checkpoint claimed when none is written."""
+    run_dir = tmp_path / "run"
+    recipe = write_recipe(tmp_path / "tiny.yaml", model_dir=qwen2_dir, data_dir=arithmetic_dir, run_dir=run_dir)
+    result = megarl_train(recipe, "log.progress=true", "train.steps=4", "log.every_steps=2",
+                          "warmup.stop_answer_prob=1e-30", "checkpoint.save_final=false", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "\r" not in result.stderr
+    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("rl step ")]
+    assert [ln.split(" | ")[0] for ln in lines] == ["rl step 2/4", "rl step 4/4"], result.stderr[-4000:]
+    for line in lines:
+        assert "reward " in line and "loss " in line and " tok/s" in line and "generate " in line, line
+    assert "megarl: sft warm start: stopped early after 1 of 2 steps: answer probability" in result.stderr
+    assert "final checkpoint in" not in result.stdout and "no final checkpoint" in result.stdout
+    assert not (run_dir / "checkpoints" / "final").exists()
+
+
+def test_train_without_a_recipe_prints_its_usage(capsys):
+    from megarl.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: megarl train") and "recipe YAML file" in err and "required" not in err
+
+
 def test_command_line_override_takes_effect(tmp_path, qwen2_dir, arithmetic_dir):
     run_dir = tmp_path / "run"
     recipe = write_recipe(tmp_path / "tiny.yaml", model_dir=qwen2_dir, data_dir=arithmetic_dir, run_dir=run_dir)
@@ -151,6 +182,68 @@ def test_missing_model_dir_exits_2_naming_file_and_key(tmp_path, arithmetic_dir)
     for text in (str(recipe), "model.path", str(missing)):
         assert text in result.stderr, (text, result.stderr)
     assert "Traceback" not in result.stderr
+
+
+def test_model_dir_without_config_json_exits_2_naming_model_path(tmp_path, qwen2_dir, arithmetic_dir):
+    model = tmp_path / "model"
+    shutil.copytree(qwen2_dir, model)
+    (model / "config.json").unlink()
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=model, data_dir=arithmetic_dir, run_dir=tmp_path / "run")
+    result = megarl_train(recipe, cwd=tmp_path, timeout_s=60)
+    assert result.returncode == 2, result.stderr[-4000:]
+    assert f"model.path: {model} is not an HF checkpoint directory: it has no config.json" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_run_dir_that_cannot_be_written_exits_2_before_any_work(tmp_path, qwen2_dir, arithmetic_dir):
+    # a path under a regular file cannot be created, whoever runs the test (root ignores permissions)
+    (tmp_path / "a_file").write_text("")
+    run_dir = tmp_path / "a_file" / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=qwen2_dir, data_dir=arithmetic_dir, run_dir=run_dir)
+    result = megarl_train(recipe, "--log-level=INFO", cwd=tmp_path, timeout_s=60)
+    assert result.returncode == 2, result.stderr[-4000:]
+    assert f"run_dir: cannot write to {run_dir}: Not a directory" in result.stderr
+    assert "supervised warm start" not in result.stderr and "Traceback" not in result.stderr  # before the warm start
+
+
+def test_a_full_disk_during_a_checkpoint_says_so_and_where(tmp_path, qwen2_dir, arithmetic_dir):
+    """run_dir on an 800 KiB tmpfs (mounted in a user and mount namespace of its own): the first checkpoint
+    (~1.5 MB) cannot fit."""
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no user namespaces here to mount a small tmpfs in")
+    small = tmp_path / "small"
+    small.mkdir()
+    run_dir = small / "run"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=qwen2_dir, data_dir=arithmetic_dir, run_dir=run_dir,
+                          extra="checkpoint:\n  every_steps: 1\n")
+    script = (f"mount -t tmpfs -o size=800k tmpfs {small} && exec {sys.executable} -m megarl train {recipe} "
+              "warmup.sft_steps=0 data.eval_path=null train.steps=2")
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=tmp_path, env=subprocess_env(),
+                            capture_output=True, text=True, timeout=TRAIN_TIMEOUT_S)
+    assert result.returncode == 2, result.stderr[-4000:]
+    tmp_dir = run_dir / "checkpoints" / f".tmp-step{1:08d}"
+    assert f"megarl: checkpoint error: the disk is full: writing {tmp_dir} failed with" in result.stderr, \
+        result.stderr[-4000:]
+    assert "of 0.8 MiB on that filesystem" in result.stderr
+
+
+def test_a_run_whose_every_reward_fails_stops_naming_the_term_and_its_error(tmp_path, qwen2_dir, arithmetic_dir):
+    """A reward that returns the string "1.0" fails every sample; with reward.max_failed_steps=2 the run
+    stops in step 2, before its metrics, with exit code 1."""
+    run_dir = tmp_path / "run"
+    extra = "reward:\n  max_failed_steps: 2\n  terms:\n    - {kind: custom, function: 'reward_fns:returns_text'}\n"
+    recipe = write_recipe(tmp_path / "r.yaml", model_dir=qwen2_dir, data_dir=arithmetic_dir, run_dir=run_dir,
+                          extra=extra)
+    result = run_python(["-m", "megarl", "train", str(recipe), "warmup.sft_steps=0", "train.steps=4"],
+                        cwd=Path(__file__).parent, timeout_s=TRAIN_TIMEOUT_S)  # reward_fns imports from tests/
+    assert result.returncode == 1, result.stderr[-4000:]
+    assert ("megarl: reward error: every reward failed in 2 consecutive steps (up to step 2; "
+            "reward.max_failed_steps=2)") in result.stderr, result.stderr[-4000:]
+    assert "reward.terms[0] (reward_fns:returns_text): returned '1.0' (str), not a number" in result.stderr
+    assert "Traceback" not in result.stderr
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1] and records[0]["reward/failed_frac"] == 1.0
+    assert records[0]["reward/mean"] == 0.0
 
 
 def test_malformed_data_row_exits_2_naming_file_and_line(tmp_path, qwen2_dir, arithmetic_dir):

@@ -68,6 +68,21 @@ def test_load_prompts_reads_rows_custom_keys_and_metadata(tmp_path):
 
 
 @pytest.mark.parametrize("bad_line, what", [
+    # the parser's own position: the 42nd character is the second comma
+    ('{"prompt": "2+2=", "answer": "4", "x": 1,, "y": 2}', "invalid JSON (Expecting property name enclosed in "
+                                                            "double quotes at column 42)"),
+    # cut short after a comma (a line killed mid-write): the parser's line 2, column 1 is the line's end
+    ('{"prompt": "2+2=", "answer": "4",', "invalid JSON (Expecting property name enclosed in double quotes at "
+                                          "column 34) (the line ends before the JSON value does)"),
+])
+def test_invalid_json_is_reported_at_its_column_in_the_line(tmp_path, bad_line, what):
+    path = write_lines(tmp_path / "bad.jsonl", [bad_line])
+    with pytest.raises(DataError) as err:
+        load_prompts(path)
+    assert f"{path}:1: {what}" in str(err.value)
+
+
+@pytest.mark.parametrize("bad_line, what", [
     ('{"prompt": "2+2=", "answer": ', "invalid JSON"),
     ('{"answer": "4"}', "missing key 'prompt'"),
     ('{"prompt": "2+2=", "answer": 4}', "'answer' must be a string, got int"),

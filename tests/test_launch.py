@@ -63,7 +63,9 @@ def option(argv: list[str], name: str) -> str:
 
 
 def check_torchrun(argv: list[str], *, nodes: int, gpus: int, head: str) -> None:
-    assert argv[0] == "torchrun"
+    # torchrun ignores SIGUSR1, which its workers act on (a job near its time limit)
+    assert argv[:argv.index("torchrun")] == ["bash", "-c", 'trap "" USR1; exec "$@"', "megarl"]
+    argv = argv[argv.index("torchrun"):]
     assert option(argv, "--nnodes") == str(nodes) and option(argv, "--nproc_per_node") == str(gpus)
     assert option(argv, "--rdzv_backend") == "c10d" and option(argv, "--rdzv_endpoint") == f"{head}:29500"
     tail = argv[argv.index("-m"):]
@@ -82,7 +84,7 @@ def test_slurm_dry_run_outside_an_allocation_takes_nodes_from_NODES():
     assert step[:4] == ["srun", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     assert option(step, "--output") == "logs/local/node%n-%N.log"
     assert not any(a.startswith("--container") for a in step)  # no IMAGE: bare nodes
-    check_torchrun(step[step.index("torchrun"):], nodes=2, gpus=8, head="node-a")
+    check_torchrun(step[step.index("bash"):], nodes=2, gpus=8, head="node-a")
 
 
 @pytest.fixture
@@ -130,6 +132,36 @@ def test_slurm_run_hands_srun_the_dry_run_command_with_the_environment(fake_slur
     exports = [shlex.split(ln)[1] for ln in dry.stdout.splitlines() if ln.startswith("export ")]
     assert exports and all(srun_env[k] == v for k, v in (e.split("=", 1) for e in exports))
     assert (tmp_path / "logs").is_dir()
+
+
+def stopping_slurm(bin_dir: Path, tmp_path: Path, *, signal_first: bool, exit_code: int) -> None:
+    """`srun` that (with `signal_first`) sends the batch script SIGUSR1, as SLURM does before the time limit,
+    waits until the script has passed it on with `scancel`, then exits with `exit_code` as the run would;
+    `scancel` and `scontrol requeue` record their arguments."""
+    signal_it = f'kill -USR1 "$PPID"\nuntil [ -f {tmp_path}/scancel.args ]; do sleep 0.05; done\n' if signal_first else ""
+    (bin_dir / "srun").write_text(f"#!/usr/bin/env bash\n{signal_it}exit {exit_code}\n")
+    (bin_dir / "scancel").write_text(f'#!/usr/bin/env bash\necho "$@" > {tmp_path}/scancel.args\n')
+    (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\n[ "$1" = show ] && printf "gpu-001\\ngpu-002\\n"\n'
+                                      f'[ "$1" = requeue ] && echo "$@" > {tmp_path}/requeue.args\nexit 0\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+
+
+def test_slurm_job_near_its_time_limit_passes_usr1_on_and_requeues(fake_slurm, tmp_path):
+    stopping_slurm(fake_slurm, tmp_path, signal_first=True, exit_code=143)
+    result = run_script(SCRIPTS[1], RECIPE, env=slurm_env(fake_slurm, LOG_DIR=str(tmp_path / "logs")))
+    assert result.returncode == 143, result.stderr
+    assert (tmp_path / "scancel.args").read_text().split() == ["--signal=USR1", "4242"]
+    assert (tmp_path / "requeue.args").read_text().split() == ["requeue", "4242"]
+
+
+@pytest.mark.parametrize("signal_first, exit_code", [(False, 1), (False, 143), (True, 0)])
+def test_slurm_job_is_requeued_only_when_it_stopped_for_the_time_limit(fake_slurm, tmp_path, signal_first,
+                                                                       exit_code):
+    stopping_slurm(fake_slurm, tmp_path, signal_first=signal_first, exit_code=exit_code)
+    result = run_script(SCRIPTS[1], RECIPE, env=slurm_env(fake_slurm, LOG_DIR=str(tmp_path / "logs")))
+    assert result.returncode == exit_code, result.stderr
+    assert not (tmp_path / "requeue.args").exists()
 
 
 def test_slurm_script_without_nodes_or_recipe_exits_2():

@@ -68,14 +68,31 @@ def test_failures_score_zero_are_counted_and_logged_once(caplog):
     assert rewards == [1.5, 0.0, 0.0, 0.0, 0.0, 1.5] and failures == 4
     [record] = caplog.records
     assert "4 of 6 rewards failed" in record.message and "'bad'" in record.message
-    assert "RuntimeError: cannot score this one" in record.message
+    assert "reward.terms[1] (reward_fns:fails_on_bad): RuntimeError: cannot score this one" in record.message
 
 
 def test_score_sample_names_each_kind_of_failure():
     terms = build_terms(RewardConfig(terms=[term("custom", function="reward_fns:fails_on_bad")], timeout_s=0.3))
     reasons = [score_sample(terms, Sample("", r, ""), timeout_s=0.3)[1] for r in ("bad", "nan", "slow")]
-    assert reasons == ["RuntimeError: cannot score this one", "reward is nan", "scoring took longer than 0.3 s"]
+    name = "reward.terms[0] (reward_fns:fails_on_bad)"
+    assert reasons == [f"{name}: RuntimeError: cannot score this one", "reward is nan",
+                       f"{name}: scoring took longer than 0.3 s"]
     assert math.isnan(score_sample(terms, Sample("", "bad", ""), timeout_s=1)[0])  # settle() makes it 0
+
+
+@pytest.mark.parametrize("returned, shown", [("1.0", "'1.0' (str)"), (None, "None (NoneType)"),
+                                              ([1.0], "[1.0] (list)")])
+def test_a_reward_that_is_not_a_number_fails_its_sample(returned, shown):
+    terms = [(1.0, lambda s: 0.5, "reward.terms[0] (format)"), (1.0, lambda s: returned, "reward.terms[1] (f:g)")]
+    value, why = score_sample(terms, Sample("", "x", ""), timeout_s=1)
+    assert math.isnan(value) and why == f"reward.terms[1] (f:g): returned {shown}, not a number"
+
+
+def test_bools_and_numpy_numbers_are_numbers():
+    import numpy as np
+
+    terms = [(1.0, lambda s: True, "a"), (2.0, lambda s: np.float32(0.25), "b"), (1.0, lambda s: 3, "c")]
+    assert score_sample(terms, Sample("", "x", ""), timeout_s=1) == (4.5, None)
 
 
 def test_time_limit_restores_an_outer_timer():

@@ -78,7 +78,11 @@ def read_records(path: Path) -> Iterator[tuple[str, object]]:
             try:
                 yield where, json.loads(line)
             except json.JSONDecodeError as e:
-                yield where, DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})")
+                # e.colno counts from the line's own newline when the JSON is cut short; e.pos is in the line
+                text = line.rstrip("\r\n")
+                ends = " (the line ends before the JSON value does)" if e.pos >= len(text.rstrip()) else ""
+                yield where, DataError(f"{where}: invalid JSON ({e.msg} at column {min(e.pos, len(text)) + 1})"
+                                       f"{ends}")
 
 
 def _prompt_row(record: object, where: str, *, index: int, prompt_key: str, answer_key: str,

@@ -35,6 +35,7 @@ def save(stage: StageModel, optimizer, path: str | Path, *, hf_dir: str | Path |
     from megatron.core import dist_checkpointing
 
     Path(path).mkdir(parents=True, exist_ok=True)  # Megatron writes into an existing, empty directory
+    _collect_write_results_in_process()
     if hf_dir is None:
         state = _sharded_state(stage, optimizer, is_loading=False)
         dist_checkpointing.save(state, str(path), content_metadata=CHECKPOINT_METADATA)
@@ -54,6 +55,21 @@ def save(stage: StageModel, optimizer, path: str | Path, *, hf_dir: str | Path |
 
     dist_checkpointing.save(state, str(path), sharded_strategy=LazySave(resolve, progress=progress),
                             content_metadata=CHECKPOINT_METADATA)
+
+
+def _collect_write_results_in_process() -> None:
+    """Give Megatron's file writer a plain in-process queue for its write results.
+
+    Its default is a `multiprocessing.Manager` queue: a spawned server process (~300 MB, it imports the
+    launching module) plus a resource tracker, both kept for the life of the job and left running when the
+    job is killed with SIGKILL. A synchronous save, the only kind megarl makes, puts and gets the results
+    in the calling process (AsyncRequest.execute_sync), so no process is needed for them."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def load(stage: StageModel, optimizer, path: str | Path) -> None:

@@ -68,8 +68,8 @@ def rollout(run: RLRun, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, floa
         if not cfg.algo.uses_dynamic_sampling:
             failures, hidden, engines, n = run.global_sums([float(failures), float(hidden), float(engines),
                                                             float(len(batch))])
-            return batch, {"reward/failures": failures, "timing/reward_hidden_frac": hidden / n,
-                           "rollout/engines": engines}
+            return batch, {"reward/failures": failures, "reward/failed_frac": failures / n,
+                           "timing/reward_hidden_frac": hidden / n, "rollout/engines": engines}
         if batch is not None:
             # group ids restart at 0 in every round; shift them so groups stay distinct across rounds
             batch = dataclasses.replace(batch, group_ids=batch.group_ids + n_seen)
@@ -93,6 +93,7 @@ def rollout(run: RLRun, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, floa
          float(engines)])
     return full.select(torch.arange(want)), {
         "reward/failures": failures,
+        "reward/failed_frac": failures / (n_seen * cfg.rollout.n_samples),
         "timing/reward_hidden_frac": hidden / (n_seen * cfg.rollout.n_samples),
         "rollout/engines": engines,
         "sampling/rounds": rounds / run.groups.dp_size,

@@ -4,7 +4,9 @@ built, then Megatron's parallel state starts. Shared by the RL, SFT and DPO loop
 from __future__ import annotations
 
 import os
+import tempfile
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -16,7 +18,8 @@ from megarl.models.arch import check_layout, read_shape
 
 def init_groups(cfg: Config) -> ParallelGroups:
     """Check the model and the parallel layout against this launch, then start the parallel state.
-    A mismatch is a RecipeError naming the keys, raised before any model is built."""
+    A mismatch is a RecipeError naming the keys, raised before any model is built, and so is a run_dir
+    that cannot be written."""
     try:
         shape = read_shape(cfg.model.path)
     except ValueError as e:
@@ -30,8 +33,20 @@ def init_groups(cfg: Config) -> ParallelGroups:
                      sequence_parallel=bool(cfg.model.megatron.get("sequence_parallel")))
     except ValueError as e:
         raise RecipeError(str(e)) from None
+    check_run_dir(cfg.run_dir)
     try:
         return init_parallel(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, seed=cfg.seed,
                              timeout=timedelta(minutes=par.timeout_minutes))
     except ValueError as e:
         raise RecipeError(f"parallel: {e}") from None
+
+
+def check_run_dir(run_dir: str) -> None:
+    """Create `run_dir` and write a file in it now, so that a directory the run cannot write is a RecipeError
+    naming `run_dir` before any work, not a traceback at the first checkpoint."""
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
+    except OSError as e:
+        raise RecipeError(f"run_dir: cannot write to {run_dir}: {e.strerror or e}") from None

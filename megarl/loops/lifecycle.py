@@ -7,7 +7,9 @@ checkpoints, then the final checkpoint and HF export.
     return run_steps(cfg, state, step=one_step, steps=steps, resume_from=resume_from, desc="rl")
 
 A loop's `step(n)` does one update and returns that step's metrics (its own evaluation and non-finite
-checks included); everything around it is here.
+checks included); everything around it is here, stopping on a signal included (megarl.loops.stop): before
+each step every rank agrees whether to go on, and a run asked to stop saves the step it finished and raises
+Stopped.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from megarl.config import Config, dump_config
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
 from megarl.loops.resume import RunState, restore_checkpoint, save_checkpoint
+from megarl.loops.stop import STOP, Stopped
 from megarl.metrics import MetricsWriter
 
 
@@ -36,7 +39,8 @@ def run_steps(cfg: Config, state: RunState, *, step: Callable[[int], dict[str, f
     restored weights), then run steps up to `steps`: metrics every
     `log.every_steps` (and the last), a checkpoint every `checkpoint.every_steps`, and with
     `checkpoint.save_final` a last checkpoint plus the actor exported as an HF checkpoint. Returns the
-    directory of that export."""
+    directory of that export. A signal (megarl.loops.stop) ends the run before its next step: the last
+    finished step is saved unless it already was, and Stopped is raised."""
     start = restore_checkpoint(resume_from, state) if resume_from is not None else 0
     if dist.get_rank() == 0:
         dump_config(cfg, Path(cfg.run_dir) / "recipe.yaml")
@@ -45,12 +49,17 @@ def run_steps(cfg: Config, state: RunState, *, step: Callable[[int], dict[str, f
     try:
         if on_start is not None:
             on_start()
+        saved, saved_step = resume_from, start
         for n in range(start + 1, steps + 1):
+            if exit_code := STOP.agreed():
+                if saved_step < n - 1:
+                    saved, saved_step = save_checkpoint(cfg, n - 1, state), n - 1
+                raise Stopped(step=n - 1, checkpoint=saved, exit_code=exit_code, signal_name=STOP.signal_name)
             metrics = step(n)
             if n % cfg.log.every_steps == 0 or n == steps:
                 writer.write(n, metrics)
             if cfg.checkpoint.every_steps and n % cfg.checkpoint.every_steps == 0 and n < steps:
-                save_checkpoint(cfg, n, state)
+                saved, saved_step = save_checkpoint(cfg, n, state), n
     finally:
         writer.close()
     final = final_dir(cfg)

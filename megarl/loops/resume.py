@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint import (CheckpointError, copy_side_files, latest_checkpoint, publish, step_dir_name,
-                               temporary_dir)
+from megarl.checkpoint import (CheckpointError, copy_side_files, disk_full_error, latest_checkpoint, publish,
+                               step_dir_name, temporary_dir)
 from megarl.config import Config, RecipeError, dump_config
 from megarl.data.prompts import PromptSampler
 from megarl.engine.dist_checkpoint import set_trainer_rng_state, trainer_rng_state
@@ -98,11 +98,24 @@ class RunState:
 
 
 def save_checkpoint(cfg: Config, step: int, state: RunState) -> Path:
-    """Save a run after `step` (a collective call: every rank writes its share); returns the directory."""
-    groups, engines = state.groups, state.engines
+    """Save a run after `step` (a collective call: every rank writes its share); returns the directory.
+    A full disk is a CheckpointError that says so and names the directory."""
     name = [str(temporary_dir(checkpoint_root(cfg), step)) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(name, src=0)
     tmp = Path(name[0])
+    try:
+        return _write_checkpoint(cfg, step, state, tmp)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+        full = disk_full_error(e, tmp)
+        if full is not None:
+            raise full from e
+        raise
+
+
+def _write_checkpoint(cfg: Config, step: int, state: RunState, tmp: Path) -> Path:
+    groups, engines = state.groups, state.engines
     for key, engine in engines.items():
         engine.save_checkpoint(tmp / key)
     if dist.get_rank() == groups.mp_src_global_rank:  # one writer per data-parallel replica

@@ -30,6 +30,7 @@ from megarl.loops.warmup import sft_warmup
 from megarl.metrics import PhaseTimer, check_finite
 from megarl.objective import explained_variance
 from megarl.packing import redistribute, sequence_lengths
+from megarl.rewards.scorer import RewardFailure
 from megarl.rollout.multi_turn import FINISH_REASONS
 
 
@@ -37,6 +38,7 @@ from megarl.rollout.multi_turn import FINISH_REASONS
 def rl_step(run: RLRun, step: int) -> dict[str, float]:
     cfg, timer = run.cfg, PhaseTimer()
     batch, sampling = rollout(run, timer)  # generate and score, timed as "generate" and "reward"
+    check_rewards(run, sampling["reward/failed_frac"], step=step)
     with timer("release_rollout"):
         if run.rollout is not None:
             run.rollout.release_memory()
@@ -108,6 +110,17 @@ def train_critic(run: RLRun, batch: RolloutBatch) -> dict[str, float]:
     check_finite({"loss": metrics["critic/loss"], "grad_norm": metrics["critic/grad_norm"]},
                  step=run.critic.step, what="critic", keep=partial(keep_batch, run, batch, step=run.critic.step))
     return metrics
+
+
+def check_rewards(run: RLRun, failed_frac: float, *, step: int) -> None:
+    """Count the consecutive steps in which every sample's reward failed (`failed_frac` over the global
+    batch, so every rank decides alike) and raise RewardFailure at `reward.max_failed_steps` of them."""
+    run.failed_reward_steps = run.failed_reward_steps + 1 if failed_frac == 1.0 else 0
+    limit = run.cfg.reward.max_failed_steps
+    if limit and run.failed_reward_steps >= limit:
+        raise RewardFailure(f"every reward failed in {limit} consecutive steps (up to step {step}; "
+                            f"reward.max_failed_steps={limit}); the first failure of this rank's last batch: "
+                            f"{run.scorer.first_failure}")
 
 
 def keep_batch(run: RLRun, batch: RolloutBatch, *, step: int) -> str:

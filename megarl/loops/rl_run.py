@@ -56,6 +56,7 @@ class RLRun:
     scorer: Scorer                    # the recipe's per-sample reward terms, in process or on Ray workers
     reward_models: list[tuple[float, TrainEngine]]  # (weight, frozen scalar-head model) of reward_model terms
     weight_version: int = 0
+    failed_reward_steps: int = 0  # consecutive steps in which every sample's reward failed (check_rewards)
     new_env: Callable[[], Environment] = SingleTurn  # one trajectory's environment (env.name)
     tool_schemas: list[dict] = dataclasses.field(default_factory=list)  # the environment's tools, for the prompt
     observations: ObservationFormat | None = None  # renders tool messages; None when the env sends none

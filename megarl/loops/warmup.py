@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from pathlib import Path
 
 import torch.distributed as dist
@@ -36,8 +37,9 @@ def sft_warmup(cfg: Config, groups: ParallelGroups, tokenizer, rows: list[Prompt
     engine = make_engine(cfg, groups, role="warmup", model_dir=cfg.model.path)
     sampler = PromptSampler(len(rows), seed=cfg.seed + 1, dp_rank=groups.dp_rank, dp_size=groups.dp_size)
     per_rank = cfg.warmup.batch_size // groups.dp_size
+    console = cfg.log.progress and dist.get_rank() == 0
     bar = tqdm(total=cfg.warmup.sft_steps, desc="sft warm start", dynamic_ncols=True,
-               disable=not (cfg.log.progress and dist.get_rank() == 0))
+               disable=not (console and sys.stderr.isatty()))  # a log file gets the summary line below
     for step in range(cfg.warmup.sft_steps):
         examples = [completion_example(encode_prompt(tokenizer, r.prompt, chat_template=cfg.data.chat_template),
                                        tokenizer(r.answer, add_special_tokens=False)["input_ids"]
@@ -51,7 +53,13 @@ def sft_warmup(cfg: Config, groups: ParallelGroups, tokenizer, rows: list[Prompt
         if metrics["response_prob"] >= cfg.warmup.stop_answer_prob:
             break
     bar.close()
-    log.info("supervised warm start: %d steps, answer probability %.3f", step + 1, metrics["response_prob"])
+    steps, prob = step + 1, metrics["response_prob"]
+    ended = (f"stopped early after {steps} of {cfg.warmup.sft_steps} steps: answer probability {prob:.3f} "
+             f"reached warmup.stop_answer_prob {cfg.warmup.stop_answer_prob}"
+             if steps < cfg.warmup.sft_steps else f"{steps} steps, answer probability {prob:.3f}")
+    if console:
+        print(f"megarl: sft warm start: {ended}", file=sys.stderr, flush=True)
+    log.info("supervised warm start: %s", ended)
     export_policy(engine, groups, source_dir=cfg.model.path, out_dir=out,
                   meta={"stage": "sft_warmup", "steps": step + 1, "answer_prob": metrics["response_prob"]})
     return str(out)

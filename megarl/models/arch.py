@@ -54,7 +54,12 @@ class ModelShape:
 def read_shape(model_dir: str | Path) -> ModelShape:
     """Parse `model_dir/config.json`; an unsupported architecture is a ValueError naming the file."""
     path = Path(model_dir) / "config.json"
-    cfg = json.loads(path.read_text())
+    if not path.is_file():
+        raise ValueError(f"{model_dir} is not an HF checkpoint directory: it has no config.json")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
     arch = cfg.get("model_type")
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"{path}: model_type {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")

@@ -1,6 +1,8 @@
 """The recipe's reward: weighted terms built once, scored per sample in this process or on a Ray pool, and
-the failure policy, which lives here only: a sample whose reward raises, runs past `reward.timeout_s` or
-is not finite scores 0, is counted, and the first one of a batch is logged. Scoring never ends the run.
+the failure policy, which lives here only: a sample whose reward raises, returns something that is not a
+number, runs past `reward.timeout_s` or is not finite scores 0, is counted, and the first one of a batch is
+logged and kept (`Scorer.first_failure`). A failed sample never ends the run; the RL loop stops after
+`reward.max_failed_steps` consecutive steps in which every sample failed (megarl.loops.rl).
 
     scorer = Scorer(cfg.reward)                       # RecipeError now if a custom function does not import
     rewards, failures = scorer(samples)               # list[float] [B], int
@@ -22,14 +24,20 @@ from megarl.rewards.terms import Outcome, Sample, build_terms, score_samples
 log = logging.getLogger(__name__)
 
 
-def settle(outcomes: Sequence[Outcome], samples: Sequence[Sample]) -> tuple[list[float], int]:
-    """Rewards [B] with every failed sample at 0.0, and the number of failures; logs the first failure."""
+def settle(outcomes: Sequence[Outcome], samples: Sequence[Sample]) -> tuple[list[float], int, str | None]:
+    """Rewards [B] with every failed sample at 0.0, the number of failures and the first failure (its
+    reason and response; None without one), which is logged."""
     failed = [i for i, (_, why) in enumerate(outcomes) if why is not None]
-    if failed:
-        i = failed[0]
-        log.warning("%d of %d rewards failed and score 0; the first, on response %r: %s", len(failed),
-                    len(outcomes), samples[i].response[:200], outcomes[i][1])
-    return [0.0 if why is not None else value for value, why in outcomes], len(failed)
+    if not failed:
+        return [value for value, _ in outcomes], 0, None
+    i = failed[0]
+    first = f"{outcomes[i][1]}, on response {samples[i].response[:200]!r}"
+    log.warning("%d of %d rewards failed and score 0; the first: %s", len(failed), len(outcomes), first)
+    return [0.0 if why is not None else value for value, why in outcomes], len(failed), first
+
+
+class RewardFailure(RuntimeError):
+    """Every sample's reward failed in `reward.max_failed_steps` consecutive steps."""
 
 
 class Scorer:
@@ -39,6 +47,7 @@ class Scorer:
     def __init__(self, cfg: RewardConfig):
         self.cfg = cfg
         self.terms = build_terms(cfg)  # fails at launch, naming the key, rather than on every sample
+        self.first_failure: str | None = None  # of the last batch scored: the term's key, why, the response
         if cfg.workers:
             from megarl.rewards.pool import RayPool
 
@@ -105,13 +114,14 @@ class Scoring:
         samples: list[Sample] = self.samples
         pool = self.scorer.pool
         if pool is None or not samples:
-            return *settle(score_samples(self.scorer.terms, samples, timeout_s=self.scorer.cfg.timeout_s),
-                           samples), 0
-        if self.waiting:
-            self.send()
-        chunks, scored_before = pool.collect([ref for _, ref in self.sent], [len(ix) for ix, _ in self.sent])
-        outcomes: list[Outcome] = [(math.nan, "")] * len(samples)
-        for (indices, _), chunk in zip(self.sent, chunks):
-            for i, outcome in zip(indices, chunk):
-                outcomes[i] = outcome
-        return *settle(outcomes, samples), scored_before
+            outcomes, scored_before = score_samples(self.scorer.terms, samples, timeout_s=self.scorer.cfg.timeout_s), 0
+        else:
+            if self.waiting:
+                self.send()
+            chunks, scored_before = pool.collect([ref for _, ref in self.sent], [len(ix) for ix, _ in self.sent])
+            outcomes: list[Outcome] = [(math.nan, "")] * len(samples)
+            for (indices, _), chunk in zip(self.sent, chunks):
+                for i, outcome in zip(indices, chunk):
+                    outcomes[i] = outcome
+        rewards, failures, self.scorer.first_failure = settle(outcomes, samples)
+        return rewards, failures, scored_before

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
+import numbers
 import re
 import signal
 import threading
@@ -36,6 +37,8 @@ class Sample:
 
 
 RewardFn = Callable[[Sample], float]
+# (weight, function, the recipe key that names the term in failure messages, e.g. "reward.terms[1] (custom)")
+Term = tuple[float, RewardFn, str]
 # (reward, None) for a scored sample; (nan, why) for a failed one, which settle() turns into 0.
 Outcome = tuple[float, str | None]
 
@@ -46,12 +49,16 @@ class SampleTimeout(BaseException):
 
 
 # ---- terms ------------------------------------------------------------------------------------------------
-def build_terms(cfg: RewardConfig) -> list[tuple[float, RewardFn]]:
-    """(weight, reward function) for every per-sample term of the recipe, checked now so that a missing
+def build_terms(cfg: RewardConfig) -> list[Term]:
+    """(weight, reward function, key) for every per-sample term of the recipe, checked now so that a missing
     library or a custom function that does not import stops the launch with RecipeError naming the term's
     key. Reward-model terms are not here: the trainer scores them (megarl.loops.rl)."""
-    return [(term.weight, term_function(term, key=f"reward.terms[{i}]")) for i, term in enumerate(cfg.terms)
-            if term.kind != "reward_model"]
+    return [(term.weight, term_function(term, key=f"reward.terms[{i}]"), _term_name(term, i))
+            for i, term in enumerate(cfg.terms) if term.kind != "reward_model"]
+
+
+def _term_name(term: RewardTermConfig, i: int) -> str:
+    return f"reward.terms[{i}] ({term.function if term.kind == 'custom' else term.kind})"
 
 
 def term_function(term: RewardTermConfig, *, key: str) -> RewardFn:
@@ -96,22 +103,28 @@ def _require(module: str, *, key: str, install: str) -> None:
 
 
 # ---- scoring and the failure policy ---------------------------------------------------------------------
-def score_sample(terms: Sequence[tuple[float, RewardFn]], sample: Sample, *, timeout_s: float) -> Outcome:
-    """The weighted sum of the terms on one sample, or (nan, why) when a term raises, the sample takes
-    longer than `timeout_s` or the sum is not finite."""
+def score_sample(terms: Sequence[Term], sample: Sample, *, timeout_s: float) -> Outcome:
+    """The weighted sum of the terms on one sample, or (nan, why) when a term raises or returns something
+    that is not a real number (a string such as "1.0" included; a bool counts as 0 or 1), the sample takes
+    longer than `timeout_s` or the sum is not finite. `why` starts with the failing term's key."""
+    total, name = 0.0, ""
     try:
         with time_limit(timeout_s):
-            total = sum(weight * float(fn(sample)) for weight, fn in terms)
+            for weight, fn, name in terms:
+                value = fn(sample)
+                if not isinstance(value, numbers.Real):
+                    return math.nan, f"{name}: returned {value!r:.80} ({type(value).__name__}), not a number"
+                total += weight * float(value)
     except SampleTimeout as e:
-        return math.nan, str(e)
+        return math.nan, f"{name}: {e}"
     except Exception as e:  # noqa: BLE001 - a reward must never end the run
-        return math.nan, f"{type(e).__name__}: {e}"
+        return math.nan, f"{name}: {type(e).__name__}: {e}"
     if not math.isfinite(total):
         return math.nan, f"reward is {total}"
     return total, None
 
 
-def score_samples(terms: Sequence[tuple[float, RewardFn]], samples: Sequence[Sample], *,
+def score_samples(terms: Sequence[Term], samples: Sequence[Sample], *,
                   timeout_s: float) -> list[Outcome]:
     """Outcomes of `samples` scored one after another in this process; what each Ray task runs too."""
     return [score_sample(terms, s, timeout_s=timeout_s) for s in samples]
