@@ -10,9 +10,9 @@ Run `train` directly for one process, or under torchrun (`torchrun --nproc_per_n
 for one process per device. A recipe or data error stops before any work with exit code 2 and a
 message that names the file and the key or line. SIGTERM or SIGUSR1 (a preemption, a job time limit) stops
 a run after its current step with a checkpoint and exit code 143, Ctrl-C with exit code 130 (a second
-Ctrl-C at once); the same command resumes it (megarl/loops/stop.py). `plan` checks a recipe's layout for a cluster and estimates
-its memory per GPU on any machine (see megarl/plan.py): exit code 0 when it fits, 1 when it does not, 2 for
-a recipe or layout error.
+Ctrl-C at once); the same command resumes it (megarl/loops/stop.py). `plan` checks a recipe's layout for a
+cluster and estimates its memory per GPU on any machine (see megarl/plan.py): exit code 0 when it fits, 1
+when it does not, 2 for a recipe or layout error.
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ def run_plan(args: argparse.Namespace) -> int:
     from megarl.plan import Cluster, PlanError, plan, read_model, render_table, to_json
 
     try:
-        counts = [args.nodes, args.gpus_per_node, args.prompt_tokens] + ([] if args.seq_tokens is None else [args.seq_tokens])
+        counts = [args.nodes, args.gpus_per_node, args.prompt_tokens]
+        counts += [] if args.seq_tokens is None else [args.seq_tokens]
         if min(counts) < 1 or min(args.gpu_mem_gb, args.host_mem_gb) <= 0:
             raise PlanError(f"--nodes {args.nodes}, --gpus-per-node {args.gpus_per_node}, --prompt-tokens "
                             f"{args.prompt_tokens}, --seq-tokens {args.seq_tokens} must be >= 1 and --gpu-mem-gb "

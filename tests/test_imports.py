@@ -49,8 +49,9 @@ def imported_modules(path: Path, modules: set[str]) -> set[str]:
     """The megarl modules `path` imports anywhere in its body (module level or inside functions), except
     under `if TYPE_CHECKING:`, which never runs."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    skipped = {id(node) for branch in ast.walk(tree) if isinstance(branch, ast.If)
-               and ast.unparse(branch.test).endswith("TYPE_CHECKING") for stmt in branch.body for node in ast.walk(stmt)}
+    type_checking = [branch for branch in ast.walk(tree)
+                     if isinstance(branch, ast.If) and ast.unparse(branch.test).endswith("TYPE_CHECKING")]
+    skipped = {id(node) for branch in type_checking for stmt in branch.body for node in ast.walk(stmt)}
     found = set()
     for node in ast.walk(tree):
         if id(node) in skipped:
