@@ -24,7 +24,7 @@ from torch import Tensor
 
 from megarl.engine import dist_checkpoint, hf_weights
 from megarl.engine.compute import LossFn, PipelineSchedule
-from megarl.engine.model import StageModel, build_stage_model
+from megarl.engine.model import StageModel, build_stage_model, only_chunk
 from megarl.engine.offload import TrainerMemory
 from megarl.engine.parallel import ParallelGroups, init_parallel
 from megarl.models.arch import check_layout, read_shape
@@ -98,10 +98,7 @@ class TrainEngine:
     @property
     def model(self):
         """`module`, wrapped in Megatron DDP when the engine trains."""
-        if len(self.models) > 1:
-            raise AttributeError(f"this engine holds {len(self.models)} model chunks (virtual pipeline stages): "
-                                 "use `chunks` / `models`")
-        return self.models[0]
+        return only_chunk(self.models)
 
     def _wrap_for_training(self, optim):
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,

@@ -229,16 +229,21 @@ class StageModel:
     @property
     def module(self):
         """The GPTModel of a stage without virtual pipeline stages."""
-        if len(self.chunks) > 1:
-            raise AttributeError(f"this engine holds {len(self.chunks)} model chunks (virtual pipeline stages): "
-                                 "use `chunks` / `models`")
-        return self.chunks[0]
+        return only_chunk(self.chunks)
 
     def named_parameters(self) -> Iterator[tuple[str, Tensor]]:
         """(name with the global layer index, parameter) of every chunk on this rank."""
         for chunk, offset in zip(self.chunks, self.layer_offsets):
             for local_name, param in chunk.named_parameters():
                 yield global_name(local_name, offset), param
+
+
+def only_chunk(chunks: list):
+    """The one model chunk (GPTModel, or its DDP wrapper) of a stage without virtual pipeline stages."""
+    if len(chunks) > 1:
+        raise AttributeError(f"this engine holds {len(chunks)} model chunks (virtual pipeline stages): "
+                             "use `chunks` / `models`")
+    return chunks[0]
 
 
 def build_stage_model(model_dir: str, *, dtype: str, megatron: dict, groups: ParallelGroups,
