@@ -77,6 +77,9 @@ class NativeEngine:
     def set_rng_state(self, state: Tensor) -> None:
         self.generator.set_state(state)
 
+    # Sampling needs no autograd: under inference mode no graph is recorded for the forward passes and the
+    # KV cache, and tensors skip version counting (the same numbers, less work per decoded token).
+    @torch.inference_mode()
     def generate(self, prompts: list[list[int]], *, temperature: float, top_p: float, max_new_tokens: int,
                  eos_id: int, pad_id: int, on_response: ResponseCallback | None = None) -> Generation:
         """Sample one response per prompt (repeat a prompt to get a group). `on_response(i, ids, logprobs,
