@@ -24,9 +24,9 @@ from megarl.data.prompts import PromptRow, encode_prompt
 from megarl.engine.megatron import TrainEngine
 from megarl.loops.rl_run import RLRun
 from megarl.metrics import PhaseTimer
+from megarl.packing import balanced_partition
 from megarl.rewards.scorer import Scoring
 from megarl.rewards.terms import Sample
-from megarl.packing import balanced_partition
 from megarl.rollout.multi_turn import Trajectory, run_trajectories
 from megarl.rollout.placement import RolloutPlacement
 
@@ -122,7 +122,6 @@ class Generated:
     scoring: Scoring | None           # the rewards of this engine's samples, on a rank that hosts an engine
     part: list[int]                   # exchange-wide indices of the samples this rank's engine generated
     replica: list[int]                # exchange-wide indices of this replica's samples, in batch order
-    generated: int                    # 1 when this rank's engine generated any sample, else 0
     reporter: bool                    # this replica reports its exchange group's counts (the group's first)
 
 
@@ -163,7 +162,7 @@ def generate(run: RLRun, rows: list[PromptRow], *, n_samples: int) -> Generated:
     replica = [i for i, (dp, _, _) in enumerate(samples) if dp == run.groups.dp_rank]
     batch = _batch(run, [samples[i][1] for i in replica], [samples[i][2] for i in replica],
                    [trajectories[i] for i in replica], n_samples=n_samples) if replica else None
-    return Generated(batch=batch, scoring=scoring, part=part, replica=replica, generated=int(bool(part)),
+    return Generated(batch=batch, scoring=scoring, part=part, replica=replica,
                      reporter=run.groups.dp_rank == min(shares))
 
 
@@ -220,7 +219,7 @@ def score(run: RLRun, generated: Generated) -> tuple[RolloutBatch | None, int, i
             part, rewards, _, _ = item
             rewards_of.update(zip(part, rewards))
     if result is not None:
-        counts += torch.tensor([result[2], result[3], generated.generated], dtype=torch.float64)
+        counts += torch.tensor([result[2], result[3], int(bool(generated.part))], dtype=torch.float64)
     if run.placement.exchange is not None:  # every sample was scored by exactly one engine's rank
         dist.all_reduce(counts, group=run.placement.exchange)
     failures, hidden, engines = (int(c) * generated.reporter for c in counts.tolist())

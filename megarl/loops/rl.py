@@ -2,8 +2,8 @@
 
 Everything that depends on the recipe is resolved when the run is built (megarl.loops.rl_run); `rl_step`
 reads like the algorithm, one line per phase, in the order the hardware sees them. Every rank runs the
-same code (SPMD under torchrun); the rollout engine lives on the first rank of each model-parallel group,
-which shares the generated batch with the other ranks of its group.
+same code (SPMD under torchrun); a rollout engine lives on the first rank of every group of rollout.tp
+ranks, and each rank receives its data-parallel replica's batch (megarl.loops.generation).
 """
 
 from __future__ import annotations
