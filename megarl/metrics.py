@@ -77,7 +77,7 @@ class MetricsWriter:
         path = run_dir / "metrics.jsonl"
         kept = []
         if resume_step and path.exists():
-            kept = [line for line in _complete_records(path) if json.loads(line)["step"] <= resume_step]
+            kept = [line for line, record in _complete_records(path) if record["step"] <= resume_step]
         path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         self._file = path.open("a", encoding="utf-8")
         if progress and not self._lines:
@@ -142,19 +142,20 @@ def _label(key: str) -> str:
     return "reward" if key == "reward/mean" else "eval" if key.startswith("eval/") else key.split("/")[-1]
 
 
-def _complete_records(path: Path) -> list[str]:
-    """The lines of metrics file `path` that hold a whole JSON record; others are dropped with a warning."""
+def _complete_records(path: Path) -> list[tuple[str, dict]]:
+    """(line, its record) for the lines of metrics file `path` that hold a whole JSON record; others are
+    dropped with a warning."""
     kept = []
     for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            json.loads(line)
+            record = json.loads(line)
         except json.JSONDecodeError:
             log.warning("%s:%d: dropping a partial record (the run stopped while writing it): %.80s", path,
                         line_no, line)
             continue
-        kept.append(line)
+        kept.append((line, record))
     return kept
 
 
