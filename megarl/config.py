@@ -145,6 +145,9 @@ class AlgoConfig:
     loss_agg: LossAgg = "token-mean"  # how per-token losses reduce to one number
     kl_loss_agg: LossAgg | None = None  # how the KL loss term (kl_coef, not in reward) reduces; null = loss_agg
     epochs: int = 1  # optimizer passes over each rollout batch
+    # With one epoch and no KL in the reward the update is on-policy: the old logprobs are the training
+    # forward's own (detached) and no separate forward computes them. True forces that forward anyway.
+    recompute_old_logprobs: bool = False
 
     def check(self) -> None:
         _at_least(self, 0, "clip_low", "clip_high", "kl_coef", "entropy_coef")
@@ -175,6 +178,14 @@ class AlgoConfig:
     @property
     def uses_dynamic_sampling(self) -> bool:
         return self.name == "dapo" if self.dynamic_sampling is None else self.dynamic_sampling
+
+    @property
+    def on_policy(self) -> bool:
+        """Whether the policy's old logprobs come from its training forward: one optimizer step per batch
+        (`epochs` 1), so the model that computes the loss is the one that would compute the old logprobs,
+        and nothing before that step reads them (a KL folded into the rewards does)."""
+        kl_in_reward = self.kl_in_reward and self.kl_coef > 0
+        return self.epochs == 1 and not kl_in_reward and not self.recompute_old_logprobs
 
 
 @dataclass(frozen=True)

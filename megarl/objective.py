@@ -5,7 +5,7 @@ when a run is built, and returns plain objects with explicit terms and coefficie
 batch fields it reads (`fields`), so the loop hands the engine exactly those, and nothing is decided per
 micro-batch from which keys happen to be present.
 
-    objective = policy_objective(cfg.algo, reference=True)
+    objective = policy_objective(cfg.algo, on_policy=cfg.algo.on_policy)
     loss_fn = partial(objective, norm=global_loss_norm(batch.response_mask, group=dp))
     engine.train_step(batch.tokens, objective.inputs(batch), loss_fn, entropy=objective.needs_entropy, ...)
 """
@@ -45,6 +45,10 @@ class PolicyObjective:
     rollout engine's logprobs when set) or GSPO's sequence-ratio clip. Every term is computed on response
     tokens only. Statistics (clip fraction, PPO KL, TIS weight, KL, entropy) are token means over the
     global batch.
+
+    `on_policy`: the old logprobs are the detached logprobs of this very forward (AlgoConfig.on_policy: one
+    optimizer step per batch, so they are what a separate forward of the same weights would compute), and
+    the batch does not carry them.
     """
 
     surrogate: Literal["ppo", "gspo"]
@@ -57,11 +61,12 @@ class PolicyObjective:
     kl_estimator: str = "k3"
     kl_agg: str = "token-mean"
     entropy_coef: float = 0.0
+    on_policy: bool = False
 
     @property
     def fields(self) -> tuple[str, ...]:
         """The RolloutBatch fields the loss reads, each [B, T]."""
-        return ("response_mask", "old_logprobs", "advantages",
+        return ("response_mask", *(() if self.on_policy else ("old_logprobs",)), "advantages",
                 *(("ref_logprobs",) if self.kl_coef > 0 else ()),
                 *(("rollout_logprobs",) if self.tis_cap is not None else ()))
 
@@ -78,12 +83,13 @@ class PolicyObjective:
         """logprobs [b, T] (with grad), `mb` the micro-batch's slice of `inputs(batch)`, `entropy` [b, T]
         when `needs_entropy`; norm: the global batch's counts. Returns (loss, statistics)."""
         mask = mb["response_mask"]
+        old = logprobs.detach() if self.on_policy else mb["old_logprobs"]
         token_mean = partial(aggregate, mask=mask, mode="token-mean", norm=norm)
         if self.surrogate == "gspo":
-            per_token, stats = gspo_loss(logprobs, mb["old_logprobs"], masked_mean(mb["advantages"], mask, dim=-1),
+            per_token, stats = gspo_loss(logprobs, old, masked_mean(mb["advantages"], mask, dim=-1),
                                          mask, clip_low=self.clip_low, clip_high=self.clip_high)
         else:
-            per_token, stats = ppo_clip_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask,
+            per_token, stats = ppo_clip_loss(logprobs, old, mb["advantages"], mask,
                                              clip_low=self.clip_low, clip_high=self.clip_high,
                                              dual_clip=self.dual_clip, rollout_logprobs=mb.get("rollout_logprobs"),
                                              tis_cap=self.tis_cap)
@@ -105,16 +111,17 @@ class PolicyObjective:
         return loss, out
 
 
-def policy_objective(algo: AlgoConfig) -> PolicyObjective:
+def policy_objective(algo: AlgoConfig, *, on_policy: bool = False) -> PolicyObjective:
     """The recipe's policy loss. The KL to the reference is a loss term when `algo.kl_coef` > 0 and the KL
     is not folded into the rewards (`algo.kl_in_reward`); it is aggregated like the surrogate unless
-    `algo.kl_loss_agg` says otherwise."""
+    `algo.kl_loss_agg` says otherwise. With `on_policy` (a run passes `algo.on_policy`) the old logprobs
+    come from the training forward, not the batch."""
     kl_in_loss = algo.kl_coef > 0 and not algo.kl_in_reward
     return PolicyObjective(
         surrogate="gspo" if algo.name == "gspo" else "ppo", loss_agg=algo.loss_agg,
         clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip, tis_cap=algo.tis_cap,
         kl_coef=algo.kl_coef if kl_in_loss else 0.0, kl_estimator=algo.kl_estimator,
-        kl_agg=algo.kl_loss_agg or algo.loss_agg, entropy_coef=algo.entropy_coef)
+        kl_agg=algo.kl_loss_agg or algo.loss_agg, entropy_coef=algo.entropy_coef, on_policy=on_policy)
 
 
 @dataclass(frozen=True)
@@ -162,7 +169,7 @@ def advantage_fn(algo: AlgoConfig, *, group) -> AdvantageFn:
         return batch.rewards
 
     def token_rewards(batch: RolloutBatch, kl_coef: float) -> Tensor:
-        kl = torch.zeros_like(batch.old_logprobs)
+        kl = torch.zeros_like(batch.response_mask, dtype=torch.float32)
         if algo.kl_in_reward and batch.ref_logprobs is not None:
             kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, kind=algo.kl_estimator,
                              mask=batch.response_mask)

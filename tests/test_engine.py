@@ -269,6 +269,76 @@ def test_step0_reference_equals_actor_and_ppo_is_on_policy(qwen2_dir, groups):
     assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
 
 
+# ---- core attention ------------------------------------------------------------------------------------------
+def test_fused_core_attention_computes_megatrons_local_attention(qwen2_dir, groups):
+    """The local spec's core attention runs torch's fused SDPA; Megatron's own three-matmul attention (the
+    parent class) computes the same numbers under the causal mask and under a packed block mask, with
+    grouped keys and values. 1e-6: fp32, the same sums in another kernel's order."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megarl.engine.local_attention import block_causal_mask
+
+    core = make_engine(qwen2_dir, groups, train=False).module.decoder.layers[0].self_attention.core_attention
+    assert core.fused
+    heads, groups_, dim = (core.num_attention_heads_per_partition, core.num_query_groups_per_partition,
+                           core.hidden_size_per_attention_head)
+    assert heads > groups_  # the model has grouped keys and values
+    gen = torch.Generator().manual_seed(0)
+    seq, batch = 12, 3
+    q = torch.randn(seq, batch, heads, dim, generator=gen)
+    k, v = (torch.randn(seq, batch, groups_, dim, generator=gen) for _ in range(2))
+    causal = core.attend(q, k, v, None)
+    assert causal.shape == (seq, batch, heads * dim)
+    assert (causal - DotProductAttention.forward(core, q, k, v, None)).abs().max() <= 1e-6
+    mask = block_causal_mask(torch.tensor([0, 5, 12]), seq, device="cpu")
+    packed = core.attend(q, k, v, mask)
+    assert (packed - DotProductAttention.forward(core, q, k, v, mask)).abs().max() <= 1e-6
+    assert (packed - causal).abs().max() > 1e-3  # the mask acted: the second segment sees less
+
+
+# ---- the on-policy shortcut -----------------------------------------------------------------------------------
+def test_on_policy_step_takes_its_old_logprobs_from_the_training_forward(qwen2_dir, groups):
+    """One optimizer step per batch: the loss that takes its old logprobs from its own forward (detached)
+    has the loss, gradients and update of the loss given the logprobs of a separate forward of the same
+    weights, and the step returns those logprobs. Tolerance 1e-6: the eval and the training forward are the
+    same fp32 math (no dropout), run once without and once with autograd."""
+    from megarl.algo.aggregate import global_loss_norm
+    from megarl.config import AlgoConfig
+    from megarl.objective import policy_objective
+
+    tokens = fixed_tokens()
+    mask = response_mask(tokens)
+    reference = make_engine(qwen2_dir, groups, train=False)
+    ref = reference.logprobs(tokens, temperature=1.0, micro_batch_size=2) * mask
+    noise = 0.2 * torch.randn(tokens.shape, generator=torch.Generator().manual_seed(3))
+    # KL to the reference in the loss and TIS against rollout logprobs: every term that reads the old logprobs
+    algo = AlgoConfig(kl_coef=0.1, tis_cap=1.5)
+    assert algo.on_policy
+    batch = {"response_mask": mask, "ref_logprobs": ref, "rollout_logprobs": (ref + noise) * mask,
+             "advantages": torch.linspace(-1.0, 1.0, tokens.shape[0])[:, None] * mask}
+    norm = global_loss_norm(mask)
+
+    recomputed = make_engine(qwen2_dir, groups, train=True)
+    old = recomputed.logprobs(tokens, temperature=1.0, micro_batch_size=2) * mask
+    objective = policy_objective(algo)
+    assert "old_logprobs" in objective.fields
+    expected = recomputed.train_step(tokens, batch | {"old_logprobs": old}, partial(objective, norm=norm),
+                                     temperature=1.0, micro_batch_size=2)
+
+    shortcut = make_engine(qwen2_dir, groups, train=True)
+    objective = policy_objective(algo, on_policy=True)
+    assert "old_logprobs" not in objective.fields
+    metrics, logprobs = shortcut.train_step(tokens, batch, partial(objective, norm=norm), temperature=1.0,
+                                            micro_batch_size=2, return_outputs=True)
+    assert (logprobs * mask - old).abs().max() <= 1e-6
+    assert expected["grad_norm"] > 0 and expected["tis_weight_mean"] < 1.0  # TIS acted
+    for key in ("loss", "pg_loss", "kl", "grad_norm", "tis_weight_mean", "clipfrac"):
+        assert metrics[key] == pytest.approx(expected[key], abs=1e-6), key
+    updated = dict(shortcut.hf_tensors())
+    for name, tensor in recomputed.hf_tensors():
+        assert (updated[name] - tensor).abs().max() <= 1e-6, name
+
+
 # ---- micro-batch invariance ------------------------------------------------------------------------------
 def test_train_step_is_invariant_to_micro_batch_size(qwen2_dir, groups):
     from megarl.algo.aggregate import global_loss_norm

@@ -236,3 +236,25 @@ def test_select_and_concat_keep_every_field_aligned():
     assert joined.ref_logprobs is None
     with pytest.raises(ValueError, match="set in some batches only"):
         RolloutBatch.concat([a, b.replace(advantages=torch.zeros(3, 4))], pad_id=0)
+
+
+def test_the_update_is_on_policy_only_with_one_step_per_batch_and_nothing_reading_old_logprobs_before_it():
+    assert AlgoConfig().on_policy
+    assert AlgoConfig(kl_coef=0.1).on_policy  # a KL loss term reads the training forward's own logprobs
+    assert not AlgoConfig(epochs=2).on_policy  # the second epoch's model is not the one that sampled
+    # a KL in the reward is computed from the old logprobs before the update, for the advantages
+    assert not AlgoConfig(name="ppo", kl_coef=0.1, kl_in_reward=True).on_policy
+    assert AlgoConfig(name="ppo", kl_coef=0.0, kl_in_reward=True).on_policy  # no reference, no KL
+    assert not AlgoConfig(recompute_old_logprobs=True).on_policy
+
+
+def test_an_on_policy_loss_neither_reads_nor_needs_old_logprobs_in_the_batch():
+    # one token, advantage 1, logprob -1: with the old logprob taken from the forward the ratio is 1
+    objective = policy_objective(AlgoConfig(), on_policy=True)
+    logprobs = torch.tensor([[0.0, -1.0]], requires_grad=True)
+    mb = {"response_mask": torch.tensor([[0.0, 1.0]]), "advantages": torch.tensor([[0.0, 1.0]])}
+    loss, stats = objective(logprobs, mb, norm=LossNorm(tokens=1.0, seqs=1.0, max_len=2))
+    loss.backward()
+    close(loss.detach(), -1.0)  # -ratio * A
+    close(logprobs.grad, [[0.0, -1.0]])  # d(-exp(lp - sg(lp)) * A) / d lp = -A
+    assert float(stats["clipfrac"]) == 0.0 and float(stats["ppo_kl"]) == 0.0

@@ -81,7 +81,7 @@ def global_loss_norm(mask: Tensor, *, group=None) -> LossNorm:
     valid = mask.bool()
     counts = torch.stack([valid.sum(), valid.any(dim=-1).sum()]).double()
     max_len = torch.tensor([mask.shape[-1]], dtype=torch.int64, device=mask.device)
-    if group is not None:
+    if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
         dist.all_reduce(max_len, op=dist.ReduceOp.MAX, group=group)
     return LossNorm(tokens=counts[0].item(), seqs=counts[1].item(), max_len=int(max_len.item()))

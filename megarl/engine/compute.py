@@ -37,12 +37,14 @@ class PipelineSchedule:
 
     def run(self, tokens: Tensor, extras: dict[str, Tensor], loss_fn: LossFn | None, *, temperature: float,
              micro_batch_size: int, forward_only: bool, entropy: bool = False, lengths: Tensor | None = None,
-             micro_batch_tokens: int | None = None) -> tuple[Tensor | None, dict[str, Tensor]]:
+             micro_batch_tokens: int | None = None, keep_outputs: bool = False
+             ) -> tuple[Tensor | None, dict[str, Tensor]]:
         """Run the pipeline schedule over micro-batches.
 
         The head's output per token, [b, T] (logprobs of an LM, values of a critic), goes to `loss_fn`
-        (with `entropy=` [b, T] as well when asked). Returns (the outputs [B, T] when `loss_fn` is None or
-        `forward_only`, else None; the loss function's statistics summed over micro-batches).
+        (with `entropy=` [b, T] as well when asked). Returns (the outputs [B, T], detached, when `loss_fn` is
+        None, `forward_only` or `keep_outputs`, on the last pipeline stage, else None; the loss function's
+        statistics summed over micro-batches).
 
         Micro-batches hold `micro_batch_size` padded rows, or, with `micro_batch_tokens`, are packed rows
         of at most that many tokens (`lengths` [B], the real tokens of each row of `tokens`, is then
@@ -144,7 +146,7 @@ class PipelineSchedule:
             loss, stats = loss_fn(out, mb, **kwargs)
             for key, value in stats.items():
                 stat_sums[key] = stat_sums.get(key, 0.0) + value.detach().float()
-            if forward_only:
+            if forward_only or keep_outputs:
                 chunks.append((index, out.detach()))
             return loss * loss_scale, {}
 

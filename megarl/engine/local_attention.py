@@ -14,6 +14,12 @@ Context parallelism: each rank holds two chunks of every sequence (megarl.engine
 rotary embeddings already applied at their true positions. Keys and values are all-gathered over the
 context-parallel group, and the causal mask compares true positions: this rank's queries against every
 rank's keys. Transformer Engine exchanges them in a ring instead; the result is the same attention.
+
+The attention itself is torch's fused `scaled_dot_product_attention` (causal, or under the mask above;
+grouped keys and values without copies) whenever it computes what Megatron's local attention computes:
+softmax(scale * q k^T) v with the vanilla softmax and no attention dropout, the recipes' settings. Megatron's
+version takes three matmuls, a GQA copy of keys and values and a mask built per call; softmax-offset
+variants and attention dropout still go through it.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
 from torch import Tensor
 
 from megarl.engine.context_parallel import all_gather_keys_values, cp_positions
@@ -56,6 +64,26 @@ class PackedLocalAttention(DotProductAttention):
         super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
                          softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
         self.cp_group = cp_group
+        # The parent scales the scores by softmax_scale and, with query-key layer scaling, the softmax's
+        # input by the layer number it divided out of softmax_scale: one scale in all.
+        layer_scaling = self.layer_number if self.config.apply_query_key_layer_scaling else 1
+        self.fused_scale = self.softmax_scale * layer_scaling
+        self.fused = self.config.softmax_type == "vanilla" and self.attention_dropout.p == 0.0
+
+    def attend(self, query: Tensor, key: Tensor, value: Tensor, masked: Tensor | None, *, attn_mask_type=None,
+               attention_bias=None) -> Tensor:
+        """Attention of query [sq, b, heads, dim] over key and value [sk, b, groups, dim] -> [sq, b, heads * dim],
+        under `masked` (bool, broadcastable to [b, heads, sq, sk], True where masked) or, when it is None, the
+        causal mask of the layer."""
+        if not self.fused or attention_bias is not None or (masked is None and self.attn_mask_type != AttnMaskType.causal):
+            return super().forward(query, key, value, masked, attn_mask_type=attn_mask_type,
+                                   attention_bias=attention_bias)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads or groups, s, dim]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if masked is None else ~masked,
+                                             is_causal=masked is None, scale=self.fused_scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        sq, b = query.shape[:2]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                 attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> Tensor:
@@ -68,15 +96,14 @@ class PackedLocalAttention(DotProductAttention):
             cp = self.cp_group.size()
             query_pos = cp_positions(query.shape[0] * cp, cp=cp, rank=self.cp_group.rank(), device=query.device)
             mask = (key_pos[None, :] > query_pos[:, None])[None, None]  # [1, 1, s, cp * s]
-            return super().forward(query, key, value, mask, attn_mask_type=attn_mask_type,
-                                   attention_bias=attention_bias)
+            return self.attend(query, key, value, mask, attn_mask_type=attn_mask_type, attention_bias=attention_bias)
         if packed_seq_params is None:
-            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                                   attention_bias=attention_bias)
+            return self.attend(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                               attention_bias=attention_bias)
         if packed_seq_params.qkv_format != "thd" or attention_mask is not None:
             raise ValueError("packed attention takes qkv_format 'thd' and no attention mask of its own")
         total = query.shape[0]
         mask = block_causal_mask(packed_seq_params.cu_seqlens_q, total, device=query.device)
         # [t, heads, dim] -> [t, 1, heads, dim]: one row of t tokens; the result is [t, 1, heads * dim]
-        return super().forward(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask,
-                               attn_mask_type=attn_mask_type, attention_bias=attention_bias)
+        return self.attend(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask,
+                           attn_mask_type=attn_mask_type, attention_bias=attention_bias)

@@ -196,21 +196,25 @@ class TrainEngine:
 
     def train_step(self, tokens: Tensor, extras: dict[str, Tensor], loss_fn: LossFn, *, temperature: float,
                    micro_batch_size: int, entropy: bool = False, lengths: Tensor | None = None,
-                   micro_batch_tokens: int | None = None) -> dict[str, float]:
+                   micro_batch_tokens: int | None = None, return_outputs: bool = False
+                   ) -> dict[str, float] | tuple[dict[str, float], Tensor]:
         """One optimizer step on this rank's share [B, T] of the global batch, at learning rate
         `optim.lr_at(step)`.
 
         `loss_fn(outputs [b, T], micro-batch dict)` sees logprobs (values for a critic), plus
         `entropy=` [b, T] when `entropy` is True; `micro_batch_tokens` packs sequences of `lengths` [B]
         tokens into micro-batches. Returns its statistics summed over micro-batches and DP ranks (each one a
-        contribution normalized by global counts, so the sums are global means), plus `grad_norm` and `lr`.
+        contribution normalized by global counts, so the sums are global means), plus `grad_norm` and `lr`;
+        with `return_outputs`, also the outputs [B, T] the loss saw (before the update, detached), on every
+        rank of the pipeline, as `logprobs` / `values` return them.
         """
         lr = self.optim.lr_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        _, stats = self.schedule.run(tokens, extras, loss_fn, temperature=temperature,
-                                     micro_batch_size=micro_batch_size, forward_only=False, entropy=entropy,
-                                     lengths=lengths, micro_batch_tokens=micro_batch_tokens)
+        out, stats = self.schedule.run(tokens, extras, loss_fn, temperature=temperature,
+                                       micro_batch_size=micro_batch_size, forward_only=False, entropy=entropy,
+                                       lengths=lengths, micro_batch_tokens=micro_batch_tokens,
+                                       keep_outputs=return_outputs)
         ok, grad_norm, _ = self.optimizer.step()
         for model in self.models:
             model.zero_grad_buffer()
@@ -221,6 +225,8 @@ class TrainEngine:
         if not ok:
             metrics["skipped_step"] = 1.0
         metrics["lr"] = lr
+        if return_outputs:
+            return metrics, self.schedule.from_last_stage(out, tokens.shape).cpu()
         return metrics
 
 

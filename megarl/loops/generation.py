@@ -154,7 +154,7 @@ def generate(run: RLRun, rows: list[PromptRow], *, n_samples: int) -> Generated:
             run.rollout, [samples[i][2] for i in part], [run.new_env() for _ in part],
             [(samples[i][1].prompt, samples[i][1].metadata) for i in part], tokenizer=run.tokenizer,
             observations=run.observations, limits=run.cfg.env, temperature=cfg.temperature, top_p=cfg.top_p,
-            max_new_tokens=cfg.max_new_tokens, on_last_turn=last_turn))
+            max_new_tokens=cfg.max_new_tokens, on_last_turn=last_turn, workers=run.env_workers))
     trajectories: dict[int, Trajectory] = {}
     for done in _exchange(place, mine):
         if done is not None:
@@ -197,8 +197,11 @@ def _exchange(place: RolloutPlacement, item) -> list:
 
 
 def response_text(tokenizer, trajectory: Trajectory) -> str:
-    """What the reward terms score: the model's last turn, decoded."""
-    return tokenizer.decode(trajectory.last_turn, skip_special_tokens=True)
+    """What the reward terms score: the model's last turn, decoded (once: the scorer reads it as soon as
+    the turn is final, the batch keeps it)."""
+    if trajectory.last_turn_text is None:
+        trajectory.last_turn_text = tokenizer.decode(trajectory.last_turn, skip_special_tokens=True)
+    return trajectory.last_turn_text
 
 
 def score(run: RLRun, generated: Generated) -> tuple[RolloutBatch | None, int, int, int]:

@@ -53,7 +53,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
     with timer("balance"):  # after advantages: a group's baseline needs all its samples on one rank
         batch, tokens_imbalance = redistribute(batch, group=run.groups.dp, pad_id=run.tokenizer.pad_token_id)
     with timer("train"):
-        train_metrics = train_policy(run, batch, step=step)
+        train_metrics, batch = train_policy(run, batch, step=step)
         train_metrics |= train_critic(run, batch) if run.critic is not None else {}
     push_stats = hand_over(run, timer)
     with timer("eval"):
@@ -72,29 +72,36 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
 
 # ---- phases -------------------------------------------------------------------------------------------
 def compute_logprobs(run: RLRun, batch: RolloutBatch) -> RolloutBatch:
-    """Old (actor), reference and critic outputs [B, T] on the response tokens, before any update."""
+    """Old (actor), reference and critic outputs [B, T] on the response tokens, before any update. An
+    on-policy update takes the actor's from its training forward instead (`train_policy`)."""
     micro = micro_batching(run.cfg.train, batch)
     kwargs = dict(temperature=run.cfg.rollout.temperature, **micro)
     mask = batch.response_mask
-    old = run.actor.logprobs(batch.tokens, **kwargs) * mask
+    old = None if run.objective.on_policy else run.actor.logprobs(batch.tokens, **kwargs) * mask
     ref = run.reference.logprobs(batch.tokens, **kwargs) * mask if run.reference else None
     values = run.critic.values(batch.tokens, **micro) * mask if run.critic else None
     return batch.replace(old_logprobs=old, ref_logprobs=ref, values=values)
 
 
-def train_policy(run: RLRun, batch: RolloutBatch, *, step: int) -> dict[str, float]:
-    """`algo.epochs` optimizer steps of the actor on the batch, with the objective built from the recipe."""
+def train_policy(run: RLRun, batch: RolloutBatch, *, step: int) -> tuple[dict[str, float], RolloutBatch]:
+    """`algo.epochs` optimizer steps of the actor on the batch, with the objective built from the recipe.
+    Returns the last step's metrics and the batch, which holds the old logprobs afterwards: an on-policy
+    update's come from its one training forward."""
     cfg, objective = run.cfg, run.objective
     norm = global_loss_norm(batch.response_mask, group=run.groups.dp)
     # Dr. GRPO's constant divisor is the generation budget, not the longest response of this batch
     loss_fn = partial(objective, norm=dataclasses.replace(norm, max_len=cfg.rollout.max_new_tokens))
-    metrics: dict[str, float] = {}
-    for _ in range(cfg.algo.epochs):
-        metrics = run.actor.train_step(batch.tokens, objective.inputs(batch), loss_fn,
-                                       temperature=cfg.rollout.temperature, entropy=objective.needs_entropy,
-                                       **micro_batching(cfg.train, batch))
+    kwargs = dict(temperature=cfg.rollout.temperature, entropy=objective.needs_entropy,
+                  **micro_batching(cfg.train, batch))
+    if objective.on_policy:  # one epoch (AlgoConfig.on_policy)
+        metrics, logprobs = run.actor.train_step(batch.tokens, objective.inputs(batch), loss_fn,
+                                                 return_outputs=True, **kwargs)
+        batch = batch.replace(old_logprobs=logprobs * batch.response_mask)
+    else:
+        for _ in range(cfg.algo.epochs):
+            metrics = run.actor.train_step(batch.tokens, objective.inputs(batch), loss_fn, **kwargs)
     check_finite(metrics, step=step, what="policy", keep=partial(keep_batch, run, batch, step=step))
-    return metrics
+    return metrics, batch
 
 
 def train_critic(run: RLRun, batch: RolloutBatch) -> dict[str, float]:
@@ -243,5 +250,7 @@ def train(cfg: Config) -> Path:
                          desc="rl", on_start=lambda: hand_over(run, PhaseTimer()))
     finally:
         run.scorer.close()
+        if run.env_workers is not None:
+            run.env_workers.retire()
         if run.rollout is not None:
             run.rollout.shutdown()

@@ -30,6 +30,7 @@ from megarl.rewards.scorer import Scorer
 from megarl.rewards.terms import build_terms
 from megarl.rollout.backends import make_rollout_engine
 from megarl.rollout.engine import RolloutEngine
+from megarl.rollout.multi_turn import EnvWorkers
 from megarl.rollout.placement import RolloutPlacement, place_rollout
 
 
@@ -60,6 +61,7 @@ class RLRun:
     new_env: Callable[[], Environment] = SingleTurn  # one trajectory's environment (env.name)
     tool_schemas: list[dict] = dataclasses.field(default_factory=list)  # the environment's tools, for the prompt
     observations: ObservationFormat | None = None  # renders tool messages; None when the env sends none
+    env_workers: EnvWorkers | None = None  # the threads of the environment steps, kept from step to step
 
     def trainer_engines(self) -> list[TrainEngine]:
         return [e for e in (self.actor, self.reference, self.critic) if e is not None]
@@ -131,8 +133,8 @@ def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: lis
                               dp_size=groups.dp_size),
         actor=actor, reference=reference, critic=critic,
         rollout=rollout, placement=placement, prompts_per_rank=cfg.data.prompts_per_step // groups.dp_size,
-        objective=policy_objective(algo),
+        objective=policy_objective(algo, on_policy=algo.on_policy),
         critic_objective=CriticObjective(value_clip=cfg.critic.value_clip) if critic is not None else None,
         advantages=advantage_fn(algo, group=groups.dp), kl=kl_controller(algo), scorer=Scorer(cfg.reward),
         reward_models=reward_models, new_env=new_env, tool_schemas=new_env().tools,
-        observations=observation_format(cfg.env, tokenizer))
+        observations=observation_format(cfg.env, tokenizer), env_workers=EnvWorkers(cfg.env.tool_workers))

@@ -50,6 +50,7 @@ class Trajectory:
     tool_calls: int = 0
     tool_time_s: float = 0.0
     env_reward: float = 0.0  # sum of the environment's step rewards
+    last_turn_text: str | None = None  # the last turn decoded for the rewards, once it is final
 
     def add(self, ids: list[int], logprobs: list[float] | None) -> None:
         """Append generated ids (with their logprobs) or, with logprobs None, observation ids."""
@@ -58,10 +59,32 @@ class Trajectory:
         self.logprobs += [0.0] * len(ids) if logprobs is None else logprobs
 
 
+class EnvWorkers:
+    """The threads that run environment steps, kept from one `run_trajectories` call to the next: starting
+    a pool's threads costs milliseconds, as much as a small model's whole decode. A step left running past
+    its limit keeps its thread busy, so a call in which one did retires the pool (its threads finish on
+    their own) and the next call starts a fresh one."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._pool: ThreadPoolExecutor | None = None
+
+    def pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.size, thread_name_prefix="megarl-env")
+        return self._pool
+
+    def retire(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
 def run_trajectories(engine, prompts: Sequence[list[int]], envs: Sequence[Environment],
                      rows: Sequence[tuple[str, dict]], *, tokenizer, observations: ObservationFormat | None,
                      limits: EnvConfig, temperature: float, top_p: float, max_new_tokens: int,
-                     on_last_turn: Callable[[int, Trajectory], None] | None = None) -> list[Trajectory]:
+                     on_last_turn: Callable[[int, Trajectory], None] | None = None,
+                     workers: EnvWorkers | None = None) -> list[Trajectory]:
     """One trajectory per prompt, each with its own environment (reset with its row's (prompt text,
     metadata)). `max_new_tokens` limits each turn; `limits` the turns, tokens and tool time of a trajectory.
     `observations` renders tool messages; it may be None only when no environment returns any.
@@ -69,7 +92,9 @@ def run_trajectories(engine, prompts: Sequence[list[int]], envs: Sequence[Enviro
     `on_last_turn(i, trajectory)` is called once per trajectory, as soon as its last turn is known, so
     its response can be scored while others are still generating: within the engine call, when the turn
     hit a token limit or was the last turn allowed; otherwise once its environment step ended it. Its
-    response ids are final then; its finish reason and environment reward may not be yet."""
+    response ids are final then; its finish reason and environment reward may not be yet.
+
+    `workers` runs the environment steps (a pool of `env.tool_workers` threads for this call when None)."""
     eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     # single_turn's step always ends the episode, so its first turn is known to be the last one before the
     # step runs (the finish reason is still the step's "stop").
@@ -105,7 +130,9 @@ def run_trajectories(engine, prompts: Sequence[list[int]], envs: Sequence[Enviro
                 last_turn_known(i)
 
     active = list(range(len(prompts)))
-    pool = ThreadPoolExecutor(max_workers=limits.tool_workers, thread_name_prefix="megarl-env")
+    own_workers = workers is None
+    workers = EnvWorkers(limits.tool_workers) if own_workers else workers
+    left_running = False
     try:
         while active:
             budget = {i: _tokens_left(trajectories[i], limits, max_new_tokens) for i in active}
@@ -122,7 +149,8 @@ def run_trajectories(engine, prompts: Sequence[list[int]], envs: Sequence[Enviro
                             eos_id=eos_id, pad_id=pad_id, on_response=end_turn)
             stepping.sort()  # responses end in any order; the next round's batch keeps the trajectories' order
             texts = {i: _turn_text(tokenizer, trajectories[i].last_turn, eos_id) for i in stepping}
-            results = _step_all(pool, envs, texts, trajectories, limits)
+            results = _step_all(workers.pool(), envs, texts, trajectories, limits) if texts else {}
+            left_running |= "tool_time" in results.values()
             active = []
             for i in stepping:
                 traj, result = trajectories[i], results[i]
@@ -143,8 +171,12 @@ def run_trajectories(engine, prompts: Sequence[list[int]], envs: Sequence[Enviro
                     else:
                         traj.add(obs, None)
                         active.append(i)
+    except BaseException:
+        left_running = True  # steps may still be queued or running
+        raise
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)  # steps past their limit finish on their own
+        if own_workers or left_running:
+            workers.retire()  # steps past their limit finish on their own
     return trajectories
 
 
