@@ -1,7 +1,7 @@
 """Weight-push throughput and peak extra memory, for a model shaped like Qwen2.5-0.5B.
 
     python tools/bench_handoff.py [--device cpu|cuda] [--engine sglang|native] [--bucket-mb 64]
-                                  [--dtype bfloat16] [--repeats 2] [--workdir DIR]
+                                  [--dtype bfloat16] [--repeats 5] [--threads 1] [--workdir DIR]
 
 Writes a checkpoint with Qwen2.5-0.5B's config and tensor shapes (random values, nothing downloaded),
 starts the rollout engine on it, and pushes a second copy of every tensor through megarl.handoff
@@ -131,9 +131,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--engine", default="sglang", choices=["sglang", "native"])
     parser.add_argument("--bucket-mb", type=float, default=64.0, help="handoff bucket size (rollout.bucket_bytes)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--repeats", type=int, default=2, help="timed pushes and copies; the fastest counts")
+    parser.add_argument("--repeats", type=int, default=5, help="timed pushes and copies; the fastest counts")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1: stable ratios on a shared machine; 0: torch's default)")
     parser.add_argument("--workdir", help="where the checkpoint is written (default: a temporary directory)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible")
     if (args.device == "cuda") != torch.cuda.is_available() and args.engine == "sglang":

@@ -12,6 +12,8 @@ shows up as lost throughput. Single process (TP = PP = DP = 1); fp32 on CPU, the
 1. Megatron vs transformers on full-length rows (no padding): TrainEngine.train_step with the RL policy
    loss (`megarl.objective.PolicyObjective`, PPO clip, token mean) vs AutoModelForCausalLM forward, the same loss
    on the same logprobs, backward and a torch AdamW step, over the same micro-batches.
+   Attention is torch's fused scaled_dot_product_attention on both sides on CPU (megarl's local-spec core
+   attention, transformers' "sdpa" implementation); on GPU with Transformer Engine, megarl runs TE's.
 2. Packed vs padded on a ragged batch (lengths uniform in [seq_len / 8, seq_len], as RL responses spread):
    train.micro_batch_tokens = micro_batch_size * seq_len against train.micro_batch_size.
 """
@@ -114,9 +116,10 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--seq-len", type=int, default=256, help="T: the longest sequence")
     parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1: stable ratios on a shared machine; 0: torch's default)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     if args.threads:
