@@ -32,3 +32,19 @@ def test_inference_mode_samples_what_autograd_mode_sampled(qwen2_dir):
     assert fast.response_ids == slow.response_ids
     assert fast.logprobs == slow.logprobs  # bit for bit: the same kernels on the same inputs
     assert fast.finish_reasons == slow.finish_reasons
+
+
+def test_sampled_logprobs_are_those_of_a_full_forward_of_each_sequence(qwen2_dir):
+    """What the trainer recomputes: each response token's logprob from one forward of its own sequence
+    (prompt and response, no padding, no cache). 1e-5: fp32, cached decode against a whole-sequence pass."""
+    from transformers import AutoModelForCausalLM
+
+    out = sample(NativeEngine(str(qwen2_dir), seed=5, device="cpu"))
+    model = AutoModelForCausalLM.from_pretrained(str(qwen2_dir), dtype=torch.float32).eval()
+    assert any(len(ids) > 1 for ids in out.response_ids)
+    for prompt, ids, logprobs in zip(PROMPTS, out.response_ids, out.logprobs):
+        seq = torch.tensor([prompt + ids])
+        with torch.no_grad():
+            full = torch.log_softmax(model(seq).logits[0, len(prompt) - 1: -1].float(), dim=-1)
+        expected = full.gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+        assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-5), (prompt, ids)

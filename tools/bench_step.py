@@ -16,7 +16,8 @@ same arithmetic task.
 The two steps alternate (megarl, plain, megarl, ...), so load from other processes falls on both alike;
 each run drops its first step of each side (warm-up) and reports the median of the rest. With `--runs`
 N the whole comparison is repeated with fresh models and the median of the N ratios is printed last.
-Per-phase times are megarl's own `timing/*` metrics and, for the plain step, generate / reward / train.
+Per-phase times are megarl's own `timing/*` metrics and, for the plain step, generate / reward / train
+(wall clock both). `--clock cpu` times whole steps by the process's CPU time instead of the wall clock.
 """
 
 from __future__ import annotations
@@ -165,11 +166,12 @@ def compare(args, tmp: Path) -> tuple[float, dict[str, list[float]], dict[str, l
                       weight_decay=optim.weight_decay, grad_clip=optim.grad_clip, clip=algo.clip_low, **sizes)
     seconds: dict[str, list[float]] = {"megarl": [], "plain": []}
     phases: dict[str, dict[str, list[float]]] = {"megarl": {}, "plain": {}}
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     for i in range(args.steps + 1):
         for side, step in (("megarl", megarl), ("plain", plain)):
-            began = time.perf_counter()
+            began = clock()
             parts = step()
-            took = time.perf_counter() - began
+            took = clock() - began
             if i == 0:
                 continue
             seconds[side].append(took)
@@ -188,6 +190,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps of each side per run")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="time steps by the wall clock, or by this process's CPU time (on a machine busy with "
+                             "other work, closer to what each step costs; the phases stay wall times)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -208,7 +213,7 @@ def main() -> None:
             print(f"    {side:>6} phases (ms, median): {parts}")
         reset_distributed()
     print(f"shape {args.shape}, {args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens, "
-          f"{args.threads} thread(s): megarl / plain throughput, median of {args.runs} runs: "
+          f"{args.threads} thread(s), {args.clock} clock: megarl / plain throughput, median of {args.runs} runs: "
           f"{statistics.median(ratios):.2f}x  (runs: {', '.join(f'{r:.2f}' for r in ratios)})")
 
 

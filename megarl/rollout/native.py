@@ -68,6 +68,9 @@ class NativeEngine:
         # transformers 5.20+ names the KV cache argument `cache`; earlier releases `past_key_values`.
         forward_args = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
+        # Sampling reads the last position's logits only; models that can skip the vocabulary projection of
+        # the others (the prompt's, at the first step) are told so.
+        self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in forward_args else {}
 
     @torch.no_grad()
     def rng_state(self) -> Tensor:
@@ -88,12 +91,13 @@ class NativeEngine:
         width = max(len(p) for p in prompts)
         # Left padding keeps every prompt's last token in the last column, so one step feeds one column.
         ids = torch.full((batch, width), pad_id, dtype=torch.long)
-        attention = torch.zeros((batch, width), dtype=torch.long)
+        # the attention mask of the prompts and of every token still to come (each step reads a longer prefix)
+        attention = torch.zeros((batch, width + max_new_tokens), dtype=torch.long)
         for i, prompt in enumerate(prompts):
             ids[i, width - len(prompt):] = torch.tensor(prompt)
             attention[i, width - len(prompt):] = 1
         ids, attention = ids.to(self.device), attention.to(self.device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        positions = (attention[:, :width].cumsum(-1) - 1).clamp(min=0)
         out_ids = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=self.device)
         out_logprobs = torch.zeros((batch, max_new_tokens), device=self.device)
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
@@ -109,8 +113,8 @@ class NativeEngine:
         cache = None
         step_ids = ids
         for t in range(max_new_tokens):
-            out = self.model(input_ids=step_ids, attention_mask=attention, position_ids=positions,
-                             use_cache=True, **{self._cache_arg: cache})
+            out = self.model(input_ids=step_ids, attention_mask=attention[:, : width + t], position_ids=positions,
+                             use_cache=True, **{self._cache_arg: cache}, **self._last_logits)
             cache = out.cache if self._cache_arg == "cache" else out.past_key_values
             logprobs = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)  # [B, V]
             token = self._sample(logprobs, top_p)
@@ -124,7 +128,6 @@ class NativeEngine:
             if bool(done.all()):
                 break
             step_ids = token[:, None]
-            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
             positions = positions[:, -1:] + 1
         ended((~done).nonzero().squeeze(1), "length")
         ordered = [responses[i] for i in range(batch)]
