@@ -296,6 +296,31 @@ def test_fused_core_attention_computes_megatrons_local_attention(qwen2_dir, grou
     assert (packed - causal).abs().max() > 1e-3  # the mask acted: the second segment sees less
 
 
+# ---- one-rank collectives --------------------------------------------------------------------------------------
+def test_one_rank_gradient_and_parameter_collectives_are_skipped_without_changing_the_update(qwen2_dir, groups):
+    """In a one-rank data-parallel group Megatron's gradient reduce-scatter and parameter all-gather are the
+    identity; skipping them leaves every updated weight bit for bit what running them gives."""
+    from megarl.algo.aggregate import global_loss_norm
+    from megarl.config import AlgoConfig
+    from megarl.objective import policy_objective
+
+    tokens = fixed_tokens()
+    mask = response_mask(tokens)
+    extras = {"response_mask": mask, "advantages": torch.linspace(-1.0, 1.0, tokens.shape[0])[:, None] * mask}
+    loss_fn = partial(policy_objective(AlgoConfig(), on_policy=True), norm=global_loss_norm(mask))
+    skipping, syncing = make_engine(qwen2_dir, groups, train=True), make_engine(qwen2_dir, groups, train=True)
+    for ddp in syncing.models:  # back to Megatron's own methods
+        assert "finish_grad_sync" in vars(ddp) and "start_param_sync" in vars(ddp)
+        del ddp.finish_grad_sync, ddp.start_param_sync
+    for _ in range(2):
+        metrics = [engine.train_step(tokens, extras, loss_fn, temperature=1.0, micro_batch_size=2)
+                   for engine in (skipping, syncing)]
+        assert metrics[0] == metrics[1]
+    synced = dict(syncing.hf_tensors())
+    for name, tensor in skipping.hf_tensors():
+        assert torch.equal(tensor, synced[name]), name
+
+
 # ---- the on-policy shortcut -----------------------------------------------------------------------------------
 def test_on_policy_step_takes_its_old_logprobs_from_the_training_forward(qwen2_dir, groups):
     """One optimizer step per batch: the loss that takes its old logprobs from its own forward (detached)
