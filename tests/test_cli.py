@@ -68,6 +68,9 @@ def test_train_writes_finite_metrics_for_every_step(trained_run):
         bad = {k: v for k, v in record.items() if not (isinstance(v, (int, float)) and math.isfinite(v))}
         assert not bad, bad
         assert record["throughput/tokens_per_s"] > 0
+    # the process's start-up (imports, models, the warm start, the first push) is in its first record only
+    assert records[0]["timing/startup_seconds"] > 0
+    assert not any("timing/startup_seconds" in r for r in records[1:])
 
 
 def test_rollout_logprobs_match_the_trainer_every_step(trained_run):

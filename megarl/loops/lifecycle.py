@@ -14,9 +14,11 @@ Stopped.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import torch.distributed as dist
 
 from megarl.checkpoint import save_hf
@@ -40,7 +42,8 @@ def run_steps(cfg: Config, state: RunState, *, step: Callable[[int], dict[str, f
     `log.every_steps` (and the last), a checkpoint every `checkpoint.every_steps`, and with
     `checkpoint.save_final` a last checkpoint plus the actor exported as an HF checkpoint. Returns the
     directory of that export. A signal (megarl.loops.stop) ends the run before its next step: the last
-    finished step is saved unless it already was, and Stopped is raised."""
+    finished step is saved unless it already was, and Stopped is raised. The first record written by this
+    process has `timing/startup_seconds`: seconds from the process's start to its first step."""
     start = restore_checkpoint(resume_from, state) if resume_from is not None else 0
     if dist.get_rank() == 0:
         dump_config(cfg, Path(cfg.run_dir) / "recipe.yaml")
@@ -50,6 +53,7 @@ def run_steps(cfg: Config, state: RunState, *, step: Callable[[int], dict[str, f
         if on_start is not None:
             on_start()
         saved, saved_step = resume_from, start
+        startup = {"timing/startup_seconds": time.time() - psutil.Process().create_time()}
         for n in range(start + 1, steps + 1):
             if exit_code := STOP.agreed():
                 if saved_step < n - 1:
@@ -57,7 +61,8 @@ def run_steps(cfg: Config, state: RunState, *, step: Callable[[int], dict[str, f
                 raise Stopped(step=n - 1, checkpoint=saved, exit_code=exit_code, signal_name=STOP.signal_name)
             metrics = step(n)
             if n % cfg.log.every_steps == 0 or n == steps:
-                writer.write(n, metrics)
+                writer.write(n, metrics | startup)
+                startup = {}
             if cfg.checkpoint.every_steps and n % cfg.checkpoint.every_steps == 0 and n < steps:
                 saved, saved_step = save_checkpoint(cfg, n, state), n
     finally:
