@@ -2,8 +2,9 @@
 (recipes/tool_calc_sft_tiny.yaml: 30% call the calculator, 70% guess), then GRPO with the calculator
 environment (recipes/tool_calc_tiny.yaml) makes it use the tool and so raises its reward.
 
-About 4 min of SFT and 2 min of RL on 2 busy cores; the SFT is what takes long (the copying skill appears
-after about 200 steps).
+About 6 min of SFT and 2 min of RL on 2 busy cores; the SFT is what takes long (the copying skill appears
+after about 200 steps; a warm start stopped there leaves RL a model that calls the tool but rarely copies its
+result, so the recipe trains 400).
 """
 
 from __future__ import annotations
@@ -62,16 +63,16 @@ def test_tool_recipe_runs_multi_turn_rollouts_through_the_trainer(tool_run):
 @pytest.mark.timeout(2 * TIMEOUT_S)
 def test_rl_raises_tool_use_and_reward(tool_run):
     # Measured over 30 steps (16 prompts x 4 samples each, drawn from 4,368 training problems, so mostly new
-    # ones): tool calls per trajectory 0.50 (first 10 steps) -> 0.94 (last 10); reward 0.08 -> 0.20.
+    # ones): tool calls per trajectory 0.66 (first 10 steps) -> 1.00 (last 10); reward 0.54 -> 0.88.
     calls_first, calls_last = (mean(m["env/tool_calls_mean"] for m in w) for w in (tool_run[:10], tool_run[-10:]))
     reward_first, reward_last = (mean(m["reward/mean"] for m in w) for w in (tool_run[:10], tool_run[-10:]))
-    # Half the measured rises. A 10-step reward mean over 640 samples at p ~ 0.15 has a standard error of
-    # about 0.014, so 0.06 is four standard errors of the difference above zero.
+    # Well under the measured rises (0.34 each). A 10-step reward mean over 640 samples at p ~ 0.5 has a
+    # standard error of about 0.02, so 0.15 is five standard errors of the difference above zero.
     assert calls_last - calls_first >= 0.2, (calls_first, calls_last)
-    assert reward_last - reward_first >= 0.06, (reward_first, reward_last)
+    assert reward_last - reward_first >= 0.15, (reward_first, reward_last)
     # Held out (64 problems never trained on, nor their mirror images), evaluated at steps 5 ... 30: tool
-    # calls measured 0.56 -> 0.97. The standard error of each rate is at most 0.0625, so a rise of 0.2 is
-    # more than two standard errors of the difference below the measured 0.41 and above zero.
+    # calls measured 0.75 -> 1.02. The standard error of each rate is at most 0.0625, so a rise of 0.1 is
+    # nearly two standard errors of the difference below the measured 0.27, and above zero.
     evals = [m for m in tool_run if "eval/tool_calls_mean" in m]
     assert [m["step"] for m in evals] == [5, 10, 15, 20, 25, 30]
-    assert evals[-1]["eval/tool_calls_mean"] - evals[0]["eval/tool_calls_mean"] >= 0.2, evals
+    assert evals[-1]["eval/tool_calls_mean"] - evals[0]["eval/tool_calls_mean"] >= 0.1, evals
