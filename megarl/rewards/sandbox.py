@@ -99,7 +99,7 @@ class SandboxServiceError(RuntimeError):
 
 @dataclass(frozen=True)
 class SandboxResult:
-    returncode: int | None  # exit status (minus the signal number when a signal ended it); None = wall-clock kill
+    returncode: int | None  # exit status, 128 + N when signal N ended the program; None = wall-clock kill
     stdout: str  # at most output_bytes of it
     stderr: str  # at most output_bytes of it
     mode: str  # cgroup | rlimit | insecure | service (see the module docstring)
@@ -322,31 +322,34 @@ def _end_run(proc: subprocess.Popen, info: bytes, cgroup: _RunCgroup | None) -> 
     Killing the PID namespace's first process (bwrap's child, its pid from --info-fd) makes the kernel kill
     every other process of the namespace, and that process is reaped, which lets bwrap exit, only after all
     of them are gone. So waiting for bwrap waits for the whole run."""
-    if proc.poll() is None:
-        _kill_namespace(proc, info)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # bwrap itself (its own session); its child dies with it
-        except ProcessLookupError:
-            pass
+    if proc.poll() is None and _kill_namespace(proc, info):
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+    if proc.poll() is None:  # bwrap's child unknown (bwrap failed early) or bwrap hung: kill bwrap, and by
+        with contextlib.suppress(ProcessLookupError):  # --die-with-parent its child
+            os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     if cgroup is not None:
         cgroup.kill()
 
 
-def _kill_namespace(proc: subprocess.Popen, info: bytes) -> None:
+def _kill_namespace(proc: subprocess.Popen, info: bytes) -> bool:
+    """SIGKILL bwrap's child, the first process of the run's PID namespace; whether it was signalled."""
     try:
         child_pid = int(json.loads(info)["child-pid"])
         pidfd = os.pidfd_open(child_pid)
     except (ValueError, KeyError, TypeError, ProcessLookupError):
-        return
+        return False
     try:
         # the pid is bwrap's child, not a process that reused a freed pid: bwrap is alive and has not reaped it
         with open(f"/proc/{child_pid}/stat") as f:
             parent = int(f.read().rsplit(")", 1)[1].split()[1])
         if parent == proc.pid:
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            return True
+        return False
     except (OSError, IndexError, ValueError):
-        pass
+        return False
     finally:
         os.close(pidfd)
 
@@ -475,7 +478,8 @@ def _run_insecure(code: str, limits: SandboxConfig, *, stdin: str) -> SandboxRes
             except ProcessLookupError:
                 pass
             proc.wait()
-        return SandboxResult(None if timed_out else proc.returncode, stdout.decode("utf-8", "replace"),
+        returncode = None if timed_out else proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+        return SandboxResult(returncode, stdout.decode("utf-8", "replace"),
                              stderr.decode("utf-8", "replace"), "insecure")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
