@@ -95,7 +95,8 @@ def attack_remount_and_kernel_interfaces():
               "for name, call in calls.items():\n"
               "    try:\n        print(name, call(), ctypes.get_errno())\n"
               "    except OSError as e:\n        print(name, 'OSError', e.errno)\n"
-              f"try:\n    open({str(site)!r}, 'w')\n    print('PLANTED')\nexcept OSError as e:\n    print('refused', e)\n")
+              f"try:\n    open({str(site)!r}, 'w')\n    print('PLANTED')\n"
+              "except OSError as e:\n    print('refused', e)\n")
     for line in out.splitlines()[:9]:
         assert line.split()[-2:] in (["-1", "1"], ["OSError", "1"], ["OSError", "2"]), out  # EPERM (ENOENT: no fd)
     assert "PLANTED" not in out and not site.exists(), out
@@ -210,7 +211,8 @@ def attack_outlive_the_wall_clock():
 def attack_stdout_symlink_and_fifo():
     os.environ.setdefault("MEGARL_ATTACK_PARENT_SECRET", uuid.uuid4().hex)
     out = run("import os\nfor name, target in (('stdout', '/proc/self/environ'), ('stderr', '/dev/zero')):\n"
-              "    os.symlink(target, name)\nos.mkfifo('fifo')\nos.symlink('/proc/1/environ', 'result')\nprint('done')\n")
+              "    os.symlink(target, name)\nos.mkfifo('fifo')\nos.symlink('/proc/1/environ', 'result')\n"
+              "print('done')\n")
     assert out == "done\n", out
 
 
@@ -221,8 +223,8 @@ def attack_flood_stdout():
 
 # ---- the code reward -------------------------------------------------------------------------------------------
 def reward(solution: str, *, expected: str = "'ANSWER-7f3e9'") -> float:
-    return code_reward(f"```python\n{solution}\n```", json.dumps({"calls": [{"call": "solve(7)", "expected": expected}]}),
-                       LIMITS)
+    tests = json.dumps({"calls": [{"call": "solve(7)", "expected": expected}]})
+    return code_reward(f"```python\n{solution}\n```", tests, LIMITS)
 
 
 def attack_reward_tricks():

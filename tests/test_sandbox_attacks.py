@@ -43,7 +43,8 @@ def test_the_attack_fails(attack):
 def _python_for_nobody() -> tuple[str, str] | None:
     """(interpreter, PYTHONPATH) with which the unprivileged user can run megarl's sandbox, or None."""
     site = sysconfig.get_paths()["purelib"]
-    for python in (os.path.realpath(sys._base_executable), f"/usr/bin/python{sys.version_info[0]}.{sys.version_info[1]}"):
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    for python in (os.path.realpath(sys._base_executable), f"/usr/bin/python{version}"):
         check = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",
                                 "--clear-groups", python, "-c", "import megarl.rewards.sandbox as s; s.sandbox_mode()"],
                                env={"PYTHONPATH": f"{Path(__file__).parent.parent}:{site}"}, capture_output=True)
@@ -61,7 +62,8 @@ def test_every_attack_fails_as_an_unprivileged_user():
     python, site = found
     script = Path(sandbox_attacks.__file__)
     result = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",
-                             "--clear-groups", python, str(script)], env={"PYTHONPATH": site, "PATH": os.environ["PATH"]},
+                             "--clear-groups", python, str(script)],
+                            env={"PYTHONPATH": site, "PATH": os.environ["PATH"]},
                             capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.splitlines()[-1])

@@ -50,6 +50,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -79,7 +80,8 @@ import resource, sys
 cpu_s, memory_bytes, max_processes = map(int, sys.argv[1:4])
 resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
 resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-resource.setrlimit(resource.RLIMIT_NPROC, (max_processes, max_processes))
+if max_processes:  # 0: no limit (insecure mode, where it would count every process of the user)
+    resource.setrlimit(resource.RLIMIT_NPROC, (max_processes, max_processes))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 sys.argv = ["program.py"]
 sys.dont_write_bytecode = True
@@ -118,7 +120,7 @@ def run_python(code: str, limits: SandboxConfig, *, stdin: str = "") -> SandboxR
         _warn_insecure()
         return _run_insecure(code, limits, stdin=stdin)
     mode = sandbox_mode()
-    with _RunCgroup.create(_cgroup_parents(), limits) if mode == "cgroup" else _no_cgroup() as cgroup:
+    with _run_cgroup(_cgroup_parents(), limits) if mode == "cgroup" else contextlib.nullcontext() as cgroup:
         return _run_bwrap(code, limits, stdin=stdin, mode=mode, cgroup=cgroup)
 
 
@@ -180,7 +182,7 @@ def _probe(mode: str) -> str | None:
             parents = _cgroup_parents()
             if parents is None:
                 return "no writable cgroup (v2 with memory and pids delegated, or v1 memory and pids) for this process"
-            with _RunCgroup.create(parents, limits) as cgroup:
+            with _run_cgroup(parents, limits) as cgroup:
                 result = _run_bwrap(_PROBE, limits, stdin="", mode=mode, cgroup=cgroup)
         else:
             result = _run_bwrap(_PROBE, limits, stdin="", mode=mode, cgroup=None)
@@ -393,48 +395,18 @@ class _RunCgroup:
 
     dirs: tuple[Path, ...]
 
-    @classmethod
-    def create(cls, parents: tuple[Path, ...], limits: SandboxConfig) -> contextlib.AbstractContextManager:
-        return cls._created(parents, limits)
-
-    @classmethod
-    @contextlib.contextmanager
-    def _created(cls, parents: tuple[Path, ...], limits: SandboxConfig):
-        run = cls(tuple(parent / f"megarl-sandbox-{uuid.uuid4().hex}" for parent in parents))
-        made = []
-        try:
-            for d in run.dirs:
-                d.mkdir()
-                made.append(d)
-            memory_bytes = str(limits.memory_mb * 2**20)
-            settings = {"memory.max": memory_bytes, "memory.swap.max": "0", "memory.limit_in_bytes": memory_bytes,
-                        "memory.memsw.limit_in_bytes": memory_bytes, "pids.max": str(limits.max_processes)}
-            limited = set()
-            for d in run.dirs:
-                for name, value in settings.items():
-                    if (d / name).exists():
-                        (d / name).write_text(value)
-                        limited.add(name.split(".")[0])
-            if limited != {"memory", "pids"}:
-                raise OSError(f"cgroup {run.dirs[0].name}: cannot limit {sorted({'memory', 'pids'} - limited)}")
-            yield run
-        finally:
-            cls(tuple(made)).kill()
-
     def kill(self) -> None:
         """SIGKILL whatever is still in the cgroup, then remove it once empty."""
         for d in self.dirs:
-            if not d.exists():
+            if not d.exists():  # killed and removed already
                 continue
             for _ in range(1000):  # a few seconds at most; a killed process leaves the cgroup when reaped
                 pids = (d / "cgroup.procs").read_text().split()
                 if not pids:
                     break
                 for pid in pids:
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         os.kill(int(pid), signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
                 time.sleep(0.005)
             try:
                 d.rmdir()
@@ -442,9 +414,35 @@ class _RunCgroup:
                 log.warning("sandbox: cannot remove cgroup %s: %s", d, e)
 
 
+_CGROUP_LIMITS = {  # file -> (what it limits, its value from the run's limits); v2 and v1 names
+    "memory.max": ("memory", lambda limits: limits.memory_mb * 2**20),
+    "memory.swap.max": ("memory", lambda limits: 0),
+    "memory.limit_in_bytes": ("memory", lambda limits: limits.memory_mb * 2**20),
+    "memory.memsw.limit_in_bytes": ("memory", lambda limits: limits.memory_mb * 2**20),
+    "pids.max": ("pids", lambda limits: limits.max_processes),
+}
+
+
 @contextlib.contextmanager
-def _no_cgroup():
-    yield None
+def _run_cgroup(parents: tuple[Path, ...], limits: SandboxConfig) -> Iterator[_RunCgroup]:
+    """A new cgroup under each of `parents` with the run's memory and process limits, killed and removed
+    on exit; OSError when either limit cannot be set."""
+    name = f"megarl-sandbox-{uuid.uuid4().hex}"
+    made = []
+    try:
+        limited = set()
+        for parent in parents:
+            (parent / name).mkdir()
+            made.append(parent / name)
+            for file, (what, value) in _CGROUP_LIMITS.items():
+                if (parent / name / file).exists():
+                    (parent / name / file).write_text(str(value(limits)))
+                    limited.add(what)
+        if limited != {"memory", "pids"}:
+            raise OSError(f"cgroup {name}: cannot limit {' and '.join(sorted({'memory', 'pids'} - limited))}")
+        yield _RunCgroup(tuple(made))
+    finally:
+        _RunCgroup(tuple(made)).kill()
 
 
 # ---- without isolation, and on a service -----------------------------------------------------------------
@@ -460,10 +458,7 @@ def _run_insecure(code: str, limits: SandboxConfig, *, stdin: str) -> SandboxRes
     workdir = tempfile.mkdtemp(prefix="megarl-insecure-")
     try:
         Path(workdir, "program.py").write_text(code, encoding="utf-8")
-        # max_processes 0: RLIMIT_NPROC would count every process of this user, the trainer's threads too
-        args = [sys.executable, "-I", "-c", _BOOT.replace("RLIMIT_NPROC, (max_processes, max_processes)",
-                                                          "RLIMIT_NPROC, resource.getrlimit(resource.RLIMIT_NPROC)"),
-                str(limits.cpu_s), str(limits.memory_mb * 2**20), "0"]
+        args = [sys.executable, "-I", "-c", _BOOT, str(limits.cpu_s), str(limits.memory_mb * 2**20), "0"]
         proc = subprocess.Popen(args, cwd=workdir, env={"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8"},
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True)
