@@ -160,8 +160,8 @@ def sandbox_mode() -> str:
         "external sandbox service, or (local debugging only) sandbox.insecure: true")
 
 
-# Checked inside the probe run: the process has no capability, runs under seccomp filtering, sees a fresh
-# PID namespace (it is not PID 1's parent's world) and no network interface but loopback.
+# Checked inside the probe run: the process has no capability, runs under a seccomp filter, sees only the
+# few processes of a fresh PID namespace and no network interface but its loopback.
 _PROBE = r'''
 status = dict(line.split(":\t", 1) for line in open("/proc/self/status").read().splitlines())
 interfaces = [line.split(":")[0].strip() for line in open("/proc/net/dev").read().splitlines()[2:]]
@@ -189,7 +189,9 @@ def _probe(mode: str) -> str | None:
     except OSError as e:
         return f"{type(e).__name__}: {e}"
     if result.returncode != 0 or result.stdout != "isolated\n":
-        return f"the probe run failed (exit status {result.returncode}): {result.stderr.strip()[-500:]}"
+        as_nobody = (f" (as root, this mode runs bwrap as nobody, uid {NOBODY}, who must be able to read "
+                     f"{sys.base_prefix})") if mode == "rlimit" and os.getuid() == 0 else ""
+        return f"the probe run failed (exit status {result.returncode}){as_nobody}: {result.stderr.strip()[-500:]}"
     return None
 
 
