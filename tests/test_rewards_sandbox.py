@@ -14,7 +14,7 @@ import pytest
 from megarl.config import EnvConfig, RecipeError, RewardConfig, RewardTermConfig, SandboxConfig
 from megarl.data.prompts import DataError, PromptRow
 from megarl.envs.environment import environment_factory
-from megarl.rewards import sandbox
+from megarl.rewards import harness, sandbox
 from megarl.rewards.code import CodeSpecError, check_test_specs, code_reward, extract_code, parse_tests
 from megarl.rewards.sandbox import SandboxUnavailable, run_python, sandbox_mode
 from megarl.rewards.terms import build_terms
@@ -52,6 +52,14 @@ def test_extract_code_takes_the_last_fence_else_the_whole_response():
     assert extract_code("```py\nx = 1\n```\ntext\n```python\nx = 2\n```") == "x = 2\n"
     assert extract_code("```\ny = 3\n```") == "y = 3\n"
     assert extract_code("z = 4") == "z = 4"
+
+
+def test_results_are_encoded_with_exact_types_and_canonical_order():
+    assert harness.encode({"b": 1, "a": {2, 1}}) == harness.encode({"a": {1, 2}, "b": 1})
+    kinds = [1, 1.0, True, "1", b"1", (1,), [1], frozenset([1]), {1}, None]
+    assert len({json.dumps(harness.encode(v)) for v in kinds}) == len(kinds)
+    assert harness.encode(type("MyInt", (int,), {})(1))[0] == "unsupported"
+    assert harness.normalize_output("5  \n\n7\t\n\n") == "5\n\n7"
 
 
 @pytest.mark.parametrize("answer, why", [
@@ -108,10 +116,11 @@ def test_without_bwrap_a_code_reward_or_python_tool_stops_the_launch(no_bwrap):
 
 def test_insecure_runs_without_isolation_and_says_so(no_bwrap, caplog):
     limits = replace(LIMITS, insecure=True)
+    sandbox._warn_insecure.cache_clear()  # warned once per process
     build_terms(RewardConfig(terms=[RewardTermConfig(kind="code", sandbox=limits)]))
     assert code_reward(ADD, CALLS, limits) == 1.0 and code_reward("", CALLS, limits) == 0.0
     assert run_python("print(1)", limits).mode == "insecure"
-    assert "WITHOUT isolation" in caplog.text or sandbox._warn_insecure.cache_info().currsize == 1
+    assert "WITHOUT isolation" in caplog.text
 
 
 # ---- the external service ---------------------------------------------------------------------------------------
