@@ -18,6 +18,7 @@ ARG MCORE_VERSION=0.16.1
 # ---- CPU: the README's test commands, verbatim, on a bare Python 3.11 ----
 FROM python:3.11-slim AS cpu
 ENV PIP_NO_CACHE_DIR=1
+RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap libseccomp2 && rm -rf /var/lib/apt/lists/*
 WORKDIR /workspace/megarl
 COPY . .
 RUN pip install -e '.[test]' -c constraints.txt
@@ -36,6 +37,7 @@ ENV PIP_CONSTRAINT="" \
     CUDA_DEVICE_MAX_CONNECTIONS=1 \
     NCCL_CUMEM_ENABLE=0
 WORKDIR /workspace/megarl
+RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap libseccomp2 && rm -rf /var/lib/apt/lists/*
 # A base image with another torch or SGLang would make every pin below a different, untested stack.
 RUN python -c "import torch, sglang; v = (torch.__version__.split('+')[0], sglang.__version__); \
 assert v == ('${TORCH_VERSION}', '${SGLANG_VERSION}'), f'base image has torch, sglang = {v}'"
@@ -47,5 +49,5 @@ COPY . .
 # The base image's torch, transformers and SGLang stay: install megarl without letting pip replace them.
 RUN pip install --no-cache-dir --no-deps -e . \
  && pip install --no-cache-dir "safetensors>=0.4" "pyyaml>=6" "psutil>=5.9" "tqdm>=4.66" \
-    "math-verify>=0.9,<1" "ray>=2.40" "pyarrow>=15"
+    "math-verify>=0.9,<1" "ray>=2.40" "pyarrow>=15" "pyseccomp>=0.1.2"
 CMD ["bash"]

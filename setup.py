@@ -23,6 +23,7 @@ setup(
         "pyyaml>=6",
         "numpy>=1.26",
         "psutil>=5.9",  # megatron's dist-checkpoint writer dies without it
+        "pyseccomp>=0.1.2",  # the code sandbox's seccomp filter (ctypes bindings of the system's libseccomp)
         "tqdm>=4.66",
         # The `math` reward. A core dependency because it is light: pure Python plus the antlr4 runtime,
         # over sympy, which torch already installs; it is imported only when a math reward is scored.

@@ -284,13 +284,24 @@ REWARD_TERM_OPTIONS = {
 
 @dataclass(frozen=True)
 class SandboxConfig:
+    """Limits of one sandboxed run of generated code (megarl/rewards/sandbox.py says which limit is a total of
+    the run and which one per process, in each isolation mode), and where the code runs."""
+
     cpu_s: int = 5  # CPU seconds of each process of one run (RLIMIT_CPU)
-    wall_s: float = 10.0  # wall-clock seconds before the run's whole process group is killed
-    memory_mb: int = 512  # address space of each process (RLIMIT_AS)
-    output_bytes: int = 65536  # largest file a run may write, its stdout and stderr included (RLIMIT_FSIZE)
+    wall_s: float = 10.0  # wall-clock seconds before every process of the run is killed
+    memory_mb: int = 512  # memory of the whole run (cgroup mode); of each process otherwise (RLIMIT_AS)
+    max_processes: int = 32  # processes and threads alive at once in one run
+    disk_mb: int = 64  # size of the run's private writable directory (a tmpfs)
+    output_bytes: int = 65536  # most bytes of stdout, and of stderr, read back; the pipe is closed past it
+    insecure: bool = False  # run WITHOUT isolation (no bubblewrap): local debugging only, logged as a warning
+    service_url: str | None = None  # run code on this external sandbox service (HTTP POST) instead of here
 
     def check(self) -> None:
-        _positive(self, "cpu_s", "wall_s", "memory_mb", "output_bytes")
+        _positive(self, "cpu_s", "wall_s", "memory_mb", "max_processes", "disk_mb", "output_bytes")
+        if self.service_url is not None and not self.service_url.startswith(("http://", "https://")):
+            raise FieldError("service_url", f"expected an http:// or https:// URL, got {self.service_url!r}")
+        if self.service_url is not None and self.insecure:
+            raise FieldError("insecure", "has no effect with service_url: the service runs the code")
 
 
 @dataclass(frozen=True)

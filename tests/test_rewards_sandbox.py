@@ -1,50 +1,51 @@
-"""The code sandbox: passing and failing code, and hostile code (an infinite loop, a memory bomb, a fork
-bomb, a network connection, a write outside its directory) contained, scored 0 and cleaned up."""
+"""The code sandbox and the code reward: programs run and are limited, test specs score right code 1 and
+wrong code 0, a bad spec names its row, a machine without isolation stops the launch (unless `insecure`), and
+the external-service hook runs the same harness. Attacks are in tests/test_sandbox_attacks.py."""
 
 from __future__ import annotations
 
-import tempfile
-import time
-import uuid
-from pathlib import Path
+import json
+import threading
+from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, HTTPServer
 
-import psutil
 import pytest
 
-from megarl.config import SandboxConfig
-from megarl.rewards.sandbox import code_reward, extract_code, namespaces_available, run_python
+from megarl.config import EnvConfig, RecipeError, RewardConfig, RewardTermConfig, SandboxConfig
+from megarl.data.prompts import DataError, PromptRow
+from megarl.envs.environment import environment_factory
+from megarl.rewards import harness, sandbox
+from megarl.rewards.code import CodeSpecError, check_test_specs, code_reward, extract_code, parse_tests
+from megarl.rewards.sandbox import SandboxUnavailable, run_python, sandbox_mode
+from megarl.rewards.terms import build_terms
 
-LIMITS = SandboxConfig(cpu_s=1, wall_s=6.0, memory_mb=256, output_bytes=4096)
-TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"
-
-
-def running_processes() -> set[int]:
-    """Our descendants, and every process on the machine running from a sandbox directory (a sandbox
-    escapes our process tree when it daemonizes), by pid."""
-    ours = {p.pid for p in psutil.Process().children(recursive=True)}
-    return ours | {proc.pid for proc in psutil.process_iter(["cmdline"])
-                   if any("megarl-sandbox-" in part for part in proc.info["cmdline"] or ())}
-
-
-def sandbox_dirs() -> set[Path]:
-    return set(Path(tempfile.gettempdir()).glob("megarl-sandbox-*"))
+LIMITS = SandboxConfig(cpu_s=2, wall_s=10.0, memory_mb=256, output_bytes=4096)
+CALLS = json.dumps({"calls": [{"call": "add(2, 3)", "expected": "5"}, {"call": "add(-1, b=1)", "expected": "0"},
+                              {"call": "pair('a')", "expected": "('a', 'a')"}]})
+STDIO = json.dumps({"stdin_stdout": [{"stdin": "2 3\n", "stdout": "5\n"}, {"stdin": "10 -4", "stdout": "6"}]})
+ADD = "def add(a, b):\n    return a + b\ndef pair(x):\n    return (x, x)\n"
 
 
-@pytest.fixture(autouse=True)
-def nothing_left_running():
-    # only what appears during the test counts: the interpreter may keep helpers of its own (multiprocessing's
-    # resource tracker), and another job on the machine may run sandboxes
-    dirs, processes = sandbox_dirs(), running_processes()
-    yield
-    assert sorted(running_processes() - processes) == []
-    assert sandbox_dirs() - dirs == set()
+@pytest.fixture(scope="module", autouse=True)
+def isolated():
+    try:
+        return sandbox_mode()
+    except SandboxUnavailable as e:
+        pytest.skip(f"the sandbox cannot isolate code here: {e}")
 
 
-def test_correct_code_passes_and_wrong_code_fails():
-    right = "Here you go:\n```python\ndef add(a, b):\n    return a + b\n```\n"
-    assert code_reward(right, TESTS, LIMITS) == 1.0
-    assert code_reward("```python\ndef add(a, b):\n    return a - b\n```", TESTS, LIMITS) == 0.0
-    assert code_reward("def add(a, b) return", TESTS, LIMITS) == 0.0  # a syntax error
+def test_right_code_scores_1_and_wrong_code_0_for_calls():
+    assert code_reward(f"Here you go:\n```python\n{ADD}```\n", CALLS, LIMITS) == 1.0
+    assert code_reward(ADD.replace("a + b", "a - b"), CALLS, LIMITS) == 0.0
+    assert code_reward(ADD.replace("(x, x)", "[x, x]"), CALLS, LIMITS) == 0.0  # a list is not the tuple expected
+    assert code_reward("def add(a, b) return", CALLS, LIMITS) == 0.0  # a syntax error
+
+
+def test_right_program_scores_1_and_wrong_program_0_for_stdin_stdout():
+    program = "a, b = map(int, input().split())\nprint(a + b, '  ')\n"  # trailing spaces do not count
+    assert code_reward(program, STDIO, LIMITS) == 1.0
+    assert code_reward(program.replace("a + b", "a * b"), STDIO, LIMITS) == 0.0
+    assert code_reward("", STDIO, LIMITS) == 0.0
 
 
 def test_extract_code_takes_the_last_fence_else_the_whole_response():
@@ -53,69 +54,113 @@ def test_extract_code_takes_the_last_fence_else_the_whole_response():
     assert extract_code("z = 4") == "z = 4"
 
 
-def test_an_infinite_loop_is_stopped_by_the_cpu_limit():
-    start = time.monotonic()
-    result = run_python("while True:\n    pass\n", LIMITS)
-    elapsed = time.monotonic() - start
-    assert not result.passed
-    # SIGXCPU at cpu_s=1 (reported as 128 + 24); well before the 6 s wall-clock limit, with 3 s of slack
-    # for the interpreter's start on a loaded machine.
-    assert result.returncode == 128 + 24 and elapsed < 4.0, (result, elapsed)
-    assert code_reward("def add(a, b):\n    while True:\n        pass\n", TESTS, LIMITS) == 0.0
+def test_results_are_encoded_with_exact_types_and_canonical_order():
+    assert harness.encode({"b": 1, "a": {2, 1}}) == harness.encode({"a": {1, 2}, "b": 1})
+    kinds = [1, 1.0, True, "1", b"1", (1,), [1], frozenset([1]), {1}, None]
+    assert len({json.dumps(harness.encode(v)) for v in kinds}) == len(kinds)
+    assert harness.encode(type("MyInt", (int,), {})(1))[0] == "unsupported"
+    assert harness.normalize_output("5  \n\n7\t\n\n") == "5\n\n7"
 
 
-def test_a_sleeping_program_is_killed_at_the_wall_clock_limit():
-    limits = SandboxConfig(cpu_s=1, wall_s=1.5, memory_mb=256, output_bytes=4096)
-    start = time.monotonic()
-    result = run_python("import time\ntime.sleep(60)\n", limits)
-    assert result.returncode is None and time.monotonic() - start < 5.0
+@pytest.mark.parametrize("answer, why", [
+    ("assert add(2, 3) == 5\n", "assert statements are no longer run"),
+    ('{"calls": []}', "non-empty list of cases"),
+    ('{"calls": [{"call": "add(x)", "expected": "1"}]}', "bad test case"),
+    ('{"calls": [{"call": "add(1)", "expected": "len"}]}', "bad test case"),
+    ('{"stdin_stdout": [{"stdin": "1"}]}', 'a string "stdout"'),
+])
+def test_a_bad_test_spec_is_refused_naming_the_problem_and_the_row(answer, why):
+    with pytest.raises(CodeSpecError, match=why):
+        parse_tests(answer)
+    rows = [PromptRow("p", CALLS, 0), PromptRow("p", answer, 1)]
+    with pytest.raises(DataError, match=f"train.jsonl: row 2: .*{why}"):
+        check_test_specs(rows, where="train.jsonl")
 
 
-def test_a_memory_bomb_hits_the_address_space_limit():
-    result = run_python("blocks = []\nwhile True:\n    blocks.append(bytearray(10**7))\n", LIMITS)
-    assert not result.passed and "MemoryError" in result.stderr
+def test_a_run_reads_stdin_and_returns_its_output_and_status():
+    result = run_python("import sys\ndata = sys.stdin.read()\nprint(data.upper())\nsys.exit(3)", LIMITS, stdin="hi")
+    assert (result.returncode, result.stdout, result.mode) == (3, "HI\n", sandbox_mode())
 
 
-def test_a_fork_bomb_is_refused():
-    result = run_python("import os\nwhile True:\n    os.fork()\n", LIMITS)
-    assert not result.passed and "os.fork is not allowed" in result.stderr
-    assert code_reward("import subprocess\nsubprocess.run(['true'])\ndef add(a, b):\n    return a + b\n",
-                       TESTS, LIMITS) == 0.0
+def test_the_cpu_limit_stops_an_infinite_loop():
+    result = run_python("while True:\n    pass\n", replace(LIMITS, cpu_s=1))
+    assert result.returncode == 128 + 24, result  # SIGXCPU
 
 
-def test_a_network_connection_is_refused():
-    code = ("import socket\n"
-            "try:\n"
-            "    socket.create_connection(('192.0.2.1', 80), timeout=2)\n"
-            "    print('CONNECTED')\n"
-            "except OSError as e:\n"
-            "    print('refused:', e)\n")
-    result = run_python(code, LIMITS)
-    assert result.passed and result.stdout.startswith("refused:") and "CONNECTED" not in result.stdout
-
-
-def test_a_write_outside_the_directory_is_refused_and_inside_is_allowed(tmp_path):
-    target = tmp_path / f"escape-{uuid.uuid4().hex}"
-    code = (f"open('inside.txt', 'w').write('ok')\n"
-            f"print(open('inside.txt').read())\n"
-            f"open({str(target)!r}, 'w').write('escaped')\n")
-    result = run_python(code, LIMITS)
-    assert result.stdout.strip() == "ok" and "PermissionError" in result.stderr and not result.passed
-    assert not target.exists()
-
-
-@pytest.mark.skipif(not namespaces_available(), reason="needs unprivileged user namespaces (unshare)")
-def test_the_kernel_refuses_a_write_that_bypasses_the_python_guard(tmp_path):
-    # ctypes calls open(2) directly, past the audit hook; the read-only mounts must still refuse it.
-    target = tmp_path / f"escape-{uuid.uuid4().hex}"
-    code = ("import ctypes, os\n"
-            f"fd = ctypes.CDLL(None, use_errno=True).open({str(target).encode()!r}, os.O_WRONLY | os.O_CREAT, 0o644)\n"
-            "print(fd, ctypes.get_errno())\n")
-    result = run_python(code, LIMITS)
-    assert result.isolated and result.stdout.split() == ["-1", "30"], result  # EROFS
-    assert not target.exists()
+def test_the_wall_clock_limit_stops_a_sleeping_program():
+    assert run_python("import time\ntime.sleep(60)\n", replace(LIMITS, wall_s=1.0)).returncode is None
 
 
 def test_output_beyond_the_limit_is_cut():
     result = run_python("print('x' * 100000)\n", LIMITS)
-    assert not result.passed and len(result.stdout) <= LIMITS.output_bytes
+    assert len(result.stdout) <= LIMITS.output_bytes and not result.passed
+
+
+# ---- failing closed -------------------------------------------------------------------------------------------
+@pytest.fixture
+def no_bwrap(monkeypatch):
+    """A machine without bubblewrap: PATH without it, the probe forgotten before and after."""
+    sandbox.sandbox_mode.cache_clear()
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
+    yield
+    monkeypatch.undo()
+    sandbox.sandbox_mode.cache_clear()
+
+
+def test_without_bwrap_a_code_reward_or_python_tool_stops_the_launch(no_bwrap):
+    with pytest.raises(RecipeError, match=r"reward.terms\[0\].sandbox: .*apt-get install bubblewrap"):
+        build_terms(RewardConfig(terms=[RewardTermConfig(kind="code")]))
+    with pytest.raises(RecipeError, match="env.sandbox: .*bubblewrap"):
+        environment_factory(EnvConfig(name="python"))
+
+
+def test_insecure_runs_without_isolation_and_says_so(no_bwrap, caplog):
+    limits = replace(LIMITS, insecure=True)
+    sandbox._warn_insecure.cache_clear()  # warned once per process
+    build_terms(RewardConfig(terms=[RewardTermConfig(kind="code", sandbox=limits)]))
+    assert code_reward(ADD, CALLS, limits) == 1.0 and code_reward("", CALLS, limits) == 0.0
+    assert run_python("print(1)", limits).mode == "insecure"
+    assert "WITHOUT isolation" in caplog.text
+
+
+# ---- the external service ---------------------------------------------------------------------------------------
+@pytest.fixture
+def service():
+    """A local sandbox service: runs each posted program in this machine's sandbox, as a real one would."""
+    posted = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            job = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            posted.append(job)
+            if job["code"] == "bad answer":
+                body = b'{"returncode": "zero"}'
+            else:
+                result = run_python(job["code"], SandboxConfig(**job["limits"]), stdin=job["stdin"])
+                body = json.dumps({"returncode": result.returncode, "stdout": result.stdout,
+                                   "stderr": result.stderr}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}/run", posted
+    server.shutdown()
+    thread.join(timeout=10)
+
+
+def test_the_code_reward_runs_on_an_external_service(service):
+    url, posted = service
+    limits = replace(LIMITS, service_url=url)
+    assert code_reward(ADD, CALLS, limits) == 1.0 and code_reward("def add(a, b): return 0", CALLS, limits) == 0.0
+    # the service gets the harness and the inputs, never an expected result
+    assert len(posted) == 2 and "('a', 'a')" not in json.dumps(posted) and posted[0]["limits"]["memory_mb"] == 256
+    assert run_python("print(7)", limits).stdout == "7\n"
+    with pytest.raises(sandbox.SandboxServiceError, match="expected"):
+        run_python("bad answer", limits)

@@ -131,7 +131,7 @@ def test_a_custom_function_that_does_not_import_is_a_recipe_error_naming_the_key
 
 def test_a_code_term_scores_the_response_against_the_answer_tests():
     cfg = RewardConfig(terms=[term("code")])
-    tests = "assert square(3) == 9\n"
+    tests = '{"calls": [{"call": "square(3)", "expected": "9"}]}'
     samples = [Sample("", "```python\ndef square(x):\n    return x * x\n```", tests),
                Sample("", "```python\ndef square(x):\n    return x + x\n```", tests)]
     assert Scorer(cfg)(samples) == ([1.0, 0.0], 0)

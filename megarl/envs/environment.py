@@ -30,6 +30,7 @@ from megarl.config import EnvConfig, RecipeError, SandboxConfig
 from megarl.envs.documents import DocumentIndex
 from megarl.envs.tool_format import parse_tool_calls
 from megarl.envs.tools import CALCULATOR, Tool, python_tool, search_tool
+from megarl.rewards.sandbox import SandboxUnavailable
 
 
 @dataclass(frozen=True)
@@ -100,8 +101,11 @@ def environment_factory(cfg: EnvConfig) -> Callable[[], Environment]:
         case "calculator":
             make = partial(ToolEnvironment, [CALCULATOR], tool_format=cfg.tool_format)
         case "python":
-            make = partial(ToolEnvironment, [python_tool(cfg.sandbox or SandboxConfig())],
-                           tool_format=cfg.tool_format)
+            try:
+                tool = python_tool(cfg.sandbox or SandboxConfig())
+            except SandboxUnavailable as e:
+                raise RecipeError(f"env.sandbox: {e}") from None
+            make = partial(ToolEnvironment, [tool], tool_format=cfg.tool_format)
         case "retrieval":
             try:
                 index = DocumentIndex.load(cfg.documents_path)

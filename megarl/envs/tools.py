@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megarl.config import SandboxConfig
-from megarl.rewards.sandbox import run_python
+from megarl.rewards.sandbox import check_sandbox, run_python
 
 
 class ToolError(ValueError):
@@ -104,7 +104,8 @@ CALCULATOR = Tool("calculator", "Evaluate an arithmetic expression (numbers, + -
 # ---- python ---------------------------------------------------------------------------------------------
 def python_tool(limits: SandboxConfig) -> Tool:
     """Run Python code in the sandbox; the model reads its standard output (and the end of its standard
-    error when it fails)."""
+    error when it fails). SandboxUnavailable now, not at the first call, when code cannot run isolated here."""
+    check_sandbox(limits)
 
     def run(arguments: dict) -> str:
         result = run_python(_string_argument(arguments, "code"), limits)

@@ -30,6 +30,7 @@ from megarl.loops.warmup import sft_warmup
 from megarl.metrics import PhaseTimer, check_finite
 from megarl.objective import explained_variance
 from megarl.packing import redistribute, sequence_lengths
+from megarl.rewards.code import check_test_specs
 from megarl.rewards.scorer import RewardFailure
 from megarl.rollout.multi_turn import FINISH_REASONS
 
@@ -231,6 +232,9 @@ def train(cfg: Config) -> Path:
                   skip_bad_rows=data.skip_bad_rows)
     train_rows = load_prompts(data.train_path, **fields)
     eval_rows = load_prompts(data.eval_path, **fields)[: data.eval_prompts] if data.eval_path else []
+    if any(term.kind == "code" for term in cfg.reward.terms):
+        check_test_specs(train_rows, where=data.train_path)
+        check_test_specs(eval_rows, where=data.eval_path)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     model_dir = sft_warmup(cfg, groups, tokenizer, train_rows) if cfg.warmup.sft_steps else cfg.model.path
     run = build_run(cfg, groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,

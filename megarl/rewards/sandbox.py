@@ -1,158 +1,506 @@
-"""Run generated Python code against tests in a separate, limited process: the `code` reward.
+"""Run untrusted Python (the `code` reward's harness, the `python` tool) isolated by bubblewrap, failing closed.
 
-What is guaranteed, and by what:
-- CPU time, address space and file size (stdout and stderr are files too) are kernel limits
-  (setrlimit in the child before the code runs), so each process of the run is bounded.
-- Wall-clock time: the parent waits `wall_s`, then SIGKILLs the run's whole process group; the group is
-  killed after every run, so nothing is left running whether the code passed, failed or hung.
-- When `unshare` can create namespaces (probed once): the child runs in new user, network, PID and mount
-  namespaces. No network interface but an unconfigured loopback exists, every mount except the private
-  working directory is read-only, and when the child (PID 1 of its namespace) dies the kernel kills every
-  process it left. These are kernel guarantees.
-- Always, as a second layer and the only one without `unshare`: a Python audit hook in the child refuses
-  sockets, process creation (fork, exec, subprocess) and opening files for writing outside the working
-  directory. It is a Python-level guard only: code that reaches the system calls another way (ctypes) is
-  not stopped by it, which is why the namespaces are used whenever the machine allows them.
-RLIMIT_NPROC is not used: the kernel does not apply it to root, which is what trainer processes often are
-in containers; the process-creation hook and the PID namespace bound fork bombs instead.
+Isolation, all of it set up by `bwrap` (bubblewrap, a small setuid-free tool the kernel namespaces are driven by):
+- every namespace unshared (user, mount, PID, network, IPC, UTS, cgroup), no further user namespaces
+  (`--disable-userns`), all capabilities dropped, a new terminal session, killed with its parent;
+- a fresh root holding only read-only binds of /usr (and /bin, /lib* as on the host) and of the Python
+  interpreter's prefix, a fresh /proc of the new PID namespace, a minimal /dev (read-only), and one writable
+  directory, /sandbox, a tmpfs of `disk_mb` private to the run. No /tmp, /run, /home or host socket is there;
+  the only network interface is an unconfigured loopback of the run's own;
+- a seccomp filter (SECCOMP_DENIED: ptrace, mount, unshare, setns, keyctl, bpf, perf_event_open, kexec,
+  module loading, io_uring ... and clone with a namespace flag) refusing with EPERM. The filter is compiled by
+  libseccomp, the kernel community's filter compiler, through `pyseccomp` (pure-Python ctypes bindings with
+  the API of libseccomp's own, which exist only for the distribution's Python); bwrap installs it.
+
+Limits, and what each one bounds in each mode (`sandbox_mode()` says which one this machine gets):
+- "cgroup" (a cgroup v2 with the memory and pids controllers delegated to this process, or the cgroup v1
+  memory and pids hierarchies, writable, as for root on most hosts): the run is a cgroup of its own, so
+  memory_mb bounds the whole run (every process, and the files of its tmpfs, which are charged to it),
+  max_processes the whole run's processes and threads; each process also has RLIMIT_AS = memory_mb.
+- "rlimit" (no usable cgroup): each process has RLIMIT_AS = memory_mb, and RLIMIT_NPROC = max_processes,
+  which the kernel (5.14 and later) counts per user namespace, hence per run, for a user other than root: a
+  root trainer starts bwrap as `nobody` (uid 65534) for that. The run's memory is then at most
+  max_processes x memory_mb + disk_mb.
+- Both: disk is the tmpfs size (a total); CPU time is RLIMIT_CPU per process; wall_s is a total: at the
+  deadline the PID namespace's first process is killed, which makes the kernel kill every process of the
+  run, and the call returns only once they are all gone (and, in cgroup mode, the cgroup is removed).
+  stdout and stderr are pipes this process reads, output_bytes each at most; past that the pipe is closed.
+Concurrent runs share nothing: each has its own namespaces, tmpfs and cgroup.
+
+Failing closed: `check_sandbox` (called when a recipe's code reward or python tool is built, i.e. at launch)
+raises SandboxUnavailable saying why and what to install or configure when no mode works. Two opt-outs:
+`insecure: true` runs the code as a plain child process with rlimits only (local debugging; logged as a
+warning), and `service_url` sends each run to an external sandbox service (`run_on_service`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
+import json
+import logging
 import os
-import re
+import selectors
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megarl.config import SandboxConfig
 
-# Runs in the child as `python -I -c _BOOT WORKDIR CPU_S MEMORY_BYTES OUTPUT_BYTES ISOLATED`, before the code.
+log = logging.getLogger(__name__)
+
+WORKDIR = "/sandbox"  # the run's tmpfs, its working directory, inside the sandbox
+NOBODY = 65534
+SECCOMP_DENIED = (
+    "ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2", "pivot_root", "chroot", "unshare",
+    "setns", "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "kexec_load", "kexec_file_load",
+    "init_module", "finit_module", "delete_module", "reboot", "swapon", "swapoff", "acct", "syslog",
+    "open_by_handle_at", "name_to_handle_at", "userfaultfd", "fsopen", "fsconfig", "fsmount", "fspick",
+    "move_mount", "open_tree", "mount_setattr", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "quotactl", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "iopl", "ioperm",
+)
+# CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
+_CLONE_NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000,
+                          0x00000080)
+
+# Runs first in the sandbox as `python -I -c _BOOT CPU_S MEMORY_BYTES MAX_PROCESSES`: sets the per-process
+# limits (inherited by everything the program starts, and no process of the run may raise them), then runs
+# program.py. Nothing here is a protection the program could undo: the kernel enforces all of it.
 _BOOT = r'''
-import ctypes, os, re, resource, sys
-workdir, cpu_s, memory_bytes, output_bytes, isolated = sys.argv[1], *map(int, sys.argv[2:6])
-if isolated:
-    # A fresh mount namespace: keep the working directory writable (a bind mount of itself, made first so
-    # it does not inherit read-only), then remount every other mount read-only. A mount the kernel
-    # refuses to remount (locked by the parent namespace) keeps its flags; /proc is one.
-    libc = ctypes.CDLL(None, use_errno=True)
-    MS_RDONLY, MS_REMOUNT, MS_BIND = 1, 32, 4096
-    if libc.mount(workdir.encode(), workdir.encode(), None, MS_BIND, None) != 0:
-        raise OSError(ctypes.get_errno(), "sandbox: cannot bind-mount the working directory")
-    with open("/proc/self/mountinfo") as f:
-        points = [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), line.split()[4]) for line in f]
-    for point in points:
-        if point != workdir:
-            libc.mount(None, point.encode(), None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)
-    # This process is PID 1 of the new PID namespace, which ignores signals it has no handler for, the
-    # CPU limit's SIGXCPU and SIGKILL included. So the code runs in a child, and PID 1 only passes on its
-    # exit status (128 + signal number when a signal ended it).
-    pid = os.fork()
-    if pid:
-        status = os.waitpid(pid, 0)[1]
-        os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
-os.chdir(workdir)
+import resource, sys
+cpu_s, memory_bytes, max_processes = map(int, sys.argv[1:4])
 resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
 resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-resource.setrlimit(resource.RLIMIT_FSIZE, (output_bytes, output_bytes))
+if max_processes:  # 0: no limit (insecure mode, where it would count every process of the user)
+    resource.setrlimit(resource.RLIMIT_NPROC, (max_processes, max_processes))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+sys.argv = ["program.py"]
 sys.dont_write_bytecode = True
-BLOCKED = {"socket.__new__", "socket.connect", "os.fork", "os.forkpty", "os.system", "os.exec", "os.spawn",
-           "os.posix_spawn", "subprocess.Popen", "pty.spawn"}
-WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-inside = workdir.rstrip("/") + "/"
-def guard(event, args):
-    if event in BLOCKED:
-        raise PermissionError(f"sandbox: {event} is not allowed")
-    if event == "open" and not isinstance(args[0], int):
-        mode, flags = args[1], args[2]
-        writes = (isinstance(flags, int) and flags & WRITE) or (isinstance(mode, str) and set(mode) & set("wax+"))
-        if writes and not os.path.realpath(os.fsdecode(args[0])).startswith(inside):
-            raise PermissionError(f"sandbox: writing {args[0]!r} outside the working directory")
 with open("program.py", encoding="utf-8") as f:
     source = f.read()
-sys.addaudithook(guard)
-sys.argv = ["program.py"]
 exec(compile(source, "program.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 '''
 
-_UNSHARE = ("--user", "--map-root-user", "--net", "--pid", "--mount", "--fork", "--kill-child")
+
+class SandboxUnavailable(RuntimeError):
+    """Isolation cannot be set up on this machine; the message says why and what to do."""
+
+
+class SandboxServiceError(RuntimeError):
+    """The external sandbox service did not answer a run with a valid result."""
 
 
 @dataclass(frozen=True)
 class SandboxResult:
-    returncode: int | None  # exit status (a signal shows as 128 + its number or as minus it); None = wall-clock kill
+    returncode: int | None  # exit status, 128 + N when signal N ended the program; None = wall-clock kill
     stdout: str  # at most output_bytes of it
-    stderr: str
-    isolated: bool  # ran in its own namespaces (see the module docstring)
+    stderr: str  # at most output_bytes of it
+    mode: str  # cgroup | rlimit | insecure | service (see the module docstring)
 
     @property
     def passed(self) -> bool:
         return self.returncode == 0
 
 
+def run_python(code: str, limits: SandboxConfig, *, stdin: str = "") -> SandboxResult:
+    """Run `code` as a Python program fed `stdin`, under `limits`, in the sandbox (or on the service, or
+    without isolation when `limits.insecure`); nothing it started is left running when this returns."""
+    if limits.service_url is not None:
+        return run_on_service(code, limits, stdin=stdin)
+    if limits.insecure:
+        _warn_insecure()
+        return _run_insecure(code, limits, stdin=stdin)
+    mode = sandbox_mode()
+    with _run_cgroup(_cgroup_parents(), limits) if mode == "cgroup" else contextlib.nullcontext() as cgroup:
+        return _run_bwrap(code, limits, stdin=stdin, mode=mode, cgroup=cgroup)
+
+
+def check_sandbox(limits: SandboxConfig) -> str:
+    """The mode runs under `limits` will use; SandboxUnavailable when code could not run isolated here."""
+    if limits.service_url is not None:
+        return "service"
+    if limits.insecure:
+        _warn_insecure()
+        return "insecure"
+    return sandbox_mode()
+
+
 @functools.cache
-def namespaces_available() -> bool:
-    """Whether `unshare` can create the sandbox's namespaces here (user namespaces may be disabled)."""
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return False
+def sandbox_mode() -> str:
+    """ "cgroup" or "rlimit": the first mode whose probe run shows the isolation in place (probed once per
+    process); SandboxUnavailable naming what failed in each and what to install or configure."""
+    if shutil.which("bwrap") is None:
+        raise SandboxUnavailable("the code sandbox needs bubblewrap: `bwrap` is not on PATH "
+                                 "(Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap)")
     try:
-        return subprocess.run([unshare, *_UNSHARE, "true"], capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+        seccomp_program()
+    except (ImportError, OSError) as e:
+        raise SandboxUnavailable(f"the code sandbox needs libseccomp and pyseccomp ({type(e).__name__}: {e}): "
+                                 "apt-get install libseccomp2; pip install pyseccomp") from None
+    failures = []
+    for mode in ("cgroup", "rlimit"):
+        why = _probe(mode)
+        if why is None:
+            return mode
+        failures.append(f"{mode} mode: {why}")
+    raise SandboxUnavailable(
+        "the code sandbox cannot isolate code on this machine (" + "; ".join(failures) + "). bubblewrap needs "
+        "unprivileged user namespaces (sysctl user.max_user_namespaces > 0, and kernel.unprivileged_userns_clone=1 "
+        "where that exists); in Docker, whose default seccomp profile refuses them, run the container with a "
+        "seccomp profile that allows unshare/clone of user namespaces. Otherwise set sandbox.service_url to an "
+        "external sandbox service, or (local debugging only) sandbox.insecure: true")
 
 
-def run_python(code: str, limits: SandboxConfig) -> SandboxResult:
-    """Run `code` as a Python program in a private temporary directory under `limits`; nothing it started
-    is left running afterwards and the directory is removed."""
-    isolated = namespaces_available()
-    workdir = Path(tempfile.mkdtemp(prefix="megarl-sandbox-")).resolve()
+# Checked inside the probe run: the process has no capability, runs under a seccomp filter, sees only the
+# few processes of a fresh PID namespace and no network interface but its loopback.
+_PROBE = r'''
+status = dict(line.split(":\t", 1) for line in open("/proc/self/status").read().splitlines())
+interfaces = [line.split(":")[0].strip() for line in open("/proc/net/dev").read().splitlines()[2:]]
+pids = [name for name in __import__("os").listdir("/proc") if name.isdigit()]
+assert int(status["CapEff"], 16) == 0 and int(status["CapBnd"], 16) == 0, status["CapEff"]
+assert status["Seccomp"].strip() == "2", status["Seccomp"]
+assert interfaces == ["lo"], interfaces
+assert len(pids) <= 3, pids
+print("isolated")
+'''
+
+
+def _probe(mode: str) -> str | None:
+    """Why a probe run in `mode` fails, or None when it ran and found the isolation in place."""
+    limits = SandboxConfig(cpu_s=5, wall_s=30.0, memory_mb=256)
     try:
-        (workdir / "program.py").write_text(code, encoding="utf-8")
-        prefix = [shutil.which("unshare"), *_UNSHARE] if isolated else []
-        args = [*prefix, sys.executable, "-I", "-c", _BOOT, str(workdir), str(limits.cpu_s),
-                str(limits.memory_mb * 2**20), str(limits.output_bytes), str(int(isolated))]
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(workdir), "LANG": "C.UTF-8"}
-        with open(workdir / "stdout", "wb") as out, open(workdir / "stderr", "wb") as err:
-            proc = subprocess.Popen(args, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                    start_new_session=True)
+        if mode == "cgroup":
+            parents = _cgroup_parents()
+            if parents is None:
+                return "no writable cgroup (v2 with memory and pids delegated, or v1 memory and pids) for this process"
+            with _run_cgroup(parents, limits) as cgroup:
+                result = _run_bwrap(_PROBE, limits, stdin="", mode=mode, cgroup=cgroup)
+        else:
+            result = _run_bwrap(_PROBE, limits, stdin="", mode=mode, cgroup=None)
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    if result.returncode != 0 or result.stdout != "isolated\n":
+        as_nobody = (f" (as root, this mode runs bwrap as nobody, uid {NOBODY}, who must be able to read "
+                     f"{sys.base_prefix})") if mode == "rlimit" and os.getuid() == 0 else ""
+        return f"the probe run failed (exit status {result.returncode}){as_nobody}: {result.stderr.strip()[-500:]}"
+    return None
+
+
+@functools.cache
+def seccomp_program() -> bytes:
+    """The compiled BPF filter bwrap installs: SECCOMP_DENIED and namespace-creating clone refused with
+    EPERM, clone3 with ENOSYS (so that the C library falls back to clone, whose flags the filter can read)."""
+    import pyseccomp as seccomp
+
+    f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+    for name in SECCOMP_DENIED:
+        try:
+            f.add_rule(seccomp.ERRNO(errno.EPERM), name)
+        except (ValueError, OSError):  # not a system call of this architecture
+            continue
+    for flag in _CLONE_NAMESPACE_FLAGS:
+        f.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
+    f.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    f.add_rule(seccomp.ERRNO(errno.EPERM), "ioctl", seccomp.Arg(1, seccomp.MASKED_EQ, 0xFFFFFFFF, 0x5412))  # TIOCSTI
+    fd = os.memfd_create("megarl-seccomp")
+    with open(fd, "w+b") as file:
+        f.export_bpf(file)
+        file.seek(0)
+        return file.read()
+
+
+# ---- the isolated run -----------------------------------------------------------------------------------
+def _run_bwrap(code: str, limits: SandboxConfig, *, stdin: str, mode: str, cgroup: _RunCgroup | None) -> SandboxResult:
+    program_fd, seccomp_fd = _memfd("program.py", code.encode()), _memfd("seccomp", seccomp_program())
+    info_read, info_write = os.pipe()
+    python = os.path.realpath(sys._base_executable)
+    prefix = os.path.realpath(sys.base_prefix)
+    args = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+            "--cap-drop", "ALL", "--uid", str(NOBODY), "--gid", str(NOBODY),
+            "--ro-bind", "/usr", "/usr", *_root_links(),
+            *(() if prefix.startswith("/usr/") else ("--ro-bind", prefix, prefix)),
+            "--proc", "/proc", "--dev", "/dev",
+            "--size", str(limits.disk_mb * 2**20), "--tmpfs", WORKDIR,
+            "--perms", "0444", "--file", str(program_fd), f"{WORKDIR}/program.py",
+            "--remount-ro", "/", "--remount-ro", "/dev", "--chdir", WORKDIR,
+            "--seccomp", str(seccomp_fd), "--info-fd", str(info_write),
+            python, "-I", "-c", _BOOT, str(limits.cpu_s), str(limits.memory_mb * 2**20), str(limits.max_processes)]
+    if cgroup is not None:  # join the run's cgroup before bwrap starts, so that every process of the run is in it
+        args = ["/bin/sh", "-c", 'for d in $CGROUPS; do echo $$ > "$d/cgroup.procs" || exit 126; done; exec "$@"',
+                "sh", *args]
+    env = {"PATH": "/usr/bin:/bin", "HOME": WORKDIR, "TMPDIR": WORKDIR, "LANG": "C.UTF-8",
+           **({"CGROUPS": " ".join(map(str, cgroup.dirs))} if cgroup is not None else {})}
+    # rlimit mode counts processes per user namespace only for a user other than root
+    user = NOBODY if mode == "rlimit" and os.getuid() == 0 else None
+    try:
+        proc = subprocess.Popen(args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, pass_fds=(program_fd, seccomp_fd, info_write),
+                                start_new_session=True, user=user, group=user, extra_groups=[] if user else None)
+    finally:
+        for fd in (program_fd, seccomp_fd, info_write):
+            os.close(fd)
+    info = bytearray()
+    try:
+        stdout, stderr, timed_out = _communicate(proc, stdin.encode(), info_fd=info_read, info=info,
+                                                 cap=limits.output_bytes, deadline=time.monotonic() + limits.wall_s)
+    finally:
+        _end_run(proc, info, cgroup)
+    returncode = None if timed_out else proc.returncode
+    return SandboxResult(returncode, stdout.decode("utf-8", "replace"), stderr.decode("utf-8", "replace"), mode)
+
+
+def _root_links() -> list[str]:
+    """/bin, /sbin and /lib* as on the host: a symlink where the host has one (merged /usr), else a read-only bind."""
+    args = []
+    for name in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(name):
+            args += ["--symlink", os.readlink(name), name]
+        elif os.path.isdir(name):
+            args += ["--ro-bind", name, name]
+    return args
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(f"megarl-{name}", 0)  # no MFD_CLOEXEC: passed to bwrap by number
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _communicate(proc: subprocess.Popen, stdin: bytes, *, info_fd: int, info: bytearray, cap: int,
+                 deadline: float) -> tuple[bytes, bytes, bool]:
+    """Feed `stdin`, read stdout and stderr (at most `cap` bytes each: the pipe is closed past that) and
+    bwrap's info (all of it, into `info`) until all are closed and the process exited, or the deadline
+    passed. Returns (stdout, stderr, timed out)."""
+    files = {f.fileno(): f for f in (proc.stdin, proc.stdout, proc.stderr, open(info_fd, "rb", buffering=0))}
+    stdin_fd = proc.stdin.fileno()
+    stdout, stderr = bytearray(), bytearray()
+    caps = {proc.stdout.fileno(): (stdout, cap), proc.stderr.fileno(): (stderr, cap), info_fd: (info, 2**16)}
+    pending = memoryview(stdin)
+    with selectors.DefaultSelector() as selector:
+        for fd, f in files.items():
+            os.set_blocking(fd, False)
+            selector.register(fd, selectors.EVENT_WRITE if f is proc.stdin else selectors.EVENT_READ)
+        try:
+            while selector.get_map():
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
+                    return bytes(stdout), bytes(stderr), True
+                for key, _ in selector.select(timeout=left_s):
+                    if key.fd == stdin_fd:
+                        try:
+                            pending = pending[os.write(key.fd, pending[:65536]):]
+                        except BrokenPipeError:
+                            pending = pending[:0]
+                        done = not pending
+                    else:
+                        buffer, limit = caps[key.fd]
+                        chunk = os.read(key.fd, 65536)
+                        buffer += chunk[: limit - len(buffer)]
+                        done = not chunk or len(buffer) >= limit
+                    if done:
+                        selector.unregister(key.fd)
+                        files[key.fd].close()
+        finally:
+            for f in files.values():
+                f.close()
+    try:
+        proc.wait(timeout=max(deadline - time.monotonic(), 0))
+    except subprocess.TimeoutExpired:
+        return bytes(stdout), bytes(stderr), True
+    return bytes(stdout), bytes(stderr), False
+
+
+def _end_run(proc: subprocess.Popen, info: bytes, cgroup: _RunCgroup | None) -> None:
+    """Kill every process of the run and return once they are all gone.
+
+    Killing the PID namespace's first process (bwrap's child, its pid from --info-fd) makes the kernel kill
+    every other process of the namespace, and that process is reaped, which lets bwrap exit, only after all
+    of them are gone. So waiting for bwrap waits for the whole run."""
+    if proc.poll() is None and _kill_namespace(proc, info):
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+    if proc.poll() is None:  # bwrap's child unknown (bwrap failed early) or bwrap hung: kill bwrap, and by
+        with contextlib.suppress(ProcessLookupError):  # --die-with-parent its child
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    if cgroup is not None:
+        cgroup.kill()
+
+
+def _kill_namespace(proc: subprocess.Popen, info: bytes) -> bool:
+    """SIGKILL bwrap's child, the first process of the run's PID namespace; whether it was signalled."""
+    try:
+        child_pid = int(json.loads(info)["child-pid"])
+        pidfd = os.pidfd_open(child_pid)
+    except (ValueError, KeyError, TypeError, ProcessLookupError):
+        return False
+    try:
+        # the pid is bwrap's child, not a process that reused a freed pid: bwrap is alive and has not reaped it
+        with open(f"/proc/{child_pid}/stat") as f:
+            parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        if parent == proc.pid:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            return True
+        return False
+    except (OSError, IndexError, ValueError):
+        return False
+    finally:
+        os.close(pidfd)
+
+
+# ---- cgroups ---------------------------------------------------------------------------------------------
+@functools.cache
+def _cgroup_parents() -> tuple[Path, ...] | None:
+    """The cgroups this process may create a run's cgroup under: its own cgroup v2 when the memory and pids
+    controllers are delegated to its children, else its own cgroups of the v1 memory and pids hierarchies
+    when writable; None when neither."""
+    mounts = {}  # fstype or v1 controller -> mount point
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            tail = fields[fields.index("-") + 1:]
+            if tail[0] == "cgroup2":
+                mounts["cgroup2"] = fields[4]
+            elif tail[0] == "cgroup":
+                for option in tail[2].split(","):
+                    mounts.setdefault(option, fields[4])
+    own = {}  # "" (v2) or v1 controller -> this process's cgroup path
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for controller in controllers.split(",") if controllers else [""]:
+                own[controller] = path.lstrip("/")
+    if "cgroup2" in mounts and "" in own:
+        parent = Path(mounts["cgroup2"], own[""])
+        delegated = (parent / "cgroup.subtree_control").read_text().split() if parent.is_dir() else []
+        if {"memory", "pids"} <= set(delegated) and os.access(parent, os.W_OK):
+            return (parent,)
+    parents = tuple(Path(mounts[c], own[c]) for c in ("memory", "pids") if c in mounts and c in own)
+    if len(parents) == 2 and all(os.access(p, os.W_OK) for p in parents):
+        return parents
+    return None
+
+
+@dataclass(frozen=True)
+class _RunCgroup:
+    """One run's cgroup: a directory per hierarchy, limited to the run's memory and processes."""
+
+    dirs: tuple[Path, ...]
+
+    def kill(self) -> None:
+        """SIGKILL whatever is still in the cgroup, then remove it once empty."""
+        for d in self.dirs:
+            if not d.exists():  # killed and removed already
+                continue
+            for _ in range(1000):  # a few seconds at most; a killed process leaves the cgroup when reaped
+                pids = (d / "cgroup.procs").read_text().split()
+                if not pids:
+                    break
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(pid), signal.SIGKILL)
+                time.sleep(0.005)
             try:
-                returncode = proc.wait(timeout=limits.wall_s)
-            except subprocess.TimeoutExpired:
-                returncode = None
-            finally:
-                _kill_group(proc)
-        read = lambda name: (workdir / name).read_bytes()[: limits.output_bytes].decode("utf-8", "replace")
-        return SandboxResult(returncode, read("stdout"), read("stderr"), isolated)
+                d.rmdir()
+            except OSError as e:
+                log.warning("sandbox: cannot remove cgroup %s: %s", d, e)
+
+
+_CGROUP_LIMITS = {  # file -> (what it limits, its value from the run's limits); v2 and v1 names
+    "memory.max": ("memory", lambda limits: limits.memory_mb * 2**20),
+    "memory.swap.max": ("memory", lambda limits: 0),
+    "memory.limit_in_bytes": ("memory", lambda limits: limits.memory_mb * 2**20),
+    "memory.memsw.limit_in_bytes": ("memory", lambda limits: limits.memory_mb * 2**20),
+    "pids.max": ("pids", lambda limits: limits.max_processes),
+}
+
+
+@contextlib.contextmanager
+def _run_cgroup(parents: tuple[Path, ...], limits: SandboxConfig) -> Iterator[_RunCgroup]:
+    """A new cgroup under each of `parents` with the run's memory and process limits, killed and removed
+    on exit; OSError when either limit cannot be set."""
+    name = f"megarl-sandbox-{uuid.uuid4().hex}"
+    made = []
+    try:
+        limited = set()
+        for parent in parents:
+            (parent / name).mkdir()
+            made.append(parent / name)
+            for file, (what, value) in _CGROUP_LIMITS.items():
+                if (parent / name / file).exists():
+                    (parent / name / file).write_text(str(value(limits)))
+                    limited.add(what)
+        if limited != {"memory", "pids"}:
+            raise OSError(f"cgroup {name}: cannot limit {' and '.join(sorted({'memory', 'pids'} - limited))}")
+        yield _RunCgroup(tuple(made))
+    finally:
+        _RunCgroup(tuple(made)).kill()
+
+
+# ---- without isolation, and on a service -----------------------------------------------------------------
+@functools.cache
+def _warn_insecure() -> None:
+    log.warning("sandbox.insecure is true: generated code runs WITHOUT isolation, as this user, with this "
+                "machine's files and network. Use it for local debugging only.")
+
+
+def _run_insecure(code: str, limits: SandboxConfig, *, stdin: str) -> SandboxResult:
+    """A plain child process with per-process CPU and memory limits in a temporary directory; its process
+    group is killed at the end. No isolation at all: what `insecure` means."""
+    workdir = tempfile.mkdtemp(prefix="megarl-insecure-")
+    try:
+        Path(workdir, "program.py").write_text(code, encoding="utf-8")
+        args = [sys.executable, "-I", "-c", _BOOT, str(limits.cpu_s), str(limits.memory_mb * 2**20), "0"]
+        proc = subprocess.Popen(args, cwd=workdir, env={"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8"},
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
+        info_read, info_write = os.pipe()
+        os.close(info_write)
+        try:
+            stdout, stderr, timed_out = _communicate(proc, stdin.encode(), info_fd=info_read, info=bytearray(),
+                                                     cap=limits.output_bytes, deadline=time.monotonic() + limits.wall_s)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        returncode = None if timed_out else proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+        return SandboxResult(returncode, stdout.decode("utf-8", "replace"),
+                             stderr.decode("utf-8", "replace"), "insecure")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the run's process group (the child leads it: start_new_session) and reap the child."""
+def run_on_service(code: str, limits: SandboxConfig, *, stdin: str) -> SandboxResult:
+    """Run `code` on the external sandbox service at `limits.service_url`.
+
+    The protocol: an HTTP POST of the JSON object {"code": str, "stdin": str, "limits": {"cpu_s", "wall_s",
+    "memory_mb", "max_processes", "disk_mb", "output_bytes"}}; the answer is the JSON object
+    {"returncode": int or null (null: killed at the wall-clock limit), "stdout": str, "stderr": str}, the
+    program's exit status and its output. Anything else raises SandboxServiceError."""
+    run_limits = {k: v for k, v in asdict(limits).items() if k not in ("insecure", "service_url")}
+    body = json.dumps({"code": code, "stdin": stdin, "limits": run_limits}).encode()
+    request = urllib.request.Request(limits.service_url, data=body, headers={"Content-Type": "application/json"})
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-_FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
-
-
-def extract_code(response: str) -> str:
-    """The last fenced code block of the response (```python ... ``` or ``` ... ```), else the response."""
-    blocks = _FENCE.findall(response)
-    return blocks[-1] if blocks else response
-
-
-def code_reward(response: str, tests: str, limits: SandboxConfig) -> float:
-    """1.0 when the response's code followed by `tests` (the row's answer: asserts, or any program that
-    exits non-zero on failure) runs to exit status 0 within the limits, else 0.0."""
-    return 1.0 if run_python(f"{extract_code(response)}\n\n{tests}\n", limits).passed else 0.0
+        with urllib.request.urlopen(request, timeout=limits.wall_s + 30) as response:
+            answer = json.loads(response.read(4 * limits.output_bytes + 4096))
+    except (OSError, ValueError) as e:
+        raise SandboxServiceError(f"sandbox service {limits.service_url}: {type(e).__name__}: {e}") from None
+    returncode = answer.get("returncode") if isinstance(answer, dict) else None
+    if not (isinstance(answer, dict) and (returncode is None or type(returncode) is int)
+            and isinstance(answer.get("stdout"), str) and isinstance(answer.get("stderr"), str)):
+        raise SandboxServiceError(f"sandbox service {limits.service_url}: expected "
+                                  f'{{"returncode": int|null, "stdout": str, "stderr": str}}, got {answer!r:.200}')
+    cap = limits.output_bytes
+    return SandboxResult(returncode, answer["stdout"][:cap], answer["stderr"][:cap], "service")

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from megarl.config import RecipeError, RewardConfig, RewardTermConfig, SandboxConfig
 from megarl.rewards.exact import exact_answer_reward
 from megarl.rewards.math_answer import math_reward
-from megarl.rewards.sandbox import code_reward
+from megarl.rewards.code import code_reward
+from megarl.rewards.sandbox import SandboxUnavailable, check_sandbox
 from megarl.rewards.shaping import format_reward, length_penalty
 
 
@@ -76,6 +77,7 @@ def term_function(term: RewardTermConfig, *, key: str) -> RewardFn:
             return lambda s: length_penalty(s.response_tokens, max_tokens=max_tokens, cache_tokens=cache_tokens)
         case "code":
             limits = term.sandbox or SandboxConfig()
+            require_sandbox(limits, key=f"{key}.sandbox")
             return lambda s: code_reward(s.response, s.answer, limits)
         case "custom":
             fn = import_function(term.function, key=f"{key}.function")
@@ -93,6 +95,14 @@ def import_function(spec: str, *, key: str) -> Callable:
     if not callable(fn):
         raise RecipeError(f"{key}: {spec!r} is a {type(fn).__name__}, not a function")
     return fn
+
+
+def require_sandbox(limits: SandboxConfig, *, key: str) -> None:
+    """RecipeError naming `key` when generated code could not run isolated here (see megarl.rewards.sandbox)."""
+    try:
+        check_sandbox(limits)
+    except SandboxUnavailable as e:
+        raise RecipeError(f"{key}: {e}") from None
 
 
 def _require(module: str, *, key: str, install: str) -> None:

@@ -1,0 +1,308 @@
+"""Attacks on the code sandbox, each a function that raises AssertionError when the attack succeeds.
+
+Shared by tests/test_sandbox_attacks.py (in this process's sandbox mode) and, as a script, by the same tests
+run as an unprivileged user (`python tests/sandbox_attacks.py` prints {"mode", "failed": {attack: why}}).
+Standard library and megarl only, so that a bare interpreter can run it. Each attack sets up what it
+attacks itself (a secret file, a listener, a host process) and checks afterwards that nothing of the run is
+left on the machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import traceback
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from megarl.config import SandboxConfig  # noqa: E402
+from megarl.rewards import harness  # noqa: E402
+from megarl.rewards.code import code_reward  # noqa: E402
+from megarl.rewards.sandbox import run_python, sandbox_mode  # noqa: E402
+
+LIMITS = SandboxConfig(cpu_s=5, wall_s=20.0, memory_mb=256, max_processes=8, disk_mb=16, output_bytes=4096)
+
+
+def processes_with(marker: str) -> list[int]:
+    """Pids of the processes on the machine whose command line contains `marker`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and entry.name != str(os.getpid()):
+            with contextlib.suppress(OSError):
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+    return found
+
+
+@contextlib.contextmanager
+def open_dir():
+    """A temporary directory anyone may read and write, so that only the sandbox can keep code out."""
+    with tempfile.TemporaryDirectory(prefix="megarl-attack-") as d:
+        os.chmod(d, 0o777)
+        yield Path(d)
+
+
+def run(code: str, **limits) -> str:
+    """The run's stdout and stderr, after checking the run left no process behind."""
+    marker = f"megarl-attack-{uuid.uuid4().hex}"
+    result = run_python(code.replace("MARKER", marker), SandboxConfig(**{**LIMITS.__dict__, **limits}))
+    assert processes_with(marker) == [], f"processes of the run outlived it: {processes_with(marker)}"
+    return result.stdout + result.stderr
+
+
+# ---- files -------------------------------------------------------------------------------------------------
+def attack_read_a_secret_outside():
+    with open_dir() as d:
+        secret = d / "secret"
+        secret.write_text("TOPSECRET-" + uuid.uuid4().hex)
+        os.chmod(secret, 0o644)
+        out = run(f"import os\nfor p in [{str(secret)!r}, '/etc/shadow', '/etc/passwd', os.path.expanduser('~')]:\n"
+                  "    try:\n        print(open(p).read())\n    except OSError as e:\n        print('refused', e)\n")
+        assert secret.read_text() not in out and "root:" not in out, out
+
+
+def attack_write_outside():
+    with open_dir() as d:
+        targets = [d / "escaped", Path(sys.base_prefix) / "lib" / "escaped.pth", Path("/usr/escaped")]
+        out = run("import os\n"
+                  f"for p in {[str(t) for t in targets]!r} + ['/escaped', '/dev/escaped', '/dev/shm/escaped']:\n"
+                  "    try:\n        open(p, 'w').write('import os')\n        print('WROTE', p)\n"
+                  "    except OSError as e:\n        print('refused', p, e.errno)\n")
+        assert not any(t.exists() for t in targets) and "WROTE" not in out, out
+
+
+def attack_remount_and_kernel_interfaces():
+    # mount, unshare, setns, ptrace, keyctl, bpf, io_uring straight from libc, past anything Python could hook
+    site = Path(sys.base_prefix) / "lib" / "megarl-planted.pth"
+    out = run("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+              "calls = {'remount /': lambda: libc.mount(None, b'/', None, 32 | 4096, None),\n"
+              "         'mount tmpfs': lambda: libc.mount(b'x', b'/sandbox', b'tmpfs', 0, None),\n"
+              "         'unshare user': lambda: libc.unshare(0x10000000),\n"
+              "         'unshare mount': lambda: libc.unshare(0x00020000),\n"
+              "         'ptrace pid 1': lambda: libc.ptrace(16, 1, None, None),\n"
+              "         'keyctl': lambda: libc.syscall(250, 0, 0, 0, 0),\n"
+              "         'bpf': lambda: libc.syscall(321, 0, 0, 0),\n"
+              "         'io_uring_setup': lambda: libc.syscall(425, 1, 0),\n"
+              "         'setns': lambda: libc.setns(os.open('/proc/1/ns/mnt', os.O_RDONLY), 0)}\n"
+              "for name, call in calls.items():\n"
+              "    try:\n        print(name, call(), ctypes.get_errno())\n"
+              "    except OSError as e:\n        print(name, 'OSError', e.errno)\n"
+              f"try:\n    open({str(site)!r}, 'w')\n    print('PLANTED')\n"
+              "except OSError as e:\n    print('refused', e)\n")
+    for line in out.splitlines()[:9]:
+        assert line.split()[-2:] in (["-1", "1"], ["OSError", "1"], ["OSError", "2"]), out  # EPERM (ENOENT: no fd)
+    assert "PLANTED" not in out and not site.exists(), out
+
+
+def attack_proc_of_the_host():
+    # a host process whose environment holds a secret; the run looks for it in every /proc it can see, and
+    # tries to kill it
+    secret = "HOSTSECRET-" + uuid.uuid4().hex
+    host = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env={"TOKEN": secret})
+    try:
+        out = run("import os, signal\nfound = []\nfor pid in os.listdir('/proc'):\n"
+                  "    for name in ('environ', 'cmdline'):\n        try:\n"
+                  "            found.append(open(f'/proc/{pid}/{name}', 'rb').read().decode('latin-1'))\n"
+                  "        except OSError:\n            pass\n"
+                  "print('\\n'.join(found))\nprint('pids', [p for p in os.listdir('/proc') if p.isdigit()])\n"
+                  f"try:\n    os.kill({host.pid}, signal.SIGKILL)\n    print('KILLED')\nexcept OSError as e:\n"
+                  "    print('refused', e)\n")
+        assert secret not in out and "KILLED" not in out and host.poll() is None, out
+    finally:
+        host.kill()
+        host.wait()
+
+
+# ---- network and sockets -----------------------------------------------------------------------------------
+def attack_network_to_a_host_listener():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(0.5)
+        port = server.getsockname()[1]
+        out = run("import socket\nfor host in ('127.0.0.1', 'localhost', '10.0.0.1'):\n    try:\n"
+                  f"        socket.create_connection((host, {port}), timeout=2)\n        print('CONNECTED', host)\n"
+                  "    except OSError as e:\n        print('refused', host, e)\n")
+        with contextlib.suppress(TimeoutError):
+            server.accept()
+            raise AssertionError("the sandbox reached a listener of the host")
+        assert "CONNECTED" not in out, out
+
+
+def attack_host_unix_sockets():
+    with open_dir() as d, socket.socket(socket.AF_UNIX) as path_server, socket.socket(socket.AF_UNIX) as abstract:
+        path = d / "host.sock"
+        path_server.bind(str(path))
+        os.chmod(path, 0o777)
+        path_server.listen()
+        name = f"megarl-attack-{uuid.uuid4().hex}"
+        abstract.bind("\0" + name)
+        abstract.listen()
+        out = run("import socket\n"
+                  f"for address in [{str(path)!r}, '\\0{name}', '/run/docker.sock', '/var/run/docker.sock']:\n"
+                  "    s = socket.socket(socket.AF_UNIX)\n    try:\n        s.connect(address)\n"
+                  "        print('CONNECTED', address)\n    except OSError as e:\n        print('refused', e)\n")
+        assert "CONNECTED" not in out, out
+
+
+# ---- processes and limits ------------------------------------------------------------------------------------
+def attack_spawn_and_daemonize():
+    # a double-forked daemon, a new session, posix_spawn and spawnv_passfds (no audit event): all must die
+    # with the run (run() checks no process with the marker is left)
+    out = run("import os, subprocess, sys, time, _posixsubprocess\n"
+              "SLEEPER = [sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              "time.sleep(60)', 'MARKER']\n"
+              "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        os.execv(sys.executable, SLEEPER)\n"
+              "    os._exit(0)\n"
+              "subprocess.Popen(SLEEPER, start_new_session=True)\n"
+              "os.posix_spawn(sys.executable, SLEEPER, {})\n"
+              "time.sleep(0.5)\nprint('spawned')\n")
+    assert "spawned" in out, out  # processes may be started; what matters is that none outlives the run
+
+
+def attack_memory_of_the_whole_run():
+    # 6 processes of 150 MiB each, all held at once: more than the run's memory in cgroup mode
+    mode, chunk_mb, limits = sandbox_mode(), 150, dict(memory_mb=256, max_processes=8)
+    out = run("import os, sys, time\nholders = []\nfor _ in range(6):\n    r, w = os.pipe()\n    try:\n"
+              "        pid = os.fork()\n    except OSError:\n        break\n    if pid == 0:\n        try:\n"
+              f"            block = b'x' * ({chunk_mb} << 20)\n            os.write(w, b'1')\n"
+              "        except MemoryError:\n            os.write(w, b'0')\n        time.sleep(3)\n        os._exit(0)\n"
+              "    holders.append((pid, r))\n"
+              "time.sleep(2)\nalive = 0\nfor pid, r in holders:\n"
+              "    if os.waitpid(pid, os.WNOHANG) == (0, 0) and os.read(r, 1) == b'1':\n        alive += 1\n"
+              "print('holding', alive)\n", **limits)
+    held = [int(line.split()[1]) for line in out.splitlines() if line.startswith("holding")]
+    bound_mb = limits["memory_mb"] * (1 if mode == "cgroup" else limits["max_processes"])
+    assert all(n * chunk_mb <= bound_mb for n in held), (mode, out)
+
+
+def attack_many_processes():
+    out = run("import os, time\nstarted = 0\nfor _ in range(200):\n    try:\n        pid = os.fork()\n"
+              "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(3)\n        os._exit(0)\n"
+              "    started += 1\nprint('started', started)\n", max_processes=8)
+    started = [int(line.split()[1]) for line in out.splitlines() if line.startswith("started")]
+    assert started and started[0] < 8, out
+
+
+def attack_disk_of_the_whole_run():
+    out = run("import os\ntotal = 0\nfor name in ('a', 'b', 'c'):\n    try:\n        with open(name, 'wb') as f:\n"
+              "            while True:\n                f.write(b'x' * 2**20)\n                f.flush()\n"
+              "                total += 1\n    except OSError:\n        pass\nprint('wrote_mib', total)\n", disk_mb=16)
+    written = [int(line.split()[1]) for line in out.splitlines() if line.startswith("wrote_mib")]
+    assert written and written[0] <= 16, out
+
+
+def attack_outlive_the_wall_clock():
+    # the wall-clock limit ends the run and every process in it, signal handlers notwithstanding
+    result = run_python("import os, signal, subprocess, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', 'MARKER'])\n"
+                        "time.sleep(60)\n".replace("MARKER", marker := f"megarl-attack-{uuid.uuid4().hex}"),
+                        SandboxConfig(**{**LIMITS.__dict__, "wall_s": 2.0}))
+    assert result.returncode is None and processes_with(marker) == [], result
+
+
+# ---- the parent's side of the pipes -------------------------------------------------------------------------
+def attack_stdout_symlink_and_fifo():
+    os.environ.setdefault("MEGARL_ATTACK_PARENT_SECRET", uuid.uuid4().hex)
+    out = run("import os\nfor name, target in (('stdout', '/proc/self/environ'), ('stderr', '/dev/zero')):\n"
+              "    os.symlink(target, name)\nos.mkfifo('fifo')\nos.symlink('/proc/1/environ', 'result')\n"
+              "print('done')\n")
+    assert out == "done\n", out
+
+
+def attack_flood_stdout():
+    result = run_python("import os\nwhile True:\n    os.write(1, bytes(65536))\n", LIMITS)
+    assert len(result.stdout) <= LIMITS.output_bytes and not result.passed, result.returncode
+
+
+# ---- the code reward -------------------------------------------------------------------------------------------
+def reward(solution: str, *, expected: str = "'ANSWER-7f3e9'") -> float:
+    tests = json.dumps({"calls": [{"call": "solve(7)", "expected": expected}]})
+    return code_reward(f"```python\n{solution}\n```", tests, LIMITS)
+
+
+# looks for the expected answer in every file and command line the run can see
+SCRAPE = """
+import os, re, sys
+def solve(x):
+    seen = []
+    for root, dirs, files in os.walk('/'):
+        if root.startswith(('/proc', '/usr', '/sys', '/dev', sys.base_prefix)):
+            dirs.clear()
+            continue
+        for f in files:
+            try:
+                seen.append(open(os.path.join(root, f), errors='ignore').read())
+            except OSError:
+                pass
+    for pid in os.listdir('/proc'):
+        try:
+            seen.append(open(f'/proc/{pid}/cmdline', errors='ignore').read())
+        except OSError:
+            pass
+    found = re.findall(r'ANSWER-\\w+', ' '.join(seen))
+    return found[0] if found else None
+"""
+
+
+def attack_reward_tricks():
+    assert reward("def solve(x):\n    return 'ANSWER-7f3e9'") == 1.0  # the right answer scores, so the harness works
+    guesses = [harness.digest(json.dumps(harness.encode(v))) for v in (True, False)]
+    tricks = {
+        "os._exit(0)": "import os\nos._exit(0)",
+        "SystemExit": "raise SystemExit(0)",
+        "SystemExit in the call": "def solve(x):\n    raise SystemExit(0)",
+        "always-true __eq__": "class Yes(str):\n    def __eq__(self, other):\n        return True\n"
+                              "    __hash__ = str.__hash__\ndef solve(x):\n    return Yes('ANSWER')",
+        "excepthook": "import sys\nsys.excepthook = lambda *a: print('0 ' + '0' * 64)\nraise RuntimeError",
+        "atexit": "import atexit, os\natexit.register(lambda: os.write(1, b'0 ' + b'0' * 64 + b'\\n'))\n"
+                  "def solve(x):\n    raise ValueError",
+        "scrape the tests": SCRAPE,
+    }
+    scored = {name: reward(code) for name, code in tricks.items()}
+    # every guess written straight to the harness's result pipe, for a yes/no task
+    guess = ("import os\ndef solve(x):\n    for fd in range(3, 20):\n        try:\n"
+             f"            os.write(fd, ''.join(f'0 {{d}}\\n' for d in {guesses!r}).encode())\n"
+             "        except OSError:\n            pass\n    return True")
+    scored["every guess"] = reward(guess, expected="True")
+    scored["1.0 for 1"] = reward("def solve(x):\n    return 1.0", expected="1")
+    scored["True for 1"] = reward("def solve(x):\n    return True", expected="1")
+    assert scored == dict.fromkeys(scored, 0.0), scored
+
+
+def attack_two_samples_at_once():
+    # both runs leave a file and, for 2 s, look for the other's everywhere they can see
+    code = ("import os, time\nopen('MINE', 'w').write('x')\nfound = []\nend = time.time() + 2\n"
+            "while time.time() < end and not found:\n"
+            "    for root, dirs, files in os.walk('/'):\n"
+            "        if root.startswith(('/usr', '/sys')):\n            dirs.clear()\n"
+            "        found += [f for f in files if f.startswith('megarl-attack-') and f != 'MINE']\n"
+            "print('found', found)\n")
+    names = [f"megarl-attack-{uuid.uuid4().hex}" for _ in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda n: run_python(code.replace("MINE", n), LIMITS).stdout, names))
+    assert outs == ["found []\n", "found []\n"], outs
+
+
+ATTACKS = {name: fn for name, fn in globals().items() if name.startswith("attack_")}
+
+
+def main() -> None:
+    """Run every attack; print {"mode": ..., "failed": {attack: why}} as JSON."""
+    failed = {}
+    for name, attack in ATTACKS.items():
+        try:
+            attack()
+        except Exception:  # noqa: BLE001 - report every attack's outcome
+            failed[name] = traceback.format_exc()[-1500:]
+    print(json.dumps({"mode": sandbox_mode(), "uid": os.getuid(), "failed": failed}))
+
+
+if __name__ == "__main__":
+    main()
