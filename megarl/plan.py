@@ -38,7 +38,8 @@ The estimate follows the code it models, so its assumptions are those of megarl'
   env.max_tokens for a multi-turn environment (generated and observation tokens of all turns); for SFT and
   DPO, whose loops pad a batch to its longest row and truncate nothing, the longest row (`--seq-tokens`).
   The prompt length is an input, `--prompt-tokens`.
-- Models, as the loops build them: RL: the actor, the frozen reference when algo.kl_coef > 0, PPO's critic;
+- Models, as the loops build them: RL: the actor, the frozen reference when algo.kl_coef > 0, PPO's critic,
+  and the frozen reward model of every `reward_model` reward term, which stays on the device in every phase;
   SFT: the actor; DPO: the actor and its frozen reference (no gradients, no optimizer).
 - Phases, as `megarl.loops.rl` orders them on GPU: train = every trainer model's parameters, gradients and
   optimizer state on the device with the larger of the actor's and the critic's activations; push = trainer
@@ -291,7 +292,7 @@ def rollout_engines(cfg: Config, shape: ModelShape, cluster: Cluster) -> list[in
 class ModelMemory:
     """Bytes one trainer model holds on one GPU of the planned stage."""
 
-    name: str  # actor, reference or critic
+    name: str  # actor, reference, critic or a reward model
     params: int
     grads: int
     optim: int
@@ -491,12 +492,25 @@ def trainer_roles(cfg: Config) -> list[tuple[str, bool, bool]]:
     return roles
 
 
+def reward_model_shapes(cfg: Config, shape: ModelShape) -> list[tuple[str, ModelShape]]:
+    """(name, shape) of every reward-model term (`reward.terms[i]`, kind reward_model): its checkpoint's
+    config.json when the checkpoint is on this machine, else the policy's architecture."""
+    out = []
+    for i, term in enumerate(cfg.reward.terms):
+        if term.kind == "reward_model":
+            config = Path(term.path or "") / "config.json"
+            out.append((f"reward_model (reward.terms[{i}])", read_model(config) if config.is_file() else shape))
+    return out
+
+
 def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
          prompt_tokens: int = 1024, seq_tokens: int | None = None) -> Plan:
     """Check the layout (PlanError) and estimate every phase's bytes per GPU on the most-loaded stage, and
     the host memory of the fullest node.
 
-    PPO's critic is planned with the policy's architecture (its default checkpoint) and a value head."""
+    PPO's critic is planned with the policy's architecture (its default checkpoint) and a value head. Reward
+    models are frozen scalar-head models at the trainer's layout that stay on the device in every phase
+    (megarl.loops.rl_run.build_run: their scores are needed as generation ends); they are not offloaded."""
     seq_len, seq_source = sequence_tokens(cfg, prompt_tokens=prompt_tokens, seq_tokens=seq_tokens)
     layout = check_layout_for(cfg, shape, cluster, seq_len=seq_len)
     dtype, optim, megatron = cfg.model.dtype, cfg.optim, cfg.model.megatron
@@ -508,6 +522,7 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
                       expert_dp=layout.expert_dp)
     reserve = int(RESERVE_GIB * GIB)
     gathered = 2 * _largest_tensor(shape) * dtype_bytes
+    reward_shapes = [] if rollout is None else reward_model_shapes(cfg, shape)
 
     stages, buffers, best = [], [], None
     for stage in range(layout.pp):
@@ -523,8 +538,12 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
             models.append(ModelMemory(name, params, grads, opt, acts))
             if trainable:  # a DDP buffer per model for dense and one for expert parameters
                 largest_buffer = max(largest_buffer, counts.dense * dtype_bytes, counts.expert * dtype_bytes)
-        stages.append(models)
+        stages.append(models)  # what the offload moves to the host
         buffers.append(largest_buffer)
+        judges = [ModelMemory(name, stage_params(rshape, tp=layout.tp, pp=layout.pp, ep=layout.ep, stage=stage,
+                                                 value_head=True).total * dtype_bytes, 0, 0, 0)
+                  for name, rshape in reward_shapes]
+        resident = sum(m.params for m in judges)  # in every phase
         states = sum(m.state for m in models)
         trainer_params = sum(m.params for m in models)
         if rollout is None:  # SFT, DPO: the trainer alone, never offloaded
@@ -537,8 +556,9 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
             phases = {"train": states + max(m.activations for m in models) + reserve,
                       "push": trainer_params + rollout.weights + cfg.rollout.bucket_bytes + gathered + reserve,
                       "rollout": rollout.static + reserve}
+        phases = {name: nbytes + resident for name, nbytes in phases.items()}
         if best is None or max(phases.values()) > max(best[2].values()):
-            best = (stage, models, phases)
+            best = (stage, models + judges, phases)
     stage, models, phases = best
     total = stage_params(shape, tp=1, pp=1, ep=1, stage=0, padded_vocab=shape.vocab_size).total
     model = dict(arch=shape.arch, params=total, layers=shape.layers, hidden=shape.hidden, heads=shape.heads,
@@ -581,6 +601,9 @@ def assumptions(cfg: Config, layout: Layout, *, seq_source: str, experts: bool) 
         + ("" if offline else f" (+{ENTROPY_BYTES} with an entropy bonus)"),
         phases,
     ]
+    if not offline and any(term.kind == "reward_model" for term in cfg.reward.terms):
+        out.append("reward models: frozen, a scalar head, at the trainer's layout, resident in every phase (never "
+                   "offloaded); a checkpoint not on this machine is planned with the policy's architecture")
     if not offline and cfg.rollout.engine == "sglang":
         out.append(f"SGLang's pool: rollout.mem_fraction {cfg.rollout.mem_fraction:g} of the memory free when the "
                    f"engine starts (the GPU less {ENGINE_START_USED_GIB:g} GiB of contexts), before the trainer's "
@@ -588,8 +611,7 @@ def assumptions(cfg: Config, layout: Layout, *, seq_source: str, experts: bool) 
     return out + [
         host,
         f"reserve {RESERVE_GIB:g} GiB per GPU for CUDA contexts and NCCL; usable = {USABLE_FRACTION:.0%} of the GPU",
-        "not counted: DDP bucket padding, expert load imbalance, SGLang CUDA graphs beyond the reserve, "
-        "reward models (algo reward terms of kind reward_model)",
+        "not counted: DDP bucket padding, expert load imbalance, SGLang CUDA graphs beyond the reserve",
     ]
 
 

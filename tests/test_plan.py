@@ -495,3 +495,27 @@ def test_an_unknown_flag_or_word_among_the_overrides_is_an_error(capsys):
         code, out, err = megarl([*plan_args(*SEVEN_B), *stray], capsys)
         assert code == 2 and out == ""
         assert f"unrecognized arguments: {' '.join(stray)}" in err
+
+
+def test_reward_models_are_planned_resident_in_every_phase_and_not_offloaded(capsys):
+    """A reward_model term is a frozen scalar-head model at the trainer's layout that stays on the device the
+    whole step: its parameters add to every phase and to no host-memory figure. Its checkpoint is not on this
+    machine here, so it is planned with the policy's architecture (a value head in place of the vocabulary)."""
+    from megarl.plan import DTYPE_BYTES, read_model, stage_params
+
+    base = plan_args("llama-3.3-70b-grpo", "llama-3.3-70b", 8, "--json")
+    judged = plan_args("llama-3.3-70b-grpo", "llama-3.3-70b", 8, "--json",
+                       "reward.terms=[{kind: exact_answer}, {kind: reward_model, path: /nowhere/rm, weight: 0.5}]")
+    (code_a, out_a, _), (code_b, out_b, _) = megarl(base, capsys), megarl(judged, capsys)
+    assert code_a == 0 and code_b == 0
+    a, b = json.loads(out_a), json.loads(out_b)
+    assert [m["name"] for m in b["models"]] == ["actor", "reference", "reward_model (reward.terms[1])"]
+    shape = read_model(CONFIGS / "llama-3.3-70b" / "config.json")
+    lay = b["layout"]
+    expected = stage_params(shape, tp=lay["tp"], pp=lay["pp"], ep=lay["ep"], stage=b["stage"],
+                            value_head=True).total * DTYPE_BYTES["bfloat16"]
+    judge = b["models"][-1]
+    assert judge["params"] == expected and judge["grads"] == judge["optim"] == judge["activations"] == 0
+    for phase in a["phases_gib"]:
+        assert b["phases_gib"][phase] == pytest.approx(a["phases_gib"][phase] + expected / 2**30), phase
+    assert b["host"] == a["host"]
