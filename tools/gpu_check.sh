@@ -8,8 +8,10 @@
 #      - a 3-step bf16 GRPO run of the quickstart recipe with rollout.engine=sglang under torchrun;
 #   3. tools/bench_handoff.py --device cuda: push GB/s vs a plain copy, peak extra memory vs the bucket.
 #
-# Setup, once, on a machine with Python 3.11, an NVIDIA driver for CUDA 13 (R580+; SGLang 0.5.23 pins a cu13
-# torch) and this repository:
+# In the GPU image (Dockerfile) nothing needs setting up:
+#   docker run --gpus all --ipc=host megarl:gpu bash tools/gpu_check.sh
+# Elsewhere, once, on a machine with Python 3.11, an NVIDIA driver for CUDA 13 (R580+; SGLang 0.5.23 pins a
+# cu13 torch) and this repository:
 #   python3.11 -m venv .venv-sglang && . .venv-sglang/bin/activate \
 #     && pip install -r requirements-sglang.txt && pip install --no-deps -e .
 # Run, with that environment active (or --python PATH to its interpreter):
