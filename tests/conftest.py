@@ -15,8 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
+# GPU-only tests carry both marks: `pytest -m gpu` selects them, and they skip themselves without a device.
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only test: needs a CUDA device")
 SUBPROCESS_TIMEOUT_S = 120  # every subprocess call of the suite is bounded; a hang fails instead of stalling
 
 # Without Transformer Engine/apex (every CPU run) megatron warns at import about the fallbacks it uses.
@@ -29,7 +32,8 @@ _EXPECTED_WARNINGS = (
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one (tools/gpu_check.sh runs them)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one (tools/gpu_check.sh and "
+                                       "tools/device_check/run.sh run them)")
     for pattern in _EXPECTED_WARNINGS:
         config.addinivalue_line("filterwarnings", f"ignore:{pattern}")
     config.addinivalue_line("markers", "learning: trains for minutes to show that a recipe raises its "
