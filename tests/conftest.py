@@ -8,6 +8,7 @@ fresh interpreter) runs in a subprocess with a timeout.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import subprocess
@@ -38,6 +39,14 @@ def pytest_configure(config):
         config.addinivalue_line("filterwarnings", f"ignore:{pattern}")
     config.addinivalue_line("markers", "learning: trains for minutes to show that a recipe raises its "
                                        "objective (run once per CI, in the first environment)")
+
+
+def setup_requirements() -> tuple[list[str], dict[str, list[str]]]:
+    """install_requires and extras_require of setup.py, read from its source (both are literals)."""
+    call = next(node for node in ast.walk(ast.parse((REPO / "setup.py").read_text()))
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setup")
+    kwargs = {kw.arg: kw.value for kw in call.keywords}
+    return ast.literal_eval(kwargs["install_requires"]), ast.literal_eval(kwargs["extras_require"])
 
 
 def subprocess_env() -> dict[str, str]:

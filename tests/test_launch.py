@@ -8,7 +8,6 @@ install what they say.
 
 from __future__ import annotations
 
-import ast
 import os
 import re
 import shlex
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, setup_requirements
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -212,14 +211,6 @@ def test_cpu_docker_target_runs_the_readme_test_commands():
     runs = [shlex.split(ln[len("RUN "):]) for ln in stage if ln.startswith("RUN ")]
     cmd = json.loads(next(ln for ln in stage if ln.startswith("CMD "))[len("CMD "):])
     assert [*runs, cmd] == readme_test_commands()
-
-
-def setup_requirements() -> tuple[list[str], dict[str, list[str]]]:
-    """install_requires and extras_require of setup.py, read from its source (both are literals)."""
-    call = next(node for node in ast.walk(ast.parse((REPO / "setup.py").read_text()))
-                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setup")
-    kwargs = {kw.arg: kw.value for kw in call.keywords}
-    return ast.literal_eval(kwargs["install_requires"]), ast.literal_eval(kwargs["extras_require"])
 
 
 def test_gpu_image_pins_agree_with_the_python_pins():
