@@ -227,7 +227,8 @@ def test_gpu_image_pins_agree_with_the_python_pins():
     assert gpu[0] == "FROM ${SGLANG_IMAGE} AS gpu" and args["SGLANG_IMAGE"] == "lmsysorg/sglang:v${SGLANG_VERSION}"
     assert any("--no-deps" in ln and "megatron-core==${MCORE_VERSION}" in ln for ln in gpu)
     assert any('NVTE_CUDA_ARCHS="${CUDA_ARCHS}"' in ln for ln in gpu)
-    assert any('TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}"' in ln and "apex.git@${APEX_COMMIT}" in ln for ln in gpu)
+    assert any('TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}"' in ln and "apex.git@${APEX_COMMIT}" in ln
+               for ln in gpu)
     assert gpu[-2].endswith("python tools/check_gpu_imports.py")  # the last build step imports every GPU module
 
 

@@ -180,8 +180,9 @@ def grpo_quickstart(check: Check) -> None:
             problems.append(f"step {m['step']}: no weights pushed")
         # bf16 on both sides (the engine tests' mean bound); fp32 in the dry run: DESIGN's 1e-4
         bound = 1e-4 if check.dry_run else 0.1
-        if m["rollout/logprob_diff_mean"] > bound:
-            problems.append(f"step {m['step']}: rollout/logprob_diff_mean {m['rollout/logprob_diff_mean']:.3g} > {bound}")
+        diff = m["rollout/logprob_diff_mean"]
+        if diff > bound:
+            problems.append(f"step {m['step']}: rollout/logprob_diff_mean {diff:.3g} > {bound}")
         for phase in ("sleep_trainer", "push", "wake_trainer"):  # offload, push on the device, onload
             if f"timing/{phase}_s" not in m:
                 problems.append(f"step {m['step']}: no {phase} phase")
