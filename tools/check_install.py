@@ -1,6 +1,6 @@
 """Every install line of the README resolves, and the GPU image's pins sit inside the ranges their packages
 declare. Nothing is installed: each line goes through pip's resolver with `--dry-run --ignore-installed
---report`, which reads package metadata (no multi-GB CUDA wheel is downloaded where the index serves it).
+--report`, which reads package metadata only (no multi-GB CUDA wheel is downloaded).
 
     python tools/check_install.py            # a few minutes; needs the package index
     python tools/check_install.py --list     # the commands it would resolve, and nothing else
@@ -76,8 +76,10 @@ def resolve(argv: list[str], errors: list[str]) -> dict[str, dict]:
     by lower-case name. A failure is appended to `errors`."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
+        # fast-deps reads a wheel's metadata with HTTP range requests where the index serves no separate
+        # metadata file (PEP 658): without it the SGLang line downloads about 2 GB of CUDA wheels.
         cmd = [sys.executable, "-m", "pip", "install", *argv[2:], "--dry-run", "--ignore-installed", "--quiet",
-               "--disable-pip-version-check", "--report", str(report)]
+               "--disable-pip-version-check", "--use-feature=fast-deps", "--report", str(report)]
         shown = shlex.join(argv)
         try:
             proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
