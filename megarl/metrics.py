@@ -89,7 +89,7 @@ class MetricsWriter:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:  # tensorboard is an optional extra
                 raise RuntimeError("log.tensorboard is true but tensorboard is not installed: "
-                                   "pip install 'megarl[tensorboard]'") from e
+                                   "pip install -e '.[tensorboard]' -c constraints.txt in the megarl checkout") from e
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
 
     def write(self, step: int, metrics: dict[str, float]) -> None:

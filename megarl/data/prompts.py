@@ -66,7 +66,8 @@ def read_records(path: Path) -> Iterator[tuple[str, object]]:
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise DataError(f"{path}: reading Parquet needs pyarrow: pip install 'megarl[parquet]'") from None
+            raise DataError(f"{path}: reading Parquet needs pyarrow: pip install -e '.[parquet]' "
+                            "-c constraints.txt in the megarl checkout") from None
         for i, record in enumerate(pq.read_table(path).to_pylist(), start=1):
             yield f"{path}:row {i}", record
         return

@@ -60,8 +60,9 @@ def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0,
             if cuda:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
-        else:
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:  # one process outside torchrun; on a GPU NCCL, since gloo cannot reduce CUDA tensors
+            dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
     if not cuda:
         from megarl.engine import cpu_compat
 

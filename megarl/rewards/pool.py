@@ -48,7 +48,8 @@ class RayPool:
         try:
             import ray
         except ImportError:
-            raise RecipeError("reward.workers: scoring on workers needs Ray: pip install 'megarl[ray]'") from None
+            raise RecipeError("reward.workers: scoring on workers needs Ray: pip install -e '.[ray]' "
+                              "-c constraints.txt in the megarl checkout") from None
         self.cfg, self.ray = cfg, ray
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU check on the lent machine (one H200, Python 3.12, torch 2.11, no package index): installs the
+# wheels of tools/device_check/prepare.sh without an index and without dependencies, on top of the machine's
+# own torch and transformers, installs megarl the same way, then runs tools/device_check/check.py (at most
+# 8 minutes), which writes device_check.json, device_check.txt and the stages' logs into OUT.
+#
+#   bash tools/device_check/run.sh [--out DIR]     # on the GPU machine; DIR defaults to $OUT, else runs/device_check
+#   bash tools/device_check/run.sh --dry-run       # here: the bundle resolves for CPython 3.12, and every
+#                                                  # stage runs on the CPU with tiny shapes; nothing installed
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+dry_run=0
+out=${OUT:-runs/device_check}
+python=python3
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) dry_run=1; shift ;;
+    --out) out=$2; shift 2 ;;
+    --python) python=$2; shift 2 ;;
+    *) echo "run.sh: unknown argument $1 (use --dry-run, --out DIR, --python PATH)" >&2; exit 2 ;;
+  esac
+done
+wheels=.device_wheels
+mkdir -p "$out"
+
+if [ ! -d "$wheels" ]; then
+  echo "run.sh: no $wheels: run bash tools/device_check/prepare.sh first (where pip reaches an index)" >&2
+  exit 1
+fi
+mapfile -t bundle < <(find "$wheels" -name '*.whl' | sort)
+if [ "$dry_run" = 1 ]; then
+  # What the machine's pip will do with the bundle, for its interpreter, without installing anything.
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  "$python" -m pip install --quiet --disable-pip-version-check --dry-run --no-index --no-deps \
+    --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
+    --platform manylinux_2_28_x86_64 --target "$tmp/site" "${bundle[@]}"
+  echo "bundle: ${#bundle[@]} wheels install on CPython 3.12 x86-64 without an index"
+  exec "$python" tools/device_check/check.py --out "$out" --dry-run
+fi
+
+"$python" -m pip install --quiet --disable-pip-version-check --no-index --no-deps "${bundle[@]}"
+# megarl itself (its build backend, setuptools, is on the machine); the check puts this checkout first on
+# PYTHONPATH anyway, so a failure here is reported and the check goes on.
+"$python" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --no-build-isolation -e . \
+  || echo "run.sh: megarl did not install; the check imports it from this checkout" >&2
+"$python" -m pip check || true  # printed for the record: the machine's own packages may disagree among themselves
+exec "$python" tools/device_check/check.py --out "$out"
