@@ -23,6 +23,9 @@ ARG MAX_JOBS=8
 # ---- CPU: the README's test commands, verbatim, on a bare Python 3.11 ----
 FROM python:3.11-slim AS cpu
 ENV PIP_NO_CACHE_DIR=1
+# The code sandbox (README "Code sandbox"): bubblewrap and libseccomp at the base distribution's own
+# versions (a pin would name a release another base image does not carry).
+# hadolint ignore=DL3008
 RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap libseccomp2 && rm -rf /var/lib/apt/lists/*
 WORKDIR /workspace/megarl
 COPY . .
@@ -47,6 +50,9 @@ ENV PIP_CONSTRAINT="" \
     CUDA_DEVICE_MAX_CONNECTIONS=1 \
     NCCL_CUMEM_ENABLE=0
 WORKDIR /workspace/megarl
+# The code sandbox (README "Code sandbox"): bubblewrap and libseccomp at the base distribution's own
+# versions (a pin would name a release another base image does not carry).
+# hadolint ignore=DL3008
 RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap libseccomp2 && rm -rf /var/lib/apt/lists/*
 # A base image with another torch or SGLang would make every pin below a different, untested stack.
 RUN python -c "import torch, sglang; v = (torch.__version__.split('+')[0], sglang.__version__); \

@@ -18,7 +18,7 @@ done
 
 # megarl's requirements that the machine's image does not hold (its package list: torch, transformers,
 # tokenizers, safetensors, numpy, pyyaml, psutil, tqdm, packaging, sympy, pytest, pytest-timeout are there).
-missing=(megatron-core math-verify latex2sympy2_extended antlr4-python3-runtime)
+missing=(megatron-core math-verify latex2sympy2_extended antlr4-python3-runtime pyseccomp)
 dest=.device_wheels
 rm -rf "$dest"
 mkdir -p "$dest"
