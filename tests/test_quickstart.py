@@ -19,7 +19,7 @@ def test_quickstart_raises_heldout_reward(quickstart_out):
     heldout = [m["eval/reward_mean"] for m in steps]
     first, last = sum(heldout[:10]) / 10, sum(heldout[-10:]) / 10
     # The bar: the last 10 steps at least 0.2 above the first 10 (rewards in [0, 1]). Measured here:
-    # 0.28 -> 0.71 (and 0.25 -> 0.82 with seed 1), so 0.2 leaves room for CPU-to-CPU numeric differences.
+    # 0.26 -> 0.63 (seed 0), so 0.2 leaves room for CPU-to-CPU numeric differences.
     assert last - first >= 0.2, (first, last)
     assert (run / "checkpoints" / "final" / "model.safetensors").is_file()
     warm_start = json.loads((run / "warmup" / "megarl_checkpoint.json").read_text())
