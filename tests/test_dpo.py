@@ -104,9 +104,10 @@ def test_micro_batch_size_does_not_change_loss_or_grad_norm(groups, qwen2_dir, t
     assert abs(runs[2][1]["rewards/chosen"]) > 0.01  # the second step is away from the reference
     for small, large in zip(runs[2], runs[4], strict=True):
         for key in ("loss", "grad_norm", "reward_accuracy", "rewards/margin"):
-            # Only the fp32 summation order of per-micro-batch contributions differs (measured <= 1e-7
-            # relative); abs=1e-7 covers the margin, a difference of two rewards ~0.1 apart by ~0.003.
-            assert small[key] == pytest.approx(large[key], rel=1e-5, abs=1e-7), key
+            # Only the fp32 summation order of per-micro-batch contributions differs (measured <= 1e-6
+            # relative after the second step); the margin is a difference of two rewards of about 0.1, so
+            # their 1e-5 relative error is up to 1e-6 absolute in it (measured 1.4e-7).
+            assert small[key] == pytest.approx(large[key], rel=1e-5, abs=1e-6), key
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -186,5 +186,8 @@ def test_resume_at_another_layout_continues_with_the_same_metrics(recipe, tmp_pa
         for key, value in want.items():
             # 1e-4 relative: TP=2 and PP=2 sum the same fp32 products in different orders (~1e-6 relative
             # per step), and Adam's normalization can amplify that on near-zero gradients; 1e-5 absolute for
-            # statistics that are differences of nearly equal numbers (explained variance, a whitened mean)
-            assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+            # statistics that are differences of nearly equal numbers (a whitened mean). The explained
+            # variance 1 - Var(R - V) / Var(R) takes both variances' 1e-4 relative error, times their ratio
+            # (about 1.2 here): up to 3e-4 absolute (measured 3.6e-5).
+            abs_tol = 3e-4 if key == "critic/explained_var" else 1e-5
+            assert got[key] == pytest.approx(value, rel=1e-4, abs=abs_tol), key
