@@ -24,6 +24,11 @@ class Generation:
     response_ids: list[list[int]]        # generated token ids, EOS included when it stopped on EOS
     logprobs: list[list[float]]          # one per response token
     finish_reasons: list[str]            # "stop" (EOS) or "length" (max_new_tokens)
+    # With routes captured (an engine built with `capture_routes=True` on a MoE model): per prompt, the
+    # experts [len(prompt) + len(response) - 1, moe_layers, top_k] (megarl.routing.route_dtype) that row t's
+    # token was routed to at each MoE layer, in layer order, when the engine fed it in: the prompt's tokens
+    # at prefill, then each sampled token but the last (which is never fed in). None otherwise.
+    routes: list[Tensor] | None = None
 
 
 # An engine's call for each response as soon as it is final: (index in the call's prompts, response ids,
