@@ -32,6 +32,9 @@ class RolloutBatch:
     turns: Tensor | None = None           # [B] model turns of each trajectory (1 for single-turn rollouts)
     tool_calls: Tensor | None = None      # [B] tool calls the environment answered
     env_rewards: Tensor | None = None     # [B] sum of the environment's step rewards, added to the recipe's
+    routes: list[Tensor] | None = None    # [B] MoE models: the experts the rollout engine routed each token to,
+                                          # [real tokens - 1, moe_layers, top_k] per sample (megarl.routing)
+    trainer_routes: list[Tensor] | None = None  # [B] the same, as the old-logprob forward routed (router_replay r2)
     rewards: Tensor | None = None         # [B]
     old_logprobs: Tensor | None = None    # [B, T] trainer logprobs before the update
     ref_logprobs: Tensor | None = None    # [B, T] reference-model logprobs

@@ -148,6 +148,9 @@ class AlgoConfig:
     # With one epoch and no KL in the reward the update is on-policy: the old logprobs are the training
     # forward's own (detached) and no separate forward computes them. True forces that forward anyway.
     recompute_old_logprobs: bool = False
+    # MoE only: which routing the policy's training forwards use. none: the trainer's own; r2: the routing
+    # of the old-logprob forward of the same batch; r3: the rollout engine's, token by token.
+    router_replay: Literal["none", "r2", "r3"] = "none"
 
     def check(self) -> None:
         _at_least(self, 0, "clip_low", "clip_high", "kl_coef", "entropy_coef")

@@ -19,6 +19,7 @@ from torch import Tensor
 from megarl.device import current_device
 from megarl.engine.context_parallel import gather_sequence, split_sequence
 from megarl.engine.model import StageModel
+from megarl.engine.router_replay import ModelRouting, RouteUse
 from megarl.packing import count_bins, pack, packed_row, plan_micro_batches, unpack
 
 # A loss function sees one micro-batch: the head's output [b, T] (logprobs, or values of a critic) and
@@ -31,13 +32,14 @@ class PipelineSchedule:
     """Runs micro-batches of one model (`stage`, trained through `models`: its chunks, DDP-wrapped when the
     engine trains) through Megatron's forward-backward schedule for this rank's pipeline stage."""
 
-    def __init__(self, stage: StageModel, models: list):
+    def __init__(self, stage: StageModel, models: list, routing: ModelRouting | None = None):
         self.stage = stage
         self.models = models
+        self.routing = routing  # MoE: the routers' replay hooks (megarl.engine.router_replay)
 
     def run(self, tokens: Tensor, extras: dict[str, Tensor], loss_fn: LossFn | None, *, temperature: float,
              micro_batch_size: int, forward_only: bool, entropy: bool = False, lengths: Tensor | None = None,
-             micro_batch_tokens: int | None = None, keep_outputs: bool = False
+             micro_batch_tokens: int | None = None, keep_outputs: bool = False, routes: RouteUse | None = None
              ) -> tuple[Tensor | None, dict[str, Tensor]]:
         """Run the pipeline schedule over micro-batches.
 
@@ -50,6 +52,9 @@ class PipelineSchedule:
         of at most that many tokens (`lengths` [B], the real tokens of each row of `tokens`, is then
         required; see `packed_micro_batches`). Loss functions see [b, T] tensors either way; packed
         outputs are 0 past each sequence's end.
+
+        `routes` (MoE models) gives the routers each sample's experts to compare with, or to replay; with
+        `routes.record` the trainer's own routing is kept per sample (`ModelRouting.recorded`).
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -75,8 +80,15 @@ class PipelineSchedule:
             # only while a sequence fits in the window (transformers masks nothing more until then).
             raise ValueError(f"sequence length {seq_len} exceeds the checkpoint's sliding_window {window}: "
                              "sliding-window attention is not supported beyond the window")
+        routes = routes or RouteUse()
+        if (routes.routes is not None or routes.record) and self.routing is None:
+            raise ValueError("MoE routes were given to a model without mixture-of-experts routers")
+        if routes.routes is not None and len(routes.routes) != batch:
+            raise ValueError(f"routes for {len(routes.routes)} samples, batch of {batch}")
         if micro_batch_tokens:
-            micro = self.packed_micro_batches(tokens, extras, lengths, micro_batch_tokens)
+            micro = [(*m, partial(self.routing.packed_routes, routes.routes, m[1], device=device)
+                      if routes.routes is not None else None)
+                     for m in self.packed_micro_batches(tokens, extras, lengths, micro_batch_tokens)]
             shape_len, shape_batch = max(m[1].row_len for m in micro), 1
         else:
             if batch % micro_batch_size != 0:
@@ -94,7 +106,9 @@ class PipelineSchedule:
                 labels = F.pad(mb["tokens"][:, 1:], (0, 1))
                 inputs = (split_sequence(mb["tokens"], cp=cp, rank=cp_rank),
                           split_sequence(labels, cp=cp, rank=cp_rank), positions, None)
-                micro.append((index, None, inputs, mb))
+                local_routes = None if routes.routes is None else partial(
+                    self.routing.padded_routes, routes.routes, index, width=width, device=device)
+                micro.append((index, None, inputs, mb, local_routes))
             shape_len, shape_batch = width, micro_batch_size
         n_micro = len(micro)
         if self.schedulable(n_micro) != n_micro:
@@ -151,7 +165,9 @@ class PipelineSchedule:
             return loss * loss_scale, {}
 
         def forward_step(data_iterator, model):
-            index, row, (ids, labels, positions, packed), mb = next(data_iterator)
+            index, row, (ids, labels, positions, packed), mb, local_routes = next(data_iterator)
+            if self.routing is not None:
+                self.routing.set_micro_batch(self.models.index(model), local_routes() if local_routes else None)
             output = model(ids, positions, None, packed_seq_params=packed)
             return output, partial(loss_func, index, row, labels, mb)
 
@@ -160,16 +176,38 @@ class PipelineSchedule:
         vpp = self.stage.config.virtual_pipeline_model_parallel_size
         # Every chunk reads every micro-batch in order (positions and packing for all, tokens for the first,
         # the loss inputs for the last). The virtual stage count is passed, not read from parallel_state.
+        if self.routing is not None:
+            self.routing.begin(routes)
         get_forward_backward_func(pp_size=self.stage.groups.pp_size, vp_size=vpp)(
             forward_step_func=forward_step, data_iterator=[iter(micro) for _ in self.models], model=self.models,
             num_microbatches=n_micro, seq_length=shape_len, micro_batch_size=shape_batch,
             forward_only=forward_only,
         )
+        if self.routing is not None:
+            self.routing.end()
+            if routes.record:
+                self.routing.recorded = self._recorded_routes(micro, batch, seq_len)
         if not chunks:
             return None, stat_sums
         out = torch.zeros(batch, width, dtype=chunks[0][1].dtype, device=device)
         out[torch.cat([index for index, _ in chunks])] = torch.cat([values for _, values in chunks])
         return out[:, :seq_len], stat_sums
+
+    def _recorded_routes(self, micro: list, batch: int, seq_len: int) -> list[Tensor]:
+        """The trainer's own routing of each sample [seq_len or its length, moe_layers, top_k] (long), every
+        layer on every pipeline stage, from the hooks' records of the micro-batches `micro`."""
+        recorded: list[Tensor | None] = [None] * batch
+        for m, (index, row, *_) in enumerate(micro):
+            if len(index) == 0:  # a packed micro-batch of padding only
+                continue
+            rows = self.routing.recorded_micro_batch(m, rows=len(index) if row is None else 1).cpu()
+            if row is None:
+                for j, i in enumerate(index.tolist()):
+                    recorded[i] = rows[j, :seq_len]
+            else:
+                for i, start, n in zip(row.index.tolist(), row.cu_seqlens.tolist(), row.lengths.tolist()):
+                    recorded[i] = rows[0, start: start + n]
+        return self.routing.combine_stages(recorded)
 
     def packed_micro_batches(self, tokens: Tensor, extras: dict[str, Tensor], lengths: Tensor | None,
                               max_tokens: int) -> list:

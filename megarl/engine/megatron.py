@@ -27,6 +27,7 @@ from megarl.engine.compute import LossFn, PipelineSchedule
 from megarl.engine.model import StageModel, build_stage_model, only_chunk
 from megarl.engine.offload import TrainerMemory
 from megarl.engine.parallel import ParallelGroups, init_parallel
+from megarl.engine.router_replay import ModelRouting, RouteUse
 from megarl.models.arch import check_layout, read_shape
 
 
@@ -59,7 +60,11 @@ class TrainEngine:
             self.models, self.optimizer = self.chunks, None
         else:
             self.models, self.optimizer = self._wrap_for_training(optim)
-        self.schedule = PipelineSchedule(self.stage, self.models)
+        routing = None
+        if self.shape.is_moe:
+            routing = ModelRouting(self.chunks, moe_layers=self.shape.layers, groups=groups,
+                                   sequence_parallel=self.config.sequence_parallel)
+        self.schedule = PipelineSchedule(self.stage, self.models, routing)
         self.memory = TrainerMemory(self.chunks, self.models if optim is not None else None, self.optimizer)
         self.step = 0
 
@@ -177,14 +182,31 @@ class TrainEngine:
     # ---- compute ------------------------------------------------------------------------------------
     @torch.no_grad()
     def logprobs(self, tokens: Tensor, *, temperature: float, micro_batch_size: int,
-                 lengths: Tensor | None = None, micro_batch_tokens: int | None = None) -> Tensor:
+                 lengths: Tensor | None = None, micro_batch_tokens: int | None = None,
+                 routes: RouteUse | None = None) -> Tensor:
         """Token logprobs [B, T] of `tokens` [B, T] on every rank of the pipeline (micro-batching as in
-        `PipelineSchedule.run`: `micro_batch_tokens` packs sequences of `lengths` [B] tokens)."""
+        `PipelineSchedule.run`: `micro_batch_tokens` packs sequences of `lengths` [B] tokens; `routes`: MoE
+        routes to compare with, replay or record)."""
         if self.value_head:
             raise ValueError("a critic has no token logprobs; use values()")
         out, _ = self.schedule.run(tokens, {}, None, temperature=temperature, micro_batch_size=micro_batch_size,
-                                   forward_only=True, lengths=lengths, micro_batch_tokens=micro_batch_tokens)
+                                   forward_only=True, lengths=lengths, micro_batch_tokens=micro_batch_tokens,
+                                   routes=routes)
         return self.schedule.from_last_stage(out, tokens.shape).cpu()
+
+    # ---- MoE routing -----------------------------------------------------------------------------------
+    def routing_agreement(self) -> float | None:
+        """The fraction of the trainer's own expert choices that equal the routes compared with since the last
+        call, over every rank (all ranks call it); None for a dense model or when nothing was compared."""
+        return self.schedule.routing.take_agreement() if self.schedule.routing is not None else None
+
+    def recorded_routes(self) -> list[Tensor]:
+        """The trainer's own routing per sample [length, moe_layers, top_k] of the last pass that recorded it."""
+        routing = self.schedule.routing
+        if routing is None or routing.recorded is None:
+            raise ValueError("no routing was recorded (a MoE model's pass with RouteUse(record=True))")
+        recorded, routing.recorded = routing.recorded, None
+        return recorded
 
     @torch.no_grad()
     def values(self, tokens: Tensor, *, micro_batch_size: int, lengths: Tensor | None = None,
@@ -198,14 +220,14 @@ class TrainEngine:
 
     def train_step(self, tokens: Tensor, extras: dict[str, Tensor], loss_fn: LossFn, *, temperature: float,
                    micro_batch_size: int, entropy: bool = False, lengths: Tensor | None = None,
-                   micro_batch_tokens: int | None = None, return_outputs: bool = False
-                   ) -> dict[str, float] | tuple[dict[str, float], Tensor]:
+                   micro_batch_tokens: int | None = None, return_outputs: bool = False,
+                   routes: RouteUse | None = None) -> dict[str, float] | tuple[dict[str, float], Tensor]:
         """One optimizer step on this rank's share [B, T] of the global batch, at learning rate
         `optim.lr_at(step)`.
 
         `loss_fn(outputs [b, T], micro-batch dict)` sees logprobs (values for a critic), plus
         `entropy=` [b, T] when `entropy` is True; `micro_batch_tokens` packs sequences of `lengths` [B]
-        tokens into micro-batches. Returns its statistics summed over micro-batches and DP ranks (each one a
+        tokens into micro-batches; `routes`: MoE routes to compare with or replay. Returns its statistics summed over micro-batches and DP ranks (each one a
         contribution normalized by global counts, so the sums are global means), plus `grad_norm` and `lr`;
         with `return_outputs`, also the outputs [B, T] the loss saw (before the update, detached), on every
         rank of the pipeline, as `logprobs` / `values` return them.
@@ -216,7 +238,7 @@ class TrainEngine:
         out, stats = self.schedule.run(tokens, extras, loss_fn, temperature=temperature,
                                        micro_batch_size=micro_batch_size, forward_only=False, entropy=entropy,
                                        lengths=lengths, micro_batch_tokens=micro_batch_tokens,
-                                       keep_outputs=return_outputs)
+                                       keep_outputs=return_outputs, routes=routes)
         ok, grad_norm, _ = self.optimizer.step()
         for model in self.models:
             model.zero_grad_buffer()

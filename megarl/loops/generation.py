@@ -184,7 +184,16 @@ def _batch(run: RLRun, rows: list[PromptRow], prompts: list[list[int]], trajecto
         turns=torch.tensor([t.turns for t in trajectories]),
         tool_calls=torch.tensor([t.tool_calls for t in trajectories]),
         env_rewards=torch.tensor([t.env_reward for t in trajectories]),
+        routes=_routes(prompts, trajectories),
     )
+
+
+def _routes(prompts: list[list[int]], trajectories: list[Trajectory]) -> list[Tensor] | None:
+    """Each sample's engine routes over its tokens but the last (a turn cut to its token budget leaves rows
+    past the sample's end, which are dropped); None when the engines captured none."""
+    if any(t.routes is None for t in trajectories):
+        return None
+    return [t.routes[: len(p) + len(t.response_ids) - 1] for p, t in zip(prompts, trajectories)]
 
 
 def _exchange(place: RolloutPlacement, item) -> list:

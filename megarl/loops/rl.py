@@ -28,11 +28,13 @@ from megarl.loops.resume import RunState, already_finished, find_resume
 from megarl.loops.rl_run import RLRun, build_run, check_launch
 from megarl.loops.warmup import sft_warmup
 from megarl.metrics import PhaseTimer, check_finite
+from megarl.engine.router_replay import RouteUse
 from megarl.objective import explained_variance
 from megarl.packing import redistribute, sequence_lengths
 from megarl.rewards.code import check_test_specs
 from megarl.rewards.scorer import RewardFailure
 from megarl.rollout.multi_turn import FINISH_REASONS
+from megarl.routing import compact
 
 
 # ---- one step -----------------------------------------------------------------------------------------
@@ -48,6 +50,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
             engine.onload()
     with timer("logprobs"):
         batch = compute_logprobs(run, batch)
+    moe = routing_metrics(run)  # the old-logprob forward's; on-policy, the training forward is the first
     with timer("advantages"):
         advantages, returns = run.advantages(batch, run.kl.value)
         batch = batch.replace(advantages=advantages, returns=returns)
@@ -56,6 +59,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
     with timer("train"):
         train_metrics, batch = train_policy(run, batch, step=step)
         train_metrics |= train_critic(run, batch) if run.critic is not None else {}
+    moe = moe or routing_metrics(run)
     push_stats = hand_over(run, timer)
     with timer("eval"):
         eval_metrics = evaluate(run) if run.eval_rows and step % cfg.data.eval_every == 0 else {}
@@ -64,7 +68,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
     seconds = sum(timer.seconds.values())
     tokens, = run.global_sums([float(batch.prompt_lens.sum() + batch.response_mask.sum())])
     return {
-        **metrics, **sampling, **kl_metrics, **train_metrics, **eval_metrics, **timer.metrics(),
+        **metrics, **sampling, **kl_metrics, **train_metrics, **eval_metrics, **moe, **timer.metrics(),
         "train/tokens_imbalance": tokens_imbalance,
         "handoff/bytes": float(push_stats["bytes"]),
         "throughput/tokens_per_s": tokens / seconds,
@@ -78,10 +82,29 @@ def compute_logprobs(run: RLRun, batch: RolloutBatch) -> RolloutBatch:
     micro = micro_batching(run.cfg.train, batch)
     kwargs = dict(temperature=run.cfg.rollout.temperature, **micro)
     mask = batch.response_mask
-    old = None if run.objective.on_policy else run.actor.logprobs(batch.tokens, **kwargs) * mask
+    old, recorded = None, None
+    if not run.objective.on_policy:
+        replay = run.cfg.algo.router_replay
+        routes = RouteUse(routes=batch.routes, replay=replay == "r3", record=replay == "r2")
+        old = run.actor.logprobs(batch.tokens, routes=routes, **kwargs) * mask
+        if routes.record:
+            lengths = sequence_lengths(batch.response_mask, batch.prompt_lens).tolist()
+            recorded = [compact(r[:n], run.actor.shape.experts) for r, n in zip(run.actor.recorded_routes(), lengths)]
     ref = run.reference.logprobs(batch.tokens, **kwargs) * mask if run.reference else None
     values = run.critic.values(batch.tokens, **micro) * mask if run.critic else None
-    return batch.replace(old_logprobs=old, ref_logprobs=ref, values=values)
+    return batch.replace(old_logprobs=old, ref_logprobs=ref, values=values, trainer_routes=recorded)
+
+
+def training_routes(run: RLRun, batch: RolloutBatch) -> RouteUse:
+    """The MoE routes the policy's training forwards compare with (the first forward of an on-policy update:
+    `moe/routing_agreement`) or replay (`algo.router_replay`)."""
+    replay = run.cfg.algo.router_replay
+    if replay == "r3":
+        return RouteUse(routes=batch.routes, replay=True)
+    if replay == "r2" and batch.trainer_routes is not None:
+        return RouteUse(routes=batch.trainer_routes, replay=True)
+    # r2 on-policy: the one training forward is the one whose routing would be replayed
+    return RouteUse(routes=batch.routes if run.objective.on_policy else None)
 
 
 def train_policy(run: RLRun, batch: RolloutBatch, *, step: int) -> tuple[dict[str, float], RolloutBatch]:
@@ -93,7 +116,7 @@ def train_policy(run: RLRun, batch: RolloutBatch, *, step: int) -> tuple[dict[st
     # Dr. GRPO's constant divisor is the generation budget, not the longest response of this batch
     loss_fn = partial(objective, norm=dataclasses.replace(norm, max_len=cfg.rollout.max_new_tokens))
     kwargs = dict(temperature=cfg.rollout.temperature, entropy=objective.needs_entropy,
-                  **micro_batching(cfg.train, batch))
+                  routes=training_routes(run, batch), **micro_batching(cfg.train, batch))
     if objective.on_policy:  # one epoch (AlgoConfig.on_policy)
         metrics, logprobs = run.actor.train_step(batch.tokens, objective.inputs(batch), loss_fn,
                                                  return_outputs=True, **kwargs)
@@ -205,6 +228,12 @@ def update_kl_coef(run: RLRun, batch: RolloutBatch) -> dict[str, float]:
     coef = run.kl.value
     run.kl.update(kl_sum / n, int(n))
     return {"kl/seq_mean": kl_sum / n, "kl/coef": coef}
+
+
+def routing_metrics(run: RLRun) -> dict[str, float]:
+    """`moe/routing_agreement` of the actor's passes since the last call (MoE models; every rank calls)."""
+    agreement = run.actor.routing_agreement()
+    return {} if agreement is None else {"moe/routing_agreement": agreement}
 
 
 # ---- helpers ----------------------------------------------------------------------------------------

@@ -94,7 +94,14 @@ def check_launch(cfg: Config, groups: ParallelGroups) -> None:
     if world % rollout_tp:
         raise RecipeError(f"rollout.tp = {rollout_tp} does not divide the world size {world}: every rank must "
                           "belong to one rollout engine")
-    heads = read_shape(cfg.model.path).heads
+    shape = read_shape(cfg.model.path)
+    if cfg.algo.router_replay != "none" and not shape.is_moe:
+        raise RecipeError(f"algo.router_replay = {cfg.algo.router_replay!r} replays mixture-of-experts routing; the "
+                          f"model in model.path ({shape.arch}) has no experts: set it to 'none'")
+    if cfg.algo.router_replay != "none" and cfg.model.megatron.get("recompute_granularity"):
+        raise RecipeError("algo.router_replay with activation recompute (model.megatron.recompute_granularity) is "
+                          "not supported: a recomputed MoE layer would route by its own choice in the backward")
+    heads = shape.heads
     if heads % rollout_tp:
         raise RecipeError(f"rollout.tp = {rollout_tp} does not divide the {heads} attention heads of the model "
                           f"in model.path")
@@ -116,8 +123,10 @@ def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: lis
     placement = place_rollout(rollout_tp=cfg.rollout.tp, replica=groups.mp, timeout=groups.timeout)
     rollout = None
     if placement.hosts_engine:
+        # MoE: every run captures the engines' routing, for moe/routing_agreement and algo.router_replay
         rollout = make_rollout_engine(cfg.rollout, model_dir, dtype=cfg.model.dtype,
-                                      seed=cfg.seed + placement.engine_index)
+                                      seed=cfg.seed + placement.engine_index,
+                                      capture_routes=read_shape(model_dir).is_moe)
         rollout.release_memory()  # its KV cache is sized; the trainer is built in the memory it gives back
     actor = make_engine(cfg, groups, role="actor", model_dir=model_dir)
     reference = make_engine(cfg, groups, role="reference", model_dir=model_dir) if algo.kl_coef > 0 else None

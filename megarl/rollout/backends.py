@@ -7,13 +7,15 @@ from megarl.device import current_device, on_gpu
 from megarl.rollout.engine import RolloutEngine
 
 
-def make_rollout_engine(cfg: RolloutConfig, model_dir: str, *, dtype: str, seed: int) -> RolloutEngine:
-    """The recipe's rollout engine (`rollout.engine`) over the HF checkpoint `model_dir`, sampling with `seed`."""
+def make_rollout_engine(cfg: RolloutConfig, model_dir: str, *, dtype: str, seed: int,
+                        capture_routes: bool = False) -> RolloutEngine:
+    """The recipe's rollout engine (`rollout.engine`) over the HF checkpoint `model_dir`, sampling with `seed`;
+    with `capture_routes` (MoE models) it returns each token's experts (Generation.routes)."""
     match cfg.engine:
         case "native":
             from megarl.rollout.native import NativeEngine
 
-            return NativeEngine(model_dir, dtype=dtype, seed=seed)
+            return NativeEngine(model_dir, dtype=dtype, seed=seed, capture_routes=capture_routes)
         case "sglang":
             from megarl.rollout.sglang_engine import SGLangEngine
 

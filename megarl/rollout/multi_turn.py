@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
+from torch import Tensor
+
 from megarl.config import EnvConfig
 from megarl.envs.environment import Environment, Step
 from megarl.envs.tool_format import ObservationFormat
@@ -51,6 +53,9 @@ class Trajectory:
     tool_time_s: float = 0.0
     env_reward: float = 0.0  # sum of the environment's step rewards
     last_turn_text: str | None = None  # the last turn decoded for the rewards, once it is final
+    # MoE: the engine's routes of the last call's prompt and response (megarl.rollout.engine.Generation), which
+    # hold every earlier turn too; they may run past a turn cut to its token budget
+    routes: Tensor | None = None
 
     def add(self, ids: list[int], logprobs: list[float] | None) -> None:
         """Append generated ids (with their logprobs) or, with logprobs None, observation ids."""
@@ -144,9 +149,13 @@ def run_trajectories(engine, prompts: Sequence[list[int]], envs: Sequence[Enviro
             # One engine call for every active trajectory; one whose token budget is below the turn limit
             # is cut to its budget afterwards (engines take one max_new_tokens per call).
             stepping = []
-            engine.generate([trajectories[i].prompt_ids + trajectories[i].response_ids for i in active],
-                            temperature=temperature, top_p=top_p, max_new_tokens=max(budget[i] for i in active),
-                            eos_id=eos_id, pad_id=pad_id, on_response=end_turn)
+            generation = engine.generate([trajectories[i].prompt_ids + trajectories[i].response_ids for i in active],
+                                         temperature=temperature, top_p=top_p,
+                                         max_new_tokens=max(budget[i] for i in active), eos_id=eos_id, pad_id=pad_id,
+                                         on_response=end_turn)
+            if generation.routes is not None:
+                for i, routes in zip(active, generation.routes):
+                    trajectories[i].routes = routes
             stepping.sort()  # responses end in any order; the next round's batch keeps the trajectories' order
             texts = {i: _turn_text(tokenizer, trajectories[i].last_turn, eos_id) for i in stepping}
             results = _step_all(workers.pool(), envs, texts, trajectories, limits) if texts else {}

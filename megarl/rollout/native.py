@@ -14,12 +14,14 @@ import inspect
 import logging
 import re
 from collections.abc import Iterable
+from functools import partial
 
 import torch
 from torch import Tensor
 
 from megarl.device import current_device
 from megarl.rollout.engine import Generation, ResponseCallback
+from megarl.routing import compact
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +55,45 @@ def _slots_of(name: str, param: Tensor) -> set[tuple[str, int | None, int | None
     return {(name, None, None)}
 
 
+class RouteRecorder:
+    """The experts every MoE layer of a transformers model routes each fed-in token to, during one `generate`.
+
+    transformers' MoE routers (Mixtral, Qwen2-MoE, Qwen3-MoE: `*TopKRouter`) return (logits, scores, top-k
+    expert ids) over the flattened [batch * positions] tokens of a forward; a hook per router keeps the ids the
+    model itself used, so they are the engine's routing exactly, with no second computation to disagree."""
+
+    def __init__(self, model):
+        routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        if not routers:
+            raise ValueError(f"capture_routes: {type(model).__name__} has no mixture-of-experts router "
+                             "(a *TopKRouter module); routes exist for MoE models only")
+        self.experts = routers[0].weight.shape[0]  # the router's logits are one per expert
+        self._calls: list[list[Tensor]] = [[] for _ in routers]  # per layer, per forward: [tokens, top_k]
+        for layer, router in enumerate(routers):
+            router.register_forward_hook(partial(self._keep, layer))
+
+    def _keep(self, layer: int, module, inputs, output) -> None:
+        self._calls[layer].append(output[2].to(torch.int32))
+
+    def start(self) -> None:
+        self._calls = [[] for _ in self._calls]
+
+    def per_sequence(self, prompt_lens: list[int], response_lens: list[int], *, width: int) -> list[Tensor]:
+        """Routes [prompt + response - 1, layers, top_k] per row of a left-padded batch of prompts `width`
+        wide: the first forward fed every prompt, forward s >= 1 fed each row's response token s - 1."""
+        batch = len(prompt_lens)
+        layers = [torch.cat([call.view(batch, -1, call.shape[-1]) for call in calls], dim=1) for calls in self._calls]
+        routes = torch.stack(layers, dim=2)  # [batch, width + forwards - 1, layers, top_k]
+        self.start()
+        return [compact(routes[i, width - p: width + r - 1], self.experts)
+                for i, (p, r) in enumerate(zip(prompt_lens, response_lens))]
+
+
 class NativeEngine:
     """A transformers model that samples batches and takes weights pushed by the trainer."""
 
-    def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0, device: str | None = None):
+    def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0, device: str | None = None,
+                 capture_routes: bool = False):
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device) if device else current_device()
@@ -71,6 +108,7 @@ class NativeEngine:
         # Sampling reads the last position's logits only; models that can skip the vocabulary projection of
         # the others (the prompt's, at the first step) are told so.
         self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in forward_args else {}
+        self._routes = RouteRecorder(self.model) if capture_routes else None
 
     @torch.no_grad()
     def rng_state(self) -> Tensor:
@@ -112,6 +150,8 @@ class NativeEngine:
 
         cache = None
         step_ids = ids
+        if self._routes is not None:
+            self._routes.start()
         for t in range(max_new_tokens):
             out = self.model(input_ids=step_ids, attention_mask=attention[:, : width + t], position_ids=positions,
                              use_cache=True, **{self._cache_arg: cache}, **self._last_logits)
@@ -131,8 +171,11 @@ class NativeEngine:
             positions = positions[:, -1:] + 1
         ended((~done).nonzero().squeeze(1), "length")
         ordered = [responses[i] for i in range(batch)]
+        routes = None
+        if self._routes is not None:
+            routes = self._routes.per_sequence([len(p) for p in prompts], [len(r[0]) for r in ordered], width=width)
         return Generation(response_ids=[r[0] for r in ordered], logprobs=[r[1] for r in ordered],
-                          finish_reasons=[r[2] for r in ordered])
+                          finish_reasons=[r[2] for r in ordered], routes=routes)
 
     def _sample(self, logprobs: Tensor, top_p: float) -> Tensor:
         """Draw from the distribution truncated to the smallest set with mass >= top_p."""

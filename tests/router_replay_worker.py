@@ -1,0 +1,80 @@
+"""Run under torchrun by test_router_replay.py: MoE routing replayed and recorded at one parallel layout.
+
+Every layout gets the same global batch and the same routes (random top-k experts per token and layer, so they
+differ from the model's own choice). Each data-parallel rank takes its contiguous slice. Rank 0 of each replica
+gathers nothing: the replica's logprobs, recorded routing and agreement are written per DP rank, and the test
+compares their concatenation with the single-rank run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+warnings.filterwarnings("ignore")
+
+from megarl.engine.megatron import TrainEngine  # noqa: E402
+from megarl.engine.parallel import init_parallel  # noqa: E402
+from megarl.engine.router_replay import RouteUse  # noqa: E402
+from megarl.packing import sequence_lengths  # noqa: E402
+
+GLOBAL_BATCH, SEQ_LEN, PROMPT = 8, 12, 4
+
+
+def fixed_inputs(vocab: int, *, layers: int, experts: int, top_k: int):
+    """Tokens, response mask and per-sample routes [length - 1, layers, top_k] of distinct random experts."""
+    gen = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(3, vocab, (GLOBAL_BATCH, SEQ_LEN), generator=gen)
+    mask = torch.zeros(GLOBAL_BATCH, SEQ_LEN)
+    for i in range(GLOBAL_BATCH):
+        mask[i, PROMPT: 6 + i % 6] = 1.0
+    lengths = sequence_lengths(mask, torch.full((GLOBAL_BATCH,), PROMPT))
+    routes = [torch.rand(int(n) - 1, layers, experts, generator=gen).argsort(-1)[..., :top_k].to(torch.uint8)
+              for n in lengths]
+    return tokens, mask, lengths, routes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--micro-batch-tokens", type=int, default=0, help="pack sequences (0: padded rows of 2)")
+    args = parser.parse_args()
+    groups = init_parallel(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, seed=0)
+    megatron = {"sequence_parallel": True} if args.tp > 1 else {}
+    actor = TrainEngine(model_dir=args.model, dtype="float32", megatron=megatron, groups=groups)
+    shape = actor.shape
+    tokens, mask, lengths, routes = fixed_inputs(shape.vocab_size, layers=shape.layers, experts=shape.experts,
+                                                 top_k=shape.topk)
+    per_rank = GLOBAL_BATCH // groups.dp_size
+    mine = slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank)
+    tokens, mask, lengths, routes = tokens[mine], mask[mine], lengths[mine], routes[mine]
+    micro = dict(micro_batch_size=2)
+    if args.micro_batch_tokens:
+        micro.update(micro_batch_tokens=args.micro_batch_tokens, lengths=lengths)
+    own = actor.logprobs(tokens, temperature=1.0, routes=RouteUse(routes=routes, record=True), **micro)
+    agreement = actor.routing_agreement()
+    recorded = [r[: int(n)] for r, n in zip(actor.recorded_routes(), lengths)]
+    replayed = actor.logprobs(tokens, temperature=1.0, routes=RouteUse(routes=routes, replay=True), **micro)
+    if groups.tp_rank == 0 and groups.cp_rank == 0 and groups.pp_rank == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save({"own": own * mask, "replayed": replayed * mask, "recorded": recorded, "routes": routes,
+                    "lengths": lengths}, out / f"dp{groups.dp_rank}.pt")
+        if groups.dp_rank == 0:
+            (out / "agreement.json").write_text(json.dumps({"agreement": agreement, "dp": groups.dp_size}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""MoE routing replay (algo.router_replay): the rollout engine's routes are each token's experts exactly, the
+trainer routes by them when told to (and only then), at every parallel layout, and records its own for R2.
+
+Forced routing is checked against transformers itself: an HF forward whose routers are made to choose the
+given experts (their gate weights computed as HF computes them) is what a replaying trainer must equal.
+The routes given are random distinct experts, so most differ from the model's own choice: a replay that did
+nothing, or put a token's routes on another token, would not match.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import REPO, run_python
+from router_replay_worker import PROMPT, fixed_inputs
+
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
+LAYOUT_TIMEOUT_S = 300
+
+
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def routers_of(model) -> list:
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+
+
+def hf_own_routes(model, ids: list[int]) -> torch.Tensor:
+    """[len(ids), layers, top_k] the experts a transformers forward of `ids` routes each token to."""
+    seen: list[torch.Tensor] = []
+    hooks = [r.register_forward_hook(lambda m, i, out: seen.append(out[2])) for r in routers_of(model)]
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    return torch.stack(seen, dim=1)
+
+
+def hf_forced_logprobs(model, ids: list[int], routes: torch.Tensor) -> torch.Tensor:
+    """Token logprobs [len(ids)] (column 0 is 0) of a transformers forward whose routers choose `routes`
+    [rows, layers, top_k] for the first rows tokens (their own choice after), gates computed as HF does."""
+    def force(layer, router, inputs, out):
+        logits, _, own = out
+        chosen = own.clone()
+        chosen[: len(routes)] = routes[:, layer].long()
+        probs = F.softmax(logits.float(), dim=-1).gather(1, chosen)
+        if getattr(router, "norm_topk_prob", True):  # Mixtral always renormalizes
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return logits, probs.to(logits.dtype), chosen
+
+    hooks = [r.register_forward_hook(lambda m, i, o, layer=layer: force(layer, m, i, o))
+             for layer, r in enumerate(routers_of(model))]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    for h in hooks:
+        h.remove()
+    lp = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+    return F.pad(lp, (1, 0))
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_native_engine_routes_are_the_experts_a_transformers_forward_chooses(arch, arch_dir):
+    from megarl.rollout.native import NativeEngine
+    from megarl.routing import route_dtype
+
+    model_dir = arch_dir(arch)
+    engine = NativeEngine(str(model_dir), capture_routes=True, seed=1)
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]  # left padded to 5: routes must skip the padding
+    generation = engine.generate(prompts, temperature=1.0, top_p=1.0, max_new_tokens=6, eos_id=0, pad_id=0)
+    model = hf_model(model_dir)
+    for prompt, response, routes in zip(prompts, generation.response_ids, generation.routes, strict=True):
+        ids = prompt + response
+        assert routes.shape == (len(ids) - 1, 2, 2) and routes.dtype == route_dtype(4)
+        # expert sets per (token, layer): the same model's top-k, fed as one sequence instead of a padded
+        # batch and a KV cache; no near-ties at this size, so exact
+        want = hf_own_routes(model, ids)[: len(ids) - 1]
+        assert torch.equal(routes.long().sort(-1).values, want.sort(-1).values)
+
+
+def test_a_dense_model_has_no_routes(qwen2_dir):
+    from megarl.rollout.native import NativeEngine
+
+    with pytest.raises(ValueError, match="no mixture-of-experts router"):
+        NativeEngine(str(qwen2_dir), capture_routes=True)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_the_trainer_replays_given_routes_token_by_token(arch, arch_dir, groups):
+    from megarl.engine.megatron import TrainEngine
+    from megarl.engine.router_replay import RouteUse
+
+    model_dir = arch_dir(arch)
+    actor = TrainEngine(model_dir=str(model_dir), dtype="float32", megatron={}, groups=groups)
+    shape = actor.shape
+    tokens, mask, lengths, routes = fixed_inputs(shape.vocab_size, layers=shape.layers, experts=shape.experts,
+                                                 top_k=shape.topk)
+    model = hf_model(model_dir)
+    forced = torch.zeros(tokens.shape)
+    for i, n in enumerate(lengths.tolist()):
+        forced[i, :n] = hf_forced_logprobs(model, tokens[i, :n].tolist(), routes[i])
+    forced *= mask
+
+    own = actor.logprobs(tokens, temperature=1.0, micro_batch_size=2, routes=RouteUse(routes=routes)) * mask
+    agreement = actor.routing_agreement()
+    replayed = actor.logprobs(tokens, temperature=1.0, micro_batch_size=2,
+                              routes=RouteUse(routes=routes, replay=True)) * mask
+    packed = actor.logprobs(tokens, temperature=1.0, micro_batch_size=2, micro_batch_tokens=24, lengths=lengths,
+                            routes=RouteUse(routes=routes, replay=True)) * mask
+    # Megatron vs transformers differ in fp32 summation order only (the engine parity tests' 1e-4)
+    assert (replayed - forced).abs().max() <= 1e-4
+    assert (packed - forced).abs().max() <= 1e-4
+    # without replay the trainer routes by its own choice, which random routes mostly are not
+    assert 0.2 < agreement < 0.8
+    assert (own - forced).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_r3_with_the_engines_routes_gives_the_engines_logprobs(arch, arch_dir, groups):
+    from megarl.batch import pack_sequences
+    from megarl.engine.megatron import TrainEngine
+    from megarl.engine.router_replay import RouteUse
+    from megarl.rollout.native import NativeEngine
+
+    model_dir = arch_dir(arch)
+    engine = NativeEngine(str(model_dir), capture_routes=True, seed=2)
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [15, 16, 17, 18]]
+    gen = engine.generate(prompts, temperature=1.0, top_p=1.0, max_new_tokens=8, eos_id=0, pad_id=0)
+    tokens, mask, rollout_logprobs = pack_sequences(prompts, gen.response_ids, gen.logprobs, pad_id=0)
+    actor = TrainEngine(model_dir=str(model_dir), dtype="float32", megatron={}, groups=groups)
+    replayed = actor.logprobs(tokens, temperature=1.0, micro_batch_size=2,
+                              routes=RouteUse(routes=gen.routes, replay=True))
+    assert actor.routing_agreement() == 1.0  # same weights: the trainer would have chosen the same experts
+    assert ((replayed - rollout_logprobs) * mask).abs().max() <= 1e-4
+
+
+def test_r2_records_the_trainers_own_routing(arch_dir, groups):
+    from megarl.engine.megatron import TrainEngine
+    from megarl.engine.router_replay import RouteUse
+
+    model_dir = arch_dir("qwen3_moe")
+    actor = TrainEngine(model_dir=str(model_dir), dtype="float32", megatron={}, groups=groups)
+    shape = actor.shape
+    tokens, _, lengths, _ = fixed_inputs(shape.vocab_size, layers=shape.layers, experts=shape.experts,
+                                         top_k=shape.topk)
+    model = hf_model(model_dir)
+    for micro in ({"micro_batch_size": 2}, {"micro_batch_size": 2, "micro_batch_tokens": 24, "lengths": lengths}):
+        actor.logprobs(tokens, temperature=1.0, routes=RouteUse(record=True), **micro)
+        recorded = actor.recorded_routes()
+        for i, n in enumerate(lengths.tolist()):
+            want = hf_own_routes(model, tokens[i, :n].tolist())
+            assert torch.equal(recorded[i][:n].sort(-1).values, want.sort(-1).values), micro
+
+
+def run_layout(model_dir, out_dir, *, nproc: int, extra: tuple[str, ...] = ()) -> dict:
+    proc = run_python(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                       str(REPO / "tests" / "router_replay_worker.py"), "--model", str(model_dir), "--out",
+                       str(out_dir), *extra], timeout_s=LAYOUT_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    dp = json.loads((out_dir / "agreement.json").read_text())
+    parts = [torch.load(out_dir / f"dp{r}.pt", weights_only=True) for r in range(dp["dp"])]
+    return {"agreement": dp["agreement"], "own": torch.cat([p["own"] for p in parts]),
+            "replayed": torch.cat([p["replayed"] for p in parts]),
+            "recorded": [r for p in parts for r in p["recorded"]]}
+
+
+@pytest.mark.timeout(3 * LAYOUT_TIMEOUT_S)
+@pytest.mark.parametrize("arch,nproc,extra", [
+    ("qwen2_moe", 2, ("--ep", "2")),                      # EP=2 (DP=2 for the dense weights)
+    ("mixtral", 2, ("--pp", "2")),                        # each stage replays and records its own layers
+    ("qwen2_moe", 2, ("--tp", "2")),                      # sequence parallel: each TP rank routes its slice
+    ("qwen3_moe", 2, ("--cp", "2")),                      # each CP rank routes its two chunks
+    ("qwen3_moe", 1, ("--micro-batch-tokens", "24")),     # packed rows
+], ids=["qwen2_moe-ep2", "mixtral-pp2", "qwen2_moe-tp2sp", "qwen3_moe-cp2", "qwen3_moe-packed"])
+def test_replay_and_recording_match_single_rank_at_every_layout(arch, nproc, extra, arch_dir, tmp_path):
+    single = run_layout(arch_dir(arch), tmp_path / "single", nproc=1)
+    result = run_layout(arch_dir(arch), tmp_path / "layout", nproc=nproc, extra=extra)
+    # sharded vs whole matmuls differ in fp32 summation order only (the layout tests' bound)
+    assert (result["replayed"] - single["replayed"]).abs().max() <= 1e-4
+    assert (result["own"] - single["own"]).abs().max() <= 1e-4
+    # the routes a layout replays went to the right tokens: replaying changed the logprobs the same way
+    assert (single["replayed"] - single["own"]).abs().max() > 1e-2
+    assert len(result["recorded"]) == len(single["recorded"])
+    for got, want in zip(result["recorded"], single["recorded"]):
+        assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+    assert result["agreement"] == pytest.approx(single["agreement"], abs=1e-12)
