@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 warnings.filterwarnings("ignore")
 
+from megarl.config import OptimConfig  # noqa: E402
 from megarl.engine.megatron import TrainEngine  # noqa: E402
 from megarl.engine.parallel import init_parallel  # noqa: E402
 from megarl.engine.router_replay import RouteUse  # noqa: E402
@@ -48,13 +49,18 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--micro-batch-tokens", type=int, default=0, help="pack sequences (0: padded rows of 2)")
+    parser.add_argument("--recompute", action="store_true", help="recompute every layer in the backward pass")
     args = parser.parse_args()
     groups = init_parallel(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, seed=0)
     megatron = {"sequence_parallel": True} if args.tp > 1 else {}
-    actor = TrainEngine(model_dir=args.model, dtype="float32", megatron=megatron, groups=groups)
+    if args.recompute:
+        megatron.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    actor = TrainEngine(model_dir=args.model, dtype="float32", megatron=megatron, groups=groups,
+                        optim=OptimConfig(lr=1e-3, weight_decay=0.0, grad_clip=0.0, distributed=True))
     shape = actor.shape
     tokens, mask, lengths, routes = fixed_inputs(shape.vocab_size, layers=shape.layers, experts=shape.experts,
                                                  top_k=shape.topk)
+    total_tokens = float(mask.sum())
     per_rank = GLOBAL_BATCH // groups.dp_size
     mine = slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank)
     tokens, mask, lengths, routes = tokens[mine], mask[mine], lengths[mine], routes[mine]
@@ -65,13 +71,21 @@ def main() -> None:
     agreement = actor.routing_agreement()
     recorded = [r[: int(n)] for r, n in zip(actor.recorded_routes(), lengths)]
     replayed = actor.logprobs(tokens, temperature=1.0, routes=RouteUse(routes=routes, replay=True), **micro)
+
+    def loss_fn(logprobs, mb):  # the replayed sequences' mean token NLL over the global batch
+        loss = -(logprobs * mb["response_mask"]).sum() / total_tokens
+        return loss, {"loss": loss.detach()}
+
+    step = actor.train_step(tokens, {"response_mask": mask}, loss_fn, temperature=1.0,
+                            routes=RouteUse(routes=routes, replay=True), **micro)
     if groups.tp_rank == 0 and groups.cp_rank == 0 and groups.pp_rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         torch.save({"own": own * mask, "replayed": replayed * mask, "recorded": recorded, "routes": routes,
                     "lengths": lengths}, out / f"dp{groups.dp_rank}.pt")
         if groups.dp_rank == 0:
-            (out / "agreement.json").write_text(json.dumps({"agreement": agreement, "dp": groups.dp_size}))
+            (out / "agreement.json").write_text(json.dumps({"agreement": agreement, "dp": groups.dp_size,
+                                                           "loss": step["loss"], "grad_norm": step["grad_norm"]}))
     dist.barrier()
     dist.destroy_process_group()
 

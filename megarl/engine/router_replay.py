@@ -17,6 +17,7 @@ choice: their outputs are no logprob of any token.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -37,11 +38,18 @@ class RouteUse:
 
 
 class LayerRouting:
-    """The router-replay hook of one MoE layer (megatron-core calls `get_replay_topk`)."""
+    """The router-replay hook of one MoE layer (megatron-core calls `get_replay_topk`).
 
-    def __init__(self, layer: int):
+    With activation recompute the layer routes again in the backward pass, after later micro-batches' forwards
+    (pipeline schedules interleave them): each training forward then queues its target, and a recomputation,
+    recognized by running inside autograd's backward, takes the oldest. Backward passes come in forward order
+    per model chunk in every Megatron schedule, and each layer belongs to one chunk."""
+
+    def __init__(self, layer: int, *, recompute: bool):
         self.layer = layer                   # index among the model's MoE layers
         self.target: Tensor | None = None    # [tokens, top_k] long for the current micro-batch; rows < 0: none
+        self.recompute = recompute
+        self.queued: deque[Tensor | None] = deque()  # targets of forwards whose backward will route again
         self.replay = False
         self.recorded: list[Tensor] | None = None  # own choices, one [tokens, top_k] per micro-batch
         self.matched = 0                     # choices equal to the target's, over rows that have one
@@ -50,6 +58,11 @@ class LayerRouting:
     def get_replay_topk(self, scores: Tensor, topk: int, num_groups=None, group_topk=None,
                         default_compute_topk=None) -> tuple[Tensor, Tensor]:
         probs, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        if torch._C._current_graph_task_id() != -1:  # recomputed in the backward pass: as the forward routed
+            target = self.queued.popleft() if self.queued else None
+            return self._route(scores, own, probs, target)
+        if self.recompute:  # (a checkpointed forward runs without grad: queue whatever the mode)
+            self.queued.append(self.target)
         if self.recorded is not None:
             self.recorded.append(own.detach())
         target = self.target
@@ -64,9 +77,12 @@ class LayerRouting:
             hits = chosen.gather(1, target.clamp(min=0)).sum(1)
             self.matched += int(hits[known].sum())
             self.compared += int(known.sum()) * topk
-        if not self.replay:
+        return self._route(scores, own, probs, target)
+
+    def _route(self, scores: Tensor, own: Tensor, probs: Tensor, target: Tensor | None) -> tuple[Tensor, Tensor]:
+        if not self.replay or target is None:
             return probs, own
-        chosen_ids = torch.where(known[:, None], target, own)
+        chosen_ids = torch.where((target[:, 0] >= 0)[:, None], target, own)
         # the probabilities of the replayed experts stay differentiable in the router's scores, as its own are
         return scores.gather(1, chosen_ids), chosen_ids
 
@@ -85,7 +101,8 @@ class ModelRouting:
                     if module.config.moe_router_fusion:
                         raise ValueError("router replay needs the unfused router (model.megatron.moe_router_fusion "
                                          "= false): the fused top-k kernel bypasses the replay hook")
-                    module.router_replay = LayerRouting(module.layer_number - 1)
+                    module.router_replay = LayerRouting(module.layer_number - 1,
+                                                        recompute=module.config.recompute_granularity is not None)
                     hooks.append(module.router_replay)
             self.chunks.append(hooks)
         self.moe_layers = moe_layers
@@ -104,6 +121,7 @@ class ModelRouting:
             hook.replay = use.replay
             hook.recorded = [] if use.record else None
             hook.target = None
+            hook.queued.clear()
 
     def set_micro_batch(self, chunk: int, routes: Tensor | None) -> None:
         """Targets for the next forward of `chunk`: local routes [tokens, moe_layers, top_k] (or None)."""
@@ -116,6 +134,7 @@ class ModelRouting:
             self.compared += hook.compared
             hook.matched = hook.compared = 0
             hook.target = None
+            hook.queued.clear()
 
     def combine_stages(self, recorded: list[Tensor]) -> list[Tensor]:
         """Per-sample routing with -1 in other pipeline stages' layers -> every layer's, on every stage."""

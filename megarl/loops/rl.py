@@ -83,6 +83,9 @@ def compute_logprobs(run: RLRun, batch: RolloutBatch) -> RolloutBatch:
     kwargs = dict(temperature=run.cfg.rollout.temperature, **micro)
     mask = batch.response_mask
     old, recorded = None, None
+    if run.cfg.algo.router_replay == "r3" and batch.routes is None:
+        raise RuntimeError(f"algo.router_replay = 'r3' but the rollout engine ({run.cfg.rollout.engine}) returned no "
+                           "routes for this batch")
     if not run.objective.on_policy:
         replay = run.cfg.algo.router_replay
         routes = RouteUse(routes=batch.routes, replay=replay == "r3", record=replay == "r2")

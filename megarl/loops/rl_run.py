@@ -98,9 +98,6 @@ def check_launch(cfg: Config, groups: ParallelGroups) -> None:
     if cfg.algo.router_replay != "none" and not shape.is_moe:
         raise RecipeError(f"algo.router_replay = {cfg.algo.router_replay!r} replays mixture-of-experts routing; the "
                           f"model in model.path ({shape.arch}) has no experts: set it to 'none'")
-    if cfg.algo.router_replay != "none" and cfg.model.megatron.get("recompute_granularity"):
-        raise RecipeError("algo.router_replay with activation recompute (model.megatron.recompute_granularity) is "
-                          "not supported: a recomputed MoE layer would route by its own choice in the backward")
     heads = shape.heads
     if heads % rollout_tp:
         raise RecipeError(f"rollout.tp = {rollout_tp} does not divide the {heads} attention heads of the model "
