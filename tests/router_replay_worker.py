@@ -21,7 +21,7 @@ warnings.filterwarnings("ignore")
 from megarl.config import OptimConfig  # noqa: E402
 from megarl.engine.megatron import TrainEngine  # noqa: E402
 from megarl.engine.parallel import init_parallel  # noqa: E402
-from megarl.engine.router_replay import RouteUse  # noqa: E402
+from megarl.routing import RouteUse  # noqa: E402
 from megarl.packing import sequence_lengths  # noqa: E402
 
 GLOBAL_BATCH, SEQ_LEN, PROMPT = 8, 12, 4

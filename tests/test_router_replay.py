@@ -94,7 +94,7 @@ def test_a_dense_model_has_no_routes(qwen2_dir):
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
 def test_the_trainer_replays_given_routes_token_by_token(arch, arch_dir, groups):
     from megarl.engine.megatron import TrainEngine
-    from megarl.engine.router_replay import RouteUse
+    from megarl.routing import RouteUse
 
     model_dir = arch_dir(arch)
     actor = TrainEngine(model_dir=str(model_dir), dtype="float32", megatron={}, groups=groups)
@@ -125,7 +125,7 @@ def test_the_trainer_replays_given_routes_token_by_token(arch, arch_dir, groups)
 def test_r3_with_the_engines_routes_gives_the_engines_logprobs(arch, arch_dir, groups):
     from megarl.batch import pack_sequences
     from megarl.engine.megatron import TrainEngine
-    from megarl.engine.router_replay import RouteUse
+    from megarl.routing import RouteUse
     from megarl.rollout.native import NativeEngine
 
     model_dir = arch_dir(arch)
@@ -142,7 +142,7 @@ def test_r3_with_the_engines_routes_gives_the_engines_logprobs(arch, arch_dir, g
 
 def test_r2_records_the_trainers_own_routing(arch_dir, groups):
     from megarl.engine.megatron import TrainEngine
-    from megarl.engine.router_replay import RouteUse
+    from megarl.routing import RouteUse
 
     model_dir = arch_dir("qwen3_moe")
     actor = TrainEngine(model_dir=str(model_dir), dtype="float32", megatron={}, groups=groups)
@@ -202,7 +202,7 @@ def test_recomputed_layers_replay_the_routes_of_their_forward(arch_dir, groups):
     2.6881, so a rel 1e-6 bound tells them apart."""
     from megarl.config import OptimConfig
     from megarl.engine.megatron import TrainEngine
-    from megarl.engine.router_replay import RouteUse
+    from megarl.routing import RouteUse
 
     norms = []
     for recompute in (False, True):
@@ -253,3 +253,29 @@ def test_router_replay_on_a_dense_model_is_refused(tmp_path, qwen2_dir, arithmet
     proc = megarl_train(recipe, "algo.router_replay=r3", "warmup.sft_steps=0", cwd=tmp_path)
     assert proc.returncode != 0
     assert "algo.router_replay = 'r3'" in proc.stderr and "has no experts" in proc.stderr
+
+
+@pytest.mark.parametrize("mode,on_policy,source,replay", [
+    ("none", True, "routes", False),       # compared in the one training forward (the agreement metric)
+    ("none", False, None, False),          # compared in the old-logprob forward already
+    ("r3", True, "routes", True),
+    ("r3", False, "routes", True),
+    ("r2", True, "routes", False),         # one forward: its own routing is the one r2 would replay
+    ("r2", False, "trainer_routes", True),
+])
+def test_training_forwards_route_by_the_recipes_choice(mode, on_policy, source, replay):
+    from megarl.routing import RoutePlan
+
+    engine_routes, recorded = [torch.zeros(3, 2, 2, dtype=torch.uint8)], [torch.ones(4, 2, 2, dtype=torch.uint8)]
+    use = RoutePlan(mode, on_policy=on_policy).training(engine_routes, None if on_policy else recorded)
+    assert use.routes is {"routes": engine_routes, "trainer_routes": recorded, None: None}[source]
+    assert use.replay is replay and not use.record
+    old = RoutePlan(mode, on_policy=on_policy).old_logprobs(engine_routes)
+    assert old.routes is engine_routes and old.replay is (mode == "r3") and old.record is (mode == "r2")
+
+
+def test_r3_without_engine_routes_fails_loudly():
+    from megarl.routing import RoutePlan
+
+    with pytest.raises(RuntimeError, match="returned no routes"):
+        RoutePlan("r3", on_policy=True).training(None, None)

@@ -19,8 +19,9 @@ from torch import Tensor
 from megarl.device import current_device
 from megarl.engine.context_parallel import gather_sequence, split_sequence
 from megarl.engine.model import StageModel
-from megarl.engine.router_replay import ModelRouting, RouteUse
+from megarl.engine.router_replay import ModelRouting
 from megarl.packing import count_bins, pack, packed_row, plan_micro_batches, unpack
+from megarl.routing import RouteUse
 
 # A loss function sees one micro-batch: the head's output [b, T] (logprobs, or values of a critic) and
 # that micro-batch's slice of every extra tensor; it returns its contribution to the global loss and to

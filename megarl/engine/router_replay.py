@@ -18,7 +18,6 @@ choice: their outputs are no logprob of any token.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -26,15 +25,7 @@ from torch import Tensor
 
 from megarl.engine.context_parallel import gather_sequence, split_sequence
 from megarl.packing import PackedRow
-
-
-@dataclass(frozen=True)
-class RouteUse:
-    """What one pass of the schedule does with MoE routes."""
-
-    routes: list[Tensor] | None = None  # per sample [tokens - 1, moe_layers, top_k]: compared with the trainer's
-    replay: bool = False                # route by `routes` instead of the trainer's own choice
-    record: bool = False                # keep the trainer's own routing, per sample (RouterReplay.recorded)
+from megarl.routing import RouteUse
 
 
 class LayerRouting:
@@ -97,10 +88,8 @@ class ModelRouting:
         for chunk in chunks:
             hooks = []
             for module in chunk.modules():
-                if isinstance(module, TopKRouter):
-                    if module.config.moe_router_fusion:
-                        raise ValueError("router replay needs the unfused router (model.megatron.moe_router_fusion "
-                                         "= false): the fused top-k kernel bypasses the replay hook")
+                # the fused top-k kernel (moe_router_fusion) never calls the hook: no replay, no agreement
+                if isinstance(module, TopKRouter) and not module.config.moe_router_fusion:
                     module.router_replay = LayerRouting(module.layer_number - 1,
                                                         recompute=module.config.recompute_granularity is not None)
                     hooks.append(module.router_replay)

@@ -28,7 +28,6 @@ from megarl.loops.resume import RunState, already_finished, find_resume
 from megarl.loops.rl_run import RLRun, build_run, check_launch
 from megarl.loops.warmup import sft_warmup
 from megarl.metrics import PhaseTimer, check_finite
-from megarl.engine.router_replay import RouteUse
 from megarl.objective import explained_variance
 from megarl.packing import redistribute, sequence_lengths
 from megarl.rewards.code import check_test_specs
@@ -83,12 +82,8 @@ def compute_logprobs(run: RLRun, batch: RolloutBatch) -> RolloutBatch:
     kwargs = dict(temperature=run.cfg.rollout.temperature, **micro)
     mask = batch.response_mask
     old, recorded = None, None
-    if run.cfg.algo.router_replay == "r3" and batch.routes is None:
-        raise RuntimeError(f"algo.router_replay = 'r3' but the rollout engine ({run.cfg.rollout.engine}) returned no "
-                           "routes for this batch")
     if not run.objective.on_policy:
-        replay = run.cfg.algo.router_replay
-        routes = RouteUse(routes=batch.routes, replay=replay == "r3", record=replay == "r2")
+        routes = run.routes.old_logprobs(batch.routes)
         old = run.actor.logprobs(batch.tokens, routes=routes, **kwargs) * mask
         if routes.record:
             lengths = sequence_lengths(batch.response_mask, batch.prompt_lens).tolist()
@@ -96,18 +91,6 @@ def compute_logprobs(run: RLRun, batch: RolloutBatch) -> RolloutBatch:
     ref = run.reference.logprobs(batch.tokens, **kwargs) * mask if run.reference else None
     values = run.critic.values(batch.tokens, **micro) * mask if run.critic else None
     return batch.replace(old_logprobs=old, ref_logprobs=ref, values=values, trainer_routes=recorded)
-
-
-def training_routes(run: RLRun, batch: RolloutBatch) -> RouteUse:
-    """The MoE routes the policy's training forwards compare with (the first forward of an on-policy update:
-    `moe/routing_agreement`) or replay (`algo.router_replay`)."""
-    replay = run.cfg.algo.router_replay
-    if replay == "r3":
-        return RouteUse(routes=batch.routes, replay=True)
-    if replay == "r2" and batch.trainer_routes is not None:
-        return RouteUse(routes=batch.trainer_routes, replay=True)
-    # r2 on-policy: the one training forward is the one whose routing would be replayed
-    return RouteUse(routes=batch.routes if run.objective.on_policy else None)
 
 
 def train_policy(run: RLRun, batch: RolloutBatch, *, step: int) -> tuple[dict[str, float], RolloutBatch]:
@@ -119,7 +102,7 @@ def train_policy(run: RLRun, batch: RolloutBatch, *, step: int) -> tuple[dict[st
     # Dr. GRPO's constant divisor is the generation budget, not the longest response of this batch
     loss_fn = partial(objective, norm=dataclasses.replace(norm, max_len=cfg.rollout.max_new_tokens))
     kwargs = dict(temperature=cfg.rollout.temperature, entropy=objective.needs_entropy,
-                  routes=training_routes(run, batch), **micro_batching(cfg.train, batch))
+                  routes=run.routes.training(batch.routes, batch.trainer_routes), **micro_batching(cfg.train, batch))
     if objective.on_policy:  # one epoch (AlgoConfig.on_policy)
         metrics, logprobs = run.actor.train_step(batch.tokens, objective.inputs(batch), loss_fn,
                                                  return_outputs=True, **kwargs)

@@ -32,6 +32,7 @@ from megarl.rollout.backends import make_rollout_engine
 from megarl.rollout.engine import RolloutEngine
 from megarl.rollout.multi_turn import EnvWorkers
 from megarl.rollout.placement import RolloutPlacement, place_rollout
+from megarl.routing import RoutePlan
 
 
 @dataclass
@@ -52,6 +53,7 @@ class RLRun:
     prompts_per_rank: int
     objective: PolicyObjective
     critic_objective: CriticObjective | None
+    routes: RoutePlan  # MoE: the routes each pass of the policy compares with, replays or records
     advantages: AdvantageFn
     kl: FixedKLController | AdaptiveKLController
     scorer: Scorer                    # the recipe's per-sample reward terms, in process or on Ray workers
@@ -98,6 +100,9 @@ def check_launch(cfg: Config, groups: ParallelGroups) -> None:
     if cfg.algo.router_replay != "none" and not shape.is_moe:
         raise RecipeError(f"algo.router_replay = {cfg.algo.router_replay!r} replays mixture-of-experts routing; the "
                           f"model in model.path ({shape.arch}) has no experts: set it to 'none'")
+    if cfg.algo.router_replay != "none" and cfg.model.megatron.get("moe_router_fusion"):
+        raise RecipeError("algo.router_replay needs Megatron's unfused router: the fused top-k kernel "
+                          "(model.megatron.moe_router_fusion: true) has no replay hook")
     heads = shape.heads
     if heads % rollout_tp:
         raise RecipeError(f"rollout.tp = {rollout_tp} does not divide the {heads} attention heads of the model "
@@ -141,6 +146,7 @@ def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: lis
         rollout=rollout, placement=placement, prompts_per_rank=cfg.data.prompts_per_step // groups.dp_size,
         objective=policy_objective(algo, on_policy=algo.on_policy),
         critic_objective=CriticObjective(value_clip=cfg.critic.value_clip) if critic is not None else None,
+        routes=RoutePlan(algo.router_replay, on_policy=algo.on_policy),
         advantages=advantage_fn(algo, group=groups.dp), kl=kl_controller(algo), scorer=Scorer(cfg.reward),
         reward_models=reward_models, new_env=new_env, tool_schemas=new_env().tools,
         observations=observation_format(cfg.env, tokenizer), env_workers=EnvWorkers(cfg.env.tool_workers))
