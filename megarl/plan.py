@@ -58,10 +58,18 @@ The estimate follows the code it models, so its assumptions are those of megarl'
   more is held briefly. Plus HOST_RESERVE_GIB per GPU for the processes (trainer, SGLang scheduler,
   tokenizer). Summed over the GPUs of the fullest node (pipeline stages are Megatron's outermost rank
   axis), against HOST_USABLE_FRACTION of `--host-mem-gb`.
+- MoE routes (megarl.routing), for every RL recipe of a MoE model, whatever algo.router_replay says (the
+  metric moe/routing_agreement needs them on every MoE run): the rollout engines record each token's top-k
+  expert ids at every MoE layer, `route_bytes_per_token` bytes per token. They travel in the rollout batch on
+  the host from generation to the end of training, so every GPU's process holds its data-parallel rank's share
+  of the step (data.prompts_per_step x rollout.n_samples / dp samples of `sequence_tokens`, padding counted):
+  per node that adds to the offloaded trainer state. While training, the replaying trainer holds one
+  micro-batch's routes on the device as int64 indices ([tokens, top_k] per MoE layer of the stage), counted in
+  the train phase whether or not replay is on.
 - Not modelled: CUDA contexts, NCCL buffers and SGLang's CUDA graphs (a fixed RESERVE_GIB per GPU instead),
   allocator fragmentation (only USABLE_FRACTION of the GPU counts as usable), expert load imbalance.
 
-Imports only the standard library and megarl's config and model-shape readers (no torch).
+Imports only the standard library and megarl's config, model-shape and route-size readers (no torch).
 """
 
 from __future__ import annotations
@@ -73,6 +81,7 @@ from pathlib import Path
 
 from megarl.config import Config
 from megarl.models.arch import ModelShape, check_layout, padded_vocab_size, read_shape
+from megarl.routing import route_bytes_per_token
 
 GIB = 2**30
 RESERVE_GIB = 4.0  # CUDA contexts of trainer and SGLang scheduler (~0.5 each), NCCL communicators (1-3)
@@ -89,6 +98,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GRAD_BYTES = 4  # fp32 gradient buffers
 ADAM_BYTES = 8  # two fp32 moments
 MASTER_BYTES = 4  # fp32 master parameters when the model is 16-bit
+REPLAY_INDEX_BYTES = 8  # the trainer's replayed expert ids are int64 indices on the device
 
 
 class PlanError(ValueError):
@@ -374,18 +384,40 @@ class Rollout:
     samples: int  # full-length samples the KV cache holds at once
 
 
+def sglang_kv_bytes_per_token(shape: ModelShape, *, dtype: str, tp: int = 1) -> int:
+    """Bytes of one token's keys and values on one GPU of an SGLang engine of `tp` GPUs."""
+    kv_heads = max(1, shape.kv_heads // tp)  # replicated when tp exceeds the KV heads
+    return 2 * shape.layers * kv_heads * shape.head_dim * DTYPE_BYTES[dtype]
+
+
+def sglang_pool_bytes(*, free_bytes: float, mem_fraction: float, weight_bytes: int) -> int:
+    """The bytes SGLang's KV cache gets (kv_cache_configurator, profiling path): `mem_fraction` of the memory
+    free when its scheduler starts (`free_bytes`: device memory on GPU, host memory in CPU mode), less the
+    engine's own weights, which are loaded inside that budget; 0 when the weights take it all."""
+    return max(0, int(mem_fraction * free_bytes) - weight_bytes)
+
+
+def sglang_pool_tokens(shape: ModelShape, *, free_bytes: float, mem_fraction: float, weight_bytes: int,
+                       dtype: str, tp: int = 1) -> int:
+    """Tokens SGLang's KV pool holds when it starts with `free_bytes` free (see sglang_pool_bytes)."""
+    pool = sglang_pool_bytes(free_bytes=free_bytes, mem_fraction=mem_fraction, weight_bytes=weight_bytes)
+    return pool // sglang_kv_bytes_per_token(shape, dtype=dtype, tp=tp)
+
+
 def rollout_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Cluster) -> Rollout:
     dtype_bytes = DTYPE_BYTES[cfg.model.dtype]
     full = stage_params(shape, tp=1, pp=1, ep=1, stage=0, padded_vocab=shape.vocab_size).total
     if cfg.rollout.engine == "sglang":
         rtp = cfg.rollout.tp
-        kv_heads = max(1, shape.kv_heads // rtp)  # replicated when rollout.tp exceeds the KV heads
-        per_token = 2 * shape.layers * kv_heads * shape.head_dim * dtype_bytes
+        per_token = sglang_kv_bytes_per_token(shape, dtype=cfg.model.dtype, tp=rtp)
         weights = full * dtype_bytes // rtp
         # SGLang takes mem_fraction of the memory free when its scheduler starts, before the trainer's
-        # models exist (megarl.loops.rl_run.build_run); its weights are charged against that budget.
-        static = int(cfg.rollout.mem_fraction * (cluster.gpu_mem_gib - ENGINE_START_USED_GIB) * GIB)
-        kv = max(0, static - weights)
+        # models exist (megarl.loops.rl_run.build_run): the GPU less the engines' contexts.
+        free = (cluster.gpu_mem_gib - ENGINE_START_USED_GIB) * GIB
+        pool = dict(free_bytes=free, mem_fraction=cfg.rollout.mem_fraction, weight_bytes=weights)
+        kv = sglang_pool_bytes(**pool)
+        static = int(cfg.rollout.mem_fraction * free)  # the weights and the KV cache
+        tokens = sglang_pool_tokens(shape, **pool, dtype=cfg.model.dtype, tp=rtp)
         engines = len(layout.rollout_engines)
     else:  # native: a whole transformers model on the first rank of every group of rollout.tp ranks
         rtp, engines = 1, cluster.world // cfg.rollout.tp
@@ -394,9 +426,33 @@ def rollout_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Clus
         samples = -(-cfg.data.prompts_per_step * cfg.rollout.n_samples // engines)  # the step's samples, split
         kv = samples * layout.seq_len * per_token
         static = weights + kv
-    tokens = kv // per_token
+        tokens = kv // per_token
     return Rollout(engine=cfg.rollout.engine, gpus=rtp, engines=engines, weights=weights, static=static,
                    kv_bytes=kv, kv_bytes_per_token=per_token, kv_tokens=tokens, samples=tokens // layout.seq_len)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The MoE routes of one RL step (megarl.routing; module doc)."""
+
+    bytes_per_token: int  # host bytes of one token's routes: MoE layers x top-k expert ids
+    tokens_per_rank: int  # tokens of the samples one data-parallel rank holds (padded to `sequence_tokens`)
+    host_per_rank: int  # bytes per GPU: its rank's routes, in the rollout batch on the host
+    host_per_node: int  # bytes per node: every GPU's process holds its rank's routes
+    device_train: int  # bytes per GPU in the train phase: one micro-batch's routes as int64 indices
+
+
+def routing_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Cluster) -> Routing | None:
+    """The step's MoE routes per GPU and per node; None for a dense model or an offline recipe (no rollout)."""
+    if not shape.is_moe or cfg.algo.name in OFFLINE_ALGOS:
+        return None
+    per_token = route_bytes_per_token(moe_layers=shape.layers, top_k=shape.topk, experts=shape.experts)
+    tokens = cfg.data.prompts_per_step * cfg.rollout.n_samples // layout.dp * layout.seq_len
+    # One micro-batch as the trainer runs it (its CP slice), every MoE layer of the stage, int64 ids.
+    micro_tokens = cfg.train.micro_batch_size * layout.seq_len // layout.cp
+    device = micro_tokens * shape.topk * (shape.layers // layout.pp) * REPLAY_INDEX_BYTES
+    return Routing(bytes_per_token=per_token, tokens_per_rank=tokens, host_per_rank=tokens * per_token,
+                   host_per_node=cluster.gpus_per_node * tokens * per_token, device_train=device)
 
 
 @dataclass(frozen=True)
@@ -407,28 +463,31 @@ class HostMemory:
     params: int  # bytes per GPU: every trainer model's parameters, in pinned buffers
     optim: int  # bytes per GPU: the trained models' optimizer state (moments, fp32 master copy)
     first_offload: int  # bytes per GPU: the pageable copy of one parameter buffer Megatron pins through, once
+    routes: int  # bytes per GPU: the step's MoE routes of its data-parallel rank (0 for a dense model)
     per_node: int  # bytes on the fullest node, HOST_RESERVE_GIB per GPU included
     limit: int  # usable bytes per node
 
 
 def host_memory(cfg: Config, cluster: Cluster, layout: Layout, stages: list[list[ModelMemory]],
-                buffers: list[int]) -> HostMemory:
+                buffers: list[int], routes: int = 0) -> HostMemory:
     """What the RL loop moves to the host, per GPU of each pipeline stage (`stages[s]`: its models; `buffers[s]`:
-    the bytes of its largest DDP parameter buffer), summed over the GPUs of the fullest node. SFT and DPO
-    offload nothing."""
+    the bytes of its largest DDP parameter buffer), with the `routes` bytes every GPU's process holds while
+    the trainer is offloaded, summed over the GPUs of the fullest node. SFT and DPO offload nothing."""
     limit = int(HOST_USABLE_FRACTION * cluster.host_mem_gib * GIB)
     reserve = int(HOST_RESERVE_GIB * GIB)
     if cfg.algo.name in OFFLINE_ALGOS:
-        return HostMemory(params=0, optim=0, first_offload=0, per_node=cluster.gpus_per_node * reserve, limit=limit)
+        return HostMemory(params=0, optim=0, first_offload=0, routes=0, per_node=cluster.gpus_per_node * reserve,
+                          limit=limit)
     per_gpu = [(sum(m.params for m in models), sum(m.optim for m in models),
-                buffers[s] if cfg.optim.distributed else 0) for s, models in enumerate(stages)]
+                buffers[s] if cfg.optim.distributed else 0, routes) for s, models in enumerate(stages)]
     # Megatron's rank order puts pipeline stages outermost: ranks [s * world/pp, (s+1) * world/pp) are stage s.
     per_stage = cluster.world // layout.pp
     nodes = [sum(sum(per_gpu[rank // per_stage]) + reserve
                  for rank in range(n * cluster.gpus_per_node, (n + 1) * cluster.gpus_per_node))
              for n in range(cluster.nodes)]
-    params, optim, first = max(per_gpu, key=sum)
-    return HostMemory(params=params, optim=optim, first_offload=first, per_node=max(nodes), limit=limit)
+    params, optim, first, routes = max(per_gpu, key=sum)
+    return HostMemory(params=params, optim=optim, first_offload=first, routes=routes, per_node=max(nodes),
+                      limit=limit)
 
 
 @dataclass(frozen=True)
@@ -440,6 +499,7 @@ class Plan:
     stage: int  # the pipeline stage whose GPUs hold the most
     models: list[ModelMemory]
     rollout: Rollout | None  # None for SFT and DPO
+    routing: Routing | None  # None for a dense model, SFT and DPO
     phases: dict[str, int]  # bytes per GPU in each phase, reserve included
     limit: int  # usable bytes per GPU
     host: HostMemory
@@ -460,9 +520,16 @@ class Plan:
                        f"({_gib(r.kv_bytes)} GiB per GPU): raise rollout.mem_fraction or rollout.tp")
         h = self.host
         if h.per_node > h.limit:
-            out.append(f"host: the offloaded trainer state takes {_gib(h.per_node)} GiB per node, more than the "
-                       f"{_gib(h.limit)} GiB usable of --host-mem-gb {self.cluster.host_mem_gib:g}: use more "
-                       "nodes, or more model parallelism (the optimizer state is sharded over the data-parallel ranks)")
+            advice = ("use more nodes, or more model parallelism (the optimizer state is sharded over the "
+                      "data-parallel ranks)")
+            what = "the offloaded trainer state takes"
+            if self.routing is not None:
+                what = (f"the offloaded trainer state and the step's MoE routes "
+                        f"({_gib(self.routing.host_per_node)} GiB per node) take")
+                advice = ("use more nodes (the optimizer state and the routes are split over the data-parallel "
+                          "ranks), or fewer or shorter samples per step")
+            out.append(f"host: {what} {_gib(h.per_node)} GiB per node, more than the {_gib(h.limit)} GiB usable of "
+                       f"--host-mem-gb {self.cluster.host_mem_gib:g}: {advice}")
         return out
 
     @property
@@ -516,6 +583,8 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
     dtype, optim, megatron = cfg.model.dtype, cfg.optim, cfg.model.megatron
     dtype_bytes = DTYPE_BYTES[dtype]
     rollout = None if cfg.algo.name in OFFLINE_ALGOS else rollout_memory(cfg, shape, layout, cluster)
+    routing = routing_memory(cfg, shape, layout, cluster)
+    route_device = routing.device_train if routing is not None else 0
     logits = LOGITS_BYTES + (ENTROPY_BYTES if cfg.algo.entropy_coef > 0 else 0)
     vocab_slice = padded_vocab_size(shape.vocab_size, tp=layout.tp) // layout.tp
     state_args = dict(dtype=dtype, distributed=optim.distributed, dp=layout.dp * layout.cp,
@@ -549,11 +618,11 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
         if rollout is None:  # SFT, DPO: the trainer alone, never offloaded
             phases = {"train": states + max(m.activations for m in models) + reserve}
         elif rollout.engine == "native":  # it never lets go: its weights and KV cache stay in every phase
-            phases = {"train": states + max(m.activations for m in models) + rollout.static + reserve,
+            phases = {"train": states + max(m.activations for m in models) + route_device + rollout.static + reserve,
                       "push": trainer_params + rollout.static + cfg.rollout.bucket_bytes + gathered + reserve,
                       "rollout": rollout.static + reserve}
         else:  # every GPU of every stage belongs to an SGLang engine
-            phases = {"train": states + max(m.activations for m in models) + reserve,
+            phases = {"train": states + max(m.activations for m in models) + route_device + reserve,
                       "push": trainer_params + rollout.weights + cfg.rollout.bucket_bytes + gathered + reserve,
                       "rollout": rollout.static + reserve}
         phases = {name: nbytes + resident for name, nbytes in phases.items()}
@@ -565,12 +634,16 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
                  kv_heads=shape.kv_heads, vocab_size=shape.vocab_size, experts=shape.experts,
                  topk=shape.topk, moe_ffn=shape.moe_ffn, shared_ffn=shape.shared_ffn)
     return Plan(recipe=recipe, cluster=cluster, model=model, layout=layout, stage=stage, models=models,
-                rollout=rollout, phases=phases, limit=int(USABLE_FRACTION * cluster.gpu_mem_gib * GIB),
-                host=host_memory(cfg, cluster, layout, stages, buffers),
-                assumptions=assumptions(cfg, layout, seq_source=seq_source, experts=shape.is_moe))
+                rollout=rollout, routing=routing, phases=phases,
+                limit=int(USABLE_FRACTION * cluster.gpu_mem_gib * GIB),
+                host=host_memory(cfg, cluster, layout, stages, buffers,
+                                 routes=routing.host_per_rank if routing is not None else 0),
+                assumptions=assumptions(cfg, layout, seq_source=seq_source, experts=shape.is_moe,
+                                        routing=routing))
 
 
-def assumptions(cfg: Config, layout: Layout, *, seq_source: str, experts: bool) -> list[str]:
+def assumptions(cfg: Config, layout: Layout, *, seq_source: str, experts: bool,
+                routing: Routing | None = None) -> list[str]:
     megatron = cfg.model.megatron
     recompute = megatron.get("recompute_granularity") or "none"
     if recompute == "full":
@@ -608,6 +681,13 @@ def assumptions(cfg: Config, layout: Layout, *, seq_source: str, experts: bool) 
         out.append(f"SGLang's pool: rollout.mem_fraction {cfg.rollout.mem_fraction:g} of the memory free when the "
                    f"engine starts (the GPU less {ENGINE_START_USED_GIB:g} GiB of contexts), before the trainer's "
                    "models; the KV cache is what its weights leave")
+    if routing is not None:
+        out.append(f"MoE routes: {routing.bytes_per_token} bytes per token (top-k expert ids of every MoE layer), "
+                   "captured on every MoE run whatever algo.router_replay says; on the host, each GPU's process "
+                   f"holds its data-parallel rank's {routing.tokens_per_rank} tokens (data.prompts_per_step x "
+                   "rollout.n_samples / dp, padded) from generation to the end of training, beside the offloaded "
+                   "trainer state; on the device in train, one micro-batch's routes as int64 indices "
+                   "[tokens, top_k] per MoE layer of the stage (router replay), counted whether or not replay is on")
     return out + [
         host,
         f"reserve {RESERVE_GIB:g} GiB per GPU for CUDA contexts and NCCL; usable = {USABLE_FRACTION:.0%} of the GPU",
@@ -655,7 +735,13 @@ def render_table(p: Plan) -> str:
                  f"{'ok' if h.per_node <= h.limit else 'DOES NOT FIT'}")
     if r is not None:
         lines.append(f"  per GPU: parameters {_gib(h.params)} pinned, optimizer {_gib(h.optim)}, first offload "
-                     f"{_gib(h.first_offload)}, processes {HOST_RESERVE_GIB:g}")
+                     f"{_gib(h.first_offload)}, " + (f"MoE routes {_gib(h.routes)}, " if p.routing else "")
+                     + f"processes {HOST_RESERVE_GIB:g}")
+    if p.routing is not None:
+        rt = p.routing
+        lines.append(f"MoE routes: {rt.bytes_per_token} bytes/token; host {rt.host_per_rank / GIB:.2f} GiB per rank "
+                     f"({rt.tokens_per_rank} tokens), {rt.host_per_node / GIB:.2f} GiB per node; device "
+                     f"{rt.device_train / GIB:.3f} GiB per GPU in train (one micro-batch, int64)")
     lines.append(f"fits: {'yes' if p.fits else 'no'} (peak {_gib(p.peak)} of {_gib(p.limit)} GiB usable per GPU)")
     lines += [f"  - {problem}" for problem in p.problems]
     lines.append("assumptions:")
@@ -669,6 +755,7 @@ def to_json(p: Plan) -> str:
         "usable_gib": p.limit / GIB, "cluster": asdict(p.cluster), "model": p.model, "layout": asdict(p.layout),
         "stage": p.stage, "models": [{**asdict(m), "state": m.state} for m in p.models],
         "rollout": asdict(p.rollout) if p.rollout is not None else None,
+        "routing": asdict(p.routing) if p.routing is not None else None,
         "phases_gib": {k: v / GIB for k, v in p.phases.items()},
         "host": {**asdict(p.host), "per_node_gib": p.host.per_node / GIB, "usable_gib": p.host.limit / GIB},
         "assumptions": p.assumptions,

@@ -52,7 +52,8 @@ def main() -> None:
     parser.add_argument("--recompute", action="store_true", help="recompute every layer in the backward pass")
     args = parser.parse_args()
     groups = init_parallel(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, seed=0)
-    megatron = {"sequence_parallel": True} if args.tp > 1 else {}
+    # no load-balancing loss: it is a function of the micro-batches, which packing changes (megarl.engine.compute)
+    megatron = {"moe_aux_loss_coeff": 0.0, **({"sequence_parallel": True} if args.tp > 1 else {})}
     if args.recompute:
         megatron.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     actor = TrainEngine(model_dir=args.model, dtype="float32", megatron=megatron, groups=groups,

@@ -519,3 +519,105 @@ def test_reward_models_are_planned_resident_in_every_phase_and_not_offloaded(cap
     for phase in a["phases_gib"]:
         assert b["phases_gib"][phase] == pytest.approx(a["phases_gib"][phase] + expected / 2**30), phase
     assert b["host"] == a["host"]
+
+
+# ---- MoE routes (megarl.routing): host memory per rank and node, one micro-batch on the device ------------------
+def small_moe(tmp_path: Path, *, experts: int, layers: int = 6, topk: int = 4) -> Path:
+    """A small Qwen3-MoE config.json (the 30B's keys, smaller numbers) in `tmp_path`."""
+    config = json.loads((CONFIGS / "qwen3-30b-a3b" / "config.json").read_text())
+    config.update(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=64,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  num_experts=experts, num_experts_per_tok=topk)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def small_moe_recipe(tmp_path: Path, *, algo: str = "grpo", max_new_tokens: int = 156, prompts: int = 8,
+                     n_samples: int = 4) -> Path:
+    recipe = tmp_path / "moe.yaml"
+    recipe.write_text(f"model:\n  path: /nowhere/moe\n  dtype: bfloat16\nalgo:\n  name: {algo}\n"
+                      f"data:\n  train_path: unused.jsonl\n  prompts_per_step: {prompts}\n"
+                      f"rollout:\n  engine: sglang\n  n_samples: {n_samples}\n  max_new_tokens: {max_new_tokens}\n"
+                      "train:\n  micro_batch_size: 2\n")
+    return recipe
+
+
+@pytest.mark.parametrize("experts,id_bytes", [(64, 1), (300, 2)])  # 300 ids do not fit in a byte
+def test_moe_routes_are_the_formula_per_rank_and_node(experts, id_bytes, tmp_path, capsys):
+    from megarl.plan import GIB, HOST_RESERVE_GIB
+    from megarl.routing import route_bytes_per_token
+
+    args = ["plan", str(small_moe_recipe(tmp_path)), "--nodes", "1", "--gpus-per-node", "2", "--prompt-tokens",
+            "100", "--model-config", str(small_moe(tmp_path, experts=experts))]
+    code, out, err = megarl([*args, "--json"], capsys)
+    result = json.loads(out)
+    assert code == 0, out + err
+    assert result["layout"]["dp"] == 2 and result["layout"]["seq_len"] == 100 + 156
+    # 6 MoE layers x top-4 ids of `id_bytes` each
+    per_token = 6 * 4 * id_bytes
+    # 8 prompts x 4 samples over dp = 2 ranks: 16 samples of 256 tokens each
+    tokens = 16 * 256
+    routing = result["routing"]
+    assert routing["bytes_per_token"] == per_token == route_bytes_per_token(moe_layers=6, top_k=4, experts=experts)
+    assert routing["tokens_per_rank"] == tokens
+    assert routing["host_per_rank"] == tokens * per_token
+    assert routing["host_per_node"] == 2 * tokens * per_token  # two GPUs, each holding its rank's routes
+    # a micro-batch of 2 samples x 256 tokens, top-4 int64 ids at each of the 6 layers
+    assert routing["device_train"] == 2 * 256 * 4 * 6 * 8
+    host = result["host"]
+    assert host["routes"] == tokens * per_token
+    assert host["per_node"] == 2 * (host["params"] + host["optim"] + host["first_offload"] + host["routes"]
+                                    + HOST_RESERVE_GIB * GIB)
+    states = sum(m["params"] + m["grads"] + m["optim"] for m in result["models"])
+    acts = max(m["activations"] for m in result["models"])
+    assert result["phases_gib"]["train"] * GIB == pytest.approx(states + acts + 2 * 256 * 4 * 6 * 8 + 4 * GIB)
+    assert any(a.startswith(f"MoE routes: {per_token} bytes per token") for a in result["assumptions"])
+
+    code, out, _ = megarl(args, capsys)
+    assert code == 0
+    line = next(ln for ln in out.splitlines() if ln.startswith("MoE routes:"))
+    assert line.startswith(f"MoE routes: {per_token} bytes/token; host {tokens * per_token / GIB:.2f} GiB per rank "
+                           f"({tokens} tokens), {2 * tokens * per_token / GIB:.2f} GiB per node")
+
+
+def test_dense_models_and_offline_recipes_plan_no_routes(tmp_path, capsys):
+    code, out, _ = megarl(plan_args(*LLAMA, "--json"), capsys)
+    result = json.loads(out)
+    assert code == 0 and result["routing"] is None and result["host"]["routes"] == 0
+    assert not any("MoE routes" in a for a in result["assumptions"])
+    code, out, _ = megarl(plan_args(*LLAMA), capsys)
+    assert code == 0 and "MoE routes" not in out
+    # a MoE model trained by SFT has no rollout engine, so no routes
+    code, out, _ = megarl(["plan", str(small_moe_recipe(tmp_path, algo="sft")), "--nodes", "1", "--gpus-per-node", "2",
+                           "--model-config", str(small_moe(tmp_path, experts=64)), "--json"], capsys)
+    assert code == 0 and json.loads(out)["routing"] is None
+
+
+def test_moe_routes_can_push_a_node_over_its_host_memory(tmp_path, capsys):
+    """Long rollouts of many samples: the routes alone (hand-computed here) decide whether the node fits."""
+    from megarl.plan import GIB, HOST_USABLE_FRACTION
+
+    # 64 prompts x 16 samples over dp = 2: 512 samples per rank of 1024 + 31744 = 32768 tokens, 6 x 4 x 2 bytes
+    # each (300 experts): 768 MiB per rank, 1.5 GiB on the node's 2 GPUs.
+    routes_per_node = 2 * 512 * 32768 * 48
+    assert routes_per_node == 1.5 * GIB
+    recipe = small_moe_recipe(tmp_path, max_new_tokens=31744, prompts=64, n_samples=16)
+    args = ["plan", str(recipe), "--nodes", "1", "--gpus-per-node", "2", "--model-config",
+            str(small_moe(tmp_path, experts=300)), "--json"]
+    code, out, err = megarl(args, capsys)
+    result = json.loads(out)
+    assert code == 0 and result["routing"]["host_per_node"] == routes_per_node, out + err
+    with_routes = result["host"]["per_node"]
+    # a node whose usable host memory lies halfway between the state without routes and with them
+    host_mem_gb = (with_routes - routes_per_node / 2) / HOST_USABLE_FRACTION / GIB
+    code, out, _ = megarl([*args, "--host-mem-gb", f"{host_mem_gb:.6f}"], capsys)
+    result = json.loads(out)
+    assert code == 1 and not result["fits"]
+    assert result["host"]["per_node"] - routes_per_node < result["host"]["limit"] < result["host"]["per_node"]
+    (problem,) = result["problems"]
+    assert problem.startswith(f"host: the offloaded trainer state and the step's MoE routes (1.5 GiB per node) take "
+                              f"{with_routes / GIB:.1f} GiB per node, more than the "
+                              f"{result['host']['limit'] / GIB:.1f} GiB usable of --host-mem-gb ")
+    assert "fewer or shorter samples per step" in problem
+    assert result["peak_gib"] <= result["usable_gib"]  # only the host does not fit

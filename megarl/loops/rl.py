@@ -58,7 +58,8 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
     with timer("train"):
         train_metrics, batch = train_policy(run, batch, step=step)
         train_metrics |= train_critic(run, batch) if run.critic is not None else {}
-    moe = moe or routing_metrics(run)
+    trained = routing_metrics(run)  # also clears the counts of the training passes
+    moe = moe or trained
     push_stats = hand_over(run, timer)
     with timer("eval"):
         eval_metrics = evaluate(run) if run.eval_rows and step % cfg.data.eval_every == 0 else {}

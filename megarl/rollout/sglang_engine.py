@@ -33,11 +33,17 @@ log = logging.getLogger(__name__)
 # them; the KV cache and the CUDA-graph pool after it, so the push has the most room.
 WEIGHT_TAGS = ("weights",)
 CACHE_TAGS = ("kv_cache", "cuda_graph")
+# CPU mode: the KV pool's cap in tokens. SGLang would otherwise give the pool mem_fraction of the free host
+# memory (less the weights), which on a shared machine is gigabytes no tiny-model run needs.
+CPU_POOL_TOKENS = 8192
 
 
 def engine_args(model_dir: str, *, on_gpu: bool, dtype: str, seed: int, tp_size: int, mem_fraction: float,
-                base_gpu_id: int) -> dict:
-    """Keyword arguments of `sglang.Engine` (each one a ServerArgs field; tests check the names)."""
+                base_gpu_id: int, cpu_pool_tokens: int | None = CPU_POOL_TOKENS) -> dict:
+    """Keyword arguments of `sglang.Engine` (each one a ServerArgs field; tests check the names).
+
+    `cpu_pool_tokens` caps the KV pool in CPU mode; None leaves it as SGLang sizes it from the free host
+    memory (what a GPU engine always does with the device's)."""
     args = dict(model_path=model_dir, tp_size=tp_size, dtype=dtype, random_seed=seed,
                 skip_tokenizer_init=True, log_level="error")
     if on_gpu:
@@ -51,7 +57,9 @@ def engine_args(model_dir: str, *, on_gpu: bool, dtype: str, seed: int, tp_size:
         # CPU mode: torch attention, no CUDA graphs. The fraction is of the host memory free at start-up
         # and must cover the weights; max_total_tokens keeps the KV pool itself small.
         args.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
-                    disable_overlap_schedule=True, mem_fraction_static=mem_fraction, max_total_tokens=8192)
+                    disable_overlap_schedule=True, mem_fraction_static=mem_fraction)
+        if cpu_pool_tokens is not None:
+            args.update(max_total_tokens=cpu_pool_tokens)
     return args
 
 
@@ -59,7 +67,7 @@ class SGLangEngine:
     """Generate with SGLang; take weights pushed by the trainer; release and resume device memory."""
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0, tp_size: int = 1,
-                 mem_fraction: float = 0.5, base_gpu_id: int = 0):
+                 mem_fraction: float = 0.5, base_gpu_id: int = 0, cpu_pool_tokens: int | None = CPU_POOL_TOKENS):
         self.on_gpu = on_gpu()
         if not self.on_gpu:
             # SGLang's CPU mode, for this process and the scheduler processes it spawns.
@@ -72,7 +80,7 @@ class SGLangEngine:
         # checkpoint the engine was started from instead, so a wrong name table fails loudly.
         self.expected_names = frozenset(SafetensorsDir(model_dir).names())
         args = engine_args(model_dir, on_gpu=self.on_gpu, dtype=dtype, seed=seed, tp_size=tp_size,
-                           mem_fraction=mem_fraction, base_gpu_id=base_gpu_id)
+                           mem_fraction=mem_fraction, base_gpu_id=base_gpu_id, cpu_pool_tokens=cpu_pool_tokens)
         with _launch_env(self.on_gpu):
             self.engine = Engine(**args)
         if self.on_gpu:
