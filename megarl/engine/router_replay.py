@@ -9,8 +9,9 @@ layer its tokens' experts itself, micro-batch by micro-batch.
 
 Token order. A router sees the hidden states of its micro-batch as [s, b] flattened, s major: the sequence
 split over context-parallel ranks (megarl.engine.context_parallel) and, with sequence parallelism, cut into
-tensor-parallel chunks; a packed micro-batch is one row of its sequences back to back. `local_routes` puts a
-sample's routes [tokens, layers, top_k] into that order, `sequence_routes` takes recorded ones back out.
+tensor-parallel chunks; a packed micro-batch is one row of its sequences back to back. `padded_routes` and
+`packed_routes` put samples' routes [tokens, layers, top_k] into that order, `recorded_micro_batch` takes
+recorded ones back out.
 Positions without a route (the last token, which the engine never fed in; padding) keep the trainer's own
 choice: their outputs are no logprob of any token.
 """
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megarl.device import current_device
 from megarl.engine.context_parallel import gather_sequence, split_sequence
 from megarl.packing import PackedRow
 from megarl.routing import RouteUse
@@ -43,8 +45,10 @@ class LayerRouting:
         self.queued: deque[Tensor | None] = deque()  # targets of forwards whose backward will route again
         self.replay = False
         self.recorded: list[Tensor] | None = None  # own choices, one [tokens, top_k] per micro-batch
-        self.matched = 0                     # choices equal to the target's, over rows that have one
-        self.compared = 0
+        # choices equal to the target's, over rows that have one; device tensors, so no router call waits on a
+        # copy to the host
+        self.matched: Tensor | int = 0
+        self.compared: Tensor | int = 0
 
     def get_replay_topk(self, scores: Tensor, topk: int, num_groups=None, group_topk=None,
                         default_compute_topk=None) -> tuple[Tensor, Tensor]:
@@ -66,8 +70,8 @@ class LayerRouting:
         with torch.no_grad():
             chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, own, True)
             hits = chosen.gather(1, target.clamp(min=0)).sum(1)
-            self.matched += int(hits[known].sum())
-            self.compared += int(known.sum()) * topk
+            self.matched = self.matched + hits[known].sum()
+            self.compared = self.compared + known.sum() * topk
         return self._route(scores, own, probs, target)
 
     def _route(self, scores: Tensor, own: Tensor, probs: Tensor, target: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -119,8 +123,8 @@ class ModelRouting:
 
     def end(self) -> None:
         for hook in self.hooks:
-            self.matched += hook.matched
-            self.compared += hook.compared
+            self.matched += int(hook.matched)
+            self.compared += int(hook.compared)
             hook.matched = hook.compared = 0
             hook.target = None
             hook.queued.clear()
@@ -129,17 +133,18 @@ class ModelRouting:
         """Per-sample routing with -1 in other pipeline stages' layers -> every layer's, on every stage."""
         if self.groups.pp_size == 1:
             return recorded
-        flat = torch.cat([r.reshape(-1) for r in recorded])
+        flat = torch.cat([r.reshape(-1) for r in recorded]).to(current_device())
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.groups.pp)
-        return [f.view_as(r) for f, r in zip(flat.split([r.numel() for r in recorded]), recorded)]
+        return [f.view_as(r) for f, r in zip(flat.cpu().split([r.numel() for r in recorded]), recorded)]
 
     def take_agreement(self) -> float | None:
         """The fraction of (token, layer) expert choices of the trainer's own routing that the rollout engine
         made too, over the forwards since the last call and every rank; None when nothing was compared."""
-        counts = torch.tensor([self.matched, self.compared], dtype=torch.float64)
+        counts = torch.tensor([self.matched, self.compared], dtype=torch.float64, device=current_device())
         self.matched, self.compared = 0, 0
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(counts)
+        counts = counts.cpu()
         return float(counts[0] / counts[1]) if counts[1] > 0 else None
 
     # ---- token order ------------------------------------------------------------------------------------
