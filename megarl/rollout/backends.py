@@ -7,8 +7,10 @@ from megarl.device import current_device, on_gpu
 from megarl.rollout.engine import RolloutEngine
 
 
-def make_rollout_engine(cfg: RolloutConfig, model_dir: str, *, dtype: str, seed: int) -> RolloutEngine:
-    """The recipe's rollout engine (`rollout.engine`) over the HF checkpoint `model_dir`, sampling with `seed`."""
+def make_rollout_engine(cfg: RolloutConfig, model_dir: str, *, dtype: str, seed: int,
+                        capture_routes: bool = False) -> RolloutEngine:
+    """The recipe's rollout engine (`rollout.engine`) over the HF checkpoint `model_dir`, sampling with `seed`;
+    with `capture_routes`, it returns each token's MoE routes (Generation.routes)."""
     match cfg.engine:
         case "native":
             from megarl.rollout.native import NativeEngine
@@ -18,5 +20,6 @@ def make_rollout_engine(cfg: RolloutConfig, model_dir: str, *, dtype: str, seed:
             from megarl.rollout.sglang_engine import SGLangEngine
 
             return SGLangEngine(model_dir, dtype=dtype, seed=seed, tp_size=cfg.tp, mem_fraction=cfg.mem_fraction,
-                                base_gpu_id=current_device().index if on_gpu() else 0)
+                                base_gpu_id=current_device().index if on_gpu() else 0,
+                                capture_routes=capture_routes)
     raise RecipeError(f"rollout.engine: unknown engine {cfg.engine!r}")
