@@ -48,11 +48,15 @@ def test_sglang_engine_api_takes_the_arguments_megarl_passes():
     from megarl.rollout.sglang_engine import CACHE_TAGS, WEIGHT_TAGS, engine_args
 
     for on_gpu in (False, True):
-        args = engine_args("model", on_gpu=on_gpu, dtype="bfloat16", seed=0, tp_size=1, mem_fraction=0.5,
-                           base_gpu_id=0)
-        accepts(ServerArgs, **args)
+        for capture_routes in (False, True):
+            args = engine_args("model", on_gpu=on_gpu, dtype="bfloat16", seed=0, tp_size=1, mem_fraction=0.5,
+                               base_gpu_id=0, capture_routes=capture_routes)
+            accepts(ServerArgs, **args)
+            assert args.get("enable_return_routed_experts", False) == capture_routes
     accepts(SamplingParams, temperature=1.0, top_p=1.0, max_new_tokens=4, stop_token_ids=[0], ignore_eos=False)
     accepts(Engine.generate, None, input_ids=[[1]], sampling_params={}, return_logprob=True)
+    accepts(Engine.async_generate, None, input_ids=[1], sampling_params={}, return_logprob=True,
+            return_routed_experts=True)
     accepts(Engine.begin_weight_update, None)
     accepts(Engine.end_weight_update, None)
     accepts(Engine.update_weights_from_tensor, None, [b""], load_format="flattened_bucket", flush_cache=False)
@@ -200,6 +204,86 @@ def test_engines_stop_at_eos(push_result, engine):
 def test_a_push_with_an_unknown_tensor_name_fails_loudly(push_result):
     assert push_result["bad_push_error"] is not None
     assert "model.layers.0.no_such.weight" in push_result["bad_push_error"]
+
+
+# ---- CPU: MoE routes --------------------------------------------------------------------------------
+def encode_routes(ids) -> str:
+    """Routes as SGLang's meta_info carries them: base64 of int32 [rows, layers, top_k]."""
+    import base64
+
+    return base64.b64encode(torch.tensor(ids, dtype=torch.int32).numpy().tobytes()).decode()
+
+
+def test_decoded_routes_are_cut_to_the_tokens_fed_in_and_anything_else_is_refused():
+    from megarl.rollout.sglang_engine import decode_routes
+
+    rows = torch.arange(5 * 2 * 2).remainder(4).view(5, 2, 2)  # 5 rows, 2 layers, top-2 of 4 experts
+    routes = decode_routes(encode_routes(rows), tokens=4, layers=2, top_k=2, experts=4)
+    assert routes.dtype == torch.uint8 and routes.device.type == "cpu"
+    assert torch.equal(routes.long(), rows[:4])  # a row past the last token fed in is dropped
+    assert torch.equal(decode_routes(encode_routes(rows), tokens=5, layers=2, top_k=2, experts=4).long(), rows)
+    with pytest.raises(RuntimeError, match="routes for 5 tokens; the prompt and response fed in 6"):
+        decode_routes(encode_routes(rows), tokens=6, layers=2, top_k=2, experts=4)
+    with pytest.raises(RuntimeError, match="not whole rows of 3 layers"):
+        decode_routes(encode_routes(rows), tokens=4, layers=3, top_k=2, experts=4)
+    with pytest.raises(RuntimeError, match="outside the model's 3 experts"):
+        decode_routes(encode_routes(rows), tokens=4, layers=2, top_k=2, experts=3)
+    with pytest.raises(RuntimeError, match="outside"):
+        decode_routes(encode_routes(-rows - 1), tokens=4, layers=2, top_k=2, experts=4)
+    with pytest.raises(RuntimeError, match="no routed_experts"):
+        decode_routes(None, tokens=4, layers=2, top_k=2, experts=4)
+
+
+@pytest.mark.timeout(SGLANG_TIMEOUT_S)
+def test_capture_routes_is_refused_for_a_dense_model_and_by_cpu_sglang(qwen2_dir, arch_dir):
+    # Refused before SGLang starts: a scheduler dying at start-up would take the caller with it.
+    code = f"""
+import torch
+from megarl.rollout.sglang_engine import SGLangEngine
+try:
+    SGLangEngine({str(qwen2_dir)!r}, capture_routes=True)
+except ValueError as e:
+    print("dense:", e)
+if not torch.cuda.is_available():
+    try:
+        SGLangEngine({str(arch_dir("qwen3_moe"))!r}, capture_routes=True)
+    except RuntimeError as e:
+        print("cpu:", e)
+"""
+    proc = run_python(["-c", code], timeout_s=SGLANG_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "dense: capture_routes needs a mixture-of-experts model" in proc.stdout, proc.stdout
+    if not torch.cuda.is_available():
+        assert "cpu: SGLang's CPU mode cannot capture MoE routes" in proc.stdout, proc.stdout
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def routes_result(request, arch_dir, tmp_path_factory):
+    # Qwen2-MoE is left out: SGLang's CPU mode cannot serve it at all (its shared-expert gate is a Triton
+    # kernel unless AMX is present: sglang/srt/models/qwen2_moe.py, use_fused_gate).
+    out = tmp_path_factory.mktemp("routes") / "result.json"
+    proc = run_python([str(REPO / "tests" / "sglang_routes_worker.py"), "--model", str(arch_dir(request.param)),
+                       "--out", str(out)], timeout_s=SGLANG_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(SGLANG_TIMEOUT_S)
+def test_sglang_routes_are_the_experts_transformers_routes_each_token_to(routes_result):
+    r = routes_result
+    # [len(prompt) + len(response) - 1, moe_layers, top_k] per sequence, uint8 for 4 experts, on the host.
+    for got, contract in r["shapes"]:
+        assert got == contract, r["shapes"]
+    assert set(r["dtypes"]) == {"torch.uint8"} and r["devices"] == ["cpu"]
+    # The second round's prompts came mostly from the prefix cache: their routes were recorded when the first
+    # round computed those tokens, and must match all the same.
+    assert r["cached_tokens"] > 0
+    # Exact agreement of the expert set of every (token, layer): with these random weights no router comes
+    # near a tie (smallest gap between the k-th and (k+1)-th router logit, measured: 3.6e-4 for qwen3_moe,
+    # 5.0e-4 for mixtral), three orders of magnitude above the fp32 differences between SGLang's and
+    # transformers' kernels, so a single differing set is a wrong row or layer, not rounding.
+    assert r["min_topk_margin"] > 1e-5, r["min_topk_margin"]
+    assert r["rows"] >= 200 and r["differing"] == 0, (r["differing"], r["rows"], r["differing_margins"])
 
 
 # ---- CPU: the RL loop ----------------------------------------------------------------------------------

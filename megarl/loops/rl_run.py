@@ -28,7 +28,7 @@ from megarl.objective import (AdvantageFn, CriticObjective, PolicyObjective, adv
                               policy_objective)
 from megarl.rewards.scorer import Scorer
 from megarl.rewards.terms import build_terms
-from megarl.rollout.backends import make_rollout_engine
+from megarl.rollout.backends import captures_routes, make_rollout_engine
 from megarl.rollout.engine import RolloutEngine
 from megarl.rollout.multi_turn import EnvWorkers
 from megarl.rollout.placement import RolloutPlacement, place_rollout
@@ -100,6 +100,10 @@ def check_launch(cfg: Config, groups: ParallelGroups) -> None:
     if cfg.algo.router_replay != "none" and not shape.is_moe:
         raise RecipeError(f"algo.router_replay = {cfg.algo.router_replay!r} replays mixture-of-experts routing; the "
                           f"model in model.path ({shape.arch}) has no experts: set it to 'none'")
+    if cfg.algo.router_replay == "r3" and not captures_routes(cfg.rollout):
+        raise RecipeError(f"algo.router_replay = 'r3' replays the rollout engine's routes, which rollout.engine = "
+                          f"{cfg.rollout.engine!r} cannot return on this machine (SGLang captures them on GPU only); "
+                          "use the native engine, or r2")
     if cfg.algo.router_replay != "none" and cfg.model.megatron.get("moe_router_fusion"):
         raise RecipeError("algo.router_replay needs Megatron's unfused router: the fused top-k kernel "
                           "(model.megatron.moe_router_fusion: true) has no replay hook")
@@ -125,10 +129,10 @@ def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: lis
     placement = place_rollout(rollout_tp=cfg.rollout.tp, replica=groups.mp, timeout=groups.timeout)
     rollout = None
     if placement.hosts_engine:
-        # MoE: every run captures the engines' routing, for moe/routing_agreement and algo.router_replay
+        # MoE: every run captures the engines' routing where they can, for moe/routing_agreement and r3
         rollout = make_rollout_engine(cfg.rollout, model_dir, dtype=cfg.model.dtype,
                                       seed=cfg.seed + placement.engine_index,
-                                      capture_routes=read_shape(model_dir).is_moe)
+                                      capture_routes=read_shape(model_dir).is_moe and captures_routes(cfg.rollout))
         rollout.release_memory()  # its KV cache is sized; the trainer is built in the memory it gives back
     actor = make_engine(cfg, groups, role="actor", model_dir=model_dir)
     reference = make_engine(cfg, groups, role="reference", model_dir=model_dir) if algo.kl_coef > 0 else None

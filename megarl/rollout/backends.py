@@ -20,5 +20,12 @@ def make_rollout_engine(cfg: RolloutConfig, model_dir: str, *, dtype: str, seed:
             from megarl.rollout.sglang_engine import SGLangEngine
 
             return SGLangEngine(model_dir, dtype=dtype, seed=seed, tp_size=cfg.tp, mem_fraction=cfg.mem_fraction,
-                                base_gpu_id=current_device().index if on_gpu() else 0)
+                                base_gpu_id=current_device().index if on_gpu() else 0,
+                                capture_routes=capture_routes)
     raise RecipeError(f"rollout.engine: unknown engine {cfg.engine!r}")
+
+
+def captures_routes(cfg: RolloutConfig) -> bool:
+    """Whether the recipe's engine returns MoE routes on this machine: SGLang's CPU mode cannot (it page-locks its
+    routes buffer with a CUDA call; megarl.rollout.sglang_engine._check_cpu_route_capture)."""
+    return cfg.engine == "native" or on_gpu()

@@ -10,11 +10,17 @@ Weights arrive as full HF-named tensors in byte-bounded buckets (megarl.handoff)
 flattened into one fresh byte buffer and serialized once per rollout TP rank: on GPU the payload is a
 CUDA IPC handle to that buffer, on CPU a shared-memory tensor. The buffer is never reused: the call
 returns once SGLang has copied it, and only then is the reference dropped.
+
+With `capture_routes`, SGLang records every token's top-k expert ids at each MoE layer as the token is fed
+in (`enable_return_routed_experts`), indexed by the token's KV-cache slot, so prompt tokens served from the
+prefix cache keep the routes of the forward that computed them (megarl flushes the cache after every push).
+Each finished request returns them base64-encoded in `meta_info["routed_experts"]`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import logging
 import os
@@ -24,8 +30,10 @@ import torch
 from torch import Tensor
 
 from megarl.device import load_cuda_driver_stand_in, on_gpu
+from megarl.models.arch import read_shape
 from megarl.models.safetensors_dir import SafetensorsDir
 from megarl.rollout.engine import Generation, ResponseCallback
+from megarl.routing import compact
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +47,17 @@ CPU_POOL_TOKENS = 8192
 
 
 def engine_args(model_dir: str, *, on_gpu: bool, dtype: str, seed: int, tp_size: int, mem_fraction: float,
-                base_gpu_id: int, cpu_pool_tokens: int | None = CPU_POOL_TOKENS) -> dict:
+                base_gpu_id: int, cpu_pool_tokens: int | None = CPU_POOL_TOKENS, capture_routes: bool = False) -> dict:
     """Keyword arguments of `sglang.Engine` (each one a ServerArgs field; tests check the names).
 
     `cpu_pool_tokens` caps the KV pool in CPU mode; None leaves it as SGLang sizes it from the free host
-    memory (what a GPU engine always does with the device's)."""
+    memory (what a GPU engine always does with the device's). `capture_routes` makes SGLang record each
+    token's MoE experts."""
     args = dict(model_path=model_dir, tp_size=tp_size, dtype=dtype, random_seed=seed,
                 skip_tokenizer_init=True, log_level="error")
+    if capture_routes:
+        # SGLang sizes its routes buffers at start-up; a request's `return_routed_experts` only reads them.
+        args.update(enable_return_routed_experts=True)
     if on_gpu:
         # The memory saver is what makes release/resume free anything. A pauseable CUDA-graph pool
         # (SGLANG_MEMORY_SAVER_CUDA_GRAPH, set in `_launch_env`) is incompatible with SGLang's
@@ -67,7 +79,8 @@ class SGLangEngine:
     """Generate with SGLang; take weights pushed by the trainer; release and resume device memory."""
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0, tp_size: int = 1,
-                 mem_fraction: float = 0.5, base_gpu_id: int = 0, cpu_pool_tokens: int | None = CPU_POOL_TOKENS):
+                 mem_fraction: float = 0.5, base_gpu_id: int = 0, cpu_pool_tokens: int | None = CPU_POOL_TOKENS,
+                 capture_routes: bool = False):
         self.on_gpu = on_gpu()
         if not self.on_gpu:
             # SGLang's CPU mode, for this process and the scheduler processes it spawns.
@@ -75,12 +88,25 @@ class SGLangEngine:
             load_cuda_driver_stand_in()
         from sglang.srt.entrypoints.engine import Engine
 
+        self.capture_routes = capture_routes
+        if capture_routes:
+            shape = read_shape(model_dir)
+            if not shape.is_moe:
+                raise ValueError(f"capture_routes needs a mixture-of-experts model; {model_dir} is a dense "
+                                 f"{shape.arch}")
+            # read_shape refuses dense layers between MoE layers, so SGLang's per-layer rows (one per
+            # hidden layer) are exactly the MoE layers, in order.
+            self.route_layers, self.route_top_k, self.route_experts = shape.layers, shape.topk, shape.experts
+            if not self.on_gpu:
+                _check_cpu_route_capture()
+
         self.tp_size = tp_size
         # SGLang skips tensor names its model does not know; a push is checked against the names of the
         # checkpoint the engine was started from instead, so a wrong name table fails loudly.
         self.expected_names = frozenset(SafetensorsDir(model_dir).names())
         args = engine_args(model_dir, on_gpu=self.on_gpu, dtype=dtype, seed=seed, tp_size=tp_size,
-                           mem_fraction=mem_fraction, base_gpu_id=base_gpu_id, cpu_pool_tokens=cpu_pool_tokens)
+                           mem_fraction=mem_fraction, base_gpu_id=base_gpu_id, cpu_pool_tokens=cpu_pool_tokens,
+                           capture_routes=capture_routes)
         with _launch_env(self.on_gpu):
             self.engine = Engine(**args)
         if self.on_gpu:
@@ -99,15 +125,19 @@ class SGLangEngine:
 
         A response stops at `eos_id` (kept as its last token) or at `max_new_tokens`. SGLang also stops
         at the EOS ids of the checkpoint's config.json and generation_config.json, whatever is passed here.
+        With `capture_routes`, `routes[i]` holds the experts of prompt i's tokens and of its response but
+        the last token (Generation.routes).
         """
         params = {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
                   "stop_token_ids": [eos_id], "ignore_eos": False}
         responses: dict[int, tuple[list[int], list[float], str]] = {}
+        routes: dict[int, Tensor] = {}
 
         # One request per prompt, all sent at once: SGLang's scheduler batches them as it would one batch
         # request, and each is answered as it finishes rather than with the slowest.
         async def request(i: int, ids: list[int]) -> None:
-            out = await self.engine.async_generate(input_ids=ids, sampling_params=params, return_logprob=True)
+            out = await self.engine.async_generate(input_ids=ids, sampling_params=params, return_logprob=True,
+                                                   return_routed_experts=self.capture_routes)
             meta = out["meta_info"]
             reason = meta["finish_reason"]["type"]
             if reason == "abort":
@@ -115,6 +145,10 @@ class SGLangEngine:
             response = list(out["output_ids"])
             responses[i] = (response, [lp for lp, _, _ in meta["output_token_logprobs"]][: len(response)],
                             "stop" if reason == "stop" else "length")
+            if self.capture_routes:
+                routes[i] = decode_routes(meta.get("routed_experts"), tokens=len(ids) + len(response) - 1,
+                                          layers=self.route_layers, top_k=self.route_top_k,
+                                          experts=self.route_experts)
             if on_response is not None:
                 on_response(i, *responses[i])
 
@@ -124,7 +158,8 @@ class SGLangEngine:
         self.engine.loop.run_until_complete(all_requests())
         ordered = [responses[i] for i in range(len(prompts))]
         return Generation(response_ids=[r[0] for r in ordered], logprobs=[r[1] for r in ordered],
-                          finish_reasons=[r[2] for r in ordered])
+                          finish_reasons=[r[2] for r in ordered],
+                          routes=[routes[i] for i in range(len(prompts))] if self.capture_routes else None)
 
     def rng_state(self) -> None:
         """None: SGLang's sampler state lives in its scheduler process and cannot be saved, so a resumed
@@ -237,6 +272,50 @@ def flatten_bucket(bucket: list[tuple[str, Tensor]]) -> tuple[Tensor, list]:
                                                 start_idx=offset, end_idx=offset + nbytes, numel=nbytes))
         offset += nbytes
     return flat, metadata
+
+
+def decode_routes(encoded: str | None, *, tokens: int, layers: int, top_k: int, experts: int) -> Tensor:
+    """SGLang's `meta_info["routed_experts"]` (base64 of int32 [rows, layers, top_k], row t for the t-th
+    token fed in) as the first `tokens` rows, [tokens, layers, top_k] in `route_dtype(experts)`.
+
+    Rows past `tokens` are cut (the contract ends at the last token fed in); fewer rows, a size that is
+    not whole rows, or an id outside 0 .. experts - 1 is an error: a route that is not the engine's own
+    must never reach the trainer.
+    """
+    if encoded is None:
+        raise RuntimeError("SGLang returned no routed_experts: was the engine started with capture_routes?")
+    flat = torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.int32)
+    if flat.numel() % (layers * top_k):
+        raise RuntimeError(f"SGLang returned {flat.numel()} expert ids, not whole rows of {layers} layers x "
+                           f"top-{top_k}")
+    rows = flat.view(-1, layers, top_k)
+    if rows.shape[0] < tokens:
+        raise RuntimeError(f"SGLang returned routes for {rows.shape[0]} tokens; the prompt and response fed "
+                           f"in {tokens}")
+    rows = rows[:tokens]
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= experts):
+        raise RuntimeError(f"SGLang returned expert ids in [{int(rows.min())}, {int(rows.max())}], outside the "
+                           f"model's {experts} experts")
+    return compact(rows, experts)
+
+
+def _check_cpu_route_capture() -> None:
+    """Refuse route capture where SGLang's scheduler would die starting it (taking this process with it).
+
+    SGLang (0.5.23) keeps captured routes in a host buffer that it always page-locks with
+    cudaHostRegister (sglang/srt/state_capturer/base.py, BaseHostCache; the "cpu" entry of
+    sglang/srt/mem_cache/pool_host/common.py's ALLOC_MEMORY_FUNCS), which needs a CUDA driver even in
+    its CPU mode. The check looks at that allocator itself, so a process that hands SGLang an unpinned one
+    in both itself and its spawned schedulers (as the route tests do) may capture.
+    """
+    try:
+        from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS, alloc_with_host_register
+    except ImportError:
+        return  # a release that allocates this buffer some other way
+    if ALLOC_MEMORY_FUNCS["cpu"] is alloc_with_host_register:
+        raise RuntimeError("SGLang's CPU mode cannot capture MoE routes: it page-locks its routes buffer with "
+                           "cudaHostRegister (sglang/srt/state_capturer/base.py, BaseHostCache), which needs a "
+                           "CUDA driver. Capture routes on a GPU, or with the native rollout engine.")
 
 
 _logged_skips: set[str] = set()
