@@ -132,6 +132,9 @@ class AlgoConfig:
     clip_high: float = 0.2  # PPO ratio clip above: 1 + clip_high (clip-higher when > clip_low)
     dual_clip: float | None = None  # dual-clip bound c > 1 on the loss of negative advantages; null = off
     tis_cap: float | None = None  # truncated importance sampling against the rollout engine's logprobs; null = off
+    mis_low: float | None = None  # reject where trainer / rollout-engine prob ratio < this (in (0, 1)); null = off
+    mis_high: float | None = None  # reject where that ratio > this (> 1); set with mis_low; null = off
+    mis_level: Literal["token", "sequence"] = "token"  # reject single tokens, or whole sequences by mean log ratio
     kl_coef: float = 0.0  # weight of the KL penalty to the reference policy; 0 = no reference model
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # KL estimator (Schulman's k1/k2/k3)
     kl_in_reward: bool = False  # fold the KL into per-token rewards (ppo, reinforce_pp) instead of the loss
@@ -159,6 +162,13 @@ class AlgoConfig:
             raise FieldError("dual_clip", f"must be > 1, got {self.dual_clip}")
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise FieldError("tis_cap", f"must be > 0, got {self.tis_cap}")
+        if (self.mis_low is None) != (self.mis_high is None):
+            given, missing = ("mis_low", "mis_high") if self.mis_high is None else ("mis_high", "mis_low")
+            raise FieldError(missing, f"must be set with algo.{given} (the two bound one band); both null = off")
+        if self.mis_low is not None and not 0 < self.mis_low < 1:
+            raise FieldError("mis_low", f"must be in (0, 1), got {self.mis_low}")
+        if self.mis_high is not None and not self.mis_high > 1:
+            raise FieldError("mis_high", f"must be > 1, got {self.mis_high}")
         if self.kl_target is not None and not self.kl_target > 0:
             raise FieldError("kl_target", f"must be > 0, got {self.kl_target}")
         for name in ("gamma", "lam"):
@@ -177,6 +187,9 @@ class AlgoConfig:
             if self.dual_clip is not None or self.tis_cap is not None:
                 raise ValueError("algo.dual_clip and algo.tis_cap are token-level corrections; "
                                  "algo.name = 'gspo' clips the sequence ratio and takes neither")
+            if self.mis_low is not None and self.mis_level == "token":
+                raise ValueError("algo.mis_level = 'token' rejects single tokens, which would break the sequence "
+                                 "ratio of algo.name = 'gspo'; set algo.mis_level: sequence")
 
     @property
     def uses_dynamic_sampling(self) -> bool:

@@ -25,7 +25,7 @@ from megarl.algo.advantages import (AdaptiveKLController, FixedKLController, bro
                                      reinforce_pp_baseline_advantages, rloo_advantages, whiten)
 from megarl.algo.aggregate import LossNorm, aggregate, masked_mean
 from megarl.algo.kl import kl_estimate
-from megarl.algo.losses import gspo_loss, ppo_clip_loss, value_loss
+from megarl.algo.losses import gspo_loss, ppo_clip_loss, rollout_rejection_mask, value_loss
 from megarl.batch import RolloutBatch
 from megarl.config import AlgoConfig, RecipeError
 
@@ -43,8 +43,14 @@ class PolicyObjective:
 
     The surrogate is PPO-clip (with clip-higher, dual clip and truncated importance sampling against the
     rollout engine's logprobs when set) or GSPO's sequence-ratio clip. Every term is computed on response
-    tokens only. Statistics (clip fraction, PPO KL, TIS weight, KL, entropy) are token means over the
-    global batch.
+    tokens only. Statistics (clip fraction, PPO KL, TIS weight, masked fraction, KL, entropy) are token means
+    over the global batch.
+
+    `mis_low`/`mis_high` (masked importance sampling, `rollout_rejection_mask`): tokens, or whole sequences
+    (`mis_level`), whose ratio trainer / rollout-engine probability leaves [mis_low, mis_high] get a zero
+    surrogate loss, so no policy gradient. They stay in the aggregation's denominators (the global batch's
+    counts): rejecting tokens does not scale up the gradient of the others, as in IcePop. TIS, when also on,
+    weights the tokens that are kept. The KL and entropy terms are not masked.
 
     `on_policy`: the old logprobs are the detached logprobs of this very forward (AlgoConfig.on_policy: one
     optimizer step per batch, so they are what a separate forward of the same weights would compute), and
@@ -57,6 +63,9 @@ class PolicyObjective:
     clip_high: float
     dual_clip: float | None = None
     tis_cap: float | None = None
+    mis_low: float | None = None
+    mis_high: float | None = None
+    mis_level: Literal["token", "sequence"] = "token"
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     kl_agg: str = "token-mean"
@@ -68,7 +77,12 @@ class PolicyObjective:
         """The RolloutBatch fields the loss reads, each [B, T]."""
         return ("response_mask", *(() if self.on_policy else ("old_logprobs",)), "advantages",
                 *(("ref_logprobs",) if self.kl_coef > 0 else ()),
-                *(("rollout_logprobs",) if self.tis_cap is not None else ()))
+                *(("rollout_logprobs",) if self.tis_cap is not None or self.rejects else ()))
+
+    @property
+    def rejects(self) -> bool:
+        """Whether tokens or sequences whose rollout ratio leaves the mis band are rejected."""
+        return self.mis_low is not None
 
     @property
     def needs_entropy(self) -> bool:
@@ -93,11 +107,18 @@ class PolicyObjective:
                                              clip_low=self.clip_low, clip_high=self.clip_high,
                                              dual_clip=self.dual_clip, rollout_logprobs=mb.get("rollout_logprobs"),
                                              tis_cap=self.tis_cap)
+        if self.rejects:
+            keep = rollout_rejection_mask(old, mb["rollout_logprobs"], mask, low=self.mis_low, high=self.mis_high,
+                                          level=self.mis_level)
+            # zeroed, not removed: `aggregate` still divides by the counts in `norm`, which include these tokens
+            per_token = torch.where(keep.bool(), per_token, 0.0)
         loss = aggregate(per_token, mask, mode=self.loss_agg, norm=norm)
         out = {"pg_loss": loss.detach(), "clipfrac": token_mean(stats["clipped"]),
                "ppo_kl": token_mean(stats["approx_kl"])}
         if self.tis_cap is not None:
             out["tis_weight_mean"] = token_mean(stats["tis_weight"])
+        if self.rejects:
+            out["mis_masked_frac"] = token_mean(1.0 - keep)
         if self.kl_coef > 0:
             per_token_kl = kl_estimate(logprobs, mb["ref_logprobs"], kind=self.kl_estimator, mask=mask)
             kl = aggregate(per_token_kl, mask, mode=self.kl_agg, norm=norm)
@@ -120,6 +141,7 @@ def policy_objective(algo: AlgoConfig, *, on_policy: bool = False) -> PolicyObje
     return PolicyObjective(
         surrogate="gspo" if algo.name == "gspo" else "ppo", loss_agg=algo.loss_agg,
         clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip, tis_cap=algo.tis_cap,
+        mis_low=algo.mis_low, mis_high=algo.mis_high, mis_level=algo.mis_level,
         kl_coef=algo.kl_coef if kl_in_loss else 0.0, kl_estimator=algo.kl_estimator,
         kl_agg=algo.kl_loss_agg or algo.loss_agg, entropy_coef=algo.entropy_coef, on_policy=on_policy)
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megarl.algo.losses import dpo_loss, gspo_loss, ppo_clip_loss, sft_loss, value_loss
+from megarl.algo.losses import dpo_loss, gspo_loss, ppo_clip_loss, rollout_rejection_mask, sft_loss, value_loss
 
 LN = math.log
 
@@ -90,6 +90,48 @@ def test_ppo_padding_with_extreme_logprobs_stays_finite():
     loss.sum().backward()
     assert torch.isfinite(loss).all() and torch.isfinite(logprobs.grad).all()
     close(loss, [[-1.0, 0.0]])
+
+
+def test_rollout_rejection_mask_token_level_band_is_inclusive():
+    # band [0.5, 2]; ratios r = exp(old - rollout) with rollout = 0, so old is ln r to the last bit, exactly
+    # what the band edges ln 0.5 and ln 2 round to: the edges are kept, a ratio 0.1% beyond either is rejected
+    ratios = [0.25, 0.5 * 0.999, 0.5, 1.0, 2.0, 2.0 * 1.001, 4.0]
+    old = torch.tensor([[LN(r) for r in ratios] + [100.0]])  # last column: padding with a huge ratio
+    rollout = torch.tensor([[0.0] * len(ratios) + [-100.0]])
+    mask = torch.tensor([[1] * len(ratios) + [0]])
+    keep = rollout_rejection_mask(old, rollout, mask, low=0.5, high=2.0, level="token")
+    # 0.25 out, 0.4995 out, 0.5 edge in, 1 in, 2 edge in, 2.002 out, 4 out; padding is never kept
+    assert torch.equal(keep, torch.tensor([[0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]]))
+
+
+def test_rollout_rejection_mask_sequence_level_uses_the_geometric_mean():
+    # band [0.5, 2]; two response tokens per row (+ padding in the last row), ratios r = exp(old - rollout)
+    ratios = [[4.0, 1.0],     # geometric mean sqrt(4 * 1) = 2: the upper edge, kept (token level rejects the 4)
+              [4.0, 2.0],     # sqrt(8) = 2.83 > 2: the whole row rejected, its in-band 2 too
+              [0.25, 1.0],    # sqrt(.25) = .5: the lower edge, kept
+              [0.25, 0.5],    # sqrt(.125) = .354 < .5: rejected
+              [1.0, 1.0]]     # 1, kept; its padding (ratio e^200) must not enter the mean, which would be e^100
+    old = torch.tensor([[LN(r) for r in row] + [0.0] for row in ratios])
+    old[4, 2] = 100.0
+    rollout = torch.zeros(5, 3)
+    rollout[4, 2] = -100.0
+    mask = torch.tensor([[1, 1, 0]] * 5)
+    keep = rollout_rejection_mask(old, rollout, mask, low=0.5, high=2.0, level="sequence")
+    assert torch.equal(keep, torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 0.0],
+                                           [1.0, 1.0, 0.0]]))
+    # the same ratios judged token by token: 4 and .25 leave the band, 2 and .5 sit on its edges
+    keep = rollout_rejection_mask(old, rollout, mask, low=0.5, high=2.0, level="token")
+    assert torch.equal(keep, torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0], [0.0, 1.0, 0.0], [0.0, 1.0, 0.0],
+                                           [1.0, 1.0, 0.0]]))
+
+
+def test_rollout_rejection_mask_refuses_a_band_without_one_inside():
+    ones = torch.ones(1, 2)
+    for low, high in ((1.0, 2.0), (0.5, 1.0), (0.0, 2.0)):
+        with pytest.raises(ValueError, match="0 < low < 1 < high"):
+            rollout_rejection_mask(ones, ones, ones, low=low, high=high, level="token")
+    with pytest.raises(ValueError, match="'tokens'"):
+        rollout_rejection_mask(ones, ones, ones, low=0.5, high=2.0, level="tokens")
 
 
 def test_gspo_hand_computed_sequence_ratio():

@@ -5,6 +5,8 @@ Token losses are returned per token, `[B, T]`, 0 on masked tokens; the caller re
 0 on masked tokens, for the caller to aggregate the same way (e.g. clip fraction = token-mean of "clipped").
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -88,6 +90,40 @@ def ppo_clip_loss(
     stats["ratio"] = torch.where(valid, ratio.detach(), 0.0)
     stats["approx_kl"] = _approx_kl(log_ratio.detach(), valid)
     return torch.where(valid, loss, 0.0), stats
+
+
+def rollout_rejection_mask(
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    mask: Tensor,
+    *,
+    low: float,
+    high: float,
+    level: str,
+) -> Tensor:
+    """Which response tokens an off-policy correction keeps: 1.0 where kept, 0.0 where rejected or not a
+    response token, `[B, T]`.
+
+    old_logprobs, rollout_logprobs, mask: `[B, T]`. r = exp(old_logprobs - rollout_logprobs), the trainer's
+    probability of each sampled token over the rollout engine's. The band [low, high] is inclusive and is
+    compared in log space (log low <= log r <= log high), so r never overflows and a ratio exactly at an edge
+    is kept; a NaN ratio is rejected.
+      "token": each token whose r leaves the band is rejected (IcePop, Zhao et al. 2025).
+      "sequence": the geometric mean of r over the sequence's response tokens, exp(mean of log r), denominator
+                  = response tokens of that sequence; a sequence whose mean leaves the band is rejected whole
+                  (sequence-level masked importance sampling).
+    """
+    if not 0 < low < 1 < high:
+        raise ValueError(f"the band must satisfy 0 < low < 1 < high, got {low=}, {high=}")
+    if level not in ("token", "sequence"):
+        raise ValueError(f"unknown rejection level {level!r}; expected 'token' or 'sequence'")
+    valid = mask.bool()
+    # padding may hold arbitrary logprobs; it must not reach a sequence's mean
+    log_ratio = torch.where(valid, old_logprobs - rollout_logprobs, 0.0).detach()
+    if level == "sequence":
+        log_ratio = masked_mean(log_ratio, valid, dim=-1)[:, None].expand_as(log_ratio)
+    inside = (log_ratio >= math.log(low)) & (log_ratio <= math.log(high))
+    return (inside & valid).to(old_logprobs.dtype)
 
 
 def gspo_loss(
