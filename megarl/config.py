@@ -164,7 +164,8 @@ class AlgoConfig:
             raise FieldError("tis_cap", f"must be > 0, got {self.tis_cap}")
         if (self.mis_low is None) != (self.mis_high is None):
             given, missing = ("mis_low", "mis_high") if self.mis_high is None else ("mis_high", "mis_low")
-            raise FieldError(missing, f"must be set with algo.{given} (the two bound one band); both null = off")
+            raise FieldError(missing, f"must be set together with algo.{given}, the other edge of the band "
+                                      "(both null = off)")
         if self.mis_low is not None and not 0 < self.mis_low < 1:
             raise FieldError("mis_low", f"must be in (0, 1), got {self.mis_low}")
         if self.mis_high is not None and not self.mis_high > 1:

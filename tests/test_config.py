@@ -114,6 +114,34 @@ def test_cross_section_check_names_the_keys_and_numbers(recipe):
     )
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["algo.mis_low=0.5"], "algo.mis_high: must be set together with algo.mis_low, the other edge of the band "
+                            "(both null = off)"),
+    (["algo.mis_high=2.0"], "algo.mis_low: must be set together with algo.mis_high, the other edge of the band "
+                             "(both null = off)"),
+    (["algo.mis_low=1.0", "algo.mis_high=2.0"], "algo.mis_low: must be in (0, 1), got 1.0"),
+    (["algo.mis_low=0", "algo.mis_high=2.0"], "algo.mis_low: must be in (0, 1), got 0.0"),
+    (["algo.mis_low=0.5", "algo.mis_high=1.0"], "algo.mis_high: must be > 1, got 1.0"),
+    (["algo.mis_level=tokens"], "algo.mis_level: "),
+    (["algo.name=gspo", "algo.loss_agg=seq-mean-token-mean", "algo.mis_low=0.5", "algo.mis_high=2.0"],
+     "algo.mis_level = 'token' rejects single tokens, which would break the sequence ratio of algo.name = 'gspo'; "
+     "set algo.mis_level: sequence"),
+])
+def test_mis_band_mistakes_name_the_key(recipe, overrides, message):
+    path = recipe()
+    assert message in error_of(path, overrides)
+
+
+def test_mis_band_loads_at_either_level_and_with_gspo_at_sequence_level(recipe):
+    path = recipe()
+    algo = load_config(path, ["algo.mis_low=0.5", "algo.mis_high=2.0"]).algo
+    assert (algo.mis_low, algo.mis_high, algo.mis_level) == (0.5, 2.0, "token")
+    assert load_config(path).algo.mis_low is None  # off by default
+    algo = load_config(path, ["algo.name=gspo", "algo.loss_agg=seq-mean-token-mean", "algo.mis_low=0.5",
+                              "algo.mis_high=2.0", "algo.mis_level=sequence"]).algo
+    assert algo.mis_level == "sequence"
+
+
 def test_yaml_syntax_error_names_file_and_line(recipe):
     path = recipe("rollout:\n  temperature: [0.5\n")
     message = error_of(path)

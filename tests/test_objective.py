@@ -12,7 +12,10 @@ import math
 import pytest
 import torch
 
-from megarl.algo.aggregate import LossNorm
+LN = math.log
+
+from megarl.algo.aggregate import LossNorm, aggregate
+from megarl.algo.losses import ppo_clip_loss
 from megarl.batch import RolloutBatch
 from megarl.config import AlgoConfig, ConfigError, load_config
 from megarl.objective import advantage_fn, kl_controller, policy_objective
@@ -124,6 +127,112 @@ def test_dual_clip_and_tis_reach_the_loss():
     loss, stats = policy_objective(AlgoConfig(dual_clip=3.0, tis_cap=2.0))(logprobs, mb, norm=norm_of(mask))
     assert float(loss) == pytest.approx(3.0 * 0.6065307, rel=1e-6)
     assert stats["tis_weight_mean"] == pytest.approx(0.6065307, rel=1e-6)
+
+
+def mis_batch() -> dict[str, torch.Tensor]:
+    """Three sequences (11 response tokens, row 1 padded) of random logprobs, with rollout ratios
+    r = exp(old - rollout) chosen so that band [0.5, 2] rejects 7 tokens at token level and sequence 2 at
+    sequence level."""
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    old = -torch.rand(3, 4, generator=gen) * 2
+    ratios = torch.tensor([[1.0, 3.0, 1.0, 1.0],      # token 1 out; geometric mean 3^(1/4) = 1.32: row kept
+                           [4.0, 0.25, 6.0, 1.0],     # 4, .25, 6 out; mean (4 * .25 * 6)^(1/3) = 1.82: kept
+                           [0.3, 0.3, 0.3, 1.0]])     # .3 x3 out; mean .3^(3/4) = .405: row rejected
+    rollout = old - torch.log(ratios)
+    advantages = torch.randn(3, 4, generator=gen)
+    return {"response_mask": mask, "old_logprobs": old, "advantages": advantages, "rollout_logprobs": rollout}
+
+
+@pytest.mark.parametrize("level, rejected", [
+    ("token", [[0, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 0]]),
+    ("sequence", [[0, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]]),
+])
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                      "seq-mean-token-sum-norm"])
+def test_mis_zeroes_the_gradient_of_rejected_tokens_and_leaves_the_others_unscaled(level, rejected, loss_agg):
+    mb = mis_batch()
+    mask = mb["response_mask"]
+    rejected = torch.tensor(rejected, dtype=torch.bool)
+    # new logprobs near the old ones (log ratios within +-0.15: no clipping, every token has a gradient)
+    new = (mb["old_logprobs"] + 0.05 * torch.randn(3, 4, generator=torch.Generator().manual_seed(1))).detach()
+
+    def grad_and_stats(algo: AlgoConfig):
+        logprobs = new.clone().requires_grad_(True)
+        loss, stats = policy_objective(algo)(logprobs, mb, norm=norm_of(mask))
+        loss.backward()
+        return logprobs.grad, stats
+
+    plain, _ = grad_and_stats(AlgoConfig(loss_agg=loss_agg))
+    masked, stats = grad_and_stats(AlgoConfig(loss_agg=loss_agg, mis_low=0.5, mis_high=2.0, mis_level=level))
+    assert (plain[rejected] != 0).all()  # so the zeros below are the mask's doing
+    assert torch.equal(masked[rejected], torch.zeros(int(rejected.sum())))
+    # exact: the kept tokens go through the same operations with the same denominators (the global batch's
+    # counts, rejected tokens included); dividing by fewer tokens would scale these gradients up
+    kept = mask.bool() & ~rejected
+    assert torch.equal(masked[kept], plain[kept])
+    # 7 of the 11 response tokens at token level, sequence 2's 4 of 11 at sequence level
+    assert stats["mis_masked_frac"] == pytest.approx(float(rejected.sum()) / 11, abs=1e-7)
+
+
+def test_mis_off_gives_the_same_loss_bit_for_bit():
+    mb = mis_batch()
+    mask = mb["response_mask"]
+    logprobs = mb["old_logprobs"] + 0.1
+    # the surrogate computed directly from the loss function, as the objective did before mis existed
+    per_token, _ = ppo_clip_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask, clip_low=0.2, clip_high=0.2)
+    direct = aggregate(per_token, mask, mode="token-mean", norm=norm_of(mask))
+    loss, stats = policy_objective(AlgoConfig())(logprobs, mb, norm=norm_of(mask))
+    assert torch.equal(loss, direct) and "mis_masked_frac" not in stats
+    # a band wide enough to reject nothing changes nothing either
+    loss, stats = policy_objective(AlgoConfig(mis_low=1e-3, mis_high=1e3))(logprobs, mb, norm=norm_of(mask))
+    assert torch.equal(loss, direct) and stats["mis_masked_frac"] == 0.0
+
+
+def test_mis_composes_with_tis_and_keeps_its_denominator():
+    # one sequence, on-policy (ratio 1, loss -A * TIS weight per token), A = 1 everywhere; rollout ratios
+    # [0.25, 1.5, 1.0]: band [0.5, 2] rejects the first, tis_cap 1.2 caps the second
+    mask = torch.ones(1, 3)
+    old = torch.zeros(1, 3)
+    mb = {"response_mask": mask, "old_logprobs": old, "advantages": torch.ones(1, 3),
+          "rollout_logprobs": old - torch.tensor([[LN(0.25), LN(1.5), 0.0]])}
+    algo = AlgoConfig(tis_cap=1.2, mis_low=0.5, mis_high=2.0)
+    loss, stats = policy_objective(algo)(old.clone().requires_grad_(True), mb, norm=norm_of(mask))
+    # token mean over all 3 tokens: (0 + -1.2 + -1.0) / 3
+    assert float(loss.detach()) == pytest.approx(-2.2 / 3, abs=1e-6)
+    assert stats["mis_masked_frac"] == pytest.approx(1 / 3, abs=1e-7)
+    # the TIS statistic still reports every response token's weight, rejected or not: (0.25 + 1.2 + 1) / 3
+    assert stats["tis_weight_mean"] == pytest.approx(2.45 / 3, abs=1e-6)
+
+
+def test_mis_on_policy_takes_the_ratio_from_the_training_forward():
+    # on-policy, the batch carries no old logprobs: the ratio is detached(logprobs) over the rollout engine's
+    mask = torch.ones(1, 2)
+    mb = {"response_mask": mask, "advantages": torch.ones(1, 2), "rollout_logprobs": torch.tensor([[-1.0, -1.0]])}
+    logprobs = torch.tensor([[-1.0, -1.0 + LN(3.0)]], requires_grad=True)  # ratios 1 and 3
+    objective = policy_objective(AlgoConfig(mis_low=0.5, mis_high=2.0), on_policy=True)
+    assert objective.fields == ("response_mask", "advantages", "rollout_logprobs")
+    loss, stats = objective(logprobs, mb, norm=norm_of(mask))
+    loss.backward()
+    assert stats["mis_masked_frac"] == pytest.approx(0.5)
+    # token mean: d(-A * ratio)/d logp = -A at ratio 1, over 2 tokens; the rejected token gets nothing
+    assert logprobs.grad.tolist() == [[-0.5, 0.0]]
+
+
+def test_mis_at_sequence_level_rejects_whole_gspo_sequences():
+    mask = torch.tensor([[1.0, 1.0], [1.0, 1.0]])
+    zeros = torch.zeros(2, 2)
+    # sequence 0's rollout ratios 4 and 4 (geometric mean 4, rejected), sequence 1's 1 and 1
+    mb = {"response_mask": mask, "old_logprobs": zeros, "advantages": torch.ones(2, 2),
+          "rollout_logprobs": torch.tensor([[-LN(4.0), -LN(4.0)], [0.0, 0.0]])}
+    algo = AlgoConfig(name="gspo", loss_agg="seq-mean-token-mean", mis_low=0.5, mis_high=2.0, mis_level="sequence")
+    logprobs = zeros.clone().requires_grad_(True)
+    loss, stats = policy_objective(algo)(logprobs, mb, norm=norm_of(mask))
+    loss.backward()
+    # sequence 1's loss -A * s = -1, divided by both sequences
+    assert float(loss.detach()) == pytest.approx(-0.5)
+    assert stats["mis_masked_frac"] == pytest.approx(0.5)
+    assert logprobs.grad.tolist() == [[0.0, 0.0], [-0.25, -0.25]]
 
 
 def test_entropy_bonus_lowers_the_loss_by_its_weight():
