@@ -251,7 +251,8 @@ def test_the_objective_reads_only_the_fields_it_declares():
     cases = {AlgoConfig(): ("response_mask", "old_logprobs", "advantages"),
              AlgoConfig(kl_coef=0.1): ("response_mask", "old_logprobs", "advantages", "ref_logprobs"),
              AlgoConfig(name="ppo", kl_coef=0.1, kl_in_reward=True): ("response_mask", "old_logprobs", "advantages"),
-             AlgoConfig(tis_cap=2.0): ("response_mask", "old_logprobs", "advantages", "rollout_logprobs")}
+             AlgoConfig(tis_cap=2.0): ("response_mask", "old_logprobs", "advantages", "rollout_logprobs"),
+             AlgoConfig(mis_low=0.5, mis_high=2.0): ("response_mask", "old_logprobs", "advantages", "rollout_logprobs")}
     for algo, fields in cases.items():
         objective = policy_objective(algo)
         assert objective.fields == fields, algo
@@ -297,8 +298,9 @@ def test_kl_loss_term_is_aggregated_like_the_recipe_says(loss_agg, kl_loss_agg, 
 
 @pytest.mark.parametrize("algo", [
     AlgoConfig(), AlgoConfig(dual_clip=3.0), AlgoConfig(tis_cap=2.0), AlgoConfig(kl_coef=0.1),
-    AlgoConfig(name="gspo", loss_agg="seq-mean-token-mean"),
-], ids=["ppo", "dual_clip", "tis", "kl", "gspo"])
+    AlgoConfig(name="gspo", loss_agg="seq-mean-token-mean"), AlgoConfig(tis_cap=2.0, mis_low=0.5, mis_high=2.0),
+    AlgoConfig(name="gspo", loss_agg="seq-mean-token-mean", mis_low=0.5, mis_high=2.0, mis_level="sequence"),
+], ids=["ppo", "dual_clip", "tis", "kl", "gspo", "tis_mis", "gspo_mis"])
 def test_extreme_ratios_give_finite_loss_and_gradients(algo):
     # log-ratios of +-1000 nats (one token of each sign, with either sign of advantage)
     mask = torch.ones(2, 2)
