@@ -44,6 +44,7 @@ def make_run(model_dir, groups, engine, *, env: EnvConfig, max_new_tokens: int, 
     from megarl.loops.rl_run import RLRun
     from megarl.rewards.scorer import Scorer
     from megarl.rollout.placement import RolloutPlacement
+    from megarl.routing import RoutePlan
 
     cfg = Config(model=ModelConfig(path=str(model_dir)), data=DataConfig(train_path="unused.jsonl",
                                                                           chat_template=chat_template),
@@ -54,7 +55,8 @@ def make_run(model_dir, groups, engine, *, env: EnvConfig, max_new_tokens: int, 
                  actor=None, reference=None, critic=None, rollout=engine, prompts_per_rank=0, objective=None,
                  placement=RolloutPlacement(tp=1, engines=1, engine_index=0, exchange=None, exchange_ranks=(0,),
                                             exchange_engines=(0,)),
-                 critic_objective=None, advantages=None, kl=None, scorer=Scorer(RewardConfig()), reward_models=[],
+                 critic_objective=None, routes=RoutePlan("none", on_policy=True), advantages=None, kl=None,
+                 scorer=Scorer(RewardConfig()), reward_models=[],
                  new_env=new_env,
                  tool_schemas=new_env().tools, observations=observation_format(env, tokenizer))
 
