@@ -265,3 +265,39 @@ def test_a_trajectory_is_handed_out_once_as_soon_as_its_last_turn_is_known(tool_
     assert sorted((i, turns, reason) for i, turns, reason, _ in handed) == expected
     for i, _, _, response_ids in handed:
         assert response_ids == out[i].response_ids  # the response was final when it was handed out
+
+
+class RoutedEngine(ScriptedEngine):
+    """ScriptedEngine that also returns MoE routes: every row of call k's routes holds k."""
+
+    def generate(self, prompts, **kwargs) -> Generation:
+        generation = super().generate(prompts, **kwargs)
+        call = len(self.calls)
+        routes = [torch.full((len(p) + len(r) - 1, 1, 1), call, dtype=torch.uint8)
+                  for p, r in zip(prompts, generation.response_ids)]
+        return dataclasses.replace(generation, routes=routes)
+
+
+def test_a_trajectory_keeps_the_routes_of_its_last_call_and_the_batch_cuts_them_to_its_tokens(tool_tokenizer):
+    from megarl.loops.generation import _routes
+
+    env = EnvConfig(name="envs_for_tests:CountingEnv", max_turns=2)
+    prompt = [1, 40, 41]
+    out = run_trajectories(RoutedEngine([30, 31, 32]), [prompt], [environment_factory(env)()], [("p", {})],
+                           tokenizer=tool_tokenizer, observations=ObservationFormat(tool_tokenizer), limits=env,
+                           temperature=1.0, top_p=1.0, max_new_tokens=10)
+    traj = out[0]
+    assert traj.turns == 2
+    # the second call fed the first turn and its observation as prompt: its routes cover the whole trajectory
+    assert traj.routes.shape[0] == len(prompt) + len(traj.response_ids) - 1 and bool((traj.routes == 2).all())
+    # a trajectory ended by its token budget: the batch's routes still end at its last token but one
+    obs_len = len(ObservationFormat(tool_tokenizer).ids(["obs 1"]))
+    cut = EnvConfig(name="envs_for_tests:CountingEnv", max_tokens=4 + obs_len + 2)
+    out = run_trajectories(RoutedEngine([30, 31, 32]), [prompt], [environment_factory(cut)()], [("p", {})],
+                           tokenizer=tool_tokenizer, observations=ObservationFormat(tool_tokenizer), limits=cut,
+                           temperature=1.0, top_p=1.0, max_new_tokens=10)
+    assert out[0].finish_reason == "max_tokens"
+    routes, = _routes([prompt], out)
+    assert routes.shape[0] == len(prompt) + len(out[0].response_ids) - 1
+    # without routes from the engine, the batch has none
+    assert _routes([prompt], trajectories_of(tool_tokenizer, env, [{}])[0]) is None
