@@ -485,7 +485,10 @@ log: {{progress: false}}
 
 
 # ---- CPU: SGLang's pool is sized at start, before the trainer's models ----------------------------------------
-POOL_TARGET_BYTES = 384 * 2**20  # the KV pool this test asks for: small beside the 24 GiB of a CI machine
+# The KV pool this test asks for: large beside SGLang's own allocations between its two memory readings (about
+# 70 MB measured: buffers other than the weights), which the plan does not model and which would be 20% of a
+# 384 MiB pool; 2 GiB fits a 24 GiB CI machine beside the trainer.
+POOL_TARGET_BYTES = 2 * 2**30
 TRAINER_HOG_BYTES = 2**30  # memory a real trainer would take after the engine started
 
 # Builds a PPO run through megarl.loops.rl_run.build_run (rollout engine, then actor, reference and critic) with
@@ -554,11 +557,11 @@ open(out, "w").write(json.dumps(result))
 
 
 @pytest.mark.timeout(SGLANG_TIMEOUT_S)
-def test_sglang_cpu_pool_is_sized_before_the_trainer_and_the_plan_bounds_it(qwen2_dir, arithmetic_dir, tmp_path):
+def test_sglang_cpu_pool_is_sized_before_the_trainer_and_agrees_with_the_plan(qwen2_dir, arithmetic_dir, tmp_path):
     """megarl's build order starts the rollout engine before actor, reference and critic, so SGLang sizes its KV
     pool from the host memory free before the trainer takes any; the pool does not change when the trainer's
-    models and a trainer-sized allocation come after, and the plan's formula (megarl.plan.sglang_pool_tokens) of
-    that free memory bounds it from above."""
+    models and a trainer-sized allocation come after, and it is the plan's formula (megarl.plan.sglang_pool_tokens)
+    of the memory free when SGLang reads it."""
     from megarl.models.arch import read_shape
     from megarl.plan import sglang_kv_bytes_per_token, sglang_pool_tokens
 
@@ -586,11 +589,17 @@ train: {{steps: 1, micro_batch_size: 8}}
     planned = sglang_pool_tokens(shape, free_bytes=r["free_before_start"], mem_fraction=r["mem_fraction"],
                                  weight_bytes=r["weight_bytes"], dtype="float32")
     assert planned * sglang_kv_bytes_per_token(shape, dtype="float32") == pytest.approx(POOL_TARGET_BYTES, rel=1e-3)
-    # SGLang's CPU mode gives the pool mem_fraction of the host memory free at its first reading, taken after its
-    # scheduler process has started (imported torch, built its model runner), less all the reading drops by
-    # until it sizes the pool. Both only lower the pool below the plan's figure for the memory free before
-    # the engine started, so the plan is an upper bound (10% for memory the rest of the machine returns
-    # meanwhile). How far below is not a constant of the plan's: measured on a quiet 24 GiB machine, 23-28%
-    # below (the scheduler's own footprint of about 1.5-2 GB is part of it); the figure is printed above.
-    assert r["pool_tokens"] <= 1.1 * planned, (r["pool_tokens"], planned)
-    print(f"SGLang CPU pool / plan: {r['pool_tokens'] / planned:.3f}")
+    # SGLang's CPU mode gives the pool mem_fraction of the host memory free at its first reading, which it takes
+    # once its scheduler process runs: the plan's formula of the memory free then, i.e. before start less what
+    # the engine's processes hold besides the pool (torch, the model runner: the CPU counterpart of the CUDA
+    # context the plan subtracts on a GPU). Within 10%, as the issue asks; what is left is SGLang's own buffers
+    # allocated between its two readings (measured 0.99-1.00 of the plan) and memory the rest of the machine took
+    # or returned meanwhile.
+    per_token = sglang_kv_bytes_per_token(shape, dtype="float32")
+    engine_own = r["engine_bytes"] - r["pool_tokens"] * per_token
+    at_reading = sglang_pool_tokens(shape, free_bytes=r["free_before_start"] - engine_own,
+                                    mem_fraction=r["mem_fraction"], weight_bytes=r["weight_bytes"], dtype="float32")
+    print(f"SGLang CPU pool / plan of the memory free before start: {r['pool_tokens'] / planned:.3f}; "
+          f"/ plan of the memory free at SGLang's reading: {r['pool_tokens'] / at_reading:.3f} "
+          f"(engine's own {engine_own / 2**30:.2f} GiB)")
+    assert abs(r["pool_tokens"] - at_reading) <= 0.1 * at_reading, (r["pool_tokens"], at_reading)
