@@ -116,14 +116,17 @@ def preflight(check: Check) -> None:
 
 
 # ---- 2 ---------------------------------------------------------------------------------------------------
-ENGINE_TESTS = "gpu_ or equal_transformers or bit_exact or push_makes or invariant_to_micro_batch"
+ENGINE_TESTS = ("gpu_ or equal_transformers or bit_exact or push_makes or invariant_to_micro_batch or "
+                # MoE routing replay on the device: forced routes, the engine's routes, recording, recompute
+                "replays_given or engines_routes or r2_records or recomputed")
 ENGINE_TESTS_DRY = "gpu_ or (equal_transformers and qwen2 and not moe)"
 
 
 def engine_tests(check: Check) -> None:
     junit = check.out / "engine_tests.xml"
     args = ["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--basetemp={check.work / 'pytest'}",
-            f"--junitxml={junit}", "tests/test_engine.py", "-k", ENGINE_TESTS_DRY if check.dry_run else ENGINE_TESTS]
+            f"--junitxml={junit}", "tests/test_engine.py", "tests/test_router_replay.py",
+            "-k", ENGINE_TESTS_DRY if check.dry_run else ENGINE_TESTS]
     proc = check.python("engine_tests", args, budget_s=150)
     if proc is None:
         return
