@@ -6,7 +6,8 @@ minutes on one GPU, run by tools/device_check/run.sh after it installed the carr
    every architecture, bf16 parity (tolerances in the test: Megatron's error against fp32 at most twice
    transformers' own bf16 error, and within 0.1 mean / 0.6 max nats of transformers in bf16), the HF round
    trip, the weight push, micro-batch invariance, trainer offload and onload (memory drops, the same bytes
-   come back); no test may be skipped;
+   come back); MoE routing replay (tests/test_router_replay.py: forced routes equal transformers', the native
+   engine's routes give its logprobs, recording, recompute); no test may be skipped;
 3. a bf16 GRPO quickstart under `torchrun --nproc_per_node=1` with the native engine: every step offloads
    the trainer, pushes the weights on the device and onloads it again; the run saves a checkpoint and a
    second run resumes from it for two more steps;
