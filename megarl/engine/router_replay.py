@@ -99,8 +99,8 @@ class ModelRouting:
                     hooks.append(module.router_replay)
             self.chunks.append(hooks)
         self.moe_layers = moe_layers
-        self.tp_rank, self.tp_size, self.sequence_parallel = groups.tp_rank, groups.tp_size, sequence_parallel
-        self.cp_rank, self.cp_size = groups.cp_rank, groups.cp_size
+        # sequence parallelism splits a micro-batch's tokens over the TP ranks (a one-rank TP group splits nothing)
+        self.splits_over_tp = sequence_parallel and groups.tp_size > 1
         self.groups = groups
         self.matched, self.compared = 0, 0
         self.recorded: list[Tensor] | None = None  # per sample, after a pass with RouteUse.record
@@ -150,10 +150,10 @@ class ModelRouting:
     # ---- token order ------------------------------------------------------------------------------------
     def _local(self, rows: Tensor) -> Tensor:
         """[b, s, L, K] rows of a micro-batch -> [tokens, L, K] in the router's order on this rank."""
-        rows = split_sequence(rows, cp=self.cp_size, rank=self.cp_rank)
+        rows = split_sequence(rows, cp=self.groups.cp_size, rank=self.groups.cp_rank)
         seq_major = rows.transpose(0, 1)
-        if self.sequence_parallel and self.tp_size > 1:
-            seq_major = seq_major.chunk(self.tp_size, dim=0)[self.tp_rank]
+        if self.splits_over_tp:
+            seq_major = seq_major.chunk(self.groups.tp_size, dim=0)[self.groups.tp_rank]
         return seq_major.reshape(-1, *seq_major.shape[2:])
 
     def padded_routes(self, routes: list[Tensor], index: Tensor, *, width: int, device) -> Tensor:
@@ -178,8 +178,8 @@ class ModelRouting:
         for hook in self.hooks:
             out[:, hook.layer] = hook.recorded[m]
         seq_major = out.view(-1, rows, *out.shape[1:])
-        if self.sequence_parallel and self.tp_size > 1:
-            shares = [torch.empty_like(seq_major) for _ in range(self.tp_size)]
+        if self.splits_over_tp:
+            shares = [torch.empty_like(seq_major) for _ in range(self.groups.tp_size)]
             dist.all_gather(shares, seq_major.contiguous(), group=self.groups.tp)
             seq_major = torch.cat(shares)
         return gather_sequence(seq_major.transpose(0, 1).contiguous(), group=self.groups.cp)
