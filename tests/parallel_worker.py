@@ -63,7 +63,8 @@ def redistributed(tokens: torch.Tensor, mine: dict, *, group) -> tuple[torch.Ten
                           "old_logprobs": batch.old_logprobs, "ref_logprobs": batch.ref_logprobs}
 
 
-def main() -> None:
+def layout_parser() -> argparse.ArgumentParser:
+    """The arguments every layout worker takes: the checkpoint, where results go, and the parallel sizes."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
@@ -71,6 +72,11 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--cp", type=int, default=1)
+    return parser
+
+
+def main() -> None:
+    parser = layout_parser()
     parser.add_argument("--vpp", type=int, default=1, help="virtual pipeline stages per pipeline rank")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="model.megatron.sequence_parallel: activations split over TP ranks along the sequence")

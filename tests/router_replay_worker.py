@@ -8,7 +8,6 @@ compares their concatenation with the single-rank run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import warnings
 from pathlib import Path
@@ -21,8 +20,9 @@ warnings.filterwarnings("ignore")
 from megarl.config import OptimConfig  # noqa: E402
 from megarl.engine.megatron import TrainEngine  # noqa: E402
 from megarl.engine.parallel import init_parallel  # noqa: E402
-from megarl.routing import RouteUse  # noqa: E402
 from megarl.packing import sequence_lengths  # noqa: E402
+from megarl.routing import RouteUse  # noqa: E402
+from parallel_worker import layout_parser  # noqa: E402
 
 GLOBAL_BATCH, SEQ_LEN, PROMPT = 8, 12, 4
 
@@ -41,13 +41,7 @@ def fixed_inputs(vocab: int, *, layers: int, experts: int, top_k: int):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--ep", type=int, default=1)
-    parser.add_argument("--cp", type=int, default=1)
+    parser = layout_parser()
     parser.add_argument("--micro-batch-tokens", type=int, default=0, help="pack sequences (0: padded rows of 2)")
     parser.add_argument("--recompute", action="store_true", help="recompute every layer in the backward pass")
     args = parser.parse_args()

@@ -24,6 +24,7 @@ import torch
 
 warnings.filterwarnings("ignore")
 
+from hf_routing import hf_router_outputs, routers_of  # noqa: E402
 from megarl.device import on_gpu  # noqa: E402
 
 if not on_gpu():
@@ -50,28 +51,10 @@ def hf_routes(model_dir: str, sequences: list[list[int]]) -> tuple[list[torch.Te
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    routers = [layer.mlp.gate for layer in model.model.layers]
-    assert all(type(r).__name__.endswith("TopKRouter") for r in routers), [type(r).__name__ for r in routers]
-    picked: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def record(module, inputs, output) -> None:
-        router_logits, _scores, router_indices = output
-        picked.append((router_indices, router_logits))
-
-    handles = [r.register_forward_hook(record) for r in routers]
-    indices, logits = [], []
-    try:
-        with torch.no_grad():
-            for seq in sequences:
-                picked.clear()
-                model(input_ids=torch.tensor([seq]))
-                assert len(picked) == len(routers)
-                indices.append(torch.stack([p[0].reshape(len(seq), -1) for p in picked], dim=1))
-                logits.append(torch.stack([p[1].reshape(len(seq), -1) for p in picked], dim=1))
-    finally:
-        for h in handles:
-            h.remove()
-    return indices, logits
+    # a router in every layer: SGLang's rows are one per hidden layer
+    assert len(routers_of(model)) == model.config.num_hidden_layers, [type(r).__name__ for r in routers_of(model)]
+    outputs = [hf_router_outputs(model, seq) for seq in sequences]
+    return [o[0] for o in outputs], [o[1] for o in outputs]
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import REPO, run_python
+from hf_routing import hf_router_outputs, routers_of
 from router_replay_worker import PROMPT, fixed_inputs
 
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -26,21 +27,6 @@ def hf_model(model_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-def routers_of(model) -> list:
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
-
-
-def hf_own_routes(model, ids: list[int]) -> torch.Tensor:
-    """[len(ids), layers, top_k] the experts a transformers forward of `ids` routes each token to."""
-    seen: list[torch.Tensor] = []
-    hooks = [r.register_forward_hook(lambda m, i, out: seen.append(out[2])) for r in routers_of(model)]
-    with torch.no_grad():
-        model(torch.tensor([ids]))
-    for h in hooks:
-        h.remove()
-    return torch.stack(seen, dim=1)
 
 
 def hf_forced_logprobs(model, ids: list[int], routes: torch.Tensor) -> torch.Tensor:
@@ -80,7 +66,7 @@ def test_native_engine_routes_are_the_experts_a_transformers_forward_chooses(arc
         assert routes.shape == (len(ids) - 1, 2, 2) and routes.dtype == route_dtype(4)
         # expert sets per (token, layer): the same model's top-k, fed as one sequence instead of a padded
         # batch and a KV cache; no near-ties at this size, so exact
-        want = hf_own_routes(model, ids)[: len(ids) - 1]
+        want = hf_router_outputs(model, ids)[0][: len(ids) - 1]
         assert torch.equal(routes.long().sort(-1).values, want.sort(-1).values)
 
 
@@ -154,7 +140,7 @@ def test_r2_records_the_trainers_own_routing(arch_dir, groups):
         actor.logprobs(tokens, temperature=1.0, routes=RouteUse(record=True), **micro)
         recorded = actor.recorded_routes()
         for i, n in enumerate(lengths.tolist()):
-            want = hf_own_routes(model, tokens[i, :n].tolist())
+            want = hf_router_outputs(model, tokens[i, :n].tolist())[0]
             assert torch.equal(recorded[i][:n].sort(-1).values, want.sort(-1).values), micro
 
 
