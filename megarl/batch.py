@@ -35,6 +35,7 @@ class RolloutBatch:
     routes: list[Tensor] | None = None    # [B] MoE models: the experts the rollout engine routed each token to,
                                           # [real tokens - 1, moe_layers, top_k] per sample (megarl.routing)
     trainer_routes: list[Tensor] | None = None  # [B] the same, as the old-logprob forward routed (router_replay r2)
+    weight_versions: Tensor | None = None  # [B] placement split: the weight version that generated each sample
     rewards: Tensor | None = None         # [B]
     old_logprobs: Tensor | None = None    # [B, T] trainer logprobs before the update
     ref_logprobs: Tensor | None = None    # [B, T] reference-model logprobs

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -102,8 +103,11 @@ def run_train(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
+    def lead() -> bool:  # the job's rank 0 (a rollout rank of placement split has no torch.distributed world)
+        return dist.get_rank() == 0 if dist.is_initialized() else os.environ.get("RANK", "0") == "0"
+
     def say(message: str) -> None:
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if lead():
             print(message, file=sys.stderr, flush=True)
 
     resume = shlex.join(["megarl", "train", args.recipe, *args.overrides])
@@ -136,7 +140,7 @@ def run_train(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     finally:
         STOP.restore()
-    if dist.get_rank() == 0:
+    if lead():
         if cfg.checkpoint.save_final:
             print(f"megarl: done; final checkpoint in {final}")
         else:

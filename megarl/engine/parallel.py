@@ -46,9 +46,12 @@ class ParallelGroups:
 
 
 def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0,
-                  timeout: timedelta = timedelta(minutes=60)) -> ParallelGroups:
+                  timeout: timedelta = timedelta(minutes=60),
+                  trainer_store: tuple[dist.Store, int, int] | None = None) -> ParallelGroups:
     """Initialize torch.distributed (torchrun env, else a one-process group) and Megatron's parallel state.
-    Every process group waits `timeout` in a collective before it fails (parallel.timeout_minutes)."""
+    Every process group waits `timeout` in a collective before it fails (parallel.timeout_minutes).
+    `trainer_store` (store, rank, world size): the training world is those ranks of a larger job
+    (placement split, megarl.loops.split), and meets through that store instead of torchrun's."""
     cuda = on_gpu()
     if not cuda:
         load_cuda_driver_stand_in()  # before megatron's imports, which may load CUDA kernels
@@ -56,7 +59,13 @@ def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0,
     from megatron.core import tensor_parallel
 
     if not dist.is_initialized():
-        if "RANK" in os.environ:
+        if trainer_store is not None:
+            store, rank, size = trainer_store
+            if cuda:
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=size,
+                                    timeout=timeout)
+        elif "RANK" in os.environ:
             if cuda:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)

@@ -138,35 +138,52 @@ def generate(run: RLRun, rows: list[PromptRow], *, n_samples: int) -> Generated:
     # every replica of the exchange group, in data-parallel order (its ranks all hold the same rows)
     shares = {dp: (their_rows, their_ids)
               for dp, their_rows, their_ids in _exchange(place, (run.groups.dp_rank, rows, encoded))}
-    samples = [(dp, row, ids) for dp in sorted(shares) for row, ids in zip(*shares[dp]) for _ in range(n_samples)]
+    samples = pooled_samples(shares, n_samples=n_samples)
     parts = balanced_partition([len(ids) for _, _, ids in samples], len(place.exchange_engines))
     part = parts[place.exchange_engines.index(dist.get_rank())] if place.hosts_engine else []
-    scoring = run.scorer.batch(len(part)) if place.hosts_engine else None
-
-    def last_turn(i: int, trajectory: Trajectory) -> None:
-        _, row, _ = samples[part[i]]
-        scoring.submit(i, Sample(row.prompt, response_text(run.tokenizer, trajectory), row.answer, row.metadata,
-                                 response_tokens=sum(trajectory.generated_mask)))
-
-    mine = None
+    scoring, mine = None, None
     if place.hosts_engine:
-        mine = (part, run_trajectories(
-            run.rollout, [samples[i][2] for i in part], [run.new_env() for _ in part],
-            [(samples[i][1].prompt, samples[i][1].metadata) for i in part], tokenizer=run.tokenizer,
-            observations=run.observations, limits=run.cfg.env, temperature=cfg.temperature, top_p=cfg.top_p,
-            max_new_tokens=cfg.max_new_tokens, on_last_turn=last_turn, workers=run.env_workers))
+        done, scoring = generate_part(run, [samples[i][1:] for i in part])
+        mine = (part, done)
     trajectories: dict[int, Trajectory] = {}
     for done in _exchange(place, mine):
         if done is not None:
             trajectories.update(zip(*done))
     replica = [i for i, (dp, _, _) in enumerate(samples) if dp == run.groups.dp_rank]
-    batch = _batch(run, [samples[i][1] for i in replica], [samples[i][2] for i in replica],
+    batch = build_batch(run, [samples[i][1] for i in replica], [samples[i][2] for i in replica],
                    [trajectories[i] for i in replica], n_samples=n_samples) if replica else None
     return Generated(batch=batch, scoring=scoring, part=part, replica=replica,
                      reporter=run.groups.dp_rank == min(shares))
 
 
-def _batch(run: RLRun, rows: list[PromptRow], prompts: list[list[int]], trajectories: list[Trajectory], *,
+def pooled_samples(shares: dict[int, tuple[list[PromptRow], list[list[int]]]], *,
+                   n_samples: int) -> list[tuple[int, PromptRow, list[int]]]:
+    """(replica, row, prompt ids) of every sample of the replicas' `shares` (rows and their prompt ids by
+    data-parallel rank), replica by replica, `n_samples` in a row for each prompt."""
+    return [(dp, row, ids) for dp in sorted(shares) for row, ids in zip(*shares[dp]) for _ in range(n_samples)]
+
+
+def generate_part(run, samples: list[tuple[PromptRow, list[int]]]) -> tuple[list[Trajectory], Scoring]:
+    """Run the trajectories of `samples` (row, prompt ids) on this rank's engine (`run.rollout`), handing each
+    response to a new scoring of `run.scorer` as soon as it is final. `run` is an RLRun, or a rollout rank's
+    own view of one (megarl.loops.split) with the same fields."""
+    cfg = run.cfg.rollout
+    scoring = run.scorer.batch(len(samples))
+
+    def last_turn(i: int, trajectory: Trajectory) -> None:
+        row, _ = samples[i]
+        scoring.submit(i, Sample(row.prompt, response_text(run.tokenizer, trajectory), row.answer, row.metadata,
+                                 response_tokens=sum(trajectory.generated_mask)))
+
+    trajectories = run_trajectories(
+        run.rollout, [ids for _, ids in samples], [run.new_env() for _ in samples],
+        [(row.prompt, row.metadata) for row, _ in samples], tokenizer=run.tokenizer, observations=run.observations,
+        limits=run.cfg.env, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+        on_last_turn=last_turn, workers=run.env_workers)
+    return trajectories, scoring
+
+
+def build_batch(run: RLRun, rows: list[PromptRow], prompts: list[list[int]], trajectories: list[Trajectory], *,
            n_samples: int) -> RolloutBatch:
     tokens, mask, rollout_logprobs = pack_sequences(prompts, [t.response_ids for t in trajectories],
                                                     [t.logprobs for t in trajectories],
@@ -239,13 +256,20 @@ def score(run: RLRun, generated: Generated) -> tuple[RolloutBatch | None, int, i
     if batch is None:
         return None, failures, hidden, engines
     rewards = torch.tensor([rewards_of[i] for i in generated.replica])
+    return with_rewards(run, batch, rewards), failures, hidden, engines
+
+
+def with_rewards(run: RLRun, batch: RolloutBatch, rewards: Tensor) -> RolloutBatch:
+    """The batch with its rewards: the recipe's per-sample terms (`rewards`, scored where the samples were
+    generated) plus the reward models' (scored here: every rank of the model-parallel group takes part) and
+    the environment's."""
     micro_batch_size = math.gcd(len(batch), run.cfg.train.micro_batch_size)
-    for weight, model in run.reward_models:  # every rank of the model-parallel group takes part
+    for weight, model in run.reward_models:
         rewards = rewards + weight * reward_model_scores(model, batch, pad_id=run.tokenizer.pad_token_id,
                                                          micro_batch_size=micro_batch_size)
     if batch.env_rewards is not None:
         rewards = rewards + batch.env_rewards
-    return batch.replace(rewards=rewards), failures, hidden, engines
+    return batch.replace(rewards=rewards)
 
 
 def reward_model_scores(model: TrainEngine, batch: RolloutBatch, *, pad_id: int, micro_batch_size: int) -> Tensor:
@@ -264,7 +288,10 @@ def reward_model_scores(model: TrainEngine, batch: RolloutBatch, *, pad_id: int,
 def evaluate(run: RLRun) -> dict[str, float]:
     """Mean reward on the fixed held-out prompts (this rank's share), one sample each, as in training."""
     rows = run.eval_rows[run.groups.dp_rank:: run.groups.dp_size]
-    batch, _, _, _ = score(run, generate(run, rows, n_samples=1))
+    if run.split is not None:
+        batch = run.split.generate_now(run, rows, n_samples=1)
+    else:
+        batch, _, _, _ = score(run, generate(run, rows, n_samples=1))
     mine = [float(batch.rewards.sum()), float(batch.tool_calls.sum()), float(len(batch))] if batch else [0.0] * 3
     total, calls, n = run.global_sums(mine)
     return {"eval/reward_mean": total / n, "eval/tool_calls_mean": calls / n}

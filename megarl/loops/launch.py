@@ -26,6 +26,12 @@ def init_groups(cfg: Config) -> ParallelGroups:
         raise RecipeError(f"model.path: {e}") from None
     par = cfg.parallel
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    trainer_store = None
+    if cfg.placement.mode == "split" and not dist.is_initialized():
+        from megarl.loops.split import trainer_world
+
+        trainer_store = trainer_world(cfg)
+        world_size = trainer_store[2]
     check_megatron_fields(cfg.model.megatron)
     try:
         check_layout(shape, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, world_size=world_size,
@@ -36,7 +42,7 @@ def init_groups(cfg: Config) -> ParallelGroups:
     check_run_dir(cfg.run_dir)
     try:
         return init_parallel(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, seed=cfg.seed,
-                             timeout=timedelta(minutes=par.timeout_minutes))
+                             timeout=timedelta(minutes=par.timeout_minutes), trainer_store=trainer_store)
     except ValueError as e:
         raise RecipeError(f"parallel: {e}") from None
 

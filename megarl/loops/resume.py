@@ -95,6 +95,8 @@ class RunState:
     placement: RolloutPlacement | None = None  # where the job's rollout engines live (RL)
     extra: Callable[[], dict] = dict  # the loop's own JSON state (RL: weight version, KL controller)
     load_extra: Callable[[dict], None] = lambda saved: None  # restores it from state.json
+    save_files: Callable[[Path, int], None] | None = None  # (directory, step): the loop's own files, every rank
+    load_files: Callable[[Path, dict, int], None] | None = None  # (directory, state.json, step): read them back
 
 
 def save_checkpoint(cfg: Config, step: int, state: RunState) -> Path:
@@ -123,6 +125,8 @@ def _write_checkpoint(cfg: Config, step: int, state: RunState, tmp: Path) -> Pat
     if state.rollout is not None:
         torch.save({"rollout_rng": state.rollout.rng_state()}, tmp / f"engine{state.placement.engine_index:05d}.pt")
     torch.save(trainer_rng_state(), tmp / f"rank{dist.get_rank():05d}.pt")
+    if state.save_files is not None:
+        state.save_files(tmp, step)
     if dist.get_rank() == 0:
         saved = {"step": step, "engine_steps": {k: e.step for k, e in engines.items()}, "layout": _layout(state),
                  **state.extra()}
@@ -171,4 +175,6 @@ def restore_checkpoint(path: Path, state: RunState) -> int:
     else:
         log.info("resuming at layout %s (saved at %s): trainer RNG streams start fresh", now, saved)
     state.load_extra(saved_state)
+    if state.load_files is not None:
+        state.load_files(path, saved_state, int(saved_state["step"]))
     return int(saved_state["step"])

@@ -26,6 +26,7 @@ from megarl.loops.launch import init_groups
 from megarl.loops.lifecycle import final_dir, run_steps
 from megarl.loops.resume import RunState, already_finished, find_resume
 from megarl.loops.rl_run import RLRun, build_run, check_launch
+from megarl.loops.split import is_rollout_rank, serve_rollout
 from megarl.loops.warmup import sft_warmup
 from megarl.metrics import PhaseTimer, check_finite
 from megarl.objective import explained_variance
@@ -39,7 +40,8 @@ from megarl.routing import compact
 # ---- one step -----------------------------------------------------------------------------------------
 def rl_step(run: RLRun, step: int) -> dict[str, float]:
     cfg, timer = run.cfg, PhaseTimer()
-    batch, sampling = rollout(run, timer)  # generate and score, timed as "generate" and "reward"
+    # generate and score, timed as "generate" and "reward"; placement split: take the batch the rollout ranks made
+    batch, sampling = run.split.next_batch(run, step, timer) if run.split else rollout(run, timer)
     check_rewards(run, sampling["reward/failed_frac"], step=step)
     with timer("release_rollout"):
         if run.rollout is not None:
@@ -152,7 +154,11 @@ def hand_over(run: RLRun, timer: PhaseTimer) -> dict:
     """Give the devices back to the rollout engines with the new weights: the trainer's gradients and
     optimizer state leave the device, the weights are pushed, the trainer's parameters leave too and the
     engines take back their KV cache. Also how a run starts (the engines released their memory while the
-    trainer was built). Returns the push's counts."""
+    trainer was built). Returns the push's counts. Placement split: the push alone (the rollout ranks keep
+    their memory; the trainer keeps its own)."""
+    if run.split is not None:
+        with timer("push"):
+            return run.split.push(run)
     with timer("sleep_trainer"):
         for engine in (run.actor, run.critic):
             if engine is not None:
@@ -238,6 +244,9 @@ def train(cfg: Config) -> Path:
     """Run the recipe; returns the directory of the final checkpoint."""
     from transformers import AutoTokenizer
 
+    if cfg.placement.mode == "split" and is_rollout_rank(cfg):
+        serve_rollout(cfg)  # until the training ranks are done
+        return final_dir(cfg)
     groups = init_groups(cfg)
     check_launch(cfg, groups)
     resume_from, done = find_resume(cfg)
@@ -260,15 +269,21 @@ def train(cfg: Config) -> Path:
         run.kl.load_state_dict(saved["kl"])
         run.weight_version = saved["weight_version"]
 
+    split = run.split
     state = RunState(groups=groups, engines=run.trained_engines(), sampler=run.sampler, rollout=run.rollout,
                      placement=run.placement,
-                     extra=lambda: {"weight_version": run.weight_version, "kl": run.kl.state_dict()},
-                     load_extra=load_extra)
+                     extra=lambda: {"weight_version": run.weight_version, "kl": run.kl.state_dict(),
+                                    **({"split": split.state()} if split else {})},
+                     load_extra=load_extra,
+                     save_files=(lambda path, step: split.save(path, step=step)) if split else None,
+                     load_files=(lambda path, saved, step: split.restore(path, saved, step=step)) if split else None)
     try:
         # the first push hands over the trainer's own (or restored) weights, which also proves the name table
         return run_steps(cfg, state, step=partial(rl_step, run), steps=cfg.train.steps, resume_from=resume_from,
                          desc="rl", on_start=lambda: hand_over(run, PhaseTimer()))
     finally:
+        if run.split is not None:
+            run.split.close()
         run.scorer.close()
         if run.env_workers is not None:
             run.env_workers.retire()

@@ -21,6 +21,7 @@ from megarl.data.prompts import PromptRow, PromptSampler
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
 from megarl.engine.roles import make_engine
+from megarl.loops.split import SplitRollout
 from megarl.envs.environment import Environment, SingleTurn, environment_factory
 from megarl.envs.tool_format import ObservationFormat, observation_format
 from megarl.models.arch import read_shape
@@ -64,6 +65,7 @@ class RLRun:
     tool_schemas: list[dict] = dataclasses.field(default_factory=list)  # the environment's tools, for the prompt
     observations: ObservationFormat | None = None  # renders tool messages; None when the env sends none
     env_workers: EnvWorkers | None = None  # the threads of the environment steps, kept from step to step
+    split: SplitRollout | None = None  # placement split: the rollout ranks' side of the loop (megarl.loops.split)
 
     def trainer_engines(self) -> list[TrainEngine]:
         return [e for e in (self.actor, self.reference, self.critic) if e is not None]
@@ -93,6 +95,8 @@ def check_launch(cfg: Config, groups: ParallelGroups) -> None:
     if cfg.warmup.sft_steps and cfg.warmup.batch_size % dp:
         raise RecipeError(f"warmup.batch_size={cfg.warmup.batch_size} is not divisible by the data-parallel size {dp}")
     rollout_tp, world = cfg.rollout.tp, dist.get_world_size()
+    if cfg.placement.mode == "split":
+        world = cfg.placement.rollout_ranks  # the engines live on the rollout ranks (checked in Config)
     if world % rollout_tp:
         raise RecipeError(f"rollout.tp = {rollout_tp} does not divide the world size {world}: every rank must "
                           "belong to one rollout engine")
@@ -126,7 +130,13 @@ def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: lis
     critic for PPO; the reward models, which stay on the device the whole step because their scores are
     needed as generation ends."""
     algo = cfg.algo
-    placement = place_rollout(rollout_tp=cfg.rollout.tp, replica=groups.mp, timeout=groups.timeout)
+    split = None
+    if cfg.placement.mode == "split":  # the engines are on rollout ranks of their own
+        split = SplitRollout(cfg, groups)
+        placement = RolloutPlacement(tp=cfg.rollout.tp, engines=split.workers, engine_index=None, exchange=None,
+                                     exchange_ranks=(dist.get_rank(),), exchange_engines=())
+    else:
+        placement = place_rollout(rollout_tp=cfg.rollout.tp, replica=groups.mp, timeout=groups.timeout)
     rollout = None
     if placement.hosts_engine:
         # MoE: every run captures the engines' routing where they can, for moe/routing_agreement and r3
@@ -153,4 +163,4 @@ def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: lis
         routes=RoutePlan(algo.router_replay, on_policy=algo.on_policy),
         advantages=advantage_fn(algo, group=groups.dp), kl=kl_controller(algo), scorer=Scorer(cfg.reward),
         reward_models=reward_models, new_env=new_env, tool_schemas=new_env().tools,
-        observations=observation_format(cfg.env, tokenizer), env_workers=EnvWorkers(cfg.env.tool_workers))
+        observations=observation_format(cfg.env, tokenizer), env_workers=EnvWorkers(cfg.env.tool_workers), split=split)

@@ -1,0 +1,409 @@
+"""Split placement (asynchronous RL): rollout ranks of their own generate while the training ranks train.
+
+A job of W ranks (torchrun) with `placement.rollout_ranks` R: ranks 0 ... W-R-1 train (Megatron's world, which
+meets through its own prefix of torchrun's store) and ranks W-R ... W-1 generate. The first of every
+`rollout.tp` rollout ranks hosts an engine (a *worker*, seeded `seed + worker index`); the others wait beside
+it (on GPU an SGLang engine spans their devices).
+
+What travels, and how:
+- Commands, prompts and finished samples go through the job's key-value store (torchrun's TCPStore): one side
+  posts a key, the other blocks on it, so neither side waits in a collective while the other works. Each
+  replica's first rank posts its prompts; training rank 0 posts every worker's commands, which a worker runs
+  strictly in order; a worker posts each replica's share of the samples it generated, scored.
+- Weights go by a collective broadcast from training rank 0 to every worker (gloo on CPU, NCCL on GPU) in
+  buckets of at most `rollout.bucket_bytes`, each bucket's names, shapes and dtypes posted first. The rest of
+  replica 0 joins the gathers that build the full tensors; the other replicas do not.
+
+The schedule is deterministic. Weight version v is the policy after v - 1 updates (version 1: the start).
+Step n trains on batch n, which version max(1, n - N) generated (N = `algo.max_staleness`): at the start of
+step n the trainers request every batch up to n + N, whose version has been pushed by then, and the workers
+generate batch n + N while step n trains. With N = 0 this is the synchronous loop: a one-worker split run
+computes the numbers of a colocated run with one engine. Every sample records its version
+(RolloutBatch.weight_versions); the metrics `async/staleness_mean` and `async/staleness_max` are read from
+them, `async/rollout_wait_s` is how long the step waited for its batch and `async/train_wait_s` how long
+the workers waited for the trainers (for weights, or for a request) before generating it.
+
+Checkpoints lose nothing and regenerate nothing: the N batches requested but not yet trained are waited for
+and saved with the checkpoint (plain tensors and lists), with the workers' sampler RNG after them, and a
+resumed run hands them to its steps, so it computes the numbers of a run never stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import pickle
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megarl.batch import RolloutBatch
+from megarl.checkpoint import CheckpointError
+from megarl.config import Config, RecipeError
+from megarl.data.prompts import PromptRow, encode_prompt
+from megarl.device import on_gpu
+from megarl.handoff import buckets
+from megarl.metrics import PhaseTimer
+from megarl.packing import balanced_partition
+from megarl.rollout.multi_turn import Trajectory
+
+# ---- the job ----------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def job_store(timeout_minutes: float) -> tuple[dist.Store, int, int]:
+    """torchrun's store, this process's rank and the job's world size (once per process)."""
+    if "RANK" not in os.environ:
+        raise RecipeError("placement.mode = 'split' runs rollout ranks beside the training ranks: launch it under "
+                          "torchrun with more processes than placement.rollout_ranks")
+    return next(dist.rendezvous("env://", timeout=timedelta(minutes=timeout_minutes)))
+
+
+def _job(cfg: Config) -> tuple[dist.Store, int, int, int]:
+    """(store, rank, world size, training world size), checked against the recipe."""
+    store, rank, world = job_store(cfg.parallel.timeout_minutes)
+    rollout_ranks = cfg.placement.rollout_ranks
+    if rollout_ranks >= world:
+        raise RecipeError(f"placement.rollout_ranks = {rollout_ranks} leaves no training rank in a job of {world} "
+                          "processes")
+    return store, rank, world, world - rollout_ranks
+
+
+def trainer_world(cfg: Config) -> tuple[dist.Store, int, int]:
+    """The store, rank and world size the training ranks start torch.distributed with."""
+    store, rank, _, trainers = _job(cfg)
+    return dist.PrefixStore("megarl/trainer/", store), rank, trainers
+
+
+def is_rollout_rank(cfg: Config) -> bool:
+    _, rank, _, trainers = _job(cfg)
+    return rank >= trainers
+
+
+def _bridge_group(store: dist.Store, *, member: int, size: int, timeout: timedelta):
+    """The weight broadcast's group: training rank 0 (member 0) and every worker (member 1 + index); made
+    by those processes only, outside torch.distributed's world (the workers have none)."""
+    store = dist.PrefixStore("megarl/weights/", store)
+    if on_gpu():
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, member, size, options)
+    return dist.ProcessGroupGloo(store, member, size, timeout)
+
+
+class Mailbox:
+    """Keys of the job's store holding pickled plain data (lists, dicts, numbers, strings, tensors)."""
+
+    def __init__(self, store: dist.Store, timeout: timedelta):
+        self.store, self.timeout = dist.PrefixStore("megarl/split/", store), timeout
+
+    def put(self, key: str, value) -> None:
+        self.store.set(key, pickle.dumps(value))
+
+    def take(self, key: str, *, keep: bool = False):
+        """The value of `key`, waiting for it to be posted (up to parallel.timeout_minutes); removed unless
+        `keep`."""
+        self.store.wait([key], self.timeout)
+        value = pickle.loads(self.store.get(key))
+        if not keep:
+            self.store.delete_key(key)
+        return value
+
+    def drop(self, key: str) -> None:
+        self.store.delete_key(key)
+
+
+# ---- a rollout rank ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class RolloutRank:
+    """What a worker holds: the fields of an RLRun that generation and scoring read
+    (megarl.loops.generation.generate_part)."""
+
+    cfg: Config
+    tokenizer: object
+    rollout: object
+    scorer: object
+    new_env: object
+    observations: object
+    env_workers: object
+
+
+def serve_rollout(cfg: Config) -> None:
+    """A rollout rank's whole run: build the engine, then run the training rank 0's commands in order until it
+    says stop."""
+    from transformers import AutoTokenizer
+
+    from megarl.envs.environment import environment_factory
+    from megarl.envs.tool_format import observation_format
+    from megarl.models.arch import read_shape
+    from megarl.rewards.scorer import Scorer
+    from megarl.rollout.backends import captures_routes, make_rollout_engine
+    from megarl.rollout.multi_turn import EnvWorkers
+
+    store, rank, world, trainers = _job(cfg)
+    timeout = timedelta(minutes=cfg.parallel.timeout_minutes)
+    box = Mailbox(store, timeout)
+    local, workers = rank - trainers, cfg.placement.rollout_ranks // cfg.rollout.tp
+    if local % cfg.rollout.tp:  # beside a worker: its engine spans this device; nothing to run here
+        box.take("done", keep=True)
+        return
+    index = local // cfg.rollout.tp
+    if on_gpu():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    group = _bridge_group(store, member=1 + index, size=1 + workers, timeout=timeout)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    moe = read_shape(cfg.model.path).is_moe
+    engine = make_rollout_engine(cfg.rollout, cfg.model.path, dtype=cfg.model.dtype, seed=cfg.seed + index,
+                                 capture_routes=moe and captures_routes(cfg.rollout))
+    new_env = environment_factory(cfg.env)
+    me = RolloutRank(cfg=cfg, tokenizer=tokenizer, rollout=engine, scorer=Scorer(cfg.reward), new_env=new_env,
+                     observations=observation_format(cfg.env, tokenizer), env_workers=EnvWorkers(cfg.env.tool_workers))
+    version, waited = 0, 0.0
+    try:
+        for n in range(2**62):
+            start = time.monotonic()
+            command, *args = box.take(f"cmd/{index}/{n}")
+            waited += time.monotonic() - start
+            if command == "generate":
+                key, replicas, n_samples = args
+                _generate(me, box, key, replicas=replicas, n_samples=n_samples, index=index, workers=workers,
+                          version=version, waited=waited)
+                waited = 0.0
+            elif command == "weights":
+                version, = args
+                engine.update_weights(_received(box, group, index=index, version=version), version=version)
+                engine.flush_cache()
+            elif command == "rng":
+                box.put(f"rng/{args[0]}/{index}", engine.rng_state())
+            elif command == "set_rng":
+                engine.set_rng_state(args[0][index])
+            elif command == "stop":
+                return
+            else:
+                raise RuntimeError(f"rollout rank {rank}: unknown command {command!r}")
+    finally:
+        me.scorer.close()
+        me.env_workers.retire()
+        engine.shutdown()
+
+
+def _generate(me: RolloutRank, box: Mailbox, key: str, *, replicas: int, n_samples: int, index: int, workers: int,
+              version: int, waited: float) -> None:
+    """Generate and score this worker's share of request `key` (the pooled prompts of every replica, split over
+    the workers by prompt tokens as colocated engines split them), and post each replica its samples."""
+    from megarl.loops.generation import generate_part, pooled_samples
+
+    shares = {dp: tuple(box.take(f"in/{key}/{dp}", keep=True)) for dp in range(replicas)}
+    samples = pooled_samples(shares, n_samples=n_samples)
+    first = {dp: min(i for i, s in enumerate(samples) if s[0] == dp) for dp in shares if shares[dp][0]}
+    part = balanced_partition([len(ids) for _, _, ids in samples], workers)[index]
+    trajectories, rewards, failures, hidden = [], [], 0, 0
+    if part:
+        trajectories, scoring = generate_part(me, [samples[i][1:] for i in part])
+        rewards, failures, hidden = scoring.result()
+    for dp in range(replicas):
+        mine = [j for j, i in enumerate(part) if samples[i][0] == dp]
+        box.put(f"out/{key}/{index}/{dp}", {
+            "index": [part[j] - first[dp] for j in mine],
+            "trajectories": [dataclasses.asdict(trajectories[j]) for j in mine],
+            "rewards": [rewards[j] for j in mine],
+            # failures, scored before generation ended, engines that generated: counted once, on replica 0
+            "counts": [failures, hidden, int(bool(part))] if dp == 0 else [0, 0, 0],
+            "version": version, "waited_s": waited})
+
+
+def _received(box: Mailbox, group, *, index: int, version: int) -> Iterator[list[tuple[str, Tensor]]]:
+    """The buckets of weight version `version`, as the training rank 0 broadcasts them."""
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
+    n = 0
+    while (meta := box.take(f"weights/{index}/{version}/{n}")) is not None:
+        sizes = [torch.Size(shape).numel() * dtype.itemsize for _, shape, dtype in meta]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        group.broadcast(flat, 0).wait()
+        bucket, offset = [], 0
+        for (name, shape, dtype), size in zip(meta, sizes):
+            # a copy: a view at an offset not aligned to the element size cannot change dtype
+            bucket.append((name, flat[offset: offset + size].clone().view(dtype).view(shape)))
+            offset += size
+        yield bucket
+        n += 1
+
+
+# ---- the training ranks' side -------------------------------------------------------------------------------
+
+
+class SplitRollout:
+    """The training ranks' side: requests batches ahead of the steps that train them, collects them, pushes
+    weights; the same calls on every training rank (SPMD)."""
+
+    def __init__(self, cfg: Config, groups):
+        store, _, _, _ = _job(cfg)
+        timeout = timedelta(minutes=cfg.parallel.timeout_minutes)
+        self.cfg, self.groups, self.box = cfg, groups, Mailbox(store, timeout)
+        self.workers = cfg.placement.rollout_ranks // cfg.rollout.tp
+        self.lead = dist.get_rank() == 0  # sends the commands and the weights
+        self.writer = dist.get_rank() == groups.mp_src_global_rank  # posts its replica's prompts
+        self.group = _bridge_group(store, member=0, size=1 + self.workers, timeout=timeout) if self.lead else None
+        self.sent = [0] * self.workers  # commands posted to each worker
+        self.requested = 0  # the last batch requested
+        self.pending: dict[int, list[int]] = {}  # requested batch -> this replica's prompt rows (indices)
+        self.version = 0  # the last weight version pushed
+        self.collected: list[str] = []  # requests whose keys go once every rank has read them
+        self.evals = 0
+
+    # -- commands
+    def _command(self, *command, worker: int | None = None) -> None:
+        if not self.lead:
+            return
+        for w in range(self.workers) if worker is None else (worker,):
+            self.box.put(f"cmd/{w}/{self.sent[w]}", command)
+            self.sent[w] += 1
+
+    def _request(self, run, key: str, rows: list[PromptRow], *, n_samples: int) -> None:
+        if self.writer:
+            encoded = [_encode(run, row) for row in rows]
+            self.box.put(f"in/{key}/{self.groups.dp_rank}", (rows, encoded))
+        self._command("generate", key, self.groups.dp_size, n_samples)
+
+    def _collect(self, run, key: str, rows: list[PromptRow], *, n_samples: int):
+        """This replica's batch of request `key` with its rewards (None when it asked for no prompt), the
+        counts [failures, scored early, engines], the versions and the longest worker wait."""
+        from megarl.loops.generation import build_batch, with_rewards
+
+        if self.lead:  # every rank has read the earlier requests' keys: they are past a collective since
+            for done in self.collected:
+                for dp in range(self.groups.dp_size):
+                    self.box.drop(f"in/{done}/{dp}")
+                    for w in range(self.workers):
+                        self.box.drop(f"out/{done}/{w}/{dp}")
+            self.collected = []
+        self.collected.append(key)
+        trajectories: dict[int, Trajectory] = {}
+        rewards: dict[int, float] = {}
+        versions: dict[int, int] = {}
+        counts, waited = torch.zeros(3, dtype=torch.float64), 0.0
+        for w in range(self.workers):
+            part = self.box.take(f"out/{key}/{w}/{self.groups.dp_rank}", keep=True)
+            for i, t, r in zip(part["index"], part["trajectories"], part["rewards"]):
+                trajectories[i], rewards[i], versions[i] = Trajectory(**t), r, part["version"]
+            counts += torch.tensor(part["counts"], dtype=torch.float64)
+            waited = max(waited, part["waited_s"])
+        if not rows:
+            return None, counts, waited
+        n = len(rows) * n_samples
+        order = range(n)
+        batch = build_batch(run, [row for row in rows for _ in range(n_samples)],
+                            [_encode(run, row) for row in rows for _ in range(n_samples)],
+                            [trajectories[i] for i in order], n_samples=n_samples)
+        batch = with_rewards(run, batch, torch.tensor([rewards[i] for i in order]))
+        return batch.replace(weight_versions=torch.tensor([versions[i] for i in order])), counts, waited
+
+    # -- the loop's calls
+    def next_batch(self, run, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
+        """Request the batches up to `step` + max_staleness not requested yet, then take batch `step`."""
+        cfg = self.cfg
+        for k in range(self.requested + 1, step + cfg.algo.max_staleness + 1):
+            self.pending[k] = run.sampler.next_batch(run.prompts_per_rank)
+            self._request(run, f"b{k}", [run.train_rows[i] for i in self.pending[k]], n_samples=cfg.rollout.n_samples)
+            self.requested = k
+        start = time.monotonic()
+        with timer("generate"):
+            rows = [run.train_rows[i] for i in self.pending.pop(step)]
+            batch, counts, waited = self._collect(run, f"b{step}", rows, n_samples=cfg.rollout.n_samples)
+        waited_for_batch = time.monotonic() - start
+        staleness = (step - batch.weight_versions).double()
+        failures, hidden, engines, n, stale_sum = run.global_sums(
+            [*counts.tolist(), float(len(batch)), float(staleness.sum())])
+        worst = torch.tensor([float(staleness.max()), waited_for_batch, waited])
+        if run.groups.dp_size > 1:
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=run.groups.dp)
+        return batch, {"reward/failures": failures, "reward/failed_frac": failures / n,
+                       "timing/reward_hidden_frac": hidden / n, "rollout/engines": engines,
+                       "async/staleness_mean": stale_sum / n, "async/staleness_max": float(worst[0]),
+                       "async/rollout_wait_s": float(worst[1]), "async/train_wait_s": float(worst[2])}
+
+    def generate_now(self, run, rows: list[PromptRow], *, n_samples: int) -> RolloutBatch | None:
+        """Generate `rows` with the latest weights, after every batch requested so far (evaluation)."""
+        key = f"e{self.evals}"
+        self.evals += 1
+        self._request(run, key, rows, n_samples=n_samples)
+        batch, _, _ = self._collect(run, key, rows, n_samples=n_samples)
+        return batch
+
+    def push(self, run) -> dict:
+        """Broadcast the actor's weights to every worker as the next version; a worker loads them once it
+        has generated every batch requested before (so the caller waits for those)."""
+        self.version += 1
+        groups = self.groups
+        tensors = run.actor.pipeline_hf_tensors() if groups.dp_rank == 0 or groups.ep_size > 1 else iter(())
+        if not self.lead:
+            return {"bytes": sum(t.numel() * t.element_size() for _, t in tensors)}  # drive the gathers
+        self._command("weights", self.version)
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
+        nbytes, n = 0, 0
+        for n, bucket in enumerate(buckets(tensors, bucket_bytes=self.cfg.rollout.bucket_bytes)):
+            for w in range(self.workers):
+                self.box.put(f"weights/{w}/{self.version}/{n}",
+                             [(name, tuple(t.shape), t.dtype) for name, t in bucket])
+            flat = torch.cat([t.detach().to(device).contiguous().view(-1).view(torch.uint8) for _, t in bucket])
+            self.group.broadcast(flat, 0).wait()
+            nbytes += flat.numel()
+            n += 1
+        for w in range(self.workers):
+            self.box.put(f"weights/{w}/{self.version}/{n}", None)
+        return {"bytes": nbytes}
+
+    def close(self) -> None:
+        """Stop the workers (and the ranks beside them)."""
+        self._command("stop")
+        if self.lead:
+            self.box.put("done", True)
+
+    # -- checkpoints
+    def state(self) -> dict:
+        return {"max_staleness": self.cfg.algo.max_staleness, "workers": self.workers}
+
+    def save(self, directory: Path, *, step: int) -> None:
+        """The batches requested but not trained yet (waited for) and the workers' sampler RNG after them; the
+        replicas' rows of those batches."""
+        if self.writer:
+            torch.save({"pending": self.pending}, directory / f"split_dp{self.groups.dp_rank:05d}.pt")
+        if not self.lead:
+            return
+        ahead = {}
+        for k in sorted(self.pending):
+            for w in range(self.workers):
+                for dp in range(self.groups.dp_size):
+                    ahead[f"out/b{k}/{w}/{dp}"] = self.box.take(f"out/b{k}/{w}/{dp}", keep=True)
+        self._command("rng", step)
+        rng = [self.box.take(f"rng/{step}/{w}") for w in range(self.workers)]
+        torch.save({"ahead": ahead, "rng": rng}, directory / "split.pt")
+
+    def restore(self, directory: Path, saved: dict, *, step: int) -> None:
+        here = self.state()
+        if saved.get("split") != here:
+            raise CheckpointError(f"{directory}: saved with placement split {saved.get('split')} "
+                                  f"(algo.max_staleness, rollout workers); this run has {here}: resume with the "
+                                  "same algo.max_staleness and placement.rollout_ranks / rollout.tp")
+        mine = torch.load(directory / f"split_dp{self.groups.dp_rank:05d}.pt", weights_only=True)
+        self.pending = mine["pending"]
+        self.requested = max(self.pending, default=step)
+        self.version = step
+        if self.lead:
+            kept = torch.load(directory / "split.pt", weights_only=True)
+            for key, value in kept["ahead"].items():
+                self.box.put(key, value)
+            self._command("set_rng", kept["rng"])
+
+
+def _encode(run, row: PromptRow) -> list[int]:
+    return encode_prompt(run.tokenizer, row.prompt, chat_template=run.cfg.data.chat_template, tools=run.tool_schemas)
