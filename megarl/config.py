@@ -580,9 +580,6 @@ class Config:
             raise ValueError("dynamic sampling (algo.dynamic_sampling, or algo.name dapo) decides on more rounds "
                              "from each round's rewards, which placement.mode = 'split' does not do yet; turn it "
                              "off or use placement.mode: colocated")
-        if self.warmup.sft_steps:
-            raise ValueError("warmup.sft_steps runs before the RL loop on every rank; with placement.mode = "
-                             "'split' run the warm-up as its own SFT recipe and point model.path at its output")
 
 
 # ---------------------------------------------------------------------------------------------- YAML
