@@ -343,6 +343,29 @@ def test_both_pipeline_stages_run_an_sglang_engine_that_gets_every_update(qwen2_
 
 
 @pytest.mark.timeout(SGLANG_TIMEOUT_S)
+def test_split_placement_with_an_sglang_rollout_rank(qwen2_dir, arithmetic_dir, tmp_path):
+    # One training rank and one SGLang rollout rank outside Megatron's world (placement split, max_staleness 0):
+    # every step's weights reach SGLang through the gloo broadcast, so its logprobs equal the trainer's on every
+    # step while an entropy bonus moves the weights (a missed or garbled push would show).
+    run_dir = tmp_path / "run"
+    proc = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "megarl", "train",
+                       str(REPO / "recipes" / "quickstart.yaml"), f"run_dir={run_dir}", f"model.path={qwen2_dir}",
+                       f"data.train_path={arithmetic_dir / 'train.jsonl'}", "data.eval_path=null",
+                       "data.prompts_per_step=4", "rollout.n_samples=4", "rollout.max_new_tokens=4",
+                       "rollout.engine=sglang", "placement.mode=split", "placement.rollout_ranks=1",
+                       "algo.max_staleness=0", "warmup.sft_steps=0", "algo.entropy_coef=0.1", "optim.lr=1.0e-3",
+                       "train.steps=3", "train.micro_batch_size=8", "checkpoint.save_final=false",
+                       "log.progress=false"], timeout_s=SGLANG_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = read_metrics(run_dir)
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    for m in lines:
+        assert m["rollout/engines"] == 1 and m["async/staleness_max"] == 0, m
+        assert m["rollout/logprob_diff_max"] <= 1e-4, m
+        assert m["grad_norm"] > 0 and m["handoff/bytes"] > 0, m
+
+
+@pytest.mark.timeout(SGLANG_TIMEOUT_S)
 def test_quickstart_grpo_with_sglang_raises_reward_like_the_native_engine(quickstart_out, tmp_path):
     # The quickstart's warm start and data, GRPO for 40 steps with SGLang rollouts; the native engine's run
     # (the quickstart itself: same seed, same prompts per step) is the reference.

@@ -73,6 +73,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
         **metrics, **sampling, **kl_metrics, **train_metrics, **eval_metrics, **moe, **timer.metrics(),
         "train/tokens_imbalance": tokens_imbalance,
         "handoff/bytes": float(push_stats["bytes"]),
+        **({"async/push_wait_s": push_stats["wait_s"]} if "wait_s" in push_stats else {}),
         "throughput/tokens_per_s": tokens / seconds,
     }
 

@@ -20,8 +20,9 @@ step n the trainers request every batch up to n + N, whose version has been push
 generate batch n + N while step n trains. With N = 0 this is the synchronous loop: a one-worker split run
 computes the numbers of a colocated run with one engine. Every sample records its version
 (RolloutBatch.weight_versions); the metrics `async/staleness_mean` and `async/staleness_max` are read from
-them, `async/rollout_wait_s` is how long the step waited for its batch and `async/train_wait_s` how long
-the workers waited for the trainers (for weights, or for a request) before generating it.
+them, `async/rollout_wait_s` is how long the step waited for its batch, `async/push_wait_s` how long the
+step's weight push waited for the workers to finish the batches requested before it, and `async/train_wait_s`
+how long the workers waited for the trainers (for weights, or for a request) before generating the batch.
 
 Checkpoints lose nothing and regenerate nothing: the N batches requested but not yet trained are waited for
 and saved with the checkpoint (plain tensors and lists), with the workers' sampler RNG after them, and a
@@ -180,6 +181,7 @@ def serve_rollout(cfg: Config) -> None:
                 waited = 0.0
             elif command == "weights":
                 version, = args
+                box.put(f"ready/{version}/{index}", True)  # every batch requested before is generated
                 engine.update_weights(_received(box, group, index=index, version=version), version=version)
                 engine.flush_cache()
             elif command == "rng":
@@ -341,13 +343,18 @@ class SplitRollout:
 
     def push(self, run) -> dict:
         """Broadcast the actor's weights to every worker as the next version; a worker loads them once it
-        has generated every batch requested before (so the caller waits for those)."""
+        has generated every batch requested before, so the push first waits for those (its "wait_s", on
+        training rank 0: the engines were the slower side)."""
         self.version += 1
         groups = self.groups
         tensors = run.actor.pipeline_hf_tensors() if groups.dp_rank == 0 or groups.ep_size > 1 else iter(())
         if not self.lead:
             return {"bytes": sum(t.numel() * t.element_size() for _, t in tensors)}  # drive the gathers
         self._command("weights", self.version)
+        start = time.monotonic()
+        for w in range(self.workers):
+            self.box.take(f"ready/{self.version}/{w}")
+        waited = time.monotonic() - start
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
         nbytes, n = 0, 0
         for n, bucket in enumerate(buckets(tensors, bucket_bytes=self.cfg.rollout.bucket_bytes)):
@@ -360,7 +367,7 @@ class SplitRollout:
             n += 1
         for w in range(self.workers):
             self.box.put(f"weights/{w}/{self.version}/{n}", None)
-        return {"bytes": nbytes}
+        return {"bytes": nbytes, "wait_s": waited}
 
     def close(self) -> None:
         """Stop the workers (and the ranks beside them)."""
