@@ -129,9 +129,17 @@ class PlacementConfig:
 
     mode: Literal["colocated", "split"] = "colocated"
     rollout_ranks: int = 0  # split: ranks that only generate (a multiple of rollout.tp); colocated: 0
+    # split: generate in chunks of chunk_tokens and take weights pushed meanwhile between chunks, so a response
+    # started under older weights continues under the newer ones (each token keeps its version and logprob)
+    partial_rollouts: bool = False
+    chunk_tokens: int = 16
 
     def check(self) -> None:
         _at_least(self, 0, "rollout_ranks")
+        _at_least(self, 1, "chunk_tokens")
+        if self.partial_rollouts and self.mode != "split":
+            raise FieldError("partial_rollouts", "interrupts generations at weight pushes, which only "
+                                                 "placement.mode = 'split' has")
         if self.mode == "split" and self.rollout_ranks < 1:
             raise FieldError("rollout_ranks", "placement.mode = 'split' needs at least one rollout rank")
         if self.mode == "colocated" and self.rollout_ranks:

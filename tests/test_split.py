@@ -135,6 +135,23 @@ def test_two_replicas_and_two_rollout_engines(recipe, tmp_path):
     assert all(r["response/len_mean"] > 0 for r in got)
 
 
+def test_partial_rollouts_stay_within_the_staleness_bound(recipe, tmp_path):
+    """Partial rollouts on (a generation takes the weights pushed meanwhile between chunks of 2 tokens): every
+    sample's oldest token is at most one version behind the step that trains it, as without them; a resumed
+    run continues (its numbers are not a never-stopped run's: when a push lands inside a generation is a race).
+    Tokens keep their versions and logprobs: tests/test_partial_rollouts.py."""
+    run_dir = tmp_path / "partial"
+    run(recipe, run_dir, *SPLIT, "algo.max_staleness=1", "placement.partial_rollouts=true",
+        "placement.chunk_tokens=2", "rollout.max_new_tokens=12", "train.steps=4", nproc=2)
+    got = records(run_dir)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert got[0]["async/staleness_max"] == 0 and all(r["async/staleness_max"] <= 1 for r in got)
+    assert all(0 <= r["async/partial_frac"] <= 1 for r in got)
+    run(recipe, run_dir, *SPLIT, "algo.max_staleness=1", "placement.partial_rollouts=true",
+        "placement.chunk_tokens=2", "rollout.max_new_tokens=12", "train.steps=6", nproc=2)
+    assert [r["step"] for r in records(run_dir)] == [1, 2, 3, 4, 5, 6]
+
+
 def test_kill_and_resume_in_async_mode_matches_the_uninterrupted_run(recipe, stale1, tmp_path):
     """SIGKILL of the whole job after the checkpoint of step 2, with batch 3 already generated ahead; the resumed
     run takes that batch from the checkpoint (nothing regenerated, nothing lost) and ends with the metrics and
@@ -177,6 +194,7 @@ def test_resume_with_another_staleness_is_refused(recipe, stale1, tmp_path):
     (("placement.mode=split",), "needs at least one rollout rank"),
     (("placement.mode=split", "placement.rollout_ranks=1", "algo.dynamic_sampling=true"), "dynamic sampling"),
     (("placement.mode=split", "placement.rollout_ranks=3", "rollout.tp=2"), "not a multiple of rollout.tp"),
+    (("placement.partial_rollouts=true",), "only placement.mode = 'split' has"),
 ])
 def test_recipe_errors_name_the_keys(recipe, tmp_path, overrides, message):
     result = run_python(args(recipe, tmp_path / "bad", *overrides), cwd=tmp_path, timeout_s=RUN_TIMEOUT_S)

@@ -18,15 +18,21 @@ The schedule is deterministic. Weight version v is the policy after v - 1 update
 Step n trains on batch n, which version max(1, n - N) generated (N = `algo.max_staleness`): at the start of
 step n the trainers request every batch up to n + N, whose version has been pushed by then, and the workers
 generate batch n + N while step n trains. With N = 0 this is the synchronous loop: a one-worker split run
-computes the numbers of a colocated run with one engine. Every sample records its version
-(RolloutBatch.weight_versions); the metrics `async/staleness_mean` and `async/staleness_max` are read from
-them, `async/rollout_wait_s` is how long the step waited for its batch, `async/push_wait_s` how long the
+computes the numbers of a colocated run with one engine. Every generated token records the version that
+sampled it (RolloutBatch.weight_versions); the metrics `async/staleness_mean` and `async/staleness_max` are
+read from them, `async/rollout_wait_s` is how long the step waited for its batch, `async/push_wait_s` how long the
 step's weight push waited for the workers to finish the batches requested before it, and `async/train_wait_s`
 how long the workers waited for the trainers (for weights, or for a request) before generating the batch.
 
+With `placement.partial_rollouts` a worker generates in chunks and, between two, takes a push that is the next
+command (megarl.rollout.partial): the push no longer waits for the generation, whose unfinished responses
+continue under the new weights. A sample's staleness is its oldest token's; `async/partial_frac` counts the
+samples that span two versions. Such a run is not reproducible bit for bit (when a push lands is a race).
+
 Checkpoints lose nothing and regenerate nothing: the N batches requested but not yet trained are waited for
 and saved with the checkpoint (plain tensors and lists), with the workers' sampler RNG after them, and a
-resumed run hands them to its steps, so it computes the numbers of a run never stopped.
+resumed run hands them to its steps, so it computes the numbers of a run never stopped (without partial
+rollouts).
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from megarl.handoff import buckets
 from megarl.metrics import PhaseTimer
 from megarl.packing import balanced_partition
 from megarl.rollout.multi_turn import Trajectory
+from megarl.rollout.partial import VersionedEngine
 
 # ---- the job ----------------------------------------------------------------------------------------------
 
@@ -120,6 +127,10 @@ class Mailbox:
     def drop(self, key: str) -> None:
         self.store.delete_key(key)
 
+    def ready(self, key: str) -> bool:
+        """Whether `key` is posted (without waiting)."""
+        return self.store.check([key])
+
 
 # ---- a rollout rank ---------------------------------------------------------------------------------------
 
@@ -166,40 +177,73 @@ def serve_rollout(cfg: Config) -> None:
     engine = make_rollout_engine(cfg.rollout, cfg.model.path, dtype=cfg.model.dtype, seed=cfg.seed + index,
                                  capture_routes=moe and captures_routes(cfg.rollout))
     new_env = environment_factory(cfg.env)
-    me = RolloutRank(cfg=cfg, tokenizer=tokenizer, rollout=engine, scorer=Scorer(cfg.reward), new_env=new_env,
+    worker = Worker(box, group, index=index, workers=workers)
+    place = cfg.placement
+    # every token's version is recorded; with partial rollouts, pushed weights are taken between chunks
+    worker.engine = VersionedEngine(engine, chunk_tokens=place.chunk_tokens if place.partial_rollouts else None,
+                                    between_chunks=worker.take_pushed_weights)
+    me = RolloutRank(cfg=cfg, tokenizer=tokenizer, rollout=worker.engine, scorer=Scorer(cfg.reward), new_env=new_env,
                      observations=observation_format(cfg.env, tokenizer), env_workers=EnvWorkers(cfg.env.tool_workers))
-    version, waited = 0, 0.0
     try:
-        for n in range(2**62):
-            start = time.monotonic()
-            command, *args = box.take(f"cmd/{index}/{n}")
-            waited += time.monotonic() - start
-            if command == "generate":
-                key, replicas, n_samples = args
-                _generate(me, box, key, replicas=replicas, n_samples=n_samples, index=index, workers=workers,
-                          version=version, waited=waited)
-                waited = 0.0
-            elif command == "weights":
-                version, = args
-                box.put(f"ready/{version}/{index}", True)  # every batch requested before is generated
-                engine.update_weights(_received(box, group, index=index, version=version), version=version)
-                engine.flush_cache()
-            elif command == "rng":
-                box.put(f"rng/{args[0]}/{index}", engine.rng_state())
-            elif command == "set_rng":
-                engine.set_rng_state(args[0][index])
-            elif command == "stop":
-                return
-            else:
-                raise RuntimeError(f"rollout rank {rank}: unknown command {command!r}")
+        worker.serve(me)
     finally:
         me.scorer.close()
         me.env_workers.retire()
         engine.shutdown()
 
 
+class Worker:
+    """A rollout rank with an engine: runs the training rank 0's commands in order."""
+
+    def __init__(self, box: Mailbox, group, *, index: int, workers: int):
+        self.box, self.group, self.index, self.workers = box, group, index, workers
+        self.engine: VersionedEngine | None = None
+        self.next = 0  # the next command's number
+        self.waited = 0.0  # seconds spent waiting for a command since the last batch was posted
+
+    def serve(self, me: RolloutRank) -> None:
+        while True:
+            start = time.monotonic()
+            command, *args = self.box.take(f"cmd/{self.index}/{self.next}")
+            self.next += 1
+            self.waited += time.monotonic() - start
+            if command == "generate":
+                key, replicas, n_samples = args
+                _generate(me, self.box, key, replicas=replicas, n_samples=n_samples, index=self.index,
+                          workers=self.workers, waited=self.waited)
+                self.waited = 0.0
+            elif command == "weights":
+                self.load_weights(*args)
+            elif command == "rng":
+                self.box.put(f"rng/{args[0]}/{self.index}", self.engine.rng_state())
+            elif command == "set_rng":
+                self.engine.set_rng_state(args[0][self.index])
+            elif command == "stop":
+                return
+            else:
+                raise RuntimeError(f"rollout worker {self.index}: unknown command {command!r}")
+
+    def load_weights(self, version: int) -> None:
+        self.box.put(f"ready/{version}/{self.index}", True)  # the push may start
+        self.engine.update_weights(_received(self.box, self.group, index=self.index, version=version),
+                                   version=version)
+        self.engine.flush_cache()
+
+    def take_pushed_weights(self) -> None:
+        """Between two chunks of a generation (partial rollouts): load the weights pushed meanwhile, if the next
+        command is a push; any other command waits for the generation to end."""
+        key = f"cmd/{self.index}/{self.next}"
+        if not self.box.ready(key):
+            return
+        command, *args = self.box.take(key, keep=True)
+        if command == "weights":
+            self.box.drop(key)
+            self.next += 1
+            self.load_weights(*args)
+
+
 def _generate(me: RolloutRank, box: Mailbox, key: str, *, replicas: int, n_samples: int, index: int, workers: int,
-              version: int, waited: float) -> None:
+              waited: float) -> None:
     """Generate and score this worker's share of request `key` (the pooled prompts of every replica, split over
     the workers by prompt tokens as colocated engines split them), and post each replica its samples."""
     from megarl.loops.generation import generate_part, pooled_samples
@@ -220,7 +264,7 @@ def _generate(me: RolloutRank, box: Mailbox, key: str, *, replicas: int, n_sampl
             "rewards": [rewards[j] for j in mine],
             # failures, scored before generation ended, engines that generated: counted once, on replica 0
             "counts": [failures, hidden, int(bool(part))] if dp == 0 else [0, 0, 0],
-            "version": version, "waited_s": waited})
+            "waited_s": waited})
 
 
 def _received(box: Mailbox, group, *, index: int, version: int) -> Iterator[list[tuple[str, Tensor]]]:
@@ -291,12 +335,11 @@ class SplitRollout:
         self.collected.append(key)
         trajectories: dict[int, Trajectory] = {}
         rewards: dict[int, float] = {}
-        versions: dict[int, int] = {}
         counts, waited = torch.zeros(3, dtype=torch.float64), 0.0
         for w in range(self.workers):
             part = self.box.take(f"out/{key}/{w}/{self.groups.dp_rank}", keep=True)
             for i, t, r in zip(part["index"], part["trajectories"], part["rewards"]):
-                trajectories[i], rewards[i], versions[i] = Trajectory(**t), r, part["version"]
+                trajectories[i], rewards[i] = Trajectory(**t), r
             counts += torch.tensor(part["counts"], dtype=torch.float64)
             waited = max(waited, part["waited_s"])
         if not rows:
@@ -307,7 +350,10 @@ class SplitRollout:
                             [_encode(run, row) for row in rows for _ in range(n_samples)],
                             [trajectories[i] for i in order], n_samples=n_samples)
         batch = with_rewards(run, batch, torch.tensor([rewards[i] for i in order]))
-        return batch.replace(weight_versions=torch.tensor([versions[i] for i in order])), counts, waited
+        versions = torch.zeros_like(batch.tokens)
+        for row, (start, i) in enumerate(zip(batch.prompt_lens.tolist(), order)):
+            versions[row, start: start + len(trajectories[i].versions)] = torch.tensor(trajectories[i].versions)
+        return batch.replace(weight_versions=versions * batch.response_mask.long()), counts, waited
 
     # -- the loop's calls
     def next_batch(self, run, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
@@ -322,15 +368,17 @@ class SplitRollout:
             rows = [run.train_rows[i] for i in self.pending.pop(step)]
             batch, counts, waited = self._collect(run, f"b{step}", rows, n_samples=cfg.rollout.n_samples)
         waited_for_batch = time.monotonic() - start
-        staleness = (step - batch.weight_versions).double()
-        failures, hidden, engines, n, stale_sum = run.global_sums(
-            [*counts.tolist(), float(len(batch)), float(staleness.sum())])
+        oldest, newest = sample_versions(batch)
+        staleness = (step - oldest).double()
+        failures, hidden, engines, n, stale_sum, partial = run.global_sums(
+            [*counts.tolist(), float(len(batch)), float(staleness.sum()), float((newest > oldest).sum())])
         worst = torch.tensor([float(staleness.max()), waited_for_batch, waited])
         if run.groups.dp_size > 1:
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=run.groups.dp)
         return batch, {"reward/failures": failures, "reward/failed_frac": failures / n,
                        "timing/reward_hidden_frac": hidden / n, "rollout/engines": engines,
                        "async/staleness_mean": stale_sum / n, "async/staleness_max": float(worst[0]),
+                       "async/partial_frac": partial / n,
                        "async/rollout_wait_s": float(worst[1]), "async/train_wait_s": float(worst[2])}
 
     def generate_now(self, run, rows: list[PromptRow], *, n_samples: int) -> RolloutBatch | None:
@@ -410,6 +458,16 @@ class SplitRollout:
             for key, value in kept["ahead"].items():
                 self.box.put(key, value)
             self._command("set_rng", kept["rng"])
+
+
+def sample_versions(batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+    """[B] the oldest and the newest weight version among each sample's generated tokens: a sample continued
+    under newer weights by a partial rollout has newest > oldest."""
+    generated = batch.response_mask.bool()
+    big = torch.iinfo(batch.weight_versions.dtype).max
+    newest = torch.where(generated, batch.weight_versions, 0).max(dim=1).values
+    oldest = torch.where(generated, batch.weight_versions, big).min(dim=1).values
+    return torch.where(generated.any(dim=1), oldest, newest), newest
 
 
 def _encode(run, row: PromptRow) -> list[int]:

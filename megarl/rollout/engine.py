@@ -29,6 +29,9 @@ class Generation:
     # token was routed to at each MoE layer, in layer order, when the engine fed it in: the prompt's tokens
     # at prefill, then each sampled token but the last (which is never fed in). None otherwise.
     routes: list[Tensor] | None = None
+    # Per prompt, the weight version that sampled each response token (megarl.rollout.partial.VersionedEngine);
+    # None from an engine that does not record it.
+    versions: list[list[int]] | None = None
 
 
 # An engine's call for each response as soon as it is final: (index in the call's prompts, response ids,

@@ -56,12 +56,15 @@ class Trajectory:
     # MoE: the engine's routes of the last call's prompt and response (megarl.rollout.engine.Generation), which
     # hold every earlier turn too; they may run past a turn cut to its token budget
     routes: Tensor | None = None
+    # the weight version that sampled each response id (0 on observation ids, and where the engine records none)
+    versions: list[int] = field(default_factory=list)
 
     def add(self, ids: list[int], logprobs: list[float] | None) -> None:
         """Append generated ids (with their logprobs) or, with logprobs None, observation ids."""
         self.response_ids += ids
         self.generated_mask += [0 if logprobs is None else 1] * len(ids)
         self.logprobs += [0.0] * len(ids) if logprobs is None else logprobs
+        self.versions += [0] * len(ids)
 
 
 class EnvWorkers:
@@ -156,6 +159,11 @@ def run_trajectories(engine, prompts: Sequence[list[int]], envs: Sequence[Enviro
             if generation.routes is not None:
                 for i, routes in zip(active, generation.routes):
                     trajectories[i].routes = routes
+            if generation.versions is not None:  # this turn's kept ids end the response so far
+                for i, versions in zip(active, generation.versions):
+                    kept = len(trajectories[i].last_turn)
+                    if kept:
+                        trajectories[i].versions[-kept:] = versions[:kept]
             stepping.sort()  # responses end in any order; the next round's batch keeps the trajectories' order
             texts = {i: _turn_text(tokenizer, trajectories[i].last_turn, eos_id) for i in stepping}
             results = _step_all(workers.pool(), envs, texts, trajectories, limits) if texts else {}
