@@ -554,6 +554,9 @@ class Config:
             raise ValueError(f"algo.name = 'dpo' needs an even train.micro_batch_size (a pair is two "
                              f"sequences kept in one micro-batch), got {micro}")
         if self.algo.name in OFFLINE_ALGOS:
+            if self.placement.mode == "split":
+                raise ValueError(f"placement.mode = 'split' gives generation ranks of their own; algo.name = "
+                                 f"{self.algo.name!r} generates nothing: use placement.mode: colocated")
             if self.train.micro_batch_tokens:
                 raise ValueError(f"train.micro_batch_tokens (sequence packing) is for the RL loops; algo.name = "
                                  f"{self.algo.name!r} uses train.micro_batch_size")

@@ -122,15 +122,17 @@ def test_staleness_one_trains_every_batch_one_version_behind(stale1, colocated):
     assert max(r["rollout/logprob_diff_mean"] for r in records(colocated)) < 1e-5
 
 
-def test_two_replicas_and_two_rollout_engines(recipe, tmp_path):
-    """Two training ranks (two data-parallel replicas) and two rollout ranks (two engines splitting each batch
-    by prompt tokens): every step trains a full batch, both engines generate, staleness stays within 1."""
+@pytest.mark.parametrize("rollout_tp, engines", [(1, 2), (2, 1)])
+def test_two_replicas_and_two_rollout_ranks(recipe, tmp_path, rollout_tp, engines):
+    """Two training ranks (two data-parallel replicas) and two rollout ranks: two engines splitting each batch by
+    prompt tokens (rollout.tp 1), or one engine with a rank beside it that waits for the end (rollout.tp 2).
+    Every step trains a full batch, every engine generates, staleness stays within 1, and the job ends."""
     run_dir = tmp_path / "wide"
-    run(recipe, run_dir, "placement.mode=split", "placement.rollout_ranks=2", "algo.max_staleness=1",
-        "train.steps=3", "checkpoint.every_steps=0", nproc=4)
+    run(recipe, run_dir, "placement.mode=split", "placement.rollout_ranks=2", f"rollout.tp={rollout_tp}",
+        "algo.max_staleness=1", "train.steps=3", "checkpoint.every_steps=0", nproc=4)
     got = records(run_dir)
     assert [r["step"] for r in got] == [1, 2, 3]
-    assert [r["rollout/engines"] for r in got] == [2.0] * 3
+    assert [r["rollout/engines"] for r in got] == [float(engines)] * 3
     assert [r["async/staleness_max"] for r in got] == [0.0, 1.0, 1.0]
     assert all(r["response/len_mean"] > 0 for r in got)
 
@@ -176,6 +178,9 @@ def test_kill_and_resume_in_async_mode_matches_the_uninterrupted_run(recipe, sta
     assert numbers(run_dir) == numbers(stale1)
     assert [r["async/staleness_max"] for r in records(run_dir)] == [r["async/staleness_max"] for r in records(stale1)]
     assert same_weights(final_weights(run_dir), final_weights(stale1))
+    again = run_python(args(recipe, run_dir, *SPLIT, "algo.max_staleness=1", nproc=2), cwd=tmp_path,
+                       timeout_s=RUN_TIMEOUT_S)  # finished: the rollout rank is dismissed, the job ends
+    assert again.returncode == 0 and "already finished" in again.stdout, again.stderr[-2000:]
 
 
 def test_resume_with_another_staleness_is_refused(recipe, stale1, tmp_path):
@@ -195,6 +200,7 @@ def test_resume_with_another_staleness_is_refused(recipe, stale1, tmp_path):
     (("placement.mode=split", "placement.rollout_ranks=1", "algo.dynamic_sampling=true"), "dynamic sampling"),
     (("placement.mode=split", "placement.rollout_ranks=3", "rollout.tp=2"), "not a multiple of rollout.tp"),
     (("placement.partial_rollouts=true",), "only placement.mode = 'split' has"),
+    (("placement.mode=split", "placement.rollout_ranks=1", "algo.name=sft"), "generates nothing"),
 ])
 def test_recipe_errors_name_the_keys(recipe, tmp_path, overrides, message):
     result = run_python(args(recipe, tmp_path / "bad", *overrides), cwd=tmp_path, timeout_s=RUN_TIMEOUT_S)

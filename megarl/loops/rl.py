@@ -26,7 +26,7 @@ from megarl.loops.launch import init_groups
 from megarl.loops.lifecycle import final_dir, run_steps
 from megarl.loops.resume import RunState, already_finished, find_resume
 from megarl.loops.rl_run import RLRun, build_run, check_launch
-from megarl.loops.split import is_rollout_rank, serve_rollout
+from megarl.loops.split import dismiss_rollout_ranks, is_rollout_rank, serve_rollout
 from megarl.loops.warmup import sft_warmup
 from megarl.metrics import PhaseTimer, check_finite
 from megarl.objective import explained_variance
@@ -252,6 +252,8 @@ def train(cfg: Config) -> Path:
     check_launch(cfg, groups)
     resume_from, done = find_resume(cfg)
     if already_finished(cfg, resume_from, done, cfg.train.steps):
+        if cfg.placement.mode == "split" and dist.get_rank() == 0:
+            dismiss_rollout_ranks(cfg)  # they wait for commands that will not come
         return final_dir(cfg)
     data = cfg.data
     fields = dict(prompt_key=data.prompt_key, answer_key=data.answer_key, metadata_key=data.metadata_key,

@@ -95,15 +95,21 @@ def is_rollout_rank(cfg: Config) -> bool:
     return rank >= trainers
 
 
+def dismiss_rollout_ranks(cfg: Config) -> None:
+    """End the rollout ranks of a job whose training ranks stop before any command (a finished run resumed)."""
+    store, _, _, _ = _job(cfg)
+    box = Mailbox(store, timedelta(minutes=cfg.parallel.timeout_minutes))
+    for w in range(cfg.placement.rollout_ranks // cfg.rollout.tp):
+        box.put(f"cmd/{w}/0", ("stop",))
+    box.put("done", True)
+
+
 def _bridge_group(store: dist.Store, *, member: int, size: int, timeout: timedelta):
     """The weight broadcast's group: training rank 0 (member 0) and every worker (member 1 + index); made
     by those processes only, outside torch.distributed's world (the workers have none)."""
     store = dist.PrefixStore("megarl/weights/", store)
-    if on_gpu():
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, member, size, options)
-    return dist.ProcessGroupGloo(store, member, size, timeout)
+    backend = dist.ProcessGroupNCCL if on_gpu() else dist.ProcessGroupGloo
+    return backend(store, member, size, timeout)
 
 
 class Mailbox:
@@ -171,13 +177,14 @@ def serve_rollout(cfg: Config) -> None:
     index = local // cfg.rollout.tp
     if on_gpu():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    group = _bridge_group(store, member=1 + index, size=1 + workers, timeout=timeout)
+    # the broadcast group meets at the first push (a run that turns out to be finished never pushes)
+    bridge = functools.partial(_bridge_group, store, member=1 + index, size=1 + workers, timeout=timeout)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     moe = read_shape(cfg.model.path).is_moe
     engine = make_rollout_engine(cfg.rollout, cfg.model.path, dtype=cfg.model.dtype, seed=cfg.seed + index,
                                  capture_routes=moe and captures_routes(cfg.rollout))
     new_env = environment_factory(cfg.env)
-    worker = Worker(box, group, index=index, workers=workers)
+    worker = Worker(box, bridge, index=index, workers=workers)
     place = cfg.placement
     # every token's version is recorded; with partial rollouts, pushed weights are taken between chunks
     worker.engine = VersionedEngine(engine, chunk_tokens=place.chunk_tokens if place.partial_rollouts else None,
@@ -195,8 +202,9 @@ def serve_rollout(cfg: Config) -> None:
 class Worker:
     """A rollout rank with an engine: runs the training rank 0's commands in order."""
 
-    def __init__(self, box: Mailbox, group, *, index: int, workers: int):
-        self.box, self.group, self.index, self.workers = box, group, index, workers
+    def __init__(self, box: Mailbox, bridge, *, index: int, workers: int):
+        self.box, self.bridge, self.index, self.workers = box, bridge, index, workers
+        self.group = None  # the weight broadcast's, made at the first push
         self.engine: VersionedEngine | None = None
         self.next = 0  # the next command's number
         self.waited = 0.0  # seconds spent waiting for a command since the last batch was posted
@@ -224,6 +232,8 @@ class Worker:
                 raise RuntimeError(f"rollout worker {self.index}: unknown command {command!r}")
 
     def load_weights(self, version: int) -> None:
+        if self.group is None:
+            self.group = self.bridge()
         self.box.put(f"ready/{version}/{self.index}", True)  # the push may start
         self.engine.update_weights(_received(self.box, self.group, index=self.index, version=version),
                                    version=version)
@@ -298,7 +308,8 @@ class SplitRollout:
         self.workers = cfg.placement.rollout_ranks // cfg.rollout.tp
         self.lead = dist.get_rank() == 0  # sends the commands and the weights
         self.writer = dist.get_rank() == groups.mp_src_global_rank  # posts its replica's prompts
-        self.group = _bridge_group(store, member=0, size=1 + self.workers, timeout=timeout) if self.lead else None
+        self.bridge = functools.partial(_bridge_group, store, member=0, size=1 + self.workers, timeout=timeout)
+        self.group = None  # made at the first push, as the workers make theirs
         self.sent = [0] * self.workers  # commands posted to each worker
         self.requested = 0  # the last batch requested
         self.pending: dict[int, list[int]] = {}  # requested batch -> this replica's prompt rows (indices)
@@ -399,6 +410,8 @@ class SplitRollout:
         if not self.lead:
             return {"bytes": sum(t.numel() * t.element_size() for _, t in tensors)}  # drive the gathers
         self._command("weights", self.version)
+        if self.group is None:
+            self.group = self.bridge()
         start = time.monotonic()
         for w in range(self.workers):
             self.box.take(f"ready/{self.version}/{w}")
