@@ -10,9 +10,12 @@ Planning reads the recipe (its files need not exist on this machine) and the mod
    (and by pp * virtual stages), experts by ep and the expert grid tp*ep*pp by the world, the global batch
    by the data-parallel size and micro-batch, and that every rollout engine fits inside one node without
    sharing a GPU with another engine. A failure raises PlanError naming both numbers (exit code 2).
+   With `placement.mode: split` the trainer's world is the job's less the last `placement.rollout_ranks`
+   ranks, which only generate (megarl.loops.split): tp, pp, cp, ep and dp divide that world.
 2. estimates, per GPU, the bytes each phase of an RL step holds on the device (train, weight push, rollout;
    SFT and DPO only train), and per node the host memory the offloaded trainer state takes, and says
-   whether everything fits (exit code 0) or not (exit code 1, with the reasons).
+   whether everything fits (exit code 0) or not (exit code 1, with the reasons). A split plan estimates the
+   training GPUs and the rollout GPUs apart, and both must fit.
 
 The estimate follows the code it models, so its assumptions are those of megarl's engines:
 - Parameters: exactly the tensors Megatron's GPTModel creates on the most-loaded GPU of a pipeline stage
@@ -47,25 +50,31 @@ The estimate follows the code it models, so its assumptions are those of megarl'
   copies of the largest full tensor (TP shards and their concatenation); rollout = SGLang's static pool with
   the trainer offloaded. SFT and DPO have no rollout engine: the train phase only. The native engine never
   releases memory: its full-size weights stay in every phase and its KV cache holds the rank's samples.
+- Placement split (megarl.loops.split): nothing is offloaded and no GPU holds both kinds of state. A training
+  GPU: train as above, and push = every trainer model's state + one bucket + two copies of the largest full
+  tensor (training rank 0 broadcasts the buckets). A rollout GPU: rollout = the engine's static memory, push =
+  that + the one bucket it receives. The reward models live on the training GPUs.
 - SGLang's pool, as SGLang 0.5.23 sizes it (kv_cache_configurator): the engines start before the trainer
-  builds its models, so the memory free when a scheduler measures it is the GPU less the CUDA contexts and
-  the engine's communicators (ENGINE_START_USED_GIB); the KV cache gets `rollout.mem_fraction` of that,
-  less the engine's weights (its GPU's share of the model: full / rollout.tp).
+  builds its models (with placement split, on GPUs the trainer never uses), so the memory free when a
+  scheduler measures it is the GPU less the CUDA contexts and the engine's communicators
+  (ENGINE_START_USED_GIB); the KV cache gets `rollout.mem_fraction` of that, less the engine's weights (its
+  GPU's share of the model: full / rollout.tp).
 - Host memory (megarl.engine.offload, during every rollout of an RL step): each trainer model's parameters
   in pinned buffers, the actor's and critic's optimizer state (Adam moments, fp32 master copy) moved to host
   memory by Megatron; gradient buffers are freed, not copied. With the distributed optimizer Megatron makes
   the pinned copy of a parameter buffer through a pageable one on the first offload, so one buffer's worth
   more is held briefly. Plus HOST_RESERVE_GIB per GPU for the processes (trainer, SGLang scheduler,
   tokenizer). Summed over the GPUs of the fullest node (pipeline stages are Megatron's outermost rank
-  axis), against HOST_USABLE_FRACTION of `--host-mem-gb`.
+  axis), against HOST_USABLE_FRACTION of `--host-mem-gb`. Placement split offloads nothing: the reserve of
+  every GPU and the routes of the training GPUs.
 - MoE routes (megarl.routing), for every RL recipe of a MoE model, whatever algo.router_replay says (the
   metric moe/routing_agreement needs them on every MoE run): the rollout engines record each token's top-k
   expert ids at every MoE layer, `route_bytes_per_token` bytes per token. They travel in the rollout batch on
   the host from generation to the end of training, so every GPU's process holds its data-parallel rank's share
   of the step (data.prompts_per_step x rollout.n_samples / dp samples of `sequence_tokens`, padding counted):
-  per node that adds to the offloaded trainer state. While training, the replaying trainer holds one
-  micro-batch's routes on the device as int64 indices ([tokens, top_k] per MoE layer of the stage), counted in
-  the train phase whether or not replay is on.
+  per node that adds to the offloaded trainer state (placement split: the training GPUs' processes hold them).
+  While training, the replaying trainer holds one micro-batch's routes on the device as int64 indices
+  ([tokens, top_k] per MoE layer of the stage), counted in the train phase whether or not replay is on.
 - Not modelled: CUDA contexts, NCCL buffers and SGLang's CUDA graphs (a fixed RESERVE_GIB per GPU instead),
   allocator fragmentation (only USABLE_FRACTION of the GPU counts as usable), expert load imbalance.
 
@@ -183,8 +192,10 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Layout:
-    """The recipe's parallel layout on this cluster; dp and expert_dp are what the world leaves."""
+    """The recipe's parallel layout on this cluster; dp and expert_dp are what the training world leaves."""
 
+    world: int  # Megatron's world: ranks 0 ... world - 1 train (every rank, unless placement split)
+    rollout_ranks: int  # placement split: ranks world ... world + rollout_ranks - 1 only generate; else 0
     tp: int
     pp: int
     cp: int
@@ -240,20 +251,37 @@ def sequence_tokens(cfg: Config, *, prompt_tokens: int, seq_tokens: int | None) 
 
 
 def check_layout_for(cfg: Config, shape: ModelShape, cluster: Cluster, *, seq_len: int) -> Layout:
-    """Every divisibility the launch needs, on this cluster; PlanError names both numbers."""
+    """Every divisibility the launch needs, on this cluster; PlanError names both numbers.
+
+    With placement split Megatron's world is the job's first cluster.world - placement.rollout_ranks ranks
+    (megarl.loops.split), and every number the trainer divides is of that world."""
     par, world = cfg.parallel, cluster.world
+    offline = cfg.algo.name in OFFLINE_ALGOS
+    rollout_ranks = cfg.placement.rollout_ranks if cfg.placement.mode == "split" else 0
+    where, why = f"world size = {cluster.nodes} nodes * {cluster.gpus_per_node} GPUs", ""
+    if rollout_ranks:
+        if offline:
+            raise PlanError(f"placement.mode = 'split' gives ranks to rollout engines, which algo.name "
+                            f"{cfg.algo.name} does not have: use placement.mode: colocated")
+        if rollout_ranks >= world:
+            raise PlanError(f"placement.rollout_ranks = {rollout_ranks} leaves no training rank in a job of "
+                            f"{world} ranks ({cluster.nodes} nodes * {cluster.gpus_per_node} GPUs)")
+        world -= rollout_ranks
+        why = f"; placement.rollout_ranks {rollout_ranks} of the {cluster.world} ranks only generate"
+        where = f"training world size = {cluster.world} ranks - placement.rollout_ranks {rollout_ranks}"
     vpp = virtual_stages(cfg.model.megatron, layers=shape.layers, pp=par.pp)
     try:
         check_layout(shape, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, world_size=world, vpp=vpp,
                      sequence_parallel=bool(cfg.model.megatron.get("sequence_parallel")))
     except ValueError as e:
-        raise PlanError(f"{e} (world size = {cluster.nodes} nodes * {cluster.gpus_per_node} GPUs)") from None
+        raise PlanError(f"{e} ({where})") from None
     dp = world // (par.tp * par.pp * par.cp)
     expert_dp = world // (par.tp * par.ep * par.pp)
 
     prompts, micro = cfg.data.prompts_per_step, cfg.train.micro_batch_size
+    size = f"training world size {world}" if rollout_ranks else f"world size {world}"
     _divides(prompts, dp, f"data.prompts_per_step {prompts}", f"the data-parallel size {dp} "
-             f"(world size {world} / (parallel.tp * parallel.pp * parallel.cp))")
+             f"({size} / (parallel.tp * parallel.pp * parallel.cp){why})")
     # sequences per prompt: RL's samples, SFT's row, DPO's chosen and rejected (megarl.loops.sft.rows_per_rank)
     match cfg.algo.name:
         case "sft":
@@ -263,24 +291,29 @@ def check_layout_for(cfg: Config, shape: ModelShape, cluster: Cluster, *, seq_le
         case _:
             per_prompt, what, times = cfg.rollout.n_samples, "samples", " * rollout.n_samples"
     samples = prompts // dp * per_prompt
-    _divides(samples, micro, f"{what} per data-parallel rank {samples} (data.prompts_per_step / {dp}{times})",
-             f"train.micro_batch_size = {micro}")
+    dp_from = f", data-parallel size {dp} = {size} / (parallel.tp * parallel.pp * parallel.cp){why}" if why else ""
+    _divides(samples, micro, f"{what} per data-parallel rank {samples} (data.prompts_per_step / {dp}{times}"
+             f"{dp_from})", f"train.micro_batch_size = {micro}")
     micro_batches = samples // micro
     if vpp > 1:
         # Megatron's interleaved schedule runs micro-batches in groups of pp.
         _divides(micro_batches, par.pp, f"micro-batches per data-parallel rank {micro_batches}",
                  f"parallel.pp = {par.pp} (interleaved pipeline schedule)")
-    offline = cfg.algo.name in OFFLINE_ALGOS
-    engines = rollout_engines(cfg, shape, cluster) if cfg.rollout.engine == "sglang" and not offline else []
-    return Layout(tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, dp=dp, expert_dp=expert_dp, vpp=vpp,
-                  micro_batches=micro_batches, seq_len=seq_len, rollout_engines=engines)
+    generating = range(world, cluster.world) if rollout_ranks else range(cluster.world)
+    engines = (rollout_engines(cfg, shape, cluster, ranks=generating)
+               if cfg.rollout.engine == "sglang" and not offline else [])
+    return Layout(world=world, rollout_ranks=rollout_ranks, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, dp=dp,
+                  expert_dp=expert_dp, vpp=vpp, micro_batches=micro_batches, seq_len=seq_len,
+                  rollout_engines=engines)
 
 
-def rollout_engines(cfg: Config, shape: ModelShape, cluster: Cluster) -> list[int]:
+def rollout_engines(cfg: Config, shape: ModelShape, cluster: Cluster, *, ranks: range) -> list[int]:
     """Global ranks that start an SGLang engine, checked for placement and for SGLang's own TP split.
 
-    The RL loop starts one engine on every group of `rollout.tp` consecutive ranks, whatever the trainer's
-    layout (megarl.rollout.placement), over those ranks' GPUs: every GPU generates."""
+    The RL loop starts one engine on every group of `rollout.tp` consecutive ranks of `ranks`, whatever the
+    trainer's layout (megarl.rollout.placement), over those ranks' GPUs: every GPU of `ranks` generates. They
+    are the whole world, or with placement split its last placement.rollout_ranks ranks, a multiple of
+    rollout.tp (checked by Config), so that their groups start where the world's would."""
     rtp, gpus = cfg.rollout.tp, cluster.gpus_per_node
     _divides(shape.heads, rtp, f"attention heads {shape.heads}", f"rollout.tp = {rtp}")
     if shape.kv_heads % rtp and rtp % shape.kv_heads:
@@ -292,7 +325,7 @@ def rollout_engines(cfg: Config, shape: ModelShape, cluster: Cluster) -> list[in
         raise PlanError(f"rollout.tp = {rtp} is more than the {gpus} GPUs of a node (--gpus-per-node)")
     # an engine's GPUs must be on one node
     _divides(gpus, rtp, f"GPUs per node {gpus}", f"rollout.tp = {rtp}")
-    return list(range(0, cluster.world, rtp))
+    return list(ranks[::rtp])
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -412,7 +445,8 @@ def rollout_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Clus
         per_token = sglang_kv_bytes_per_token(shape, dtype=cfg.model.dtype, tp=rtp)
         weights = full * dtype_bytes // rtp
         # SGLang takes mem_fraction of the memory free when its scheduler starts, before the trainer's
-        # models exist (megarl.loops.rl_run.build_run): the GPU less the engines' contexts.
+        # models exist (megarl.loops.rl_run.build_run) or on a rollout rank's GPU, which holds no trainer
+        # (placement split): the GPU less the engines' contexts.
         free = (cluster.gpu_mem_gib - ENGINE_START_USED_GIB) * GIB
         pool = dict(free_bytes=free, mem_fraction=cfg.rollout.mem_fraction, weight_bytes=weights)
         kv = sglang_pool_bytes(**pool)
@@ -420,7 +454,7 @@ def rollout_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Clus
         tokens = sglang_pool_tokens(shape, **pool, dtype=cfg.model.dtype, tp=rtp)
         engines = len(layout.rollout_engines)
     else:  # native: a whole transformers model on the first rank of every group of rollout.tp ranks
-        rtp, engines = 1, cluster.world // cfg.rollout.tp
+        rtp, engines = 1, (layout.rollout_ranks or cluster.world) // cfg.rollout.tp
         per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype_bytes
         weights = full * dtype_bytes
         samples = -(-cfg.data.prompts_per_step * cfg.rollout.n_samples // engines)  # the step's samples, split
@@ -438,7 +472,7 @@ class Routing:
     bytes_per_token: int  # host bytes of one token's routes: MoE layers x top-k expert ids
     tokens_per_rank: int  # tokens of the samples one data-parallel rank holds (padded to `sequence_tokens`)
     host_per_rank: int  # bytes per GPU: its rank's routes, in the rollout batch on the host
-    host_per_node: int  # bytes per node: every GPU's process holds its rank's routes
+    host_per_node: int  # bytes per node: every training GPU's process holds its rank's routes
     device_train: int  # bytes per GPU in the train phase: one micro-batch's routes as int64 indices
 
 
@@ -451,14 +485,16 @@ def routing_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Clus
     # One micro-batch as the trainer runs it (its CP slice), every MoE layer of the stage, int64 ids.
     micro_tokens = cfg.train.micro_batch_size * layout.seq_len // layout.cp
     device = micro_tokens * shape.topk * (shape.layers // layout.pp) * REPLAY_INDEX_BYTES
+    # Ranks fill the nodes in order, so the first node holds the most training ranks.
+    trainers = min(cluster.gpus_per_node, layout.world)
     return Routing(bytes_per_token=per_token, tokens_per_rank=tokens, host_per_rank=tokens * per_token,
-                   host_per_node=cluster.gpus_per_node * tokens * per_token, device_train=device)
+                   host_per_node=trainers * tokens * per_token, device_train=device)
 
 
 @dataclass(frozen=True)
 class HostMemory:
-    """Host memory of the trainer state offloaded while the rollout engines generate (megarl.engine.offload).
-    Per-GPU numbers are those of the pipeline stage that holds the most."""
+    """Host memory of the trainer state offloaded while the rollout engines generate (megarl.engine.offload;
+    none with placement split). Per-GPU numbers are those of the pipeline stage that holds the most."""
 
     params: int  # bytes per GPU: every trainer model's parameters, in pinned buffers
     optim: int  # bytes per GPU: the trained models' optimizer state (moments, fp32 master copy)
@@ -471,18 +507,22 @@ class HostMemory:
 def host_memory(cfg: Config, cluster: Cluster, layout: Layout, stages: list[list[ModelMemory]],
                 buffers: list[int], routes: int = 0) -> HostMemory:
     """What the RL loop moves to the host, per GPU of each pipeline stage (`stages[s]`: its models; `buffers[s]`:
-    the bytes of its largest DDP parameter buffer), with the `routes` bytes every GPU's process holds while
-    the trainer is offloaded, summed over the GPUs of the fullest node. SFT and DPO offload nothing."""
+    the bytes of its largest DDP parameter buffer), with the `routes` bytes every training GPU's process holds
+    while the trainer is offloaded, summed over the GPUs of the fullest node. SFT and DPO offload nothing, and
+    neither does placement split, whose rollout GPUs hold only the processes' reserve."""
     limit = int(HOST_USABLE_FRACTION * cluster.host_mem_gib * GIB)
     reserve = int(HOST_RESERVE_GIB * GIB)
     if cfg.algo.name in OFFLINE_ALGOS:
         return HostMemory(params=0, optim=0, first_offload=0, routes=0, per_node=cluster.gpus_per_node * reserve,
                           limit=limit)
-    per_gpu = [(sum(m.params for m in models), sum(m.optim for m in models),
-                buffers[s] if cfg.optim.distributed else 0, routes) for s, models in enumerate(stages)]
+    if layout.rollout_ranks:  # placement split: the trainer's state never leaves its GPUs
+        per_gpu = [(0, 0, 0, routes)] * layout.pp
+    else:
+        per_gpu = [(sum(m.params for m in models), sum(m.optim for m in models),
+                    buffers[s] if cfg.optim.distributed else 0, routes) for s, models in enumerate(stages)]
     # Megatron's rank order puts pipeline stages outermost: ranks [s * world/pp, (s+1) * world/pp) are stage s.
-    per_stage = cluster.world // layout.pp
-    nodes = [sum(sum(per_gpu[rank // per_stage]) + reserve
+    per_stage = layout.world // layout.pp
+    nodes = [sum((sum(per_gpu[rank // per_stage]) if rank < layout.world else 0) + reserve
                  for rank in range(n * cluster.gpus_per_node, (n + 1) * cluster.gpus_per_node))
              for n in range(cluster.nodes)]
     params, optim, first, routes = max(per_gpu, key=sum)
@@ -500,34 +540,44 @@ class Plan:
     models: list[ModelMemory]
     rollout: Rollout | None  # None for SFT and DPO
     routing: Routing | None  # None for a dense model, SFT and DPO
-    phases: dict[str, int]  # bytes per GPU in each phase, reserve included
+    phases: dict[str, int]  # bytes per GPU in each phase, reserve included (placement split: per training GPU)
+    rollout_phases: dict[str, int]  # placement split: bytes per rollout GPU in each phase; else empty
     limit: int  # usable bytes per GPU
     host: HostMemory
     assumptions: list[str]
 
     @property
     def peak(self) -> int:
-        return max(self.phases.values())
+        return max([*self.phases.values(), *self.rollout_phases.values()])
 
     @property
     def problems(self) -> list[str]:
         """Why the plan does not fit, one sentence each; empty when it fits."""
-        out = [f"{name}: {_gib(nbytes)} GiB per GPU, more than the {_gib(self.limit)} GiB usable"
-               for name, nbytes in self.phases.items() if nbytes > self.limit]
+        split = self.layout.rollout_ranks > 0
+        kinds = [("training GPUs, " if split else "", self.phases), ("rollout GPUs, ", self.rollout_phases)]
+        out = [f"{kind}{name}: {_gib(nbytes)} GiB per GPU, more than the {_gib(self.limit)} GiB usable"
+               for kind, phases in kinds for name, nbytes in phases.items() if nbytes > self.limit]
         r = self.rollout
         if r is not None and r.samples < 1:
             out.append(f"rollout: the KV cache holds no full-length sample of {self.layout.seq_len} tokens "
                        f"({_gib(r.kv_bytes)} GiB per GPU): raise rollout.mem_fraction or rollout.tp")
         h = self.host
         if h.per_node > h.limit:
-            advice = ("use more nodes, or more model parallelism (the optimizer state is sharded over the "
-                      "data-parallel ranks)")
-            what = "the offloaded trainer state takes"
-            if self.routing is not None:
-                what = (f"the offloaded trainer state and the step's MoE routes "
-                        f"({_gib(self.routing.host_per_node)} GiB per node) take")
+            routes = (f" and the step's MoE routes ({_gib(self.routing.host_per_node)} GiB per node)"
+                      if self.routing is not None else "")
+            if split:  # nothing is offloaded: the processes' reserve and the routes
+                what = f"the processes{routes} take"
+                advice = "placement split offloads nothing" + (
+                    "; use fewer or shorter samples per step, or more training ranks (the routes are split over "
+                    "the data-parallel ranks)" if routes else "")
+            elif routes:
+                what = f"the offloaded trainer state{routes} take"
                 advice = ("use more nodes (the optimizer state and the routes are split over the data-parallel "
                           "ranks), or fewer or shorter samples per step")
+            else:
+                what = "the offloaded trainer state takes"
+                advice = ("use more nodes, or more model parallelism (the optimizer state is sharded over the "
+                          "data-parallel ranks)")
             out.append(f"host: {what} {_gib(h.per_node)} GiB per node, more than the {_gib(h.limit)} GiB usable of "
                        f"--host-mem-gb {self.cluster.host_mem_gib:g}: {advice}")
         return out
@@ -617,6 +667,9 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
         trainer_params = sum(m.params for m in models)
         if rollout is None:  # SFT, DPO: the trainer alone, never offloaded
             phases = {"train": states + max(m.activations for m in models) + reserve}
+        elif layout.rollout_ranks:  # placement split: no engine here, nothing offloaded; rank 0 sends the push
+            phases = {"train": states + max(m.activations for m in models) + route_device + reserve,
+                      "push": states + cfg.rollout.bucket_bytes + gathered + reserve}
         elif rollout.engine == "native":  # it never lets go: its weights and KV cache stay in every phase
             phases = {"train": states + max(m.activations for m in models) + route_device + rollout.static + reserve,
                       "push": trainer_params + rollout.static + cfg.rollout.bucket_bytes + gathered + reserve,
@@ -629,12 +682,16 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
         if best is None or max(phases.values()) > max(best[2].values()):
             best = (stage, models + judges, phases)
     stage, models, phases = best
+    rollout_phases = {}
+    if layout.rollout_ranks:  # an engine's GPU, SGLang or native: its static memory, and a bucket in the push
+        rollout_phases = {"rollout": rollout.static + reserve,
+                          "push": rollout.static + cfg.rollout.bucket_bytes + reserve}
     total = stage_params(shape, tp=1, pp=1, ep=1, stage=0, padded_vocab=shape.vocab_size).total
     model = dict(arch=shape.arch, params=total, layers=shape.layers, hidden=shape.hidden, heads=shape.heads,
                  kv_heads=shape.kv_heads, vocab_size=shape.vocab_size, experts=shape.experts,
                  topk=shape.topk, moe_ffn=shape.moe_ffn, shared_ffn=shape.shared_ffn)
     return Plan(recipe=recipe, cluster=cluster, model=model, layout=layout, stage=stage, models=models,
-                rollout=rollout, routing=routing, phases=phases,
+                rollout=rollout, routing=routing, phases=phases, rollout_phases=rollout_phases,
                 limit=int(USABLE_FRACTION * cluster.gpu_mem_gib * GIB),
                 host=host_memory(cfg, cluster, layout, stages, buffers,
                                  routes=routing.host_per_rank if routing is not None else 0),
@@ -648,11 +705,19 @@ def assumptions(cfg: Config, layout: Layout, *, seq_source: str, experts: bool,
     recompute = megatron.get("recompute_granularity") or "none"
     if recompute == "full":
         recompute += f" ({megatron.get('recompute_method')}, units of {megatron.get('recompute_num_layers')} layer(s))"
-    offline = cfg.algo.name in OFFLINE_ALGOS
+    offline, split = cfg.algo.name in OFFLINE_ALGOS, layout.rollout_ranks > 0
     if offline:
         phases = (f"{cfg.algo.name} has no rollout engine: one phase, train, with every model resident"
                   + (" (the frozen reference beside the actor)" if cfg.algo.name == "dpo" else ""))
         host = f"host: nothing offloaded; {HOST_RESERVE_GIB:g} GiB per GPU for the processes"
+    elif split:
+        phases = (f"placement split, nothing offloaded: training GPUs ({_ranks(0, layout.world)}) hold every "
+                  "trainer model all the time and no rollout engine: train (all trainer models resident), push "
+                  "(training rank 0: the same state + one bucket + 2 copies of the largest tensor, broadcast to the "
+                  f"engines); rollout GPUs ({_ranks(layout.world, layout.world + layout.rollout_ranks)}) hold the "
+                  "engine alone: rollout (its static memory), push (+ the one bucket it receives)")
+        host = (f"host, per node: nothing offloaded (placement split); {HOST_RESERVE_GIB:g} GiB per GPU for the "
+                f"processes; usable = {HOST_USABLE_FRACTION:.0%} of --host-mem-gb")
     else:
         phases = ("phases as the RL loop orders them: train (all trainer models resident), push (trainer parameters "
                   "+ rollout weights + one bucket + 2 copies of the largest tensor), rollout (trainer offloaded); "
@@ -679,19 +744,24 @@ def assumptions(cfg: Config, layout: Layout, *, seq_source: str, experts: bool,
                    "offloaded); a checkpoint not on this machine is planned with the policy's architecture")
     if not offline and cfg.rollout.engine == "sglang":
         out.append(f"SGLang's pool: rollout.mem_fraction {cfg.rollout.mem_fraction:g} of the memory free when the "
-                   f"engine starts (the GPU less {ENGINE_START_USED_GIB:g} GiB of contexts), before the trainer's "
-                   "models; the KV cache is what its weights leave")
+                   f"engine starts (the GPU less {ENGINE_START_USED_GIB:g} GiB of contexts), "
+                   + ("on a GPU no trainer uses" if split else "before the trainer's models")
+                   + "; the KV cache is what its weights leave")
     if routing is not None:
         out.append(f"MoE routes: {routing.bytes_per_token} bytes per token (top-k expert ids of every MoE layer), "
-                   "captured on every MoE run whatever algo.router_replay says; on the host, each GPU's process "
+                   "captured on every MoE run whatever algo.router_replay says; on the host, each "
+                   + ("training " if split else "") + "GPU's process "
                    f"holds its data-parallel rank's {routing.tokens_per_rank} tokens (data.prompts_per_step x "
-                   "rollout.n_samples / dp, padded) from generation to the end of training, beside the offloaded "
-                   "trainer state; on the device in train, one micro-batch's routes as int64 indices "
+                   "rollout.n_samples / dp, padded) from generation to the end of training"
+                   + ("" if split else ", beside the offloaded trainer state")
+                   + "; on the device in train, one micro-batch's routes as int64 indices "
                    "[tokens, top_k] per MoE layer of the stage (router replay), counted whether or not replay is on")
     return out + [
         host,
         f"reserve {RESERVE_GIB:g} GiB per GPU for CUDA contexts and NCCL; usable = {USABLE_FRACTION:.0%} of the GPU",
-        "not counted: DDP bucket padding, expert load imbalance, SGLang CUDA graphs beyond the reserve",
+        "not counted: DDP bucket padding, expert load imbalance, SGLang CUDA graphs beyond the reserve"
+        + (", the batches generated ahead (algo.max_staleness) waiting in torchrun's store on its host"
+           if split else ""),
     ]
 
 
@@ -702,26 +772,37 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.1f}"
 
 
+def _ranks(start: int, stop: int) -> str:
+    return f"rank {start}" if stop - start == 1 else f"ranks {start}-{stop - 1}"
+
+
 def render_table(p: Plan) -> str:
     c, lay, r, m, h = p.cluster, p.layout, p.rollout, p.model, p.host
+    split = lay.rollout_ranks > 0
+    trainers, generators = _ranks(0, lay.world), _ranks(lay.world, c.world)
     experts = (f", {m['experts']} experts top-{m['topk']} (width {m['moe_ffn']})" if m["experts"] else "")
     if r is None:
         rollout = "rollout: none (trained on a fixed data set)"
     else:
-        rollout = (f"rollout: {r.engines} {r.engine} engine(s) x {r.gpus} GPU(s); weights {_gib(r.weights)} GiB/GPU, "
+        rollout = (f"rollout: {r.engines} {r.engine} engine(s) x {r.gpus} GPU(s)"
+                   + (f" on the rollout GPUs ({generators})" if split else "")
+                   + f"; weights {_gib(r.weights)} GiB/GPU, "
                    f"KV cache {_gib(r.kv_bytes)} GiB = {r.kv_tokens} tokens = {r.samples} full-length samples")
+    world = f"training world {lay.world}" if split else f"world {c.world}"
+    per_gpu = f"GiB per training GPU (stage {p.stage})" if split else f"GiB per GPU (pipeline stage {p.stage})"
     lines = [
         f"megarl plan: {p.recipe} on {c.nodes} node(s) x {c.gpus_per_node} GPUs, {c.gpu_mem_gib:g} GiB each, "
         f"{c.host_mem_gib:g} GiB host memory per node",
         f"model: {m['arch']}, {m['params'] / 1e9:.2f}B parameters, {m['layers']} layers, hidden {m['hidden']}, "
         f"{m['heads']} heads / {m['kv_heads']} query groups{experts}",
-        f"layout: world {c.world} = tp {lay.tp} x pp {lay.pp} x cp {lay.cp} x dp {lay.dp}"
+        f"layout: {world} = tp {lay.tp} x pp {lay.pp} x cp {lay.cp} x dp {lay.dp}"
         + (f"; experts: tp {lay.tp} x ep {lay.ep} x pp {lay.pp} x expert-dp {lay.expert_dp}" if m["experts"] else "")
-        + (f"; {lay.vpp} virtual stages" if lay.vpp > 1 else ""),
+        + (f"; {lay.vpp} virtual stages" if lay.vpp > 1 else "")
+        + (f" ({trainers}); placement split: {generators} of world {c.world} only generate" if split else ""),
         f"batch: {lay.micro_batches} micro-batches per data-parallel rank, {lay.seq_len} tokens per sequence",
         rollout,
         "",
-        f"GiB per GPU (pipeline stage {p.stage})  params   grads   optim   activations",
+        f"{per_gpu:<30}  params   grads   optim   activations",
     ]
     for mm in p.models:
         lines.append(f"  {mm.name:<30}{_gib(mm.params):>7} {_gib(mm.grads):>7} {_gib(mm.optim):>7} "
@@ -729,20 +810,29 @@ def render_table(p: Plan) -> str:
     lines.append(f"  {'reserve (contexts, NCCL)':<30}{RESERVE_GIB:>7.1f}")
     lines.append("")
     lines.append(f"phase      GiB per GPU   (usable {_gib(p.limit)})")
-    for name, nbytes in p.phases.items():
-        lines.append(f"  {name:<9}{_gib(nbytes):>12}   {'ok' if nbytes <= p.limit else 'DOES NOT FIT'}")
+    kinds = [(f"training GPUs ({trainers}): no rollout engine, nothing offloaded", p.phases),
+             (f"rollout GPUs ({generators}): the engine alone", p.rollout_phases)] if split else [("", p.phases)]
+    for title, phases in kinds:
+        lines += [title] if title else []
+        for name, nbytes in phases.items():
+            lines.append(f"  {name:<9}{_gib(nbytes):>12}   {'ok' if nbytes <= p.limit else 'DOES NOT FIT'}")
     lines.append(f"host memory per node: {_gib(h.per_node)} GiB (usable {_gib(h.limit)})   "
                  f"{'ok' if h.per_node <= h.limit else 'DOES NOT FIT'}")
-    if r is not None:
+    routes = f"MoE routes {_gib(h.routes)}, " if p.routing else ""
+    if split:
+        lines.append(f"  per GPU: nothing offloaded (placement split), {routes}processes {HOST_RESERVE_GIB:g}")
+    elif r is not None:
         lines.append(f"  per GPU: parameters {_gib(h.params)} pinned, optimizer {_gib(h.optim)}, first offload "
-                     f"{_gib(h.first_offload)}, " + (f"MoE routes {_gib(h.routes)}, " if p.routing else "")
-                     + f"processes {HOST_RESERVE_GIB:g}")
+                     f"{_gib(h.first_offload)}, {routes}processes {HOST_RESERVE_GIB:g}")
     if p.routing is not None:
         rt = p.routing
         lines.append(f"MoE routes: {rt.bytes_per_token} bytes/token; host {rt.host_per_rank / GIB:.2f} GiB per rank "
                      f"({rt.tokens_per_rank} tokens), {rt.host_per_node / GIB:.2f} GiB per node; device "
                      f"{rt.device_train / GIB:.3f} GiB per GPU in train (one micro-batch, int64)")
-    lines.append(f"fits: {'yes' if p.fits else 'no'} (peak {_gib(p.peak)} of {_gib(p.limit)} GiB usable per GPU)")
+    peaks = (f": training GPUs {_gib(max(p.phases.values()))}, rollout GPUs {_gib(max(p.rollout_phases.values()))}"
+             if split else "")
+    lines.append(f"fits: {'yes' if p.fits else 'no'} (peak {_gib(p.peak)} of {_gib(p.limit)} GiB usable per GPU"
+                 f"{peaks})")
     lines += [f"  - {problem}" for problem in p.problems]
     lines.append("assumptions:")
     lines += [f"  - {a}" for a in p.assumptions]
@@ -750,6 +840,17 @@ def render_table(p: Plan) -> str:
 
 
 def to_json(p: Plan) -> str:
+    """The plan as JSON. `phases_gib` are the phases of the GPUs that train (all of them unless placement is
+    split); with placement split `gpus` gives each kind, training and rollout, its ranks, phases and peak
+    (null otherwise)."""
+    lay, split = p.layout, p.layout.rollout_ranks > 0
+
+    def kind(first: int, stop: int, phases: dict[str, int]) -> dict:
+        return {"ranks": [first, stop - 1], "count": stop - first,
+                "phases_gib": {k: v / GIB for k, v in phases.items()}, "peak_gib": max(phases.values()) / GIB}
+
+    gpus = {"training": kind(0, lay.world, p.phases),
+            "rollout": kind(lay.world, p.cluster.world, p.rollout_phases)} if split else None
     out = {
         "recipe": p.recipe, "fits": p.fits, "problems": p.problems, "peak_gib": p.peak / GIB,
         "usable_gib": p.limit / GIB, "cluster": asdict(p.cluster), "model": p.model, "layout": asdict(p.layout),
@@ -757,6 +858,7 @@ def to_json(p: Plan) -> str:
         "rollout": asdict(p.rollout) if p.rollout is not None else None,
         "routing": asdict(p.routing) if p.routing is not None else None,
         "phases_gib": {k: v / GIB for k, v in p.phases.items()},
+        "gpus": gpus,
         "host": {**asdict(p.host), "per_node_gib": p.host.per_node / GIB, "usable_gib": p.host.limit / GIB},
         "assumptions": p.assumptions,
     }

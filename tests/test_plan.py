@@ -2,9 +2,10 @@
 with the exact command the header gives, GPU and host memory both; broken layouts exit 2 naming which number
 does not divide which; a plan that does not fit exits 1 with the reason; SFT and DPO are planned with the
 models their loops build and no rollout engine, multi-turn recipes with env.max_tokens; SGLang's KV cache is
-sized as SGLang sizes it; overrides are taken before or after the flags; and the estimate of parameters,
-gradients and optimizer state equals what a real TrainEngine allocates for the tiny models (differences
-below are each explained and bounded).
+sized as SGLang sizes it; a split placement lays the trainer out on the training world and plans its GPUs
+and the rollout GPUs apart, both of which must fit; overrides are taken before or after the flags; and the
+estimate of parameters, gradients and optimizer state equals what a real TrainEngine allocates for the tiny
+models (differences below are each explained and bounded).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def plan_args(name: str, model: str, nodes: int, *overrides: str, gpu_mem_gb: fl
 def test_every_issue_target_has_a_recipe():
     names = {p.stem for p in GPU_RECIPES}
     assert names == {"qwen2.5-7b-grpo-gsm8k", "llama-3.3-70b-grpo", "llama-3.3-70b-ppo", "qwen3-30b-a3b-dapo",
-                     "qwen3-235b-a22b-grpo",
+                     "qwen3-235b-a22b-grpo", "qwen2.5-7b-grpo-gsm8k-async",  # placement split
                      # a 7B-class recipe per policy-gradient algorithm (SFT and DPO: recipes/sft_7b.yaml, dpo_7b.yaml)
                      *(f"qwen2.5-7b-{a}-gsm8k" for a in ("ppo", "dr-grpo", "dapo", "gspo", "reinforce-pp", "rloo"))}
 
@@ -73,8 +74,9 @@ def test_shipped_recipe_fits_the_cluster_its_header_names(recipe, capsys, monkey
     assert result["peak_gib"] <= result["usable_gib"]
     assert result["rollout"]["samples"] >= 1
     assert 0 < result["host"]["per_node"] <= result["host"]["limit"]
-    # every GPU generates: engines x GPUs per engine = the world
-    assert result["rollout"]["engines"] * result["rollout"]["gpus"] == result["cluster"]["nodes"] * 8
+    # every GPU generates (placement split: every rollout GPU): engines x GPUs per engine = those GPUs
+    generating = result["layout"]["rollout_ranks"] or result["cluster"]["nodes"] * 8
+    assert result["rollout"]["engines"] * result["rollout"]["gpus"] == generating
     # The cluster in the header comment is the one the command plans.
     nodes, gpus = int(args[args.index("--nodes") + 1]), int(args[args.index("--gpus-per-node") + 1])
     assert re.search(rf"\b{nodes} nodes? x {gpus} H", recipe.read_text().splitlines()[0])
@@ -621,3 +623,148 @@ def test_moe_routes_can_push_a_node_over_its_host_memory(tmp_path, capsys):
                               f"{result['host']['limit'] / GIB:.1f} GiB usable of --host-mem-gb ")
     assert "fewer or shorter samples per step" in problem
     assert result["peak_gib"] <= result["usable_gib"]  # only the host does not fit
+
+
+# ---- placement split: a training world, and rollout GPUs of their own -------------------------------------------
+SPLIT = ("placement.mode=split", "placement.rollout_ranks=2")  # 1 node x 8 GPUs: ranks 0-5 train, 6-7 generate
+
+
+@pytest.mark.parametrize("rollout_tp,engines", [(2, [6]), (1, [6, 7])])
+def test_split_plan_trains_on_the_training_world_and_generates_on_the_rest(rollout_tp, engines, capsys):
+    """The trainer is laid out on the 6 training ranks (dp 3) exactly as a colocated plan of a 6-GPU node lays it
+    out. Its GPUs hold no engine and nothing leaves them: train is every trainer model's state and the actor's
+    activations, push adds the bucket and the gathered tensors. A rollout GPU holds SGLang's static memory,
+    sized as on any GPU, plus the bucket it receives. Nothing is offloaded to the host."""
+    from megarl.plan import (ADAM_BYTES, ENGINE_START_USED_GIB, GIB, GRAD_BYTES, HOST_RESERVE_GIB, MASTER_BYTES,
+                             RESERVE_GIB, read_model, stage_params)
+
+    overrides = ["data.prompts_per_step=48", f"rollout.tp={rollout_tp}"]  # 48 prompts: dp 3 divides them
+    code, out, err = megarl(plan_args(*SEVEN_B, *SPLIT, *overrides, "--json"), capsys)
+    result = json.loads(out)
+    assert code == 0 and result["fits"], out + err
+    lay = result["layout"]
+    assert (lay["world"], lay["rollout_ranks"], lay["tp"], lay["dp"]) == (6, 2, 2, 3)
+    assert lay["rollout_engines"] == engines and result["rollout"]["engines"] == len(engines)
+
+    # bf16 actor and reference at tp 2; fp32 gradients; Adam and master copy sharded over dp 3, not 4
+    shape = read_model(CONFIGS / "qwen2.5-7b" / "config.json")
+    counts = stage_params(shape, tp=2, pp=1, ep=1, stage=0)
+    models = {m["name"]: m for m in result["models"]}
+    actor = models["actor"]
+    assert (actor["params"], actor["grads"]) == (2 * counts.total, GRAD_BYTES * counts.total)
+    assert actor["optim"] == (ADAM_BYTES + MASTER_BYTES) * -(-counts.dense // 3)
+    assert models["reference"]["params"] == 2 * counts.total
+    code, out, _ = megarl([*plan_args(*SEVEN_B, *overrides, "--json"), "--gpus-per-node", "6"], capsys)
+    colocated = json.loads(out)
+    assert code == 0 and colocated["layout"]["dp"] == 3 and colocated["models"] == result["models"]
+
+    reserve, bucket = RESERVE_GIB * GIB, 64 * 2**20  # rollout.bucket_bytes default
+    state = sum(m["state"] for m in result["models"])
+    training = {"train": state + actor["activations"] + reserve,
+                "push": state + bucket + 2 * shape.vocab_size * shape.hidden * 2 + reserve}
+    assert training["train"] == colocated["phases_gib"]["train"] * GIB
+    static = int(0.7 * (80 - ENGINE_START_USED_GIB) * GIB)  # rollout.mem_fraction of the GPU at start-up
+    assert result["rollout"]["static"] == static == colocated["rollout"]["static"]
+    rollout = {"rollout": static + reserve, "push": static + bucket + reserve}
+    gpus = result["gpus"]
+    assert (gpus["training"]["ranks"], gpus["training"]["count"]) == ([0, 5], 6)
+    assert (gpus["rollout"]["ranks"], gpus["rollout"]["count"]) == ([6, 7], 2)
+    for kind, phases in (("training", training), ("rollout", rollout)):
+        assert gpus[kind]["phases_gib"] == pytest.approx({k: v / GIB for k, v in phases.items()}, abs=1e-9), kind
+        assert gpus[kind]["peak_gib"] == pytest.approx(max(phases.values()) / GIB, abs=1e-9), kind
+    assert gpus["training"]["peak_gib"] * GIB == pytest.approx(training["train"])  # train outweighs the push
+    assert result["phases_gib"] == gpus["training"]["phases_gib"]
+    assert result["peak_gib"] == max(gpus["training"]["peak_gib"], gpus["rollout"]["peak_gib"])
+
+    host = result["host"]
+    assert host["params"] == host["optim"] == host["first_offload"] == 0
+    assert host["per_node"] == 8 * HOST_RESERVE_GIB * GIB
+    assert colocated["host"]["params"] > 0  # the colocated trainer does offload
+
+    code, out, _ = megarl(plan_args(*SEVEN_B, *SPLIT, *overrides), capsys)
+    assert code == 0 and "fits: yes" in out
+    assert "layout: training world 6 = tp 2 x pp 1 x cp 1 x dp 3 (ranks 0-5); placement split: ranks 6-7" in out
+    table = out.split("phase ", 1)[1]
+    assert re.search(r"training GPUs \(ranks 0-5\).*\n  train\s+[\d.]+\s+ok\n  push\s+[\d.]+\s+ok\n"
+                     r"rollout GPUs \(ranks 6-7\).*\n  rollout\s+[\d.]+\s+ok\n  push\s+[\d.]+\s+ok\n", table)
+
+
+@pytest.mark.parametrize("overrides,gpu_mem_gb,kind", [
+    # SGLang's pool alone: 0.99 x 78.5 GiB + the reserve, more than 76 GiB usable; the trainer fits
+    (["rollout.mem_fraction=0.99"], 80, "rollout"),
+    # the trainer's 7B state does not fit 45.6 GiB; the engine's 0.7 x 46.5 GiB does
+    ([], 48, "training"),
+])
+def test_split_plan_fits_only_when_both_kinds_of_gpu_fit(overrides, gpu_mem_gb, kind, capsys):
+    other = {"training": "rollout", "rollout": "training"}[kind]
+    args = plan_args(*SEVEN_B, *SPLIT, "data.prompts_per_step=48", *overrides, gpu_mem_gb=gpu_mem_gb)
+    code, out, _ = megarl([*args, "--json"], capsys)
+    result = json.loads(out)
+    assert code == 1 and not result["fits"] and result["problems"]
+    assert result["gpus"][kind]["peak_gib"] > result["usable_gib"] >= result["gpus"][other]["peak_gib"]
+    assert all(problem.startswith(f"{kind} GPUs, ") for problem in result["problems"]), result["problems"]
+    code, out, _ = megarl(args, capsys)
+    assert code == 1 and "fits: no" in out
+    verdicts = {}  # each kind's phase lines in the table: ok or DOES NOT FIT
+    for line in out.split("\nphase ", 1)[1].split("\nhost memory", 1)[0].splitlines()[1:]:
+        if not line.startswith("  "):
+            title = line.split(" GPUs (")[0]
+        else:
+            verdicts.setdefault(title, []).append(line.endswith("DOES NOT FIT"))
+    assert set(verdicts) == {"training", "rollout"}
+    assert any(verdicts[kind]) and not any(verdicts[other])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["placement.rollout_ranks=8"], "placement.rollout_ranks = 8 leaves no training rank in a job of 8 ranks"),
+    (["placement.rollout_ranks=10"], "placement.rollout_ranks = 10 leaves no training rank in a job of 8 ranks"),
+    # 64 prompts over the dp 3 of 6 training ranks (over the 8 GPUs' dp 4 they divide)
+    ([], "data.prompts_per_step 64 is not divisible by the data-parallel size 3 (training world size 6 / "
+         "(parallel.tp * parallel.pp * parallel.cp); placement.rollout_ranks 2 of the 8 ranks only generate)"),
+    # 384 samples per step divide by 3, a rank's 128 do not
+    (["data.prompts_per_step=48", "train.micro_batch_size=3"],
+     "samples per data-parallel rank 128 (data.prompts_per_step / 3 * rollout.n_samples, data-parallel size 3 = "
+     "training world size 6 / (parallel.tp * parallel.pp * parallel.cp); placement.rollout_ranks 2 of the 8 ranks "
+     "only generate) is not divisible by train.micro_batch_size = 3"),
+    (["parallel.tp=4", "rollout.tp=4", "placement.rollout_ranks=4", "data.prompts_per_step=48"], None),
+    (["parallel.tp=4"], "world size 6 is not divisible by parallel.tp * parallel.pp * parallel.cp = 4 "
+                        "(training world size = 8 ranks - placement.rollout_ranks 2)"),
+    (["placement.rollout_ranks=3"], "placement.rollout_ranks = 3 is not a multiple of rollout.tp = 2"),
+    (["algo.name=sft"], "placement.mode = 'split' gives ranks to rollout engines, which algo.name sft does not have"),
+])
+def test_broken_split_layout_exits_2_naming_the_training_world(overrides, message, capsys):
+    code, out, err = megarl(plan_args(*SEVEN_B, *SPLIT, *overrides), capsys)
+    if message is None:
+        assert code == 0, out + err
+        return
+    assert code == 2 and out == "", out + err
+    assert message in err
+
+
+def test_split_native_engines_and_moe_routes_live_where_the_ranks_say(tmp_path, capsys):
+    """Native engines: one per rollout.tp rollout ranks, each holding its weights and the KV of its share of the
+    step. MoE routes: only the training ranks' processes hold them on the host (one node: 2 of its 4 GPUs)."""
+    from megarl.plan import GIB, HOST_RESERVE_GIB, RESERVE_GIB
+
+    args = ["plan", str(small_moe_recipe(tmp_path)), *SPLIT, "rollout.engine=native", "rollout.tp=1", "--nodes", "1",
+            "--gpus-per-node", "4", "--prompt-tokens", "100", "--model-config", str(small_moe(tmp_path, experts=64)),
+            "--json"]
+    code, out, err = megarl(args, capsys)
+    result = json.loads(out)
+    assert code == 0, out + err
+    assert (result["layout"]["world"], result["layout"]["dp"]) == (2, 2)
+    rollout = result["rollout"]
+    assert rollout["engines"] == 2  # rollout ranks 2 / rollout.tp 1
+    # 8 prompts x 4 samples over 2 engines, 256 tokens each; K and V of 6 layers x 2 KV heads x 64, bf16
+    assert rollout["kv_bytes"] == 16 * 256 * 2 * 6 * 2 * 64 * 2
+    assert rollout["static"] == rollout["weights"] + rollout["kv_bytes"]
+    assert result["gpus"]["rollout"]["phases_gib"]["rollout"] * GIB == rollout["static"] + RESERVE_GIB * GIB
+    states = sum(m["state"] for m in result["models"])  # the native engine is not on the training GPUs
+    acts = max(m["activations"] for m in result["models"])
+    routing = result["routing"]
+    assert result["phases_gib"]["train"] * GIB == pytest.approx(states + acts + routing["device_train"]
+                                                                + RESERVE_GIB * GIB)
+    per_rank = 16 * 256 * 6 * 4  # a dp rank's 16 samples of 256 tokens, top-4 byte ids at 6 layers
+    assert routing["host_per_rank"] == per_rank and routing["host_per_node"] == 2 * per_rank
+    host = result["host"]
+    assert host["per_node"] == 2 * per_rank + 4 * HOST_RESERVE_GIB * GIB
