@@ -260,9 +260,6 @@ def check_layout_for(cfg: Config, shape: ModelShape, cluster: Cluster, *, seq_le
     rollout_ranks = cfg.placement.rollout_ranks if cfg.placement.mode == "split" else 0
     where, why = f"world size = {cluster.nodes} nodes * {cluster.gpus_per_node} GPUs", ""
     if rollout_ranks:
-        if offline:
-            raise PlanError(f"placement.mode = 'split' gives ranks to rollout engines, which algo.name "
-                            f"{cfg.algo.name} does not have: use placement.mode: colocated")
         if rollout_ranks >= world:
             raise PlanError(f"placement.rollout_ranks = {rollout_ranks} leaves no training rank in a job of "
                             f"{world} ranks ({cluster.nodes} nodes * {cluster.gpus_per_node} GPUs)")

@@ -730,7 +730,7 @@ def test_split_plan_fits_only_when_both_kinds_of_gpu_fit(overrides, gpu_mem_gb, 
     (["parallel.tp=4"], "world size 6 is not divisible by parallel.tp * parallel.pp * parallel.cp = 4 "
                         "(training world size = 8 ranks - placement.rollout_ranks 2)"),
     (["placement.rollout_ranks=3"], "placement.rollout_ranks = 3 is not a multiple of rollout.tp = 2"),
-    (["algo.name=sft"], "placement.mode = 'split' gives ranks to rollout engines, which algo.name sft does not have"),
+    (["algo.name=sft"], "algo.name = 'sft' generates nothing: use placement.mode: colocated"),  # the recipe's check
 ])
 def test_broken_split_layout_exits_2_naming_the_training_world(overrides, message, capsys):
     code, out, err = megarl(plan_args(*SEVEN_B, *SPLIT, *overrides), capsys)
