@@ -321,20 +321,25 @@ log: {{progress: false}}
         assert [k[len("timing/"):-2] for k in m if k.startswith("timing/") and k.endswith("_s")] == STEP_PHASES
 
 
+def two_rank_sglang_run(model_dir, data_dir, run_dir, *overrides: str) -> list[dict]:
+    """The metrics of a short quickstart GRPO run on two gloo ranks with SGLang rollouts; an entropy bonus moves
+    the weights every step."""
+    proc = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "megarl", "train",
+                       str(REPO / "recipes" / "quickstart.yaml"), f"run_dir={run_dir}", f"model.path={model_dir}",
+                       f"data.train_path={data_dir / 'train.jsonl'}", "data.eval_path=null",
+                       "data.prompts_per_step=4", "rollout.n_samples=4", "rollout.max_new_tokens=4",
+                       "rollout.engine=sglang", "warmup.sft_steps=0", "algo.entropy_coef=0.1", "optim.lr=1.0e-3",
+                       "train.micro_batch_size=8", "checkpoint.save_final=false", "log.progress=false", *overrides],
+                      timeout_s=SGLANG_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return read_metrics(run_dir)
+
+
 @pytest.mark.timeout(SGLANG_TIMEOUT_S)
 def test_both_pipeline_stages_run_an_sglang_engine_that_gets_every_update(qwen2_dir, arithmetic_dir, tmp_path):
     # pp = 2 on two gloo ranks: an SGLang engine on each rank (rollout.tp = 1), each generating half the
     # samples; an entropy bonus moves the weights every step, so a push a stale engine missed would show.
-    run_dir = tmp_path / "run"
-    proc = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "megarl", "train",
-                       str(REPO / "recipes" / "quickstart.yaml"), f"run_dir={run_dir}", f"model.path={qwen2_dir}",
-                       f"data.train_path={arithmetic_dir / 'train.jsonl'}", "data.eval_path=null",
-                       "data.prompts_per_step=4", "rollout.n_samples=4", "rollout.max_new_tokens=4",
-                       "rollout.engine=sglang", "parallel.pp=2", "warmup.sft_steps=0", "algo.entropy_coef=0.1",
-                       "optim.lr=1.0e-3", "train.steps=2", "train.micro_batch_size=8",
-                       "checkpoint.save_final=false", "log.progress=false"], timeout_s=SGLANG_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = read_metrics(run_dir)
+    lines = two_rank_sglang_run(qwen2_dir, arithmetic_dir, tmp_path / "run", "parallel.pp=2", "train.steps=2")
     assert [m["step"] for m in lines] == [1, 2]
     for m in lines:
         assert m["rollout/engines"] == 2, m
@@ -347,17 +352,8 @@ def test_split_placement_with_an_sglang_rollout_rank(qwen2_dir, arithmetic_dir, 
     # One training rank and one SGLang rollout rank outside Megatron's world (placement split, max_staleness 0):
     # every step's weights reach SGLang through the gloo broadcast, so its logprobs equal the trainer's on every
     # step while an entropy bonus moves the weights (a missed or garbled push would show).
-    run_dir = tmp_path / "run"
-    proc = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "megarl", "train",
-                       str(REPO / "recipes" / "quickstart.yaml"), f"run_dir={run_dir}", f"model.path={qwen2_dir}",
-                       f"data.train_path={arithmetic_dir / 'train.jsonl'}", "data.eval_path=null",
-                       "data.prompts_per_step=4", "rollout.n_samples=4", "rollout.max_new_tokens=4",
-                       "rollout.engine=sglang", "placement.mode=split", "placement.rollout_ranks=1",
-                       "algo.max_staleness=0", "warmup.sft_steps=0", "algo.entropy_coef=0.1", "optim.lr=1.0e-3",
-                       "train.steps=3", "train.micro_batch_size=8", "checkpoint.save_final=false",
-                       "log.progress=false"], timeout_s=SGLANG_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = read_metrics(run_dir)
+    lines = two_rank_sglang_run(qwen2_dir, arithmetic_dir, tmp_path / "run", "placement.mode=split",
+                                "placement.rollout_ranks=1", "algo.max_staleness=0", "train.steps=3")
     assert [m["step"] for m in lines] == [1, 2, 3]
     for m in lines:
         assert m["rollout/engines"] == 1 and m["async/staleness_max"] == 0, m

@@ -12,7 +12,7 @@ response so far again, with the new weights (an engine's KV cache of the old wei
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from torch import Tensor
 
@@ -28,10 +28,6 @@ class VersionedEngine:
         self.chunk_tokens = chunk_tokens  # None: each call in one piece
         self.between_chunks = between_chunks
         self.interrupted = 0  # responses continued under newer weights than they started with, since the start
-
-    @property
-    def weight_version(self) -> int:
-        return self.engine.weight_version
 
     def generate(self, prompts: list[list[int]], *, temperature: float, top_p: float, max_new_tokens: int,
                  eos_id: int, pad_id: int, on_response: ResponseCallback | None = None) -> Generation:
@@ -76,26 +72,6 @@ class VersionedEngine:
         return Generation(response_ids=ids, logprobs=logprobs, finish_reasons=reasons,
                           routes=routes if all(r is not None for r in routes) and n else None, versions=versions)
 
-    def update_weights(self, buckets: Iterable[list[tuple[str, Tensor]]], *, version: int) -> None:
-        self.engine.update_weights(buckets, version=version)
-
-    def flush_cache(self) -> None:
-        self.engine.flush_cache()
-
-    def release_memory(self) -> None:
-        self.engine.release_memory()
-
-    def resume_weights(self) -> None:
-        self.engine.resume_weights()
-
-    def resume_cache(self) -> None:
-        self.engine.resume_cache()
-
-    def rng_state(self) -> Tensor | None:
-        return self.engine.rng_state()
-
-    def set_rng_state(self, state: Tensor | None) -> None:
-        self.engine.set_rng_state(state)
-
-    def shutdown(self) -> None:
-        self.engine.shutdown()
+    def __getattr__(self, name: str):
+        """Everything else of the interface (weights, memory, cache, RNG, shutdown) is the engine's own."""
+        return getattr(self.engine, name)
