@@ -587,10 +587,6 @@ class Config:
         if self.placement.rollout_ranks % self.rollout.tp:
             raise ValueError(f"placement.rollout_ranks = {self.placement.rollout_ranks} is not a multiple of "
                              f"rollout.tp = {self.rollout.tp}: every rollout engine spans rollout.tp of them")
-        if self.algo.uses_dynamic_sampling:
-            raise ValueError("dynamic sampling (algo.dynamic_sampling, or algo.name dapo) decides on more rounds "
-                             "from each round's rewards, which placement.mode = 'split' does not do yet; turn it "
-                             "off or use placement.mode: colocated")
 
 
 # ---------------------------------------------------------------------------------------------- YAML

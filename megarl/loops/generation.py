@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -33,8 +34,9 @@ from megarl.rollout.placement import RolloutPlacement
 log = logging.getLogger(__name__)
 
 
-def rollout(run: RLRun, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
-    """Generate and score this rank's share of the step's prompts.
+def rollout(run: RLRun, timer: PhaseTimer, source: Rounds | None = None) -> tuple[RolloutBatch, dict[str, float]]:
+    """Generate and score this rank's share of the step's prompts, in rounds that `source` runs (placement
+    split: on the rollout ranks, megarl.loops.split; by default on this rank's exchange group's engines).
 
     Each sample's reward terms are handed to the scorer as soon as its response is final; on a Ray pool
     (reward.workers > 0) they are scored while the rest of the round generates, and what is left is
@@ -47,6 +49,7 @@ def rollout(run: RLRun, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, floa
     count in loss denominators) and a warning says so.
     """
     cfg = run.cfg
+    source = source or ColocatedRounds(run)
     kept: list[RolloutBatch] = []
     dropped: list[RolloutBatch] = []
     failures, n_kept, n_seen, rounds, reward_sum, hidden, engines = 0, 0, 0, 0, 0.0, 0, 0
@@ -56,12 +59,7 @@ def rollout(run: RLRun, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, floa
         # (its engine may generate for another replica).
         if not done:
             rounds += 1
-        with timer("generate"):
-            draw = 0 if done else run.prompts_per_rank
-            rows = [run.train_rows[i] for i in run.sampler.next_batch(draw)] if draw else []
-            generated = generate(run, rows, n_samples=cfg.rollout.n_samples)
-        with timer("reward"):
-            batch, round_failures, round_hidden, round_engines = score(run, generated)
+        batch, round_failures, round_hidden, round_engines = source.next(0 if done else run.prompts_per_rank, timer)
         failures += round_failures
         hidden += round_hidden
         engines = max(engines, round_engines)
@@ -80,7 +78,7 @@ def rollout(run: RLRun, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, floa
             dropped.append(batch.select((~keep).nonzero().squeeze(1)))
             n_kept += int(keep.sum()) // cfg.rollout.n_samples
         done = n_kept >= run.prompts_per_rank or rounds == cfg.algo.max_sampling_rounds
-        if not _anyone(run.placement, not done):
+        if not source.anyone(not done):
             break
     want = run.prompts_per_rank * cfg.rollout.n_samples
     full = RolloutBatch.concat(kept + dropped, pad_id=run.tokenizer.pad_token_id)
@@ -104,13 +102,41 @@ def rollout(run: RLRun, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, floa
     }
 
 
-def _anyone(place: RolloutPlacement, flag: bool) -> bool:
-    """Whether `flag` holds on any rank of the exchange group (whose ranks generate in lockstep)."""
-    if place.exchange is None:
-        return flag
-    value = torch.tensor([int(flag)])
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=place.exchange)
-    return bool(value)
+class Rounds(Protocol):
+    """Where the rounds of a step's rollout come from."""
+
+    def next(self, draw: int, timer: PhaseTimer) -> tuple[RolloutBatch | None, int, int, int]:
+        """A round of `draw` prompts of this replica (0: it takes part drawing nothing): its scored batch
+        (None when it drew nothing), failed rewards, rewards scored while generating, engines that generated
+        (as `score` counts them)."""
+        ...
+
+    def anyone(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank that takes part in the rounds (they draw in lockstep)."""
+        ...
+
+
+class ColocatedRounds:
+    """Rounds on the engines of this rank's exchange group (megarl.rollout.placement)."""
+
+    def __init__(self, run: RLRun):
+        self.run = run
+
+    def next(self, draw: int, timer: PhaseTimer) -> tuple[RolloutBatch | None, int, int, int]:
+        run = self.run
+        with timer("generate"):
+            rows = [run.train_rows[i] for i in run.sampler.next_batch(draw)] if draw else []
+            generated = generate(run, rows, n_samples=run.cfg.rollout.n_samples)
+        with timer("reward"):
+            return score(run, generated)
+
+    def anyone(self, flag: bool) -> bool:
+        place = self.run.placement
+        if place.exchange is None:
+            return flag
+        value = torch.tensor([int(flag)])
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=place.exchange)
+        return bool(value)
 
 
 @dataclass

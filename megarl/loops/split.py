@@ -368,27 +368,27 @@ class SplitRollout:
 
     # -- the loop's calls
     def next_batch(self, run, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
-        """Request the batches up to `step` + max_staleness not requested yet, then take batch `step`."""
+        """Request the batches up to `step` + max_staleness not requested yet, then take batch `step` (with
+        dynamic sampling, further rounds are requested now, behind those: the engines' current weights)."""
+        from megarl.loops.generation import rollout
+
         cfg = self.cfg
         for k in range(self.requested + 1, step + cfg.algo.max_staleness + 1):
             self.pending[k] = run.sampler.next_batch(run.prompts_per_rank)
             self._request(run, f"b{k}", [run.train_rows[i] for i in self.pending[k]], n_samples=cfg.rollout.n_samples)
             self.requested = k
         start = time.monotonic()
-        with timer("generate"):
-            rows = [run.train_rows[i] for i in self.pending.pop(step)]
-            batch, counts, waited = self._collect(run, f"b{step}", rows, n_samples=cfg.rollout.n_samples)
+        rounds = SplitRounds(self, run, step)
+        batch, sampling = rollout(run, timer, rounds)  # dynamic sampling: more rounds
         waited_for_batch = time.monotonic() - start
         oldest, newest = sample_versions(batch)
         staleness = (step - oldest).double()
-        failures, hidden, engines, n, stale_sum, partial = run.global_sums(
-            [*counts.tolist(), float(len(batch)), float(staleness.sum()), float((newest > oldest).sum())])
-        worst = torch.tensor([float(staleness.max()), waited_for_batch, waited])
+        n, stale_sum, partial = run.global_sums([float(len(batch)), float(staleness.sum()),
+                                                 float((newest > oldest).sum())])
+        worst = torch.tensor([float(staleness.max()), waited_for_batch, rounds.waited])
         if run.groups.dp_size > 1:
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=run.groups.dp)
-        return batch, {"reward/failures": failures, "reward/failed_frac": failures / n,
-                       "timing/reward_hidden_frac": hidden / n, "rollout/engines": engines,
-                       "async/staleness_mean": stale_sum / n, "async/staleness_max": float(worst[0]),
+        return batch, {**sampling, "async/staleness_mean": stale_sum / n, "async/staleness_max": float(worst[0]),
                        "async/partial_frac": partial / n,
                        "async/rollout_wait_s": float(worst[1]), "async/train_wait_s": float(worst[2])}
 
@@ -471,6 +471,37 @@ class SplitRollout:
             for key, value in kept["ahead"].items():
                 self.box.put(key, value)
             self._command("set_rng", kept["rng"])
+
+
+class SplitRounds:
+    """The rounds of step `step` (megarl.loops.generation.Rounds): the first is the batch requested ahead, a
+    further one (dynamic sampling) is requested when it is drawn."""
+
+    def __init__(self, split: SplitRollout, run, step: int):
+        self.split, self.run, self.step, self.round = split, run, step, 0
+        self.waited = 0.0  # the workers' longest wait for the trainers before generating this step's rounds
+
+    def next(self, draw: int, timer: PhaseTimer) -> tuple[RolloutBatch | None, int, int, int]:
+        split, run, n_samples = self.split, self.run, self.split.cfg.rollout.n_samples
+        self.round += 1
+        key = f"b{self.step}" if self.round == 1 else f"b{self.step}.{self.round}"
+        with timer("generate"):
+            if self.round == 1:
+                rows = [run.train_rows[i] for i in split.pending.pop(self.step)]
+            else:
+                rows = [run.train_rows[i] for i in run.sampler.next_batch(draw)] if draw else []
+                split._request(run, key, rows, n_samples=n_samples)
+            batch, counts, waited = split._collect(run, key, rows, n_samples=n_samples)
+        self.waited = max(self.waited, waited)
+        failures, hidden, engines = (int(c) for c in counts.tolist())
+        return batch, failures, hidden, engines
+
+    def anyone(self, flag: bool) -> bool:
+        """Every replica posts its prompts (maybe none) for every round: they decide together."""
+        value = torch.tensor([int(flag)])
+        if self.run.groups.dp_size > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.run.groups.dp)
+        return bool(value)
 
 
 def sample_versions(batch: RolloutBatch) -> tuple[Tensor, Tensor]:
