@@ -26,7 +26,7 @@ from megarl.loops.launch import init_groups
 from megarl.loops.lifecycle import final_dir, run_steps
 from megarl.loops.resume import RunState, already_finished, find_resume
 from megarl.loops.rl_run import RLRun, build_run, check_launch
-from megarl.loops.split import dismiss_rollout_ranks, is_rollout_rank, serve_rollout
+from megarl.loops.split import SplitRollout, dismiss_rollout_ranks, is_rollout_rank, serve_rollout
 from megarl.loops.warmup import sft_warmup
 from megarl.metrics import PhaseTimer, check_finite
 from megarl.objective import explained_variance
@@ -266,7 +266,7 @@ def train(cfg: Config) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     model_dir = sft_warmup(cfg, groups, tokenizer, train_rows) if cfg.warmup.sft_steps else cfg.model.path
     run = build_run(cfg, groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
-                    model_dir=model_dir)
+                    model_dir=model_dir, split=SplitRollout(cfg, groups) if cfg.placement.mode == "split" else None)
 
     def load_extra(saved: dict) -> None:
         run.kl.load_state_dict(saved["kl"])

@@ -21,7 +21,6 @@ from megarl.data.prompts import PromptRow, PromptSampler
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
 from megarl.engine.roles import make_engine
-from megarl.loops.split import SplitRollout
 from megarl.envs.environment import Environment, SingleTurn, environment_factory
 from megarl.envs.tool_format import ObservationFormat, observation_format
 from megarl.models.arch import read_shape
@@ -65,7 +64,9 @@ class RLRun:
     tool_schemas: list[dict] = dataclasses.field(default_factory=list)  # the environment's tools, for the prompt
     observations: ObservationFormat | None = None  # renders tool messages; None when the env sends none
     env_workers: EnvWorkers | None = None  # the threads of the environment steps, kept from step to step
-    split: SplitRollout | None = None  # placement split: the rollout ranks' side of the loop (megarl.loops.split)
+    # placement split: the training ranks' side of the rollout ranks (megarl.loops.split.SplitRollout, made by the
+    # loop, which imports this module)
+    split: object | None = None
 
     def trainer_engines(self) -> list[TrainEngine]:
         return [e for e in (self.actor, self.reference, self.critic) if e is not None]
@@ -122,17 +123,16 @@ def check_launch(cfg: Config, groups: ParallelGroups) -> None:
 
 
 def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: list[PromptRow],
-              eval_rows: list[PromptRow], model_dir: str) -> RLRun:
+              eval_rows: list[PromptRow], model_dir: str, split=None) -> RLRun:
     """The rollout engines, one on the first rank of every group of `rollout.tp` ranks (megarl.rollout.placement),
     each seeded by its index (so a run resumed at another trainer layout with the same world size samples
     as the one that saved it), started before the trainer's models are built: SGLang sizes its KV cache from
     the device memory free when it starts. Then the train engines: actor; reference when algo.kl_coef > 0;
     critic for PPO; the reward models, which stay on the device the whole step because their scores are
-    needed as generation ends."""
+    needed as generation ends. With `split` (placement split, megarl.loops.split.SplitRollout) this rank
+    holds no engine: the rollout ranks do."""
     algo = cfg.algo
-    split = None
-    if cfg.placement.mode == "split":  # the engines are on rollout ranks of their own
-        split = SplitRollout(cfg, groups)
+    if split is not None:  # placement split: the engines are on rollout ranks of their own
         placement = RolloutPlacement(tp=cfg.rollout.tp, engines=split.workers, engine_index=None, exchange=None,
                                      exchange_ranks=(dist.get_rank(),), exchange_engines=())
     else:
