@@ -225,6 +225,20 @@ def test_recipe_errors_name_the_keys(recipe, tmp_path, overrides, message):
     assert message in result.stderr
 
 
+def test_a_wait_that_times_out_names_what_it_waited_for():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from megarl.loops.split import Mailbox
+
+    box = Mailbox(dist.HashStore(), timedelta(seconds=0.2))
+    box.put("out/b3/0/1", {"index": [0]})
+    assert box.take("out/b3/0/1") == {"index": [0]}
+    with pytest.raises(TimeoutError, match=r"parallel.timeout_minutes\) for 'out/b3/0/1' \(a worker's samples\)"):
+        box.take("out/b3/0/1")  # taken: gone
+
+
 def test_split_needs_more_processes_than_rollout_ranks(recipe, tmp_path):
     one = run_python(args(recipe, tmp_path / "one", *SPLIT), cwd=tmp_path, timeout_s=RUN_TIMEOUT_S)
     assert one.returncode == 2 and "launch it under torchrun" in one.stderr

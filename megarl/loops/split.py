@@ -112,6 +112,12 @@ def _bridge_group(store: dist.Store, *, member: int, size: int, timeout: timedel
     return backend(store, member, size, timeout)
 
 
+# what each kind of key carries, for the error of a wait that timed out
+_WHAT = {"cmd": "a rollout worker's next command", "in": "a replica's prompts", "out": "a worker's samples",
+         "weights": "a weight bucket's names and shapes", "ready": "a worker ready for a weight push",
+         "rng": "a worker's sampler state", "done": "the end of the training ranks' run"}
+
+
 class Mailbox:
     """Keys of the job's store holding pickled plain data (lists, dicts, numbers, strings, tensors)."""
 
@@ -124,7 +130,12 @@ class Mailbox:
     def take(self, key: str, *, keep: bool = False):
         """The value of `key`, waiting for it to be posted (up to parallel.timeout_minutes); removed unless
         `keep`."""
-        self.store.wait([key], self.timeout)
+        try:
+            self.store.wait([key], self.timeout)
+        except dist.DistStoreError:
+            raise TimeoutError(f"placement split: waited {self.timeout} (parallel.timeout_minutes) for {key!r} "
+                               f"({_WHAT.get(key.split('/')[0], 'a message')}) from the other side of the job"
+                               ) from None
         value = pickle.loads(self.store.get(key))
         if not keep:
             self.store.delete_key(key)
