@@ -43,7 +43,7 @@ def test_an_interrupted_generation_continues_under_the_new_weights(qwen2_dir, qw
     handed = {}
     out = versioned.generate(PROMPTS, temperature=TEMPERATURE, top_p=1.0, max_new_tokens=8, eos_id=0, pad_id=0,
                              on_response=lambda i, ids, lps, reason: handed.setdefault(i, (ids, lps, reason)))
-    assert pushed and versioned.interrupted > 0
+    assert pushed and any(len(set(v)) == 2 for v in out.versions)  # some response was interrupted
     for i, (prompt, ids, logprobs, versions) in enumerate(zip(PROMPTS, out.response_ids, out.logprobs, out.versions)):
         assert handed[i] == (ids, logprobs, out.finish_reasons[i])  # each response handed on once, whole
         assert len(versions) == len(ids) == len(logprobs)
@@ -68,4 +68,4 @@ def test_one_piece_generation_is_the_engines_own(qwen2_dir):
     kwargs = dict(temperature=TEMPERATURE, top_p=1.0, max_new_tokens=6, eos_id=0, pad_id=0)
     a, b = bare.generate(PROMPTS, **kwargs), wrapped.generate(PROMPTS, **kwargs)
     assert (a.response_ids, a.logprobs, a.finish_reasons) == (b.response_ids, b.logprobs, b.finish_reasons)
-    assert b.versions == [[0] * len(ids) for ids in b.response_ids] and wrapped.interrupted == 0
+    assert b.versions == [[0] * len(ids) for ids in b.response_ids]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -43,12 +44,12 @@ def score(*, prompt, response, answer, metadata):
 
 
 def prepare(work: Path, *, sleep: float) -> None:
-    if not (work / "model" / "config.json").is_file():
-        subprocess.run([sys.executable, str(REPO / "tools" / "make_tiny_model.py"), "--out", str(work / "model"),
-                        "--arch", "qwen2", "--seed", "0"], check=True, capture_output=True)
-    if not (work / "data" / "train.jsonl").is_file():
-        subprocess.run([sys.executable, "-m", "megarl.data.arithmetic", "--out", str(work / "data")], check=True,
-                       capture_output=True, cwd=REPO)
+    """The tiny model (make_tiny_model's default shape) and the data, as the reward-overlap bench makes them,
+    and the slow reward's module."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from bench_reward_overlap import prepare as model_and_data
+
+    model_and_data(work, shape=dict(arch="qwen2", seed=0))
     (work / "slow_reward.py").write_text(SLOW_REWARD.format(sleep=sleep))
 
 
@@ -87,7 +88,7 @@ def one_run(work: Path, name: str, nproc: int, *overrides: str) -> tuple[float, 
     if result.returncode:
         raise SystemExit(f"{name} failed:\n{result.stderr[-3000:]}")
     seconds = step_seconds(run_dir)
-    subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+    shutil.rmtree(run_dir)
     return seconds
 
 

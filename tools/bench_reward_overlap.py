@@ -40,14 +40,15 @@ def slow_exact_answer(*, prompt, response, answer, metadata):
     return exact_answer_reward(response, answer)
 
 
-def prepare(out: Path) -> tuple[Path, Path]:
-    """The model (random, MODEL) and the arithmetic data under `out`, made once."""
+def prepare(out: Path, *, shape: dict = MODEL) -> tuple[Path, Path]:
+    """The model (random, of make_tiny_model arguments `shape`) and the arithmetic data under `out`, made once.
+    Shared by tools/bench_async.py."""
     model, data = out / "model", out / "data"
     if not (model / "megarl_tiny.json").exists():
         spec = importlib.util.spec_from_file_location("make_tiny_model", REPO / "tools" / "make_tiny_model.py")
         tool = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(tool)
-        tool.make_tiny_model(model, **MODEL)
+        tool.make_tiny_model(model, **shape)
     if not (data / "train.jsonl").exists():
         subprocess.run([sys.executable, "-m", "megarl.data.arithmetic", "--out", str(data)], check=True, cwd=REPO)
     return model, data

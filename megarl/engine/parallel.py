@@ -59,16 +59,13 @@ def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0,
     from megatron.core import tensor_parallel
 
     if not dist.is_initialized():
-        if trainer_store is not None:
-            store, rank, size = trainer_store
+        if trainer_store is not None or "RANK" in os.environ:
             if cuda:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=size,
-                                    timeout=timeout)
-        elif "RANK" in os.environ:
-            if cuda:
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+            meet = {}  # torchrun's env:// rendezvous
+            if trainer_store is not None:
+                meet = dict(zip(("store", "rank", "world_size"), trainer_store))
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout, **meet)
         else:  # one process outside torchrun; on a GPU NCCL, since gloo cannot reduce CUDA tensors
             dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timeout)

@@ -159,8 +159,7 @@ def generate(run: RLRun, rows: list[PromptRow], *, n_samples: int) -> Generated:
     score (a sample's last turn) goes to its engine's scorer as soon as it is final, while the engine
     generates the others."""
     cfg, place = run.cfg.rollout, run.placement
-    encoded = [encode_prompt(run.tokenizer, row.prompt, chat_template=run.cfg.data.chat_template,
-                             tools=run.tool_schemas) for row in rows]
+    encoded = encode_rows(run, rows)
     # every replica of the exchange group, in data-parallel order (its ranks all hold the same rows)
     shares = {dp: (their_rows, their_ids)
               for dp, their_rows, their_ids in _exchange(place, (run.groups.dp_rank, rows, encoded))}
@@ -169,8 +168,8 @@ def generate(run: RLRun, rows: list[PromptRow], *, n_samples: int) -> Generated:
     part = parts[place.exchange_engines.index(dist.get_rank())] if place.hosts_engine else []
     scoring, mine = None, None
     if place.hosts_engine:
-        done, scoring = generate_part(run, [samples[i][1:] for i in part])
-        mine = (part, done)
+        generated, scoring = generate_part(run, [samples[i][1:] for i in part])
+        mine = (part, generated)
     trajectories: dict[int, Trajectory] = {}
     for done in _exchange(place, mine):
         if done is not None:
@@ -180,6 +179,12 @@ def generate(run: RLRun, rows: list[PromptRow], *, n_samples: int) -> Generated:
                    [trajectories[i] for i in replica], n_samples=n_samples) if replica else None
     return Generated(batch=batch, scoring=scoring, part=part, replica=replica,
                      reporter=run.groups.dp_rank == min(shares))
+
+
+def encode_rows(run: RLRun, rows: list[PromptRow]) -> list[list[int]]:
+    """The prompt ids of `rows` as the engines take them (the recipe's chat template, the environment's tools)."""
+    return [encode_prompt(run.tokenizer, row.prompt, chat_template=run.cfg.data.chat_template, tools=run.tool_schemas)
+            for row in rows]
 
 
 def pooled_samples(shares: dict[int, tuple[list[PromptRow], list[list[int]]]], *,

@@ -152,6 +152,8 @@ def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: lis
     reward_models = [(term.weight, make_engine(cfg, groups, role="reward_model", model_dir=term.path))
                      for term in cfg.reward.terms if term.kind == "reward_model"]
     new_env = environment_factory(cfg.env)
+    # placement split: the rollout ranks score, so a training rank needs no pool of reward workers
+    reward_in_process = dataclasses.replace(cfg.reward, workers=0)
     return RLRun(
         cfg=cfg, groups=groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
         sampler=PromptSampler(len(train_rows), seed=cfg.seed, shuffle=cfg.data.shuffle, dp_rank=groups.dp_rank,
@@ -161,6 +163,6 @@ def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: lis
         objective=policy_objective(algo, on_policy=algo.on_policy),
         critic_objective=CriticObjective(value_clip=cfg.critic.value_clip) if critic is not None else None,
         routes=RoutePlan(algo.router_replay, on_policy=algo.on_policy),
-        advantages=advantage_fn(algo, group=groups.dp), kl=kl_controller(algo), scorer=Scorer(cfg.reward),
+        advantages=advantage_fn(algo, group=groups.dp), kl=kl_controller(algo), scorer=Scorer(cfg.reward if split is None else reward_in_process),
         reward_models=reward_models, new_env=new_env, tool_schemas=new_env().tools,
         observations=observation_format(cfg.env, tokenizer), env_workers=EnvWorkers(cfg.env.tool_workers), split=split)

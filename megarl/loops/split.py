@@ -54,9 +54,9 @@ from torch import Tensor
 from megarl.batch import RolloutBatch
 from megarl.checkpoint import CheckpointError
 from megarl.config import Config, RecipeError
-from megarl.data.prompts import PromptRow, encode_prompt
-from megarl.device import on_gpu
-from megarl.handoff import buckets
+from megarl.data.prompts import PromptRow
+from megarl.device import current_device, on_gpu
+from megarl.handoff import buckets, flatten, unflatten
 from megarl.metrics import PhaseTimer
 from megarl.packing import balanced_partition
 from megarl.rollout.multi_turn import Trajectory
@@ -290,18 +290,11 @@ def _generate(me: RolloutRank, box: Mailbox, key: str, *, replicas: int, n_sampl
 
 def _received(box: Mailbox, group, *, index: int, version: int) -> Iterator[list[tuple[str, Tensor]]]:
     """The buckets of weight version `version`, as the training rank 0 broadcasts them."""
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
     n = 0
-    while (meta := box.take(f"weights/{index}/{version}/{n}")) is not None:
-        sizes = [torch.Size(shape).numel() * dtype.itemsize for _, shape, dtype in meta]
-        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    while (slots := box.take(f"weights/{index}/{version}/{n}")) is not None:
+        flat = torch.empty(slots[-1][4], dtype=torch.uint8, device=current_device())  # the last slot's end
         group.broadcast(flat, 0).wait()
-        bucket, offset = [], 0
-        for (name, shape, dtype), size in zip(meta, sizes):
-            # a copy: a view at an offset not aligned to the element size cannot change dtype
-            bucket.append((name, flat[offset: offset + size].clone().view(dtype).view(shape)))
-            offset += size
-        yield bucket
+        yield unflatten(flat, slots)
         n += 1
 
 
@@ -329,17 +322,19 @@ class SplitRollout:
         self.evals = 0
 
     # -- commands
-    def _command(self, *command, worker: int | None = None) -> None:
+    def _command(self, *command) -> None:
+        """Post `command` to every worker (from training rank 0)."""
         if not self.lead:
             return
-        for w in range(self.workers) if worker is None else (worker,):
+        for w in range(self.workers):
             self.box.put(f"cmd/{w}/{self.sent[w]}", command)
             self.sent[w] += 1
 
     def _request(self, run, key: str, rows: list[PromptRow], *, n_samples: int) -> None:
+        from megarl.loops.generation import encode_rows
+
         if self.writer:
-            encoded = [_encode(run, row) for row in rows]
-            self.box.put(f"in/{key}/{self.groups.dp_rank}", (rows, encoded))
+            self.box.put(f"in/{key}/{self.groups.dp_rank}", (rows, encode_rows(run, rows)))
         self._command("generate", key, self.groups.dp_size, n_samples)
 
     def _collect(self, run, key: str, rows: list[PromptRow], *, n_samples: int):
@@ -366,15 +361,13 @@ class SplitRollout:
             waited = max(waited, part["waited_s"])
         if not rows:
             return None, counts, waited
-        n = len(rows) * n_samples
-        order = range(n)
-        batch = build_batch(run, [row for row in rows for _ in range(n_samples)],
-                            [_encode(run, row) for row in rows for _ in range(n_samples)],
-                            [trajectories[i] for i in order], n_samples=n_samples)
-        batch = with_rewards(run, batch, torch.tensor([rewards[i] for i in order]))
+        done = [trajectories[i] for i in range(len(rows) * n_samples)]  # the replica's samples, in order
+        batch = build_batch(run, [row for row in rows for _ in range(n_samples)], [t.prompt_ids for t in done],
+                            done, n_samples=n_samples)
+        batch = with_rewards(run, batch, torch.tensor([rewards[i] for i in range(len(done))]))
         versions = torch.zeros_like(batch.tokens)
-        for row, (start, i) in enumerate(zip(batch.prompt_lens.tolist(), order)):
-            versions[row, start: start + len(trajectories[i].versions)] = torch.tensor(trajectories[i].versions)
+        for row, (start, t) in enumerate(zip(batch.prompt_lens.tolist(), done)):
+            versions[row, start: start + len(t.versions)] = torch.tensor(t.versions)
         return batch.replace(weight_versions=versions * batch.response_mask.long()), counts, waited
 
     # -- the loop's calls
@@ -427,18 +420,15 @@ class SplitRollout:
         for w in range(self.workers):
             self.box.take(f"ready/{self.version}/{w}")
         waited = time.monotonic() - start
-        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
         nbytes, n = 0, 0
-        for n, bucket in enumerate(buckets(tensors, bucket_bytes=self.cfg.rollout.bucket_bytes)):
+        for n, bucket in enumerate(buckets(tensors, bucket_bytes=self.cfg.rollout.bucket_bytes), start=1):
+            flat, slots = flatten(bucket, device=current_device())
             for w in range(self.workers):
-                self.box.put(f"weights/{w}/{self.version}/{n}",
-                             [(name, tuple(t.shape), t.dtype) for name, t in bucket])
-            flat = torch.cat([t.detach().to(device).contiguous().view(-1).view(torch.uint8) for _, t in bucket])
+                self.box.put(f"weights/{w}/{self.version}/{n - 1}", slots)
             self.group.broadcast(flat, 0).wait()
             nbytes += flat.numel()
-            n += 1
         for w in range(self.workers):
-            self.box.put(f"weights/{w}/{self.version}/{n}", None)
+            self.box.put(f"weights/{w}/{self.version}/{n}", None)  # the end of the push
         return {"bytes": nbytes, "wait_s": waited}
 
     def close(self) -> None:
@@ -524,6 +514,3 @@ def sample_versions(batch: RolloutBatch) -> tuple[Tensor, Tensor]:
     oldest = torch.where(generated, batch.weight_versions, big).min(dim=1).values
     return torch.where(generated.any(dim=1), oldest, newest), newest
 
-
-def _encode(run, row: PromptRow) -> list[int]:
-    return encode_prompt(run.tokenizer, row.prompt, chat_template=run.cfg.data.chat_template, tools=run.tool_schemas)

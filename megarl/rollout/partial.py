@@ -27,7 +27,6 @@ class VersionedEngine:
         self.engine = engine
         self.chunk_tokens = chunk_tokens  # None: each call in one piece
         self.between_chunks = between_chunks
-        self.interrupted = 0  # responses continued under newer weights than they started with, since the start
 
     def generate(self, prompts: list[list[int]], *, temperature: float, top_p: float, max_new_tokens: int,
                  eos_id: int, pad_id: int, on_response: ResponseCallback | None = None) -> Generation:
@@ -67,8 +66,6 @@ class VersionedEngine:
             active = [i for i in active if reasons[i] is None]
             if active:
                 self.between_chunks()
-                if self.engine.weight_version != version:
-                    self.interrupted += len(active)
         return Generation(response_ids=ids, logprobs=logprobs, finish_reasons=reasons,
                           routes=routes if all(r is not None for r in routes) and n else None, versions=versions)
 

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from megarl.device import load_cuda_driver_stand_in, on_gpu
+from megarl.handoff import flatten
 from megarl.models.arch import read_shape
 from megarl.models.safetensors_dir import SafetensorsDir
 from megarl.rollout.engine import Generation, ResponseCallback
@@ -248,30 +249,14 @@ class SGLangEngine:
 
 
 def flatten_bucket(bucket: list[tuple[str, Tensor]]) -> tuple[Tensor, list]:
-    """One bucket as a fresh byte buffer [bytes] (uint8, on the tensors' device) and SGLang's
-    `FlattenedTensorMetadata` per tensor, for `load_format="flattened_bucket"`.
-
-    Each tensor is copied straight into its slice, so the push holds one bucket of extra memory (a
-    concatenation would also hold contiguous copies of the split q/k/v and gate/up views). Widest dtypes
-    come first, which keeps every byte offset a multiple of its tensor's item size (SGLang rebuilds each
-    tensor as a dtype view of its slice). On CPU the buffer is made in shared memory, so serializing it
-    passes a handle rather than copying it there.
-    """
+    """One bucket as a fresh byte buffer (megarl.handoff.flatten: one bucket of extra memory, every slot
+    aligned to its dtype, in shared memory on CPU) and SGLang's `FlattenedTensorMetadata` per tensor, for
+    `load_format="flattened_bucket"` (SGLang rebuilds each tensor as a dtype view of its slice)."""
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
-    ordered = sorted(bucket, key=lambda item: -item[1].element_size())
-    total = sum(t.numel() * t.element_size() for _, t in ordered)
-    flat = torch.empty(total, dtype=torch.uint8, device=ordered[0][1].device)
-    if flat.device.type == "cpu":
-        flat.share_memory_()
-    metadata, offset = [], 0
-    for name, tensor in ordered:
-        nbytes = tensor.numel() * tensor.element_size()
-        flat[offset: offset + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
-        metadata.append(FlattenedTensorMetadata(name=name, shape=tensor.shape, dtype=tensor.dtype,
-                                                start_idx=offset, end_idx=offset + nbytes, numel=nbytes))
-        offset += nbytes
-    return flat, metadata
+    flat, slots = flatten(bucket, share_memory=True)
+    return flat, [FlattenedTensorMetadata(name=name, shape=shape, dtype=dtype, start_idx=start, end_idx=end,
+                                          numel=end - start) for name, shape, dtype, start, end in slots]
 
 
 def decode_routes(encoded: str | None, *, tokens: int, layers: int, top_k: int, experts: int) -> Tensor:
