@@ -58,8 +58,11 @@ def test_native_engine_routes_are_the_experts_a_transformers_forward_chooses(arc
 
     model_dir = arch_dir(arch)
     engine = NativeEngine(str(model_dir), capture_routes=True, seed=1)
-    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]  # left padded to 5: routes must skip the padding
+    # left padded to 5: routes must skip the padding. Repeated prompts are read once by the first forward, whose
+    # routes are then copied to each repeat; the samples differ, and so do the routes after the prompt.
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]] * 2
     generation = engine.generate(prompts, temperature=1.0, top_p=1.0, max_new_tokens=6, eos_id=0, pad_id=0)
+    assert generation.response_ids[:3] != generation.response_ids[3:]
     model = hf_model(model_dir)
     for prompt, response, routes in zip(prompts, generation.response_ids, generation.routes, strict=True):
         ids = prompt + response

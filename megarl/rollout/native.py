@@ -78,6 +78,12 @@ class RouteRecorder:
     def start(self) -> None:
         self._calls = [[] for _ in self._calls]
 
+    def expand_first(self, source: Tensor, *, width: int) -> None:
+        """The first forward fed each distinct prompt once: give row i the routes of prompt `source[i]`."""
+        for calls in self._calls:
+            first = calls[0].view(-1, width, calls[0].shape[-1])
+            calls[0] = first[source].reshape(-1, first.shape[-1])
+
     def per_sequence(self, prompt_lens: list[int], response_lens: list[int], *, width: int) -> list[Tensor]:
         """Routes [prompt + response - 1, layers, top_k] per row of a left-padded batch of prompts `width`
         wide: the first forward fed every prompt, forward s >= 1 fed each row's response token s - 1."""
@@ -87,6 +93,19 @@ class RouteRecorder:
         self.start()
         return [compact(routes[i, width - p: width + r - 1], self.experts)
                 for i, (p, r) in enumerate(zip(prompt_lens, response_lens))]
+
+
+def _distinct(prompts: list[list[int]]) -> tuple[list[int], list[int]]:
+    """The first row of every distinct prompt, and for each row the index of its prompt among those."""
+    index: dict[tuple[int, ...], int] = {}
+    firsts, source = [], []
+    for row, prompt in enumerate(prompts):
+        key = tuple(prompt)
+        if key not in index:
+            index[key] = len(firsts)
+            firsts.append(row)
+        source.append(index[key])
+    return firsts, source
 
 
 class NativeEngine:
@@ -148,15 +167,30 @@ class NativeEngine:
                 if on_response is not None:
                     on_response(i, *responses[i])
 
+        # A group's samples share their prompt: the first forward reads each distinct prompt once, and its KV
+        # cache, logits and routes are then copied out to the rows that asked for it.
+        firsts, source = _distinct(prompts)
+        shared = len(firsts) < batch
         cache = None
-        step_ids = ids
         if self._routes is not None:
             self._routes.start()
         for t in range(max_new_tokens):
-            out = self.model(input_ids=step_ids, attention_mask=attention[:, : width + t], position_ids=positions,
-                             use_cache=True, **{self._cache_arg: cache}, **self._last_logits)
+            if t == 0:
+                rows = torch.tensor(firsts, device=self.device) if shared else slice(None)
+                out = self.model(input_ids=ids[rows], attention_mask=attention[rows, :width],
+                                 position_ids=positions[rows], use_cache=True, **self._last_logits)
+            else:
+                out = self.model(input_ids=token[:, None], attention_mask=attention[:, : width + t],
+                                 position_ids=positions, use_cache=True, **{self._cache_arg: cache}, **self._last_logits)
             cache = out.cache if self._cache_arg == "cache" else out.past_key_values
-            logprobs = torch.log_softmax(out.logits[:, -1].float() / temperature, dim=-1)  # [B, V]
+            logits = out.logits[:, -1]
+            if t == 0 and shared:
+                source_rows = torch.tensor(source, device=self.device)
+                cache.reorder_cache(source_rows)
+                logits = logits[source_rows]
+                if self._routes is not None:
+                    self._routes.expand_first(source_rows, width=width)
+            logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, V]
             token = self._sample(logprobs, top_p)
             token = torch.where(done, torch.full_like(token, pad_id), token)
             out_ids[:, t] = token
@@ -167,7 +201,6 @@ class NativeEngine:
             ended(stopped.nonzero().squeeze(1), "stop")
             if bool(done.all()):
                 break
-            step_ids = token[:, None]
             positions = positions[:, -1:] + 1
         ended((~done).nonzero().squeeze(1), "length")
         ordered = [responses[i] for i in range(batch)]
