@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megarl.rollout.native import NativeEngine
@@ -48,3 +49,38 @@ def test_sampled_logprobs_are_those_of_a_full_forward_of_each_sequence(qwen2_dir
             full = torch.log_softmax(model(seq).logits[0, len(prompt) - 1: -1].float(), dim=-1)
         expected = full.gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
         assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-5), (prompt, ids)
+
+
+# ---- lean decode steps -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "mistral"])
+def test_lean_decode_samples_what_transformers_forward_samples(arch, arch_dir):
+    """After the prefill the engine runs megarl.rollout.decode's lean steps instead of transformers' forward:
+    the same seed draws the same tokens, with logprobs within 1e-6 (fp32: the same weights and sums; the
+    attention kernel and the norms' order of operations may round differently)."""
+    from megarl.rollout import decode
+
+    model_dir = str(arch_dir(arch))
+    lean_engine = NativeEngine(model_dir, seed=7, device="cpu")
+    assert lean_engine.lean_decode and decode.covers(lean_engine.model, 64)
+    steps = []
+    original = decode.LeanDecoder.step
+    decode.LeanDecoder.step = lambda self, *a: steps.append(a[-1]) or original(self, *a)
+    try:
+        lean = sample(lean_engine)
+    finally:
+        decode.LeanDecoder.step = original
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3  # the lean steps ran
+    full = sample(NativeEngine(model_dir, seed=7, device="cpu", lean_decode=False))
+    assert lean.response_ids == full.response_ids and lean.finish_reasons == full.finish_reasons
+    for got, want in zip(lean.logprobs, full.logprobs):
+        assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-6)
+
+
+def test_lean_decode_leaves_what_it_does_not_cover_to_transformers(arch_dir):
+    """Mixture-of-experts models and a sliding window shorter than the sequence keep transformers' forward."""
+    from megarl.rollout.decode import covers
+
+    moe = NativeEngine(str(arch_dir("mixtral")), seed=0, device="cpu")
+    assert not covers(moe.model, 16)
+    mistral = NativeEngine(str(arch_dir("mistral")), seed=0, device="cpu")
+    assert covers(mistral.model, 256) and not covers(mistral.model, 257)

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from megarl.device import current_device
+from megarl.rollout.decode import LeanDecoder, covers
 from megarl.rollout.engine import Generation, ResponseCallback
 from megarl.routing import compact
 
@@ -112,7 +113,7 @@ class NativeEngine:
     """A transformers model that samples batches and takes weights pushed by the trainer."""
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0, device: str | None = None,
-                 capture_routes: bool = False):
+                 capture_routes: bool = False, lean_decode: bool = True):
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device) if device else current_device()
@@ -128,6 +129,9 @@ class NativeEngine:
         # the others (the prompt's, at the first step) are told so.
         self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in forward_args else {}
         self._routes = RouteRecorder(self.model) if capture_routes else None
+        # decode steps after the prefill skip transformers' per-step plumbing where megarl.rollout.decode covers
+        # the model (routes are recorded by hooks on transformers' own forward)
+        self.lean_decode = lean_decode and not capture_routes
 
     @torch.no_grad()
     def rng_state(self) -> Tensor:
@@ -174,22 +178,28 @@ class NativeEngine:
         cache = None
         if self._routes is not None:
             self._routes.start()
+        lean = None
         for t in range(max_new_tokens):
             if t == 0:
                 rows = torch.tensor(firsts, device=self.device) if shared else slice(None)
                 out = self.model(input_ids=ids[rows], attention_mask=attention[rows, :width],
                                  position_ids=positions[rows], use_cache=True, **self._last_logits)
+            elif lean is not None:
+                logits = lean.step(token, positions, attention, t)
             else:
                 out = self.model(input_ids=token[:, None], attention_mask=attention[:, : width + t],
                                  position_ids=positions, use_cache=True, **{self._cache_arg: cache}, **self._last_logits)
-            cache = out.cache if self._cache_arg == "cache" else out.past_key_values
-            logits = out.logits[:, -1]
+            if lean is None:
+                cache = out.cache if self._cache_arg == "cache" else out.past_key_values
+                logits = out.logits[:, -1]
             if t == 0 and shared:
                 source_rows = torch.tensor(source, device=self.device)
                 cache.reorder_cache(source_rows)
                 logits = logits[source_rows]
                 if self._routes is not None:
                     self._routes.expand_first(source_rows, width=width)
+            if t == 0 and self.lean_decode and max_new_tokens > 1 and covers(self.model, width + max_new_tokens):
+                lean = LeanDecoder(self.model, cache, width=width, new_tokens=max_new_tokens)
             logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, V]
             token = self._sample(logprobs, top_p)
             token = torch.where(done, torch.full_like(token, pad_id), token)
