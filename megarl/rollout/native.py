@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from megarl.device import current_device
-from megarl.rollout.decode import LeanDecoder, covers
+from megarl.rollout.decode import FusedWeights, LeanDecoder, covers, fusable
 from megarl.rollout.engine import Generation, ResponseCallback
 from megarl.routing import compact
 
@@ -121,7 +121,6 @@ class NativeEngine:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(self.device).eval()
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.weight_version = 0
-        self._params = dict(self.model.named_parameters())
         # transformers 5.20+ names the KV cache argument `cache`; earlier releases `past_key_values`.
         forward_args = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
@@ -131,7 +130,9 @@ class NativeEngine:
         self._routes = RouteRecorder(self.model) if capture_routes else None
         # decode steps after the prefill skip transformers' per-step plumbing where megarl.rollout.decode covers
         # the model (routes are recorded by hooks on transformers' own forward)
-        self.lean_decode = lean_decode and not capture_routes
+        self._fused = FusedWeights(self.model) if lean_decode and not capture_routes and fusable(self.model) else None
+        self.lean_decode = self._fused is not None
+        self._params = dict(self.model.named_parameters())
 
     @torch.no_grad()
     def rng_state(self) -> Tensor:
@@ -199,7 +200,7 @@ class NativeEngine:
                 if self._routes is not None:
                     self._routes.expand_first(source_rows, width=width)
             if t == 0 and self.lean_decode and max_new_tokens > 1 and covers(self.model, width + max_new_tokens):
-                lean = LeanDecoder(self.model, cache, width=width, new_tokens=max_new_tokens)
+                lean = LeanDecoder(self.model, cache, self._fused, width=width, new_tokens=max_new_tokens)
             logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, V]
             token = self._sample(logprobs, top_p)
             token = torch.where(done, torch.full_like(token, pad_id), token)
