@@ -70,8 +70,19 @@ def test_lean_decode_samples_what_transformers_forward_samples(arch, arch_dir):
     finally:
         decode.LeanDecoder.step = original
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3  # the lean steps ran
-    full = sample(NativeEngine(model_dir, seed=7, device="cpu", lean_decode=False))
+    full_engine = NativeEngine(model_dir, seed=7, device="cpu", lean_decode=False)
+    full = sample(full_engine)
     assert lean.response_ids == full.response_ids and lean.finish_reasons == full.finish_reasons
+    for got, want in zip(lean.logprobs, full.logprobs):
+        assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-6)
+    # A weight push reaches the fused projections the lean steps read (the parameters are views of them).
+    gen = torch.Generator().manual_seed(0)
+    pushed = [(name, param.detach() + 0.05 * torch.randn(param.shape, generator=gen))
+              for name, param in full_engine.model.named_parameters()]
+    for engine in (lean_engine, full_engine):
+        engine.update_weights([pushed], version=1)
+    lean, full = sample(lean_engine), sample(full_engine)
+    assert lean.response_ids == full.response_ids
     for got, want in zip(lean.logprobs, full.logprobs):
         assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-6)
 
