@@ -24,12 +24,12 @@ FP32_TOL = 1e-4  # DESIGN contract 1/2: two fp32 implementations of one function
 N_TOKENS = 98  # real tokens of the tiny tokenizer (the embedding is padded to 128 rows)
 
 
-def make_engine(model_dir, groups, *, train: bool, dtype: str = "float32"):
+def make_engine(model_dir, groups, *, train: bool, dtype: str = "float32", megatron: dict | None = None):
     from megarl.config import OptimConfig
     from megarl.engine.megatron import TrainEngine
 
     optim = OptimConfig(lr=1e-3, weight_decay=0.0, grad_clip=1.0, distributed=True) if train else None
-    return TrainEngine(model_dir=str(model_dir), dtype=dtype, megatron={}, groups=groups, optim=optim)
+    return TrainEngine(model_dir=str(model_dir), dtype=dtype, megatron=megatron or {}, groups=groups, optim=optim)
 
 
 def fixed_tokens(batch: int = 4, seq_len: int = 16, seed: int = 1234) -> torch.Tensor:
@@ -354,6 +354,47 @@ def test_host_adam_runs_torchs_fused_kernel_with_the_single_tensor_update(qwen2_
             moved = (want[name] - start[name]).abs().max()
             assert moved > 0, name
             assert (tensor - want[name]).abs().max() <= tolerance * moved, (name, steps)
+
+
+def test_host_gradient_accumulation_fusion_adds_weight_gradients_into_the_buffer(qwen2_dir, groups):
+    """On the host every linear layer's backward adds its weight gradient straight into DDP's fp32 buffer (the
+    GPU's gradient accumulation fusion), with the gradients and the update of Megatron's unfused path, where the
+    gradient is a new tensor that DDP then adds: within 1e-6 relative over two micro-batches (the second one's
+    product is summed into the first's block by block instead of whole: fp32 rounding), and the same loss;
+    with bf16 weights too."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from megarl.algo.aggregate import global_loss_norm
+    from megarl.config import AlgoConfig
+    from megarl.objective import policy_objective
+
+    tokens = fixed_tokens()
+    mask = response_mask(tokens)
+    extras = {"response_mask": mask, "advantages": torch.linspace(-1.0, 1.0, tokens.shape[0])[:, None] * mask}
+    loss_fn = partial(policy_objective(AlgoConfig(), on_policy=True), norm=global_loss_norm(mask))
+    fused = make_engine(qwen2_dir, groups, train=True)
+    unfused = make_engine(qwen2_dir, groups, train=True, megatron={"gradient_accumulation_fusion": False})
+    linears = [m for m in fused.module.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+    assert linears and all(m.gradient_accumulation_fusion for m in linears)
+    assert not any(m.gradient_accumulation_fusion for m in unfused.module.modules()
+                   if isinstance(m, ColumnParallelLinear | RowParallelLinear))
+    start = {name: tensor.clone() for name, tensor in fused.hf_tensors()}
+    metrics = [engine.train_step(tokens, extras, loss_fn, temperature=1.0, micro_batch_size=2)
+               for engine in (fused, unfused)]
+    assert metrics[0]["loss"] == metrics[1]["loss"]
+    assert abs(metrics[0]["grad_norm"] - metrics[1]["grad_norm"]) <= 1e-6 * metrics[1]["grad_norm"]
+    want = dict(unfused.hf_tensors())
+    for name, tensor in fused.hf_tensors():
+        moved = (want[name] - start[name]).abs().max()
+        assert moved > 0, name
+        assert (tensor - want[name]).abs().max() <= 1e-6 * moved + 1e-6 * want[name].abs().max(), name
+    # bf16 weights: the fp32 buffer takes the product of bf16 inputs computed in fp32 (the GPU kernel's
+    # precision), where the unfused path rounds each micro-batch's gradient to bf16 first; 1e-2 relative on
+    # the norm is that rounding (bf16 keeps 8 significant bits).
+    norms = [make_engine(qwen2_dir, groups, train=True, dtype="bfloat16", megatron=extra).train_step(
+        tokens, extras, loss_fn, temperature=1.0, micro_batch_size=2)["grad_norm"]
+        for extra in (None, {"gradient_accumulation_fusion": False})]
+    assert math.isfinite(norms[0]) and abs(norms[0] - norms[1]) <= 1e-2 * norms[1], norms
 
 
 # ---- the on-policy shortcut -----------------------------------------------------------------------------------
