@@ -172,35 +172,21 @@ class NativeEngine:
                 if on_response is not None:
                     on_response(i, *responses[i])
 
-        # A group's samples share their prompt: the first forward reads each distinct prompt once, and its KV
-        # cache, logits and routes are then copied out to the rows that asked for it.
-        firsts, source = _distinct(prompts)
-        shared = len(firsts) < batch
-        cache = None
         if self._routes is not None:
             self._routes.start()
+        cache, logits = self._prefill(ids, attention[:, :width], positions, prompts)
         lean = None
+        if self.lean_decode and max_new_tokens > 1 and covers(self.model, width + max_new_tokens):
+            lean = LeanDecoder(self.model, cache, self._fused, width=width, new_tokens=max_new_tokens)
+            cache = None  # the lean steps hold their own copy
         for t in range(max_new_tokens):
-            if t == 0:
-                rows = torch.tensor(firsts, device=self.device) if shared else slice(None)
-                out = self.model(input_ids=ids[rows], attention_mask=attention[rows, :width],
-                                 position_ids=positions[rows], use_cache=True, **self._last_logits)
-            elif lean is not None:
+            if t > 0 and lean is not None:
                 logits = lean.step(token, positions, attention, t)
-            else:
+            elif t > 0:
                 out = self.model(input_ids=token[:, None], attention_mask=attention[:, : width + t],
-                                 position_ids=positions, use_cache=True, **{self._cache_arg: cache}, **self._last_logits)
-            if lean is None:
-                cache = out.cache if self._cache_arg == "cache" else out.past_key_values
-                logits = out.logits[:, -1]
-            if t == 0 and shared:
-                source_rows = torch.tensor(source, device=self.device)
-                cache.reorder_cache(source_rows)
-                logits = logits[source_rows]
-                if self._routes is not None:
-                    self._routes.expand_first(source_rows, width=width)
-            if t == 0 and self.lean_decode and max_new_tokens > 1 and covers(self.model, width + max_new_tokens):
-                lean = LeanDecoder(self.model, cache, self._fused, width=width, new_tokens=max_new_tokens)
+                                 position_ids=positions, use_cache=True, **{self._cache_arg: cache},
+                                 **self._last_logits)
+                cache, logits = self._cache_of(out), out.logits[:, -1]
             logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, V]
             token = self._sample(logprobs, top_p)
             token = torch.where(done, torch.full_like(token, pad_id), token)
@@ -220,6 +206,28 @@ class NativeEngine:
             routes = self._routes.per_sequence([len(p) for p in prompts], [len(r[0]) for r in ordered], width=width)
         return Generation(response_ids=[r[0] for r in ordered], logprobs=[r[1] for r in ordered],
                           finish_reasons=[r[2] for r in ordered], routes=routes)
+
+    def _prefill(self, ids: Tensor, attention: Tensor, positions: Tensor, prompts: list[list[int]]):
+        """The first forward over the left-padded prompts: (its KV cache, the last position's logits [B, V]).
+        A group's samples share their prompt, so it reads each distinct prompt once; the cache, logits and
+        routes are then copied out to every row that asked for it."""
+        firsts, source = _distinct(prompts)
+        if len(firsts) == len(prompts):
+            out = self.model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                             **self._last_logits)
+            return self._cache_of(out), out.logits[:, -1]
+        rows = torch.tensor(firsts, device=self.device)
+        out = self.model(input_ids=ids[rows], attention_mask=attention[rows], position_ids=positions[rows],
+                         use_cache=True, **self._last_logits)
+        source_rows = torch.tensor(source, device=self.device)
+        cache = self._cache_of(out)
+        cache.reorder_cache(source_rows)
+        if self._routes is not None:
+            self._routes.expand_first(source_rows, width=ids.shape[1])
+        return cache, out.logits[source_rows, -1]
+
+    def _cache_of(self, out):
+        return out.cache if self._cache_arg == "cache" else out.past_key_values
 
     def _sample(self, logprobs: Tensor, top_p: float) -> Tensor:
         """Draw from the distribution truncated to the smallest set with mass >= top_p."""
