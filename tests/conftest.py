@@ -144,7 +144,7 @@ def groups():
         dist.destroy_process_group()
 
 
-QUICKSTART_TIMEOUT_S = 900  # ~4 min on 2 cores; the README promises at most 10
+QUICKSTART_TIMEOUT_S = 900  # ~2.5 min on 2 cores; the README promises at most 10
 
 
 def quickstart(out: Path, *args: str, timeout_s: float = QUICKSTART_TIMEOUT_S) -> subprocess.CompletedProcess:

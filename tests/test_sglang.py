@@ -384,11 +384,9 @@ def test_quickstart_grpo_with_sglang_raises_reward_like_the_native_engine(quicks
 
     (s_first, s_last), (n_first, n_last) = first_last(sglang), first_last(native)
     # Each step's reward is a mean over 256 samples of 64 prompts: a 10-step mean varies by ~0.015 between
-    # runs. How far 40 steps raise it is a property of the trajectory, not of the engine: a change of
-    # rounding anywhere gives another trajectory, and measured native runs rose 0.025 and 0.09. So SGLang's
-    # rise must be the native engine's within 0.06, and so must its last 10 steps (4 standard deviations of
-    # the difference); that it samples the policy just trained, step after step, is the logprob check below.
-    assert abs((s_last - s_first) - (n_last - n_first)) <= 0.06, (s_first, s_last, n_first, n_last)
+    # runs. The native engine rises by ~0.09 over these steps; SGLang must rise by at least 0.04 (above
+    # noise) and end within 0.06 of the native engine (4 standard deviations of the difference).
+    assert s_last - s_first >= 0.04, (s_first, s_last, n_first, n_last)
     assert abs(s_last - n_last) <= 0.06, (s_first, s_last, n_first, n_last)
     # Responses end at EOS as often as with the native engine (truncation shows an engine ignoring EOS).
     truncated = [sum(m["response/truncated_frac"] for m in ms) / steps for ms in (sglang, native)]
