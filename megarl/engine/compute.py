@@ -280,13 +280,12 @@ class PipelineSchedule:
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         scaled = self._mask_vocab_padding(logits.float() / temperature)
-        extra = {"entropy": self._vocab_parallel_entropy(scaled)} if entropy else {}
-        if self.stage.groups.tp_size == 1:
-            # the whole vocabulary is on this rank: torch's log-softmax, without the vocab-parallel function's
-            # three all-reduces over a one-rank group and its own softmax and backward
-            return torch.log_softmax(scaled, dim=-1).gather(-1, labels[..., None]).squeeze(-1), extra
+        if not entropy:
+            return -vocab_parallel_cross_entropy(scaled, labels), {}
+        token_entropy = self._vocab_parallel_entropy(scaled)
         # Megatron's cross entropy works in place on its input: give it a copy of the logits entropy used
-        return -vocab_parallel_cross_entropy(scaled.clone() if entropy else scaled, labels), extra
+        logprobs = -vocab_parallel_cross_entropy(scaled.clone(), labels)
+        return logprobs, {"entropy": token_entropy}
 
     def _mask_vocab_padding(self, logits: Tensor) -> Tensor:
         """Rows added to make the vocabulary split evenly over TP hold zero weights, so their logit is 0,

@@ -21,7 +21,6 @@ import importlib
 import types
 
 import torch
-from torch import Tensor
 
 from megarl.config import RecipeError
 
@@ -54,10 +53,9 @@ _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like"
 
 
 # TransformerConfig fields of a run without CUDA: fused kernels are CUDA code (their unfused twins compute the
-# same function), and weights are created on the CPU. Gradient accumulation fusion is the exception: `install()`
-# gives Megatron a host version of its one kernel (see _patch_grad_accumulation_fusion).
+# same function), and weights are created on the CPU.
 TRANSFORMER_CONFIG = dict(bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-                          persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=True,
+                          persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
                           use_cpu_initialization=True)
 
 
@@ -88,7 +86,6 @@ def install() -> None:
     _patch_cuda_type_asserts()
     _patch_moe_without_te()
     _patch_adam_step_restore()
-    _patch_grad_accumulation_fusion()
     _installed = True
 
 
@@ -263,24 +260,3 @@ def _patch_adam_step_restore() -> None:
         state["step"] = state["step"].clone()
 
     dist_opt._set_main_param_and_optimizer_states = set_states
-
-
-def _host_wgrad_accumulate(total_input: Tensor, grad_output: Tensor, main_grad: Tensor) -> None:
-    """main_grad += grad_output^T total_input, in one matrix multiply that adds into main_grad. Half-precision
-    inputs are multiplied in main_grad's fp32, as the GPU kernel does."""
-    if total_input.dtype != main_grad.dtype:
-        total_input, grad_output = total_input.to(main_grad.dtype), grad_output.to(main_grad.dtype)
-    main_grad.addmm_(grad_output.t(), total_input)
-
-
-def _patch_grad_accumulation_fusion() -> None:
-    # With gradient accumulation fusion a linear layer's backward adds its weight gradient straight into the
-    # parameter's fp32 `main_grad` (Megatron DDP's gradient buffer), with apex's fused_weight_gradient_mlp_cuda
-    # kernel on GPU. Without it the gradient is a new tensor that DDP's hook then adds to main_grad: one more
-    # weight-sized allocation and pass over memory per layer and micro-batch (a twentieth of a 4-layer
-    # hidden-512 CPU step). addmm_ into main_grad is that kernel on the host; the sums are the same.
-    from megatron.core.tensor_parallel import layers
-
-    layers.fused_weight_gradient_mlp_cuda = types.SimpleNamespace(
-        wgrad_gemm_accum_fp32=_host_wgrad_accumulate, wgrad_gemm_accum_fp16=_host_wgrad_accumulate)
-    layers._grad_accum_fusion_available = True

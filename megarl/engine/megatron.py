@@ -125,7 +125,6 @@ class TrainEngine:
         )
         # one optimizer over every chunk: one gradient norm, one clipping, one step
         optimizer = get_megatron_optimizer(opt_config, ddps)
-        fuse_host_adam(optimizer)
         self.config.finalize_model_grads_func = finalize_model_grads
         # the interleaved schedule takes one no_sync per chunk, the others a single one
         self.config.no_sync_func = ddps[0].no_sync if len(ddps) == 1 else [ddp.no_sync for ddp in ddps]
@@ -274,26 +273,6 @@ def skip_one_rank_collectives(ddp) -> bool:
     ddp.finish_grad_sync = lambda *args, **kwargs: None
     ddp.start_param_sync = lambda *args, **kwargs: None
     return True
-
-
-def fuse_host_adam(optimizer) -> int:
-    """Switch every torch Adam inside `optimizer` whose parameters all live on the host to torch's fused
-    kernel; returns how many it switched. Without apex or Transformer Engine Megatron builds a plain torch
-    AdamW, which on the host runs its single-tensor loop: about ten passes over memory per parameter (a fifth
-    of a 4-layer hidden-512 CPU step) where the fused kernel makes one, with the same update up to rounding.
-    On the GPU torch already picks its multi-tensor path, and Megatron the fused apex / TE kernels."""
-    switched = 0
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        torch_optimizer = getattr(inner, "optimizer", None)
-        if not isinstance(torch_optimizer, torch.optim.Adam | torch.optim.AdamW):
-            continue
-        params = [p for group in torch_optimizer.param_groups for p in group["params"]]
-        if not params or any(p.device.type != "cpu" or not p.is_floating_point() for p in params):
-            continue
-        for group in [torch_optimizer.defaults, *torch_optimizer.param_groups]:
-            group.update(fused=True, foreach=False)
-        switched += 1
-    return switched
 
 
 def meta_engine(model_dir: str | Path, *, dtype: str, tp: int = 1, pp: int = 1, ep: int = 1) -> TrainEngine:
