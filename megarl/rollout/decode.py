@@ -14,6 +14,8 @@ the sequence outgrows, other attention variants) keep transformers' forward for 
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -39,12 +41,12 @@ def fusable(model) -> bool:
         return False
     return all(all(hasattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "config"))
                and all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-               for layer in base.layers)
+               and _rotary(layer) is not None for layer in base.layers)
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def _rotary(layer):
+    """The model family's own `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)`, from its modeling module."""
+    return getattr(sys.modules[type(layer.self_attn).__module__], "apply_rotary_pos_emb", None)
 
 
 class FusedWeights:
@@ -92,9 +94,10 @@ class LeanDecoder:
         self.base = model.model
         self.layers = list(self.base.layers)
         self.weights = weights
+        self.rotary = _rotary(self.layers[0])
         self.caches: list[tuple[Tensor, Tensor]] = []
-        for index in range(len(self.layers)):
-            keys, values = _layer_states(cache, index)
+        for layer_cache in cache.layers:
+            keys, values = layer_cache.keys, layer_cache.values
             batch, heads, prompt, dim = keys.shape
             if prompt != width:
                 raise ValueError(f"prefill cache holds {prompt} positions, expected {width}")
@@ -111,7 +114,6 @@ class LeanDecoder:
         length = slot + 1
         hidden = self.base.embed_tokens(tokens[:, None])  # [B, 1, H]
         cos, sin = self.base.rotary_emb(hidden, positions)  # [B, 1, D]
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, 1, D]: one position, every head
         mask = attention[:, None, None, :length].bool()
         batch = tokens.shape[0]
         for layer, (k_cache, v_cache), (qkv_weight, qkv_bias), gate_up in zip(
@@ -122,8 +124,9 @@ class LeanDecoder:
             q, k, v = qkv[:, :, :heads], qkv[:, :, heads: heads + groups], qkv[:, :, heads + groups:]
             if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head
                 q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
-            q = _rotate(q, cos, sin).transpose(1, 2)
-            k_cache[:, :, slot] = _rotate(k, cos, sin)[:, 0]
+            q, k = self.rotary(q, k, cos, sin, unsqueeze_dim=2)  # q [B, 1, heads, D]: cos to [B, 1, 1, D]
+            q = q.transpose(1, 2)
+            k_cache[:, :, slot] = k[:, 0]
             v_cache[:, :, slot] = v[:, 0]
             out = F.scaled_dot_product_attention(q, k_cache[:, :, :length], v_cache[:, :, :length], attn_mask=mask,
                                                  scale=attn.scaling, enable_gqa=True)
@@ -132,9 +135,3 @@ class LeanDecoder:
             hidden = hidden + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
         return self.model.lm_head(_norm(self.base.norm, hidden))[:, -1]
 
-
-def _layer_states(cache, index: int) -> tuple[Tensor, Tensor]:
-    layers = getattr(cache, "layers", None)
-    if layers is not None:
-        return layers[index].keys, layers[index].values
-    return cache[index][:2]
