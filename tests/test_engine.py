@@ -24,12 +24,12 @@ FP32_TOL = 1e-4  # DESIGN contract 1/2: two fp32 implementations of one function
 N_TOKENS = 98  # real tokens of the tiny tokenizer (the embedding is padded to 128 rows)
 
 
-def make_engine(model_dir, groups, *, train: bool, dtype: str = "float32"):
+def make_engine(model_dir, groups, *, train: bool, dtype: str = "float32", megatron: dict | None = None):
     from megarl.config import OptimConfig
     from megarl.engine.megatron import TrainEngine
 
     optim = OptimConfig(lr=1e-3, weight_decay=0.0, grad_clip=1.0, distributed=True) if train else None
-    return TrainEngine(model_dir=str(model_dir), dtype=dtype, megatron={}, groups=groups, optim=optim)
+    return TrainEngine(model_dir=str(model_dir), dtype=dtype, megatron=megatron or {}, groups=groups, optim=optim)
 
 
 def fixed_tokens(batch: int = 4, seq_len: int = 16, seed: int = 1234) -> torch.Tensor:
@@ -423,6 +423,43 @@ def test_cpu_compat_refuses_to_install_on_a_cuda_machine():
     assert "refused" in result.stdout
 
 
+FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion", "gradient_accumulation_fusion")
+
+
+def test_a_gpu_run_turns_on_each_fused_kernel_its_install_has(qwen2_dir, monkeypatch):
+    """Megatron leaves its fused kernels off unless told. On a GPU the engine's config turns on the compiled
+    SwiGLU and residual add (they need only torch), apex's gradient accumulation GEMM where apex was built with
+    it (Megatron's linear layers refuse the switch without it), and Transformer Engine's RoPE with TE's layers;
+    the recipe's `model.megatron` has the last word. A CPU run keeps every one off."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megarl.engine import model
+    from megarl.models.arch import read_shape
+
+    shape = read_shape(qwen2_dir)
+
+    def switches(**megatron) -> dict:
+        config = model.transformer_config(shape, dtype="bfloat16", tp=1, pp=1, megatron=megatron)
+        return {name: getattr(config, name) for name in FUSIONS}
+
+    assert not torch.cuda.is_available() and switches() == dict.fromkeys(FUSIONS, False)
+    monkeypatch.setattr(model, "on_gpu", lambda: True)
+    assert not model.has_apex_wgrad_kernel()  # not installed here: the GPU config without apex
+    assert switches() == dict(bias_activation_fusion=True, bias_dropout_fusion=True, apply_rope_fusion=False,
+                              gradient_accumulation_fusion=False)
+    assert switches(bias_activation_fusion=False)["bias_activation_fusion"] is False
+    monkeypatch.setattr(model, "has_apex_wgrad_kernel", lambda: True)
+    assert switches()["gradient_accumulation_fusion"] is True
+    assert switches(gradient_accumulation_fusion=False)["gradient_accumulation_fusion"] is False
+    # Transformer Engine's layers, with and without its fused RoPE (Megatron's config refuses the switch
+    # when the kernel is missing, so the kernel is stood in for here)
+    monkeypatch.setattr(model, "uses_transformer_engine", lambda: True)
+    assert switches()["apply_rope_fusion"] is False
+    for name in ("fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd"):
+        monkeypatch.setattr(rope_utils, name, lambda *args, **kwargs: None)
+    assert switches()["apply_rope_fusion"] is True
+
+
 # ---- critic: a scalar head on the same trunk ----------------------------------------------------------------
 def test_critic_values_equal_transformers_sequence_classifier(qwen2_dir, groups, tmp_path):
     from transformers import AutoModelForSequenceClassification
@@ -594,6 +631,37 @@ def test_gpu_bf16_logprobs_match_transformers(wide_qwen2_dir, groups):
     assert megatron_err <= 2 * hf_err, (megatron_err, hf_err)
     diff = (megatron - hf16).abs()
     assert diff.mean() <= BF16_MEAN_TOL and diff.max() <= BF16_MAX_TOL, (diff.mean(), diff.max())
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_fused_kernels_train_as_the_unfused_ones(qwen2_dir, groups):
+    """The GPU config runs Megatron's fused kernels (the compiled SwiGLU and residual add, and apex's and TE's
+    where installed) with the numbers of the same engine with every fusion off: token logprobs within 1e-5 and
+    the gradient norm within 1e-5 relative (fp32 on both sides, the same math in fewer kernels: rounding), and
+    the logprobs after an optimizer step within 1e-4 (a step of lr 1e-3 moves each weight by up to 1e-3, and
+    a gradient that is only rounding, such as the key bias's, can point either way)."""
+    from megarl.algo.aggregate import global_loss_norm
+    from megarl.config import AlgoConfig
+    from megarl.objective import policy_objective
+
+    tokens = fixed_tokens(batch=8, seq_len=40)
+    mask = response_mask(tokens)
+    extras = {"response_mask": mask, "advantages": torch.linspace(-1.0, 1.0, tokens.shape[0])[:, None] * mask}
+    loss_fn = partial(policy_objective(AlgoConfig(), on_policy=True), norm=global_loss_norm(mask))
+    fused = make_engine(qwen2_dir, groups, train=True)
+    plain = make_engine(qwen2_dir, groups, train=True, megatron=dict.fromkeys(FUSIONS, False))
+    assert fused.config.bias_activation_fusion and fused.config.bias_dropout_fusion
+    assert not any(getattr(plain.config, name) for name in FUSIONS)
+
+    def logprobs(engine):
+        return engine.logprobs(tokens, temperature=1.0, micro_batch_size=4)[:, 1:]
+
+    assert (logprobs(fused) - logprobs(plain)).abs().max() <= 1e-5
+    got, want = (engine.train_step(tokens, extras, loss_fn, temperature=1.0, micro_batch_size=4)["grad_norm"]
+                 for engine in (fused, plain))
+    assert want > 0 and abs(got - want) <= 1e-5 * want, (got, want)
+    assert (logprobs(fused) - logprobs(plain)).abs().max() <= 1e-4
 
 
 @pytest.mark.gpu

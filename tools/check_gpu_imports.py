@@ -27,6 +27,7 @@ MODULES = {
     "apex.normalization": "apex",  # NVIDIA apex (PyPI's `apex` has no such module)
     "amp_C": "apex",  # apex's fused multi-tensor kernels: built only with its CUDA extensions
     "fused_layer_norm_cuda": "apex",
+    "fused_weight_gradient_mlp_cuda": "apex",  # gradient accumulation fusion: the trainer turns it on where it imports
     "sglang.srt.entrypoints.engine": "sglang",  # the rollout engine
     "torch_memory_saver": "torch_memory_saver",  # SGLang's memory release
     "megarl.engine.megatron": "megarl",

@@ -54,8 +54,7 @@ def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megat
     )
     if shape.is_moe:
         kwargs.update(_moe_config(shape))
-    if not on_gpu():
-        kwargs.update(cpu_compat.TRANSFORMER_CONFIG)
+    kwargs.update(fused_kernels(te=uses_transformer_engine()) if on_gpu() else cpu_compat.TRANSFORMER_CONFIG)
     vpp = megatron.get("virtual_pipeline_model_parallel_size") or 1
     if vpp > 1:
         # What Megatron's own training scripts pick for the interleaved schedule: separate isend/irecv calls,
@@ -106,6 +105,36 @@ def check_megatron_fields(megatron: dict) -> None:
     if vpp is not None and (type(vpp) is not int or vpp < 1):
         raise RecipeError(f"model.megatron.virtual_pipeline_model_parallel_size = {vpp!r}: the number of virtual "
                           "pipeline stages per pipeline rank must be a whole number >= 1")
+
+
+def fused_kernels(*, te: bool) -> dict:
+    """The TransformerConfig switches of Megatron's fused kernels for a GPU run, each on where this install has
+    its kernel (`te`: the layers are Transformer Engine's). Megatron's dataclass leaves them all off and its
+    own training scripts turn them on; a recipe's `model.megatron` overrides any of them.
+
+    - `bias_activation_fusion`: SwiGLU forward and backward in one compiled kernel each (Megatron's
+      torch.compile'd function: needs only torch), instead of a chunk, a SiLU and a product over the largest
+      activation of the layer, each a pass over memory.
+    - `bias_dropout_fusion`: the residual add of attention and MLP outputs, compiled the same way.
+    - `apply_rope_fusion`: rotary embeddings in one Transformer Engine kernel, for padded and packed sequences.
+    - `gradient_accumulation_fusion`: every linear layer's backward adds its weight gradient into DDP's fp32
+      gradient buffer with one GEMM, instead of writing a weight-sized gradient that DDP then adds: one weight
+      -sized tensor and a pass over it less per layer and micro-batch. Megatron's own linear layers (the
+      output layer, and every layer without Transformer Engine) take apex's `fused_weight_gradient_mlp_cuda`
+      for it and refuse the switch without that extension, so it is on only where apex was built with it.
+    """
+    from megatron.core.models.common.embeddings import rope_utils
+
+    rope = rope_utils.fused_apply_rotary_pos_emb is not None and rope_utils.fused_apply_rotary_pos_emb_thd is not None
+    return dict(bias_activation_fusion=True, bias_dropout_fusion=True, apply_rope_fusion=te and rope,
+                gradient_accumulation_fusion=has_apex_wgrad_kernel())
+
+
+def has_apex_wgrad_kernel() -> bool:
+    """apex's CUDA extension for gradient accumulation fusion (`--cuda_ext` builds it) is installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 
 def uses_transformer_engine() -> bool:
