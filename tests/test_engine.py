@@ -426,11 +426,12 @@ def test_cpu_compat_refuses_to_install_on_a_cuda_machine():
 FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion", "gradient_accumulation_fusion")
 
 
-def test_a_gpu_run_turns_on_each_fused_kernel_its_install_has(qwen2_dir, monkeypatch):
+def test_megatron_fused_kernels_are_on_where_a_gpu_install_has_them(qwen2_dir, monkeypatch):
     """Megatron leaves its fused kernels off unless told. On a GPU the engine's config turns on the compiled
     SwiGLU and residual add (they need only torch), apex's gradient accumulation GEMM where apex was built with
     it (Megatron's linear layers refuse the switch without it), and Transformer Engine's RoPE with TE's layers;
-    the recipe's `model.megatron` has the last word. A CPU run keeps every one off."""
+    the recipe's `model.megatron` has the last word. A CPU run keeps every one off. What is installed is
+    stood in for, so the test means the same on any machine."""
     from megatron.core.models.common.embeddings import rope_utils
 
     from megarl.engine import model
@@ -442,21 +443,27 @@ def test_a_gpu_run_turns_on_each_fused_kernel_its_install_has(qwen2_dir, monkeyp
         config = model.transformer_config(shape, dtype="bfloat16", tp=1, pp=1, megatron=megatron)
         return {name: getattr(config, name) for name in FUSIONS}
 
-    assert not torch.cuda.is_available() and switches() == dict.fromkeys(FUSIONS, False)
+    def te_rope(present: bool) -> None:
+        for name in ("fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd"):
+            monkeypatch.setattr(rope_utils, name, (lambda *args, **kwargs: None) if present else None)
+
+    monkeypatch.setattr(model, "uses_transformer_engine", lambda: False)
+    monkeypatch.setattr(model, "has_apex_wgrad_kernel", lambda: False)
+    monkeypatch.setattr(model, "on_gpu", lambda: False)
+    assert switches() == dict.fromkeys(FUSIONS, False)
     monkeypatch.setattr(model, "on_gpu", lambda: True)
-    assert not model.has_apex_wgrad_kernel()  # not installed here: the GPU config without apex
     assert switches() == dict(bias_activation_fusion=True, bias_dropout_fusion=True, apply_rope_fusion=False,
                               gradient_accumulation_fusion=False)
     assert switches(bias_activation_fusion=False)["bias_activation_fusion"] is False
     monkeypatch.setattr(model, "has_apex_wgrad_kernel", lambda: True)
     assert switches()["gradient_accumulation_fusion"] is True
     assert switches(gradient_accumulation_fusion=False)["gradient_accumulation_fusion"] is False
-    # Transformer Engine's layers, with and without its fused RoPE (Megatron's config refuses the switch
-    # when the kernel is missing, so the kernel is stood in for here)
+    # Transformer Engine's layers, without and with its fused RoPE (Megatron's config refuses the switch when
+    # the kernel is missing)
     monkeypatch.setattr(model, "uses_transformer_engine", lambda: True)
+    te_rope(False)
     assert switches()["apply_rope_fusion"] is False
-    for name in ("fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd"):
-        monkeypatch.setattr(rope_utils, name, lambda *args, **kwargs: None)
+    te_rope(True)
     assert switches()["apply_rope_fusion"] is True
 
 
