@@ -100,3 +100,44 @@ def test_the_cycle_finder_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+@pytest.mark.timeout(90)
+def test_megatron_imports_without_torch_compiles_stack_and_compiles_at_first_call():
+    """megatron-core wraps its fused functions in torch.compile as it imports; imported through megarl.engine,
+    that happens at their first call instead, so TorchDynamo and Inductor (about 2 s) load only for a run that
+    calls one. The deferred wrapper compiles with the options it was given (the eager backend here: no C++
+    compiler needed), once, and computes what the function does; torch.compile itself is left as it was."""
+    code = """
+import sys, torch
+original = torch.compile
+import megarl.engine
+import megatron.core.transformer, megatron.core.models.gpt, megatron.core.distributed, megatron.core.optimizer
+from megatron.core.fusions import fused_bias_swiglu
+assert torch.compile is original
+assert fused_bias_swiglu.swiglu.__wrapped__.__name__ == "swiglu"  # a deferred wrapper around megatron's function
+compile_stack = [m for m in ("torch._dynamo", "torch._inductor.compile_fx") if m in sys.modules]
+assert not compile_stack, compile_stack
+from megarl.engine.deferred_compile import compile_on_first_call
+calls = []
+def counted(model, **options):
+    calls.append(options)
+    return original(model, **options)
+torch.compile = counted
+with compile_on_first_call():
+    affine = torch.compile(lambda x: 2 * x + 1, backend="eager")
+    @torch.compile(backend="eager", dynamic=False)
+    def square(x):
+        return x * x
+torch.compile = original
+assert calls == [] and "torch._dynamo" not in sys.modules
+x = torch.arange(4.0)
+assert torch.equal(affine(x), 2 * x + 1) and torch.equal(affine(x + 1), 2 * x + 3)
+assert torch.equal(square(x), x * x)
+assert calls == [{"backend": "eager"}, {"backend": "eager", "dynamic": False}], calls
+assert "torch._dynamo" in sys.modules
+print("deferred")
+"""
+    result = run_python(["-c", code], timeout_s=80)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "deferred" in result.stdout
