@@ -131,10 +131,11 @@ def fused_kernels(*, te: bool) -> dict:
 
 
 def has_apex_wgrad_kernel() -> bool:
-    """apex's CUDA extension for gradient accumulation fusion (`--cuda_ext` builds it) is installed."""
-    import importlib.util
+    """apex's CUDA extension for gradient accumulation fusion (`--cuda_ext` builds it) imports: Megatron's own
+    flag, which its linear layers check before they accept the switch."""
+    from megatron.core.tensor_parallel import layers
 
-    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+    return layers._grad_accum_fusion_available
 
 
 def uses_transformer_engine() -> bool:
