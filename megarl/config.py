@@ -481,6 +481,9 @@ class TrainConfig:
     # off, micro_batch_size padded sequences instead
     micro_batch_tokens: int | None = None
     epochs: int = 0  # sft/dpo: when > 0, train this many passes over the train set instead of `steps`
+    # RL: the policy trains only on samples with a non-zero advantage when the others add exactly nothing
+    # to its loss and gradients (no KL or entropy term, no critic); they still count in the loss's denominators
+    skip_zero_advantage: bool = True
 
     def check(self) -> None:
         _at_least(self, 1, "steps", "micro_batch_size")

@@ -85,6 +85,13 @@ class PolicyObjective:
         return self.mis_low is not None
 
     @property
+    def inert_at_zero_advantage(self) -> bool:
+        """Whether a sample whose advantage is zero on every token adds exactly zero to the loss and its
+        gradients: every term is the surrogate's (PPO-clip or GSPO, times TIS weights and MIS masks), which
+        scales with the advantage. A KL or entropy term reaches every sample."""
+        return self.kl_coef == 0 and self.entropy_coef == 0
+
+    @property
     def needs_entropy(self) -> bool:
         """Whether the engine must compute the per-token entropy (a loss term, and the `entropy` metric)."""
         return self.entropy_coef > 0
@@ -92,13 +99,15 @@ class PolicyObjective:
     def inputs(self, batch: RolloutBatch) -> dict[str, Tensor]:
         return {name: getattr(batch, name) for name in self.fields}
 
-    def __call__(self, logprobs: Tensor, mb: dict[str, Tensor], *, norm: LossNorm,
+    def __call__(self, logprobs: Tensor, mb: dict[str, Tensor], *, norm: LossNorm, stats_norm: LossNorm | None = None,
                  entropy: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """logprobs [b, T] (with grad), `mb` the micro-batch's slice of `inputs(batch)`, `entropy` [b, T]
-        when `needs_entropy`; norm: the global batch's counts. Returns (loss, statistics)."""
+        when `needs_entropy`; norm: the global batch's counts. `stats_norm`: the counts the statistics are
+        means over, when the trainer runs only part of the batch (`zero_advantage_split`); default `norm`.
+        Returns (loss, statistics)."""
         mask = mb["response_mask"]
         old = logprobs.detach() if self.on_policy else mb["old_logprobs"]
-        token_mean = partial(aggregate, mask=mask, mode="token-mean", norm=norm)
+        token_mean = partial(aggregate, mask=mask, mode="token-mean", norm=stats_norm or norm)
         if self.surrogate == "gspo":
             per_token, stats = gspo_loss(logprobs, old, masked_mean(mb["advantages"], mask, dim=-1),
                                          mask, clip_low=self.clip_low, clip_high=self.clip_high)
@@ -125,9 +134,8 @@ class PolicyObjective:
             loss = loss + self.kl_coef * kl
             out["kl"] = token_mean(per_token_kl.detach())
         if self.needs_entropy:
-            mean_entropy = token_mean(entropy)
-            loss = loss - self.entropy_coef * mean_entropy
-            out["entropy"] = mean_entropy.detach()
+            loss = loss - self.entropy_coef * aggregate(entropy, mask, mode="token-mean", norm=norm)
+            out["entropy"] = token_mean(entropy.detach())
         out["loss"] = loss.detach()
         return loss, out
 

@@ -203,3 +203,36 @@ def redistribute(batch: RolloutBatch, *, group, pad_id: int) -> tuple[RolloutBat
         received[src] = slot[0]
     mine = RolloutBatch.concat(received, pad_id=pad_id)
     return mine, tokens_imbalance([sum(flat[g] for g in part) for part in parts])
+
+
+def zero_advantage_split(batch: RolloutBatch, *, group, multiple: int = 1
+                         ) -> tuple[RolloutBatch, RolloutBatch | None, float]:
+    """Split off the samples whose advantage is exactly zero on every response token: under a loss whose
+    terms all scale with the advantage (`PolicyObjective.inert_at_zero_advantage`) such a sample adds
+    exactly zero to the loss and to every gradient, so training without it gives the same update (a GRPO
+    group whose samples all earned the same reward is one). Returns (trained, skipped, trained_frac).
+
+    Every rank of the data-parallel `group` keeps equally many samples, so `redistribute` can even out the
+    tokens afterwards: as many as the rank with the most samples to train (at least one, so every rank
+    still joins the step's collectives) rounded up to a `multiple` of samples (pipeline parallelism's
+    padded micro-batches), topped up with its shortest zero-advantage samples. `trained_frac`
+    is the global fraction of samples with a non-zero advantage. `skipped` is None when nothing is left out.
+    Every rank of `group` must call this (group None: this rank alone).
+    """
+    live = ((batch.advantages != 0) & batch.response_mask.bool()).any(dim=-1)
+    counts = torch.tensor([int(live.sum())])
+    size = dist.get_world_size(group) if group is not None else 1
+    if size > 1:
+        gathered = [torch.zeros_like(counts) for _ in range(size)]
+        dist.all_gather(gathered, counts, group=group)
+        counts = torch.cat(gathered)
+    keep_n = min(max(-(-int(counts.max()) // multiple) * multiple, multiple), len(batch))
+    trained_frac = float(counts.sum()) / (len(batch) * size)
+    lengths = sequence_lengths(batch.response_mask, batch.prompt_lens)
+    fillers = sorted((i for i in range(len(batch)) if not live[i]), key=lambda i: (int(lengths[i]), i))
+    keep = sorted([i for i in range(len(batch)) if live[i]] + fillers[:keep_n - int(live.sum())])
+    if len(keep) == len(batch):
+        return batch, None, trained_frac
+    rest = sorted(set(range(len(batch))) - set(keep))
+    return (batch.select(torch.tensor(keep, dtype=torch.long)), batch.select(torch.tensor(rest, dtype=torch.long)),
+            trained_frac)

@@ -299,6 +299,35 @@ def test_fused_core_attention_computes_megatrons_local_attention(qwen2_dir, grou
     assert (packed - causal).abs().max() > 1e-3  # the mask acted: the second segment sees less
 
 
+def test_packed_attention_segment_by_segment_equals_the_block_masked_row(qwen2_dir, groups):
+    """Packed sequences attended segment by segment (one batch row per segment, causal) give the outputs and
+    gradients of the whole row under the block-diagonal causal mask. 1e-6: fp32, another kernel's order. One
+    long segment among short ones takes the masked row instead (fewer scores)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megarl.engine.local_attention import block_causal_mask, segment_rows
+
+    core = make_engine(qwen2_dir, groups, train=False).module.decoder.layers[0].self_attention.core_attention
+    heads, groups_, dim = (core.num_attention_heads_per_partition, core.num_query_groups_per_partition,
+                           core.hidden_size_per_attention_head)
+    bounds = torch.tensor([0, 3, 9, 10, 16], dtype=torch.int32)  # the last segment: a row's padding
+    assert segment_rows(bounds.long(), 16) is not None  # 4 x 6^2 scores < 16^2
+    assert segment_rows(torch.tensor([0, 14, 15, 16]), 16) is None  # 3 x 14^2 >= 16^2
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds, max_seqlen_q=6,
+                             max_seqlen_kv=6)
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(16, n, dim, generator=gen).requires_grad_() for n in (heads, groups_, groups_)]
+    weights = torch.randn(16, 1, heads * dim, generator=gen)
+    by_segment = core(*inputs, None, packed_seq_params=params)
+    grads = torch.autograd.grad((by_segment * weights).sum(), inputs)
+    masked = core.attend(*(t.unsqueeze(1) for t in inputs), block_causal_mask(bounds, 16, device="cpu"))
+    masked_grads = torch.autograd.grad((masked * weights).sum(), inputs)
+    assert by_segment.shape == masked.shape == (16, 1, heads * dim)
+    assert (by_segment - masked).abs().max() <= 1e-6
+    for got, want in zip(grads, masked_grads):
+        assert (got - want).abs().max() <= 1e-6
+
+
 # ---- one-rank collectives --------------------------------------------------------------------------------------
 def test_one_rank_gradient_and_parameter_collectives_are_skipped_without_changing_the_update(qwen2_dir, groups):
     """In a one-rank data-parallel group Megatron's gradient reduce-scatter and parameter all-gather are the
@@ -367,6 +396,57 @@ def test_on_policy_step_takes_its_old_logprobs_from_the_training_forward(qwen2_d
         assert (updated[name] - tensor).abs().max() <= 1e-6, name
 
 
+# ---- zero-advantage samples ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("loss_agg,layout", [("token-mean", "padded"), ("seq-mean-token-mean", "padded"),
+                                             ("token-mean", "packed")])
+def test_training_without_the_zero_advantage_samples_gives_the_same_update(qwen2_dir, groups, loss_agg, layout):
+    """A sample whose advantage is zero everywhere adds exactly zero to a surrogate-only loss and to its
+    gradients, so a step on the other samples, with the whole batch's counts as denominators, has the loss,
+    gradient norm and update of the step on all of them; its statistics are means over the samples it ran.
+    Tolerance 1e-6: the same fp32 math over differently composed micro-batches (the sums run in another
+    order). TIS is on, so the statistics of the skipped samples are not trivially zero."""
+    from megarl.algo.aggregate import global_loss_norm, masked_sum
+    from megarl.config import AlgoConfig
+    from megarl.objective import policy_objective
+
+    tokens = fixed_tokens(batch=6)
+    mask = response_mask(tokens)
+    reference = make_engine(qwen2_dir, groups, train=False)
+    rollout = reference.logprobs(tokens, temperature=1.0, micro_batch_size=2) * mask
+    rollout = (rollout + 0.3 * torch.randn(tokens.shape, generator=torch.Generator().manual_seed(5))) * mask
+    advantages = torch.tensor([1.0, 0.0, -0.5, 0.8, 0.0, -1.2])[:, None] * mask
+    objective = policy_objective(AlgoConfig(loss_agg=loss_agg, tis_cap=1.5), on_policy=True)
+    assert objective.inert_at_zero_advantage
+    assert not policy_objective(AlgoConfig(kl_coef=0.1), on_policy=True).inert_at_zero_advantage
+    assert not policy_objective(AlgoConfig(entropy_coef=0.01), on_policy=True).inert_at_zero_advantage
+    inputs = {"response_mask": mask, "rollout_logprobs": rollout, "advantages": advantages}
+    norm = global_loss_norm(mask)
+    lengths = mask.shape[1] - torch.arange(6)  # response_mask: sample i ends at T - i
+    micro = (dict(micro_batch_size=2) if layout == "padded" else dict(micro_batch_size=1, micro_batch_tokens=40))
+
+    whole = make_engine(qwen2_dir, groups, train=True)
+    expected, logprobs = whole.train_step(tokens, inputs, partial(objective, norm=norm), temperature=1.0,
+                                          return_outputs=True, lengths=lengths, **micro)
+    live = torch.tensor([0, 2, 3, 5])
+    part = make_engine(qwen2_dir, groups, train=True)
+    ran = global_loss_norm(mask[live])
+    metrics = part.train_step(tokens[live], {k: v[live] for k, v in inputs.items()},
+                              partial(objective, norm=norm, stats_norm=ran), temperature=1.0, lengths=lengths[live],
+                              **micro)
+    assert expected["grad_norm"] > 0
+    for key in ("loss", "pg_loss", "grad_norm"):
+        assert metrics[key] == pytest.approx(expected[key], abs=1e-6), key
+    updated = dict(part.hf_tensors())
+    for name, tensor in whole.hf_tensors():
+        assert (updated[name] - tensor).abs().max() <= 1e-6, name
+    # the TIS weight is a token mean over the samples run: the whole batch's mean, less the skipped tokens
+    weights = torch.clamp(torch.exp(logprobs - rollout), max=1.5) * mask
+    skipped = torch.tensor([1, 4])
+    tis_sum = expected["tis_weight_mean"] * norm.tokens - float(masked_sum(weights[skipped], mask[skipped]))
+    assert metrics["tis_weight_mean"] == pytest.approx(tis_sum / ran.tokens, abs=1e-6)
+    assert abs(metrics["tis_weight_mean"] - expected["tis_weight_mean"]) > 1e-4  # the skipped samples' weights differ
+
+
 # ---- micro-batch invariance ------------------------------------------------------------------------------
 def test_train_step_is_invariant_to_micro_batch_size(qwen2_dir, groups):
     from megarl.algo.aggregate import global_loss_norm
@@ -384,15 +464,16 @@ def test_train_step_is_invariant_to_micro_batch_size(qwen2_dir, groups):
     loss_fn = partial(policy_objective(AlgoConfig(kl_coef=0.1)), norm=global_loss_norm(mask))
 
     results = {}
-    for micro_batch_size in (2, 4):
+    for micro_batch_size in (2, 3, 4):  # 3: micro-batches of 3 and 1 rows (one pipeline stage takes a ragged one)
         actor = make_engine(qwen2_dir, groups, train=True)
         results[micro_batch_size] = actor.train_step(tokens, extras, loss_fn, temperature=1.0,
                                                      micro_batch_size=micro_batch_size)
-    small, full = results[2], results[4]
+    full = results[4]
     assert full["clipfrac"] > 0
     # rel 1e-5: the same global sums in a different order, in fp32
-    for key in ("loss", "grad_norm", "kl", "clipfrac"):
-        assert small[key] == pytest.approx(full[key], rel=1e-5, abs=1e-9), key
+    for size in (2, 3):
+        for key in ("loss", "grad_norm", "kl", "clipfrac"):
+            assert results[size][key] == pytest.approx(full[key], rel=1e-5, abs=1e-9), (size, key)
 
 
 # ---- the CPU compatibility layer -------------------------------------------------------------------------

@@ -9,6 +9,7 @@ micro-batch invariance tests.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -21,6 +22,7 @@ import torch.multiprocessing as mp
 
 from megarl.batch import RolloutBatch
 from megarl.packing import (balanced_partition, count_bins, pack, packed_row, plan_micro_batches,
+                            zero_advantage_split,
                             redistribute, sequence_lengths, tokens_imbalance, unpack)
 
 pytestmark = pytest.mark.timeout(180)
@@ -176,6 +178,72 @@ def test_redistribute_moves_every_sample_to_its_balanced_rank(tmp_path):
     assert results[0][1] <= tokens_imbalance(before) + 1e-12
 
 
+# ---- samples with a zero advantage ------------------------------------------------------------------------------
+def with_advantages(batch: RolloutBatch, live: list[int]) -> RolloutBatch:
+    """`batch` with a non-zero advantage (on its response tokens only) for the samples in `live`, zero
+    advantage elsewhere; sample i's advantage outside its response is non-zero, which must not count."""
+    per_sample = torch.tensor([1.0 + i if i in live else 0.0 for i in range(len(batch))])
+    outside = 7.0 * (1.0 - batch.response_mask)
+    return dataclasses.replace(batch, advantages=per_sample[:, None] * batch.response_mask + outside)
+
+
+def test_zero_advantage_split_keeps_the_live_samples_and_their_order():
+    batch = rollout_batch(8, seed=0)
+    batch = dataclasses.replace(batch, response_mask=batch.response_mask.clone())
+    batch.response_mask[5] = 0.0  # an empty response: nothing to train, whatever its advantage
+    lengths = sequence_lengths(batch.response_mask, batch.prompt_lens).tolist()
+    trained, skipped, frac = zero_advantage_split(with_advantages(batch, [2, 5, 6]), group=None)
+    ids = [m["id"] for m in trained.metadata]
+    assert ids == [2, 6] and frac == pytest.approx(2 / 8)
+    assert sorted(ids + [m["id"] for m in skipped.metadata]) == list(range(8))  # every sample once
+    # padded micro-batches of 4 rows: two live samples and the two shortest others, in batch order
+    trained, skipped, _ = zero_advantage_split(with_advantages(batch, [2, 6]), group=None, multiple=4)
+    others = sorted((i for i in range(8) if i not in (2, 6)), key=lambda i: (lengths[i], i))[:2]
+    assert [m["id"] for m in trained.metadata] == sorted([2, 6, *others])
+    # nothing to train: one sample still runs (the step's collectives and optimizer step happen everywhere)
+    trained, skipped, frac = zero_advantage_split(with_advantages(batch, []), group=None)
+    assert len(trained) == 1 and lengths[trained.metadata[0]["id"]] == min(lengths) and frac == 0.0
+    # every sample with a response is live (1 and 5 have none); micro-batches of 8 rows keep the batch itself
+    whole = with_advantages(batch, list(range(8)))
+    assert [m["id"] for m in zero_advantage_split(whole, group=None)[0].metadata] == [0, 2, 3, 4, 6, 7]
+    trained, skipped, frac = zero_advantage_split(whole, group=None, multiple=8)
+    assert trained is whole and skipped is None and frac == pytest.approx(6 / 8)
+
+
+def _zero_advantage_worker(rank: int, world: int, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world)
+    batch = with_advantages(rollout_batch(8, seed=rank), [[0, 3, 4], [2]][rank])
+    trained, skipped, frac = zero_advantage_split(batch, group=dist.group.WORLD)
+    mine, _ = redistribute(trained, group=dist.group.WORLD, pad_id=0)
+    torch.save(([m["id"] for m in trained.metadata], frac, [m["id"] for m in mine.metadata]),
+               f"{out_dir}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_zero_advantage_split_keeps_as_many_samples_on_every_data_parallel_rank(tmp_path):
+    """Rank 0 has 3 samples to train, rank 1 one: both keep 3 (rank 1 adds its two shortest others), so the
+    token balancing that follows can move them."""
+    world = 2
+    ctx = mp.start_processes(_zero_advantage_worker, args=(world, str(tmp_path)), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + 120  # a hang fails the test
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("the split did not finish within 120 s")
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    assert results[0][0] == [0, 3, 4]
+    source = rollout_batch(8, seed=1)
+    lengths = sequence_lengths(source.response_mask, source.prompt_lens).tolist()
+    others = sorted((i for i in range(8) if i != 2), key=lambda i: (lengths[i], i))[:2]
+    assert results[1][0] == sorted(100 + i for i in [2, *others])
+    assert results[0][1] == results[1][1] == pytest.approx(4 / 16)
+    assert len(results[0][2]) == len(results[1][2]) == 3
+    assert sorted(results[0][2] + results[1][2]) == sorted(results[0][0] + results[1][0])
+
+
 # ---- the engine: packed micro-batches against padded ones -------------------------------------------------------
 N_TOKENS = 98  # real tokens of the tiny tokenizer
 
@@ -232,15 +300,15 @@ def test_packed_logprobs_equal_padded_and_attention_stays_inside_each_sequence(q
                                   micro_batch_tokens=20)
     assert (one_per_row - padded)[ok].abs().max() <= PACK_TOL
 
-    # The check has teeth: a plain causal mask over the whole row lets sequences see their neighbours.
-    block = local_attention.block_causal_mask
+    # The check has teeth: one segment over the whole row (plain causal attention) lets sequences see their
+    # neighbours.
+    bounds = local_attention.segment_bounds
     try:
-        local_attention.block_causal_mask = lambda cu, total, device: block(
-            torch.tensor([0, total]), total, device=device)
+        local_attention.segment_bounds = lambda params: torch.tensor([0, int(bounds(params)[-1])])
         leaky = engine.logprobs(tokens, temperature=0.7, micro_batch_size=6, lengths=lengths,
                                 micro_batch_tokens=32)
     finally:
-        local_attention.block_causal_mask = block
+        local_attention.segment_bounds = bounds
     assert (leaky - padded)[ok].abs().max() > 1e-2
 
 

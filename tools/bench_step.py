@@ -18,6 +18,13 @@ each run drops its first step of each side (warm-up) and reports the median of t
 N the whole comparison is repeated with fresh models and the median of the N ratios is printed last.
 Per-phase times are megarl's own `timing/*` metrics and, for the plain step, generate / reward / train
 (wall clock both). `--clock cpu` times whole steps by the process's CPU time instead of the wall clock.
+
+megarl trains only on the samples with a non-zero advantage (`train.skip_zero_advantage`, README
+"Algorithms"); the plain step trains on all of them, and the share megarl trained on is printed. A new random
+model earns no reward, so every group is all wrong and megarl trains on one sample: the ratio is then that of
+the easiest case. For the ratio of a real run's mix, start both from a model that earns some reward
+(`--model runs/quickstart/run/warmup`, the quickstart's warm start); `--set train.skip_zero_advantage=false`
+times megarl's training on every sample.
 """
 
 from __future__ import annotations
@@ -43,13 +50,14 @@ SHAPES = {  # make_tiny_model arguments
 }
 
 
-def make_inputs(out: Path, shape: str) -> tuple[Path, Path]:
-    """The model and the arithmetic prompts, made here (seed 0)."""
+def make_inputs(out: Path, shape: str, model: Path | None = None) -> tuple[Path, Path]:
+    """The model (made here, seed 0, unless `model` is given) and the arithmetic prompts, made here."""
     from make_tiny_model import make_tiny_model
 
     from megarl.data.arithmetic import make_arithmetic_splits
 
-    model = make_tiny_model(out / "model", arch="qwen2", seed=0, **SHAPES[shape])
+    if model is None:
+        model = make_tiny_model(out / "model", arch="qwen2", seed=0, **SHAPES[shape])
     data = out / "data"
     make_arithmetic_splits(data, seed=0)
     return Path(model), data / "train.jsonl"
@@ -58,7 +66,8 @@ def make_inputs(out: Path, shape: str) -> tuple[Path, Path]:
 class MegarlStep:
     """megarl's RL step on the quickstart recipe, built once (one process, gloo)."""
 
-    def __init__(self, model: Path, train: Path, run_dir: Path, *, prompts: int, samples: int, new_tokens: int):
+    def __init__(self, model: Path, train: Path, run_dir: Path, *, prompts: int, samples: int, new_tokens: int,
+                 overrides: list[str] = ()):
         from transformers import AutoTokenizer
 
         from megarl.config import load_config
@@ -72,17 +81,18 @@ class MegarlStep:
             f"run_dir={run_dir}", f"model.path={model}", f"data.train_path={train}", "data.eval_path=null",
             "warmup.sft_steps=0", f"data.prompts_per_step={prompts}", f"rollout.n_samples={samples}",
             f"rollout.max_new_tokens={new_tokens}", f"train.micro_batch_size={prompts * samples}",
-            "log.progress=false"])
+            "log.progress=false", *overrides])
         groups = init_groups(cfg)
         rows = load_prompts(cfg.data.train_path, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key)
         self.run = build_run(cfg, groups, tokenizer=AutoTokenizer.from_pretrained(model), train_rows=rows,
                              eval_rows=[], model_dir=str(model))
         hand_over(self.run, PhaseTimer())
-        self._step, self.steps = rl_step, 0
+        self._step, self.steps, self.trained_frac = rl_step, 0, []
 
     def __call__(self) -> dict[str, float]:
         self.steps += 1
         metrics = self._step(self.run, self.steps)
+        self.trained_frac.append(metrics["train/trained_frac"])
         return {k.removeprefix("timing/").removesuffix("_s"): v for k, v in metrics.items()
                 if k.startswith("timing/") and k.endswith("_s")}
 
@@ -157,9 +167,9 @@ def compare(args, tmp: Path) -> tuple[float, dict[str, list[float]], dict[str, l
     throughput ratio (plain seconds / megarl seconds, medians) and each side's phase times per step."""
     from megarl.config import load_config
 
-    model, train = make_inputs(tmp, args.shape)
+    model, train = make_inputs(tmp, args.shape, args.model)
     sizes = dict(prompts=args.prompts, samples=args.samples, new_tokens=args.new_tokens)
-    megarl = MegarlStep(model, train, tmp / "run", **sizes)
+    megarl = MegarlStep(model, train, tmp / "run", overrides=args.set, **sizes)
     optim = load_config(REPO / "recipes" / "quickstart.yaml", check_paths=False).optim
     algo = megarl.run.cfg.algo
     plain = PlainStep(model, train, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
@@ -178,6 +188,7 @@ def compare(args, tmp: Path) -> tuple[float, dict[str, list[float]], dict[str, l
             for name, value in parts.items():
                 phases[side].setdefault(name, []).append(value)
     ratio = statistics.median(seconds["plain"]) / statistics.median(seconds["megarl"])
+    phases["megarl"]["trained_frac"] = megarl.trained_frac
     return ratio, {s: statistics.median(v) for s, v in seconds.items()}, phases
 
 
@@ -193,6 +204,11 @@ def main() -> None:
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="time steps by the wall clock, or by this process's CPU time (on a machine busy with "
                              "other work, closer to what each step costs; the phases stay wall times)")
+    parser.add_argument("--model", type=Path, help="a checkpoint to start both from instead of a new random model "
+                        "of --shape, e.g. the quickstart's warm start runs/quickstart/run/warmup: a model that earns "
+                        "some reward, so its groups have mixed rewards as in a real run")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe override for megarl's step (repeatable), e.g. train.skip_zero_advantage=false")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -207,10 +223,13 @@ def main() -> None:
         ratios.append(ratio)
         print(f"run {run + 1}: megarl {medians['megarl'] * 1000:7.1f} ms/step, plain {medians['plain'] * 1000:7.1f} "
               f"ms/step, throughput ratio {ratio:.2f}x")
+        trained = phases["megarl"].pop("trained_frac")
         for side in ("megarl", "plain"):
             parts = ", ".join(f"{name} {statistics.median(v) * 1000:.1f}" for name, v in phases[side].items()
                               if statistics.median(v) >= 5e-4)
             print(f"    {side:>6} phases (ms, median): {parts}")
+        print(f"    megarl trained on {statistics.mean(trained):.0%} of the samples (non-zero advantage; the plain "
+              "step trains on all)")
         reset_distributed()
     print(f"shape {args.shape}, {args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens, "
           f"{args.threads} thread(s), {args.clock} clock: megarl / plain throughput, median of {args.runs} runs: "

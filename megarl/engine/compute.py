@@ -49,7 +49,8 @@ class PipelineSchedule:
         None, `forward_only` or `keep_outputs`, on the last pipeline stage, else None; the loss function's
         statistics summed over micro-batches).
 
-        Micro-batches hold `micro_batch_size` padded rows, or, with `micro_batch_tokens`, are packed rows
+        Micro-batches hold `micro_batch_size` padded rows (the last one fewer when they do not divide the
+        batch, on one pipeline stage), or, with `micro_batch_tokens`, are packed rows
         of at most that many tokens (`lengths` [B], the real tokens of each row of `tokens`, is then
         required; see `packed_micro_batches`). Loss functions see [b, T] tensors either way; packed
         outputs are 0 past each sequence's end.
@@ -92,21 +93,22 @@ class PipelineSchedule:
                      for m in self.packed_micro_batches(tokens, extras, lengths, micro_batch_tokens)]
             shape_len, shape_batch = max(m[1].row_len for m in micro), 1
         else:
-            if batch % micro_batch_size != 0:
+            # Pipeline stages exchange activations of one fixed shape, so with pp > 1 every micro-batch holds
+            # micro_batch_size rows; one stage takes a smaller last one (a step on part of a batch).
+            if batch % micro_batch_size != 0 and self.stage.groups.pp_size > 1:
                 raise ValueError(f"batch of {batch} sequences is not divisible by micro_batch_size "
-                                 f"{micro_batch_size}")
+                                 f"{micro_batch_size}, which pipeline parallelism needs")
             cp_rank = self.stage.groups.cp_rank
             positions = split_sequence(torch.arange(width, device=device)[None], cp=cp, rank=cp_rank)
-            positions = positions.expand(micro_batch_size, -1)
             micro = []
             for i in range(0, batch, micro_batch_size):
-                index = torch.arange(i, i + micro_batch_size)
+                index = torch.arange(i, min(i + micro_batch_size, batch))
                 mb = {"tokens": tokens[index].to(device), **{k: v[index].to(device) for k, v in extras.items()}}
                 # the token after each position, taken before the split: a context-parallel rank's last
                 # position of a chunk predicts a token that another rank holds
                 labels = F.pad(mb["tokens"][:, 1:], (0, 1))
                 inputs = (split_sequence(mb["tokens"], cp=cp, rank=cp_rank),
-                          split_sequence(labels, cp=cp, rank=cp_rank), positions, None)
+                          split_sequence(labels, cp=cp, rank=cp_rank), positions.expand(len(index), -1), None)
                 local_routes = None if routes.routes is None else partial(
                     self.routing.padded_routes, routes.routes, index, width=width, device=device)
                 micro.append((index, None, inputs, mb, local_routes))

@@ -4,11 +4,15 @@ sequences and context parallelism, which the local `DotProductAttention` refuses
 Packed sequences: Megatron hands packed ("thd") query, key and value [t, heads, dim] and `PackedSeqParams`
 to the core attention; rotary embeddings were already applied per segment from `cu_seqlens` (positions
 restart at 0 in every sequence). Transformer Engine's attention takes that as is. The local one refuses it,
-so this one computes the same thing as a batch of one row of t tokens under a block-diagonal causal mask: a
-token attends to the earlier tokens of its own segment only. Megatron's masked softmax fills masked scores
-with -10000 before the softmax, as it does with the causal mask of an unpacked batch, so each sequence's
-attention weights equal those of the same sequence alone (exp(-10000 - max) is 0 in fp32 and bf16). The mask
-is t x t booleans: fine for the CPU and debugging runs this spec serves.
+so this one computes the same thing: each segment's causal attention over its own tokens. With the fused
+kernel (below), the segments are gathered into a batch of rows as long as the longest, attended under the
+causal mask (a row's padding comes after its segment's tokens, so the mask already hides it) and scattered
+back: n x L^2 scores for n segments of at most L tokens. When that is more than t^2 (one long sequence among
+many short ones), or without the fused kernel, the row of t tokens is attended under a t x t block-diagonal
+causal mask instead: a token attends to the earlier tokens of its own segment only. Megatron's masked softmax
+fills masked scores with -10000 before the softmax, as it does with the causal mask of an unpacked batch, so
+each sequence's attention weights equal those of the same sequence alone (exp(-10000 - max) is 0 in fp32 and
+bf16).
 
 Context parallelism: each rank holds two chunks of every sequence (megarl.engine.context_parallel) with
 rotary embeddings already applied at their true positions. Keys and values are all-gathered over the
@@ -42,6 +46,25 @@ def block_causal_mask(cu_seqlens: Tensor, total: int, *, device) -> Tensor:
     pos = torch.arange(total, device=device)
     allowed = (segment[:, None] == segment[None, :]) & (pos[None, :] <= pos[:, None])
     return ~allowed[None, None]
+
+
+def segment_bounds(packed_seq_params) -> Tensor:
+    """[n + 1] the offsets where the packed row's segments (sequences, and padding) begin, and its end."""
+    return packed_seq_params.cu_seqlens_q.to(torch.long)
+
+
+def segment_rows(bounds: Tensor, total: int) -> tuple[Tensor, Tensor] | None:
+    """For attention segment by segment: index [n, L] of the row's tokens laid out one segment per row (L =
+    the longest segment; a row past its segment's end points at later tokens of the packed row, which the
+    causal mask hides from the segment's own) and valid [n, L] (the real ones, in token order). None when n
+    x L^2 scores are not fewer than the t x t of one masked row."""
+    lengths = bounds[1:] - bounds[:-1]
+    longest = int(lengths.max())
+    if int(bounds[-1]) != total or len(lengths) * longest * longest >= total * total:
+        return None
+    offsets = torch.arange(longest, device=bounds.device)
+    index = (bounds[:-1, None] + offsets[None, :]).clamp(max=total - 1)
+    return index, offsets[None, :] < lengths[:, None]
 
 
 class PackedLocalAttention(DotProductAttention):
@@ -103,7 +126,14 @@ class PackedLocalAttention(DotProductAttention):
         if packed_seq_params.qkv_format != "thd" or attention_mask is not None:
             raise ValueError("packed attention takes qkv_format 'thd' and no attention mask of its own")
         total = query.shape[0]
-        mask = block_causal_mask(packed_seq_params.cu_seqlens_q, total, device=query.device)
+        bounds = segment_bounds(packed_seq_params).to(query.device)
+        rows = segment_rows(bounds, total) if self.fused and attention_bias is None else None
+        if rows is not None:
+            index, valid = rows
+            # [t, heads, dim] -> [n, L, heads, dim] -> attention as [L, n, ...] -> the valid [t, 1, heads * dim]
+            out = self.attend(*(t[index].transpose(0, 1) for t in (query, key, value)), None)
+            return out.transpose(0, 1)[valid].unsqueeze(1)
+        mask = block_causal_mask(bounds, total, device=query.device)
         # [t, heads, dim] -> [t, 1, heads, dim]: one row of t tokens; the result is [t, 1, heads * dim]
         return self.attend(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask,
                            attn_mask_type=attn_mask_type, attention_bias=attention_bias)

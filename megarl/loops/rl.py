@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megarl.algo.aggregate import global_loss_norm, masked_sum
+from megarl.algo.aggregate import LossNorm, global_loss_norm, masked_sum
 from megarl.algo.kl import kl_estimate
 from megarl.batch import RolloutBatch
 from megarl.config import Config, TrainConfig
@@ -30,7 +30,7 @@ from megarl.loops.split import SplitRollout, dismiss_rollout_ranks, is_rollout_r
 from megarl.loops.warmup import sft_warmup
 from megarl.metrics import PhaseTimer, check_finite
 from megarl.objective import explained_variance
-from megarl.packing import redistribute, sequence_lengths
+from megarl.packing import redistribute, sequence_lengths, zero_advantage_split
 from megarl.rewards.code import check_test_specs
 from megarl.rewards.scorer import RewardFailure
 from megarl.rollout.multi_turn import FINISH_REASONS
@@ -56,22 +56,29 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
         advantages, returns = run.advantages(batch, run.kl.value)
         batch = batch.replace(advantages=advantages, returns=returns)
     with timer("balance"):  # after advantages: a group's baseline needs all its samples on one rank
-        batch, tokens_imbalance = redistribute(batch, group=run.groups.dp, pad_id=run.tokenizer.pad_token_id)
+        # the whole batch's counts: samples the trainer skips stay in the loss's denominators
+        norm = global_loss_norm(batch.response_mask, group=run.groups.dp)
+        trained, trained_frac = batch, 1.0
+        if skips_zero_advantage(run):
+            # pipeline stages exchange padded micro-batches of micro_batch_size rows only
+            rows = cfg.train.micro_batch_size if run.groups.pp_size > 1 and not cfg.train.micro_batch_tokens else 1
+            trained, _, trained_frac = zero_advantage_split(batch, group=run.groups.dp, multiple=rows)
+        trained, tokens_imbalance = redistribute(trained, group=run.groups.dp, pad_id=run.tokenizer.pad_token_id)
     with timer("train"):
-        train_metrics, batch = train_policy(run, batch, step=step)
-        train_metrics |= train_critic(run, batch) if run.critic is not None else {}
-    trained = routing_metrics(run)  # also clears the counts of the training passes
-    moe = moe or trained
+        train_metrics, trained = train_policy(run, trained, norm=norm, step=step)
+        train_metrics |= train_critic(run, trained) if run.critic is not None else {}
+    training_moe = routing_metrics(run)  # also clears the counts of the training passes
+    moe = moe or training_moe
     push_stats = hand_over(run, timer)
     with timer("eval"):
         eval_metrics = evaluate(run) if run.eval_rows and step % cfg.data.eval_every == 0 else {}
-    metrics = batch_metrics(run, batch)
+    metrics = batch_metrics(run, batch, trained)
     kl_metrics = update_kl_coef(run, batch)
     seconds = sum(timer.seconds.values())
     tokens, = run.global_sums([float(batch.prompt_lens.sum() + batch.response_mask.sum())])
     return {
         **metrics, **sampling, **kl_metrics, **train_metrics, **eval_metrics, **moe, **timer.metrics(),
-        "train/tokens_imbalance": tokens_imbalance,
+        "train/tokens_imbalance": tokens_imbalance, "train/trained_frac": trained_frac,
         "handoff/bytes": float(push_stats["bytes"]),
         **({"async/push_wait_s": push_stats["wait_s"]} if "wait_s" in push_stats else {}),
         "throughput/tokens_per_s": tokens / seconds,
@@ -97,14 +104,18 @@ def compute_logprobs(run: RLRun, batch: RolloutBatch) -> RolloutBatch:
     return batch.replace(old_logprobs=old, ref_logprobs=ref, values=values, trainer_routes=recorded)
 
 
-def train_policy(run: RLRun, batch: RolloutBatch, *, step: int) -> tuple[dict[str, float], RolloutBatch]:
+def train_policy(run: RLRun, batch: RolloutBatch, *, norm: LossNorm,
+                 step: int) -> tuple[dict[str, float], RolloutBatch]:
     """`algo.epochs` optimizer steps of the actor on the batch, with the objective built from the recipe.
-    Returns the last step's metrics and the batch, which holds the old logprobs afterwards: an on-policy
-    update's come from its one training forward."""
+    `norm`: the counts of the whole global batch, of which `batch` may be the part with a non-zero advantage
+    (`zero_advantage_split`); the statistics are means over the samples trained. Returns the last step's
+    metrics and the batch, which holds the old logprobs afterwards: an on-policy update's come from its one
+    training forward."""
     cfg, objective = run.cfg, run.objective
-    norm = global_loss_norm(batch.response_mask, group=run.groups.dp)
+    ran = global_loss_norm(batch.response_mask, group=run.groups.dp)
     # Dr. GRPO's constant divisor is the generation budget, not the longest response of this batch
-    loss_fn = partial(objective, norm=dataclasses.replace(norm, max_len=cfg.rollout.max_new_tokens))
+    loss_fn = partial(objective, norm=dataclasses.replace(norm, max_len=cfg.rollout.max_new_tokens),
+                      stats_norm=None if (ran.tokens, ran.seqs) == (norm.tokens, norm.seqs) else ran)
     kwargs = dict(temperature=cfg.rollout.temperature, entropy=objective.needs_entropy,
                   routes=run.routes.training(batch.routes, batch.trainer_routes), **micro_batching(cfg.train, batch))
     if objective.on_policy:  # one epoch (AlgoConfig.on_policy)
@@ -131,6 +142,12 @@ def train_critic(run: RLRun, batch: RolloutBatch) -> dict[str, float]:
     check_finite({"loss": metrics["critic/loss"], "grad_norm": metrics["critic/grad_norm"]},
                  step=run.critic.step, what="critic", keep=partial(keep_batch, run, batch, step=run.critic.step))
     return metrics
+
+
+def skips_zero_advantage(run: RLRun) -> bool:
+    """Whether the policy trains on the samples with a non-zero advantage only (`train.skip_zero_advantage`):
+    when a zero-advantage sample adds nothing to the policy loss and a critic does not train on it too."""
+    return run.cfg.train.skip_zero_advantage and run.objective.inert_at_zero_advantage and run.critic is None
 
 
 def check_rewards(run: RLRun, failed_frac: float, *, step: int) -> None:
@@ -186,14 +203,17 @@ def push_policy(run: RLRun) -> dict:
     return {"bytes": nbytes}
 
 
-def batch_metrics(run: RLRun, batch: RolloutBatch) -> dict[str, float]:
+def batch_metrics(run: RLRun, batch: RolloutBatch, trained: RolloutBatch) -> dict[str, float]:
     """Reward, length, rollout-vs-trainer logprob drift and the environment's turns, tool calls and finish
-    reasons over the global batch (one all-reduce). Response lengths count generated tokens only."""
+    reasons over the global batch (one all-reduce). Response lengths count generated tokens only. The drift
+    is over the samples the trainer ran (`trained`, with their old logprobs): all of them, or those of
+    `zero_advantage_split`."""
     mask = batch.response_mask.bool()
-    diff = (batch.rollout_logprobs - batch.old_logprobs).abs()[mask]
-    n, tokens, rewards, truncated, diff_sum, turns, calls, *ended = run.global_sums([
+    trained_mask = trained.response_mask.bool()
+    diff = (trained.rollout_logprobs - trained.old_logprobs).abs()[trained_mask]
+    n, tokens, rewards, truncated, diff_sum, diff_tokens, turns, calls, *ended = run.global_sums([
         float(len(batch)), float(mask.sum()), float(batch.rewards.sum()),
-        float(sum(r == "length" for r in batch.finish_reasons)), float(diff.sum()),
+        float(sum(r == "length" for r in batch.finish_reasons)), float(diff.sum()), float(diff.numel()),
         float(batch.turns.sum()), float(batch.tool_calls.sum()),
         *(float(sum(r == reason for r in batch.finish_reasons)) for reason in FINISH_REASONS)])
     diff_max = torch.tensor([float(diff.max()) if diff.numel() else 0.0])
@@ -203,7 +223,7 @@ def batch_metrics(run: RLRun, batch: RolloutBatch) -> dict[str, float]:
         "reward/mean": rewards / n,
         "response/len_mean": tokens / n,
         "response/truncated_frac": truncated / n,
-        "rollout/logprob_diff_mean": diff_sum / max(tokens, 1.0),
+        "rollout/logprob_diff_mean": diff_sum / max(diff_tokens, 1.0),
         "rollout/logprob_diff_max": float(diff_max),
         "env/turns_mean": turns / n,
         "env/tool_calls_mean": calls / n,
