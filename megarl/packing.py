@@ -215,7 +215,9 @@ def zero_advantage_split(batch: RolloutBatch, *, group, multiple: int = 1
     Every rank of the data-parallel `group` keeps equally many samples, so `redistribute` can even out the
     tokens afterwards: as many as the rank with the most samples to train (at least one, so every rank
     still joins the step's collectives) rounded up to a `multiple` of samples (pipeline parallelism's
-    padded micro-batches), topped up with its shortest zero-advantage samples. `trained_frac`
+    padded micro-batches), topped up with its shortest zero-advantage samples, whose response masks are
+    zeroed (they run through their prompts only, and the statistics and drift count the samples with a
+    non-zero advantage alone, whatever the layout). `trained_frac`
     is the global fraction of samples with a non-zero advantage. `skipped` is None when nothing is left out.
     Every rank of `group` must call this (group None: this rank alone).
     """
@@ -234,5 +236,7 @@ def zero_advantage_split(batch: RolloutBatch, *, group, multiple: int = 1
     if len(keep) == len(batch):
         return batch, None, trained_frac
     rest = sorted(set(range(len(batch))) - set(keep))
-    return (batch.select(torch.tensor(keep, dtype=torch.long)), batch.select(torch.tensor(rest, dtype=torch.long)),
-            trained_frac)
+    trained = batch.select(torch.tensor(keep, dtype=torch.long))
+    # a filler's response is masked out: it runs through its prompt only, and no statistic counts it
+    trained = dataclasses.replace(trained, response_mask=trained.response_mask * live[keep][:, None])
+    return trained, batch.select(torch.tensor(rest, dtype=torch.long)), trained_frac

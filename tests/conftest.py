@@ -59,11 +59,12 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
-def run_python(args: list[str], *, cwd: Path | str | None = None,
-               timeout_s: float = SUBPROCESS_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """`python ARGS` in a fresh interpreter, output captured, bounded by `timeout_s`."""
-    return subprocess.run([sys.executable, *args], cwd=cwd or REPO, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=timeout_s)
+def run_python(args: list[str], *, cwd: Path | str | None = None, timeout_s: float = SUBPROCESS_TIMEOUT_S,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python ARGS` in a fresh interpreter (with `env` added to its environment), output captured, bounded
+    by `timeout_s`."""
+    return subprocess.run([sys.executable, *args], cwd=cwd or REPO, env=subprocess_env() | (env or {}),
+                          capture_output=True, text=True, timeout=timeout_s)
 
 
 def _tiny_model_tool():

@@ -200,9 +200,14 @@ def test_zero_advantage_split_keeps_the_live_samples_and_their_order():
     trained, skipped, _ = zero_advantage_split(with_advantages(batch, [2, 6]), group=None, multiple=4)
     others = sorted((i for i in range(8) if i not in (2, 6)), key=lambda i: (lengths[i], i))[:2]
     assert [m["id"] for m in trained.metadata] == sorted([2, 6, *others])
+    # the fillers run through their prompts only: their responses are masked out, the live ones' are kept
+    for k, m in enumerate(trained.metadata):
+        want = batch.response_mask[m["id"]] if m["id"] in (2, 6) else torch.zeros(batch.response_mask.shape[1])
+        assert torch.equal(trained.response_mask[k], want), m["id"]
     # nothing to train: one sample still runs (the step's collectives and optimizer step happen everywhere)
     trained, skipped, frac = zero_advantage_split(with_advantages(batch, []), group=None)
     assert len(trained) == 1 and lengths[trained.metadata[0]["id"]] == min(lengths) and frac == 0.0
+    assert trained.response_mask.sum() == 0
     # every sample with a response is live (1 and 5 have none); micro-batches of 8 rows keep the batch itself
     whole = with_advantages(batch, list(range(8)))
     assert [m["id"] for m in zero_advantage_split(whole, group=None)[0].metadata] == [0, 2, 3, 4, 6, 7]

@@ -53,7 +53,11 @@ def args(recipe: Path, run_dir: Path, *overrides: str, nproc: int = 0) -> list[s
 
 
 def run(recipe: Path, run_dir: Path, *overrides: str, nproc: int = 0) -> None:
-    result = run_python(args(recipe, run_dir, *overrides, nproc=nproc), cwd=run_dir.parent, timeout_s=RUN_TIMEOUT_S)
+    # torchrun gives each of its processes one thread (OMP_NUM_THREADS=1 when unset); a one-process run that a
+    # split run is compared with bit for bit uses one too, since on some CPUs another count rounds differently
+    env = {} if nproc else {"OMP_NUM_THREADS": "1"}
+    result = run_python(args(recipe, run_dir, *overrides, nproc=nproc), cwd=run_dir.parent, timeout_s=RUN_TIMEOUT_S,
+                        env=env)
     assert result.returncode == 0, result.stderr[-4000:]
 
 
