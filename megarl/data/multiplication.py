@@ -1,6 +1,6 @@
 """Two-digit multiplication for the calculator-tool recipe: prompts, and demonstrations for its warm start.
 
-    python -m megarl.data.multiplication --out DIR [--seed 0] [--heldout-size 256] [--tool-frac 0.3]
+    python -m megarl.data.multiplication --out DIR [--seed 0] [--heldout-size 256] [--tool-frac 0.5]
 
 writes DIR/train.jsonl and DIR/heldout.jsonl, {"prompt": "47*86=", "answer": "4042"}, and DIR/demos.jsonl, the
 train problems once more as chat conversations for supervised warm starts. Operands are in [32, 99], so every
@@ -14,7 +14,9 @@ A fraction `--tool-frac` of the demonstrations use the tool,
     tool: 4042     assistant: 4042
 
 and the others answer at once (assistant: 4042). A warm-started policy then calls the tool on about that
-fraction of problems and guesses on the rest; RL is what makes it use the tool. As in
+fraction of problems and guesses on the rest; RL is what makes it use the tool. Half by default: with fewer
+copying examples (0.3) the copying skill forms within the warm start's 400 steps on some CPUs and not on
+others, whose warm starts then leave RL nothing to copy with. As in
 megarl.data.arithmetic, a problem is held out together with its mirror image (47*86 with 86*47).
 """
 
@@ -43,7 +45,7 @@ def demonstration(a: int, b: int, *, use_tool: bool) -> list[dict]:
 
 
 def write_multiplication_set(out_dir: str | Path, *, seed: int = 0, heldout_size: int = 256,
-                             tool_frac: float = 0.3) -> Path:
+                             tool_frac: float = 0.5) -> Path:
     """Write train.jsonl, heldout.jsonl and demos.jsonl under `out_dir` and return it. Same arguments, same
     bytes."""
     rng = random.Random(seed)
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="directory for train.jsonl, heldout.jsonl, demos.jsonl")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--heldout-size", type=int, default=256, help="rows in heldout.jsonl")
-    parser.add_argument("--tool-frac", type=float, default=0.3, help="fraction of demonstrations using the tool")
+    parser.add_argument("--tool-frac", type=float, default=0.5, help="fraction of demonstrations using the tool")
     args = parser.parse_args(argv)
     out = write_multiplication_set(args.out, seed=args.seed, heldout_size=args.heldout_size, tool_frac=args.tool_frac)
     print(f"wrote {out}")
