@@ -145,17 +145,22 @@ def _exchange_worker(rank: int, world: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def test_redistribute_moves_every_sample_to_its_balanced_rank(tmp_path):
-    world = 2
-    ctx = mp.start_processes(_exchange_worker, args=(world, str(tmp_path)), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + 120  # a hang fails the test
+def spawn_ranks(worker, world: int, out_dir) -> list:
+    """Run `worker(rank, world, out_dir)` in `world` spawned processes (gloo over a file store) and return
+    what each saved to OUT_DIR/rank{rank}.pt. A hang fails the test after 120 s."""
+    ctx = mp.start_processes(worker, args=(world, str(out_dir)), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + 120
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
-            pytest.fail("the exchange did not finish within 120 s")
-    results = {r: torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)}
+            pytest.fail(f"{worker.__name__} did not finish within 120 s")
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def test_redistribute_moves_every_sample_to_its_balanced_rank(tmp_path):
+    world = 2
+    results = dict(enumerate(spawn_ranks(_exchange_worker, world, tmp_path)))
 
     sources = [rollout_batch(8, seed=r) for r in range(world)]
     lengths = torch.cat([sequence_lengths(b.response_mask, b.prompt_lens) for b in sources]).tolist()
@@ -229,16 +234,7 @@ def _zero_advantage_worker(rank: int, world: int, out_dir: str) -> None:
 def test_zero_advantage_split_keeps_as_many_samples_on_every_data_parallel_rank(tmp_path):
     """Rank 0 has 3 samples to train, rank 1 one: both keep 3 (rank 1 adds its two shortest others), so the
     token balancing that follows can move them."""
-    world = 2
-    ctx = mp.start_processes(_zero_advantage_worker, args=(world, str(tmp_path)), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + 120  # a hang fails the test
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the split did not finish within 120 s")
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    results = spawn_ranks(_zero_advantage_worker, 2, tmp_path)
     assert results[0][0] == [0, 3, 4]
     source = rollout_batch(8, seed=1)
     lengths = sequence_lengths(source.response_mask, source.prompt_lens).tolist()
