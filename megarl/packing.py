@@ -205,12 +205,11 @@ def redistribute(batch: RolloutBatch, *, group, pad_id: int) -> tuple[RolloutBat
     return mine, tokens_imbalance([sum(flat[g] for g in part) for part in parts])
 
 
-def zero_advantage_split(batch: RolloutBatch, *, group, multiple: int = 1
-                         ) -> tuple[RolloutBatch, RolloutBatch | None, float]:
+def zero_advantage_split(batch: RolloutBatch, *, group, multiple: int = 1) -> tuple[RolloutBatch, float]:
     """Split off the samples whose advantage is exactly zero on every response token: under a loss whose
     terms all scale with the advantage (`PolicyObjective.inert_at_zero_advantage`) such a sample adds
     exactly zero to the loss and to every gradient, so training without it gives the same update (a GRPO
-    group whose samples all earned the same reward is one). Returns (trained, skipped, trained_frac).
+    group whose samples all earned the same reward is one). Returns (trained, trained_frac).
 
     Every rank of the data-parallel `group` keeps equally many samples, so `redistribute` can even out the
     tokens afterwards: as many as the rank with the most samples to train (at least one, so every rank
@@ -218,8 +217,8 @@ def zero_advantage_split(batch: RolloutBatch, *, group, multiple: int = 1
     padded micro-batches), topped up with its shortest zero-advantage samples, whose response masks are
     zeroed (they run through their prompts only, and the statistics and drift count the samples with a
     non-zero advantage alone, whatever the layout). `trained_frac`
-    is the global fraction of samples with a non-zero advantage. `skipped` is None when nothing is left out.
-    Every rank of `group` must call this (group None: this rank alone).
+    is the global fraction of samples with a non-zero advantage. `trained` is `batch` itself when it keeps
+    every sample and masks nothing. Every rank of `group` must call this (group None: this rank alone).
     """
     live = ((batch.advantages != 0) & batch.response_mask.bool()).any(dim=-1)
     counts = torch.tensor([int(live.sum())])
@@ -233,10 +232,9 @@ def zero_advantage_split(batch: RolloutBatch, *, group, multiple: int = 1
     lengths = sequence_lengths(batch.response_mask, batch.prompt_lens)
     fillers = sorted((i for i in range(len(batch)) if not live[i]), key=lambda i: (int(lengths[i]), i))
     keep = sorted([i for i in range(len(batch)) if live[i]] + fillers[:keep_n - int(live.sum())])
-    if len(keep) == len(batch):
-        return batch, None, trained_frac
-    rest = sorted(set(range(len(batch))) - set(keep))
-    trained = batch.select(torch.tensor(keep, dtype=torch.long))
+    trained = batch if len(keep) == len(batch) else batch.select(torch.tensor(keep, dtype=torch.long))
     # a filler's response is masked out: it runs through its prompt only, and no statistic counts it
-    trained = dataclasses.replace(trained, response_mask=trained.response_mask * live[keep][:, None])
-    return trained, batch.select(torch.tensor(rest, dtype=torch.long)), trained_frac
+    mask = trained.response_mask * live[keep][:, None]
+    if not torch.equal(mask, trained.response_mask):
+        trained = dataclasses.replace(trained, response_mask=mask)
+    return trained, trained_frac

@@ -197,12 +197,10 @@ def test_zero_advantage_split_keeps_the_live_samples_and_their_order():
     batch = dataclasses.replace(batch, response_mask=batch.response_mask.clone())
     batch.response_mask[5] = 0.0  # an empty response: nothing to train, whatever its advantage
     lengths = sequence_lengths(batch.response_mask, batch.prompt_lens).tolist()
-    trained, skipped, frac = zero_advantage_split(with_advantages(batch, [2, 5, 6]), group=None)
-    ids = [m["id"] for m in trained.metadata]
-    assert ids == [2, 6] and frac == pytest.approx(2 / 8)
-    assert sorted(ids + [m["id"] for m in skipped.metadata]) == list(range(8))  # every sample once
+    trained, frac = zero_advantage_split(with_advantages(batch, [2, 5, 6]), group=None)
+    assert [m["id"] for m in trained.metadata] == [2, 6] and frac == pytest.approx(2 / 8)
     # padded micro-batches of 4 rows: two live samples and the two shortest others, in batch order
-    trained, skipped, _ = zero_advantage_split(with_advantages(batch, [2, 6]), group=None, multiple=4)
+    trained, _ = zero_advantage_split(with_advantages(batch, [2, 6]), group=None, multiple=4)
     others = sorted((i for i in range(8) if i not in (2, 6)), key=lambda i: (lengths[i], i))[:2]
     assert [m["id"] for m in trained.metadata] == sorted([2, 6, *others])
     # the fillers run through their prompts only: their responses are masked out, the live ones' are kept
@@ -210,20 +208,23 @@ def test_zero_advantage_split_keeps_the_live_samples_and_their_order():
         want = batch.response_mask[m["id"]] if m["id"] in (2, 6) else torch.zeros(batch.response_mask.shape[1])
         assert torch.equal(trained.response_mask[k], want), m["id"]
     # nothing to train: one sample still runs (the step's collectives and optimizer step happen everywhere)
-    trained, skipped, frac = zero_advantage_split(with_advantages(batch, []), group=None)
+    trained, frac = zero_advantage_split(with_advantages(batch, []), group=None)
     assert len(trained) == 1 and lengths[trained.metadata[0]["id"]] == min(lengths) and frac == 0.0
     assert trained.response_mask.sum() == 0
     # every sample with a response is live (1 and 5 have none); micro-batches of 8 rows keep the batch itself
     whole = with_advantages(batch, list(range(8)))
     assert [m["id"] for m in zero_advantage_split(whole, group=None)[0].metadata] == [0, 2, 3, 4, 6, 7]
-    trained, skipped, frac = zero_advantage_split(whole, group=None, multiple=8)
-    assert trained is whole and skipped is None and frac == pytest.approx(6 / 8)
+    trained, frac = zero_advantage_split(whole, group=None, multiple=8)
+    assert trained is whole and frac == pytest.approx(6 / 8)
+    # kept whole, the samples with a zero advantage still run through their prompts only
+    trained, _ = zero_advantage_split(with_advantages(batch, [2, 6]), group=None, multiple=8)
+    assert len(trained) == 8 and trained.response_mask.sum(1).nonzero().flatten().tolist() == [2, 6]
 
 
 def _zero_advantage_worker(rank: int, world: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world)
     batch = with_advantages(rollout_batch(8, seed=rank), [[0, 3, 4], [2]][rank])
-    trained, skipped, frac = zero_advantage_split(batch, group=dist.group.WORLD)
+    trained, frac = zero_advantage_split(batch, group=dist.group.WORLD)
     mine, _ = redistribute(trained, group=dist.group.WORLD, pad_id=0)
     torch.save(([m["id"] for m in trained.metadata], frac, [m["id"] for m in mine.metadata]),
                f"{out_dir}/rank{rank}.pt")

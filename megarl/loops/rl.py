@@ -62,7 +62,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
         if skips_zero_advantage(run):
             # pipeline stages exchange padded micro-batches of micro_batch_size rows only
             rows = cfg.train.micro_batch_size if run.groups.pp_size > 1 and not cfg.train.micro_batch_tokens else 1
-            trained, _, trained_frac = zero_advantage_split(batch, group=run.groups.dp, multiple=rows)
+            trained, trained_frac = zero_advantage_split(batch, group=run.groups.dp, multiple=rows)
         trained, tokens_imbalance = redistribute(trained, group=run.groups.dp, pad_id=run.tokenizer.pad_token_id)
     with timer("train"):
         train_metrics, trained = train_policy(run, trained, norm=norm, step=step)
