@@ -87,12 +87,12 @@ class MegarlStep:
         self.run = build_run(cfg, groups, tokenizer=AutoTokenizer.from_pretrained(model), train_rows=rows,
                              eval_rows=[], model_dir=str(model))
         hand_over(self.run, PhaseTimer())
-        self._step, self.steps, self.trained_frac = rl_step, 0, []
+        self._step, self.steps, self.trained_frac = rl_step, 0, 1.0
 
     def __call__(self) -> dict[str, float]:
         self.steps += 1
         metrics = self._step(self.run, self.steps)
-        self.trained_frac.append(metrics["train/trained_frac"])
+        self.trained_frac = metrics["train/trained_frac"]
         return {k.removeprefix("timing/").removesuffix("_s"): v for k, v in metrics.items()
                 if k.startswith("timing/") and k.endswith("_s")}
 
@@ -162,9 +162,10 @@ class PlainStep:
         return times
 
 
-def compare(args, tmp: Path) -> tuple[float, dict[str, list[float]], dict[str, list[float]]]:
+def compare(args, tmp: Path) -> tuple[float, dict[str, float], dict[str, dict[str, list[float]]], float]:
     """One run: both steps alternately, `args.steps` timed steps each after one warm-up step. Returns the
-    throughput ratio (plain seconds / megarl seconds, medians) and each side's phase times per step."""
+    throughput ratio (plain seconds / megarl seconds, medians), each side's median step, each side's phase
+    times per step, and the mean share of samples megarl trained on in the timed steps."""
     from megarl.config import load_config
 
     model, train = make_inputs(tmp, args.shape, args.model)
@@ -175,6 +176,7 @@ def compare(args, tmp: Path) -> tuple[float, dict[str, list[float]], dict[str, l
     plain = PlainStep(model, train, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
                       weight_decay=optim.weight_decay, grad_clip=optim.grad_clip, clip=algo.clip_low, **sizes)
     seconds: dict[str, list[float]] = {"megarl": [], "plain": []}
+    trained: list[float] = []
     phases: dict[str, dict[str, list[float]]] = {"megarl": {}, "plain": {}}
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     for i in range(args.steps + 1):
@@ -185,11 +187,12 @@ def compare(args, tmp: Path) -> tuple[float, dict[str, list[float]], dict[str, l
             if i == 0:
                 continue
             seconds[side].append(took)
+            if side == "megarl":
+                trained.append(megarl.trained_frac)
             for name, value in parts.items():
                 phases[side].setdefault(name, []).append(value)
     ratio = statistics.median(seconds["plain"]) / statistics.median(seconds["megarl"])
-    phases["megarl"]["trained_frac"] = megarl.trained_frac
-    return ratio, {s: statistics.median(v) for s, v in seconds.items()}, phases
+    return ratio, {s: statistics.median(v) for s, v in seconds.items()}, phases, statistics.mean(trained)
 
 
 def main() -> None:
@@ -219,16 +222,15 @@ def main() -> None:
     ratios = []
     for run in range(args.runs):
         with tempfile.TemporaryDirectory() as tmp:
-            ratio, medians, phases = compare(args, Path(tmp))
+            ratio, medians, phases, trained = compare(args, Path(tmp))
         ratios.append(ratio)
         print(f"run {run + 1}: megarl {medians['megarl'] * 1000:7.1f} ms/step, plain {medians['plain'] * 1000:7.1f} "
               f"ms/step, throughput ratio {ratio:.2f}x")
-        trained = phases["megarl"].pop("trained_frac")
         for side in ("megarl", "plain"):
             parts = ", ".join(f"{name} {statistics.median(v) * 1000:.1f}" for name, v in phases[side].items()
                               if statistics.median(v) >= 5e-4)
             print(f"    {side:>6} phases (ms, median): {parts}")
-        print(f"    megarl trained on {statistics.mean(trained):.0%} of the samples (non-zero advantage; the plain "
+        print(f"    megarl trained on {trained:.0%} of the samples (non-zero advantage; the plain "
               "step trains on all)")
         reset_distributed()
     print(f"shape {args.shape}, {args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens, "

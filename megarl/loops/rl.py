@@ -58,14 +58,16 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
     with timer("balance"):  # after advantages: a group's baseline needs all its samples on one rank
         # the whole batch's counts: samples the trainer skips stay in the loss's denominators
         norm = global_loss_norm(batch.response_mask, group=run.groups.dp)
-        trained, trained_frac = batch, 1.0
+        trained, trained_frac, stats_norm = batch, 1.0, None
         if skips_zero_advantage(run):
             # pipeline stages exchange padded micro-batches of micro_batch_size rows only
             rows = cfg.train.micro_batch_size if run.groups.pp_size > 1 and not cfg.train.micro_batch_tokens else 1
             trained, trained_frac = zero_advantage_split(batch, group=run.groups.dp, multiple=rows)
+            if trained_frac < 1.0:  # the statistics are means over the samples trained (trained_frac is global)
+                stats_norm = global_loss_norm(trained.response_mask, group=run.groups.dp)
         trained, tokens_imbalance = redistribute(trained, group=run.groups.dp, pad_id=run.tokenizer.pad_token_id)
     with timer("train"):
-        train_metrics, trained = train_policy(run, trained, norm=norm, step=step)
+        train_metrics, trained = train_policy(run, trained, norm=norm, stats_norm=stats_norm, step=step)
         train_metrics |= train_critic(run, trained) if run.critic is not None else {}
     training_moe = routing_metrics(run)  # also clears the counts of the training passes
     moe = moe or training_moe
@@ -104,18 +106,17 @@ def compute_logprobs(run: RLRun, batch: RolloutBatch) -> RolloutBatch:
     return batch.replace(old_logprobs=old, ref_logprobs=ref, values=values, trainer_routes=recorded)
 
 
-def train_policy(run: RLRun, batch: RolloutBatch, *, norm: LossNorm,
+def train_policy(run: RLRun, batch: RolloutBatch, *, norm: LossNorm, stats_norm: LossNorm | None,
                  step: int) -> tuple[dict[str, float], RolloutBatch]:
     """`algo.epochs` optimizer steps of the actor on the batch, with the objective built from the recipe.
     `norm`: the counts of the whole global batch, of which `batch` may be the part with a non-zero advantage
-    (`zero_advantage_split`); the statistics are means over the samples trained. Returns the last step's
-    metrics and the batch, which holds the old logprobs afterwards: an on-policy update's come from its one
-    training forward."""
+    (`zero_advantage_split`), whose counts are then `stats_norm`, so the statistics are means over the
+    samples trained. Returns the last step's metrics and the batch, which holds the old logprobs afterwards:
+    an on-policy update's come from its one training forward."""
     cfg, objective = run.cfg, run.objective
-    ran = global_loss_norm(batch.response_mask, group=run.groups.dp)
     # Dr. GRPO's constant divisor is the generation budget, not the longest response of this batch
     loss_fn = partial(objective, norm=dataclasses.replace(norm, max_len=cfg.rollout.max_new_tokens),
-                      stats_norm=None if (ran.tokens, ran.seqs) == (norm.tokens, norm.seqs) else ran)
+                      stats_norm=stats_norm)
     kwargs = dict(temperature=cfg.rollout.temperature, entropy=objective.needs_entropy,
                   routes=run.routes.training(batch.routes, batch.trainer_routes), **micro_batching(cfg.train, batch))
     if objective.on_policy:  # one epoch (AlgoConfig.on_policy)
