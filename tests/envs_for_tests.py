@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 from megarl.envs.environment import Step
@@ -42,6 +43,18 @@ class SleepyEnv:
             raise RuntimeError(self.fail)
         time.sleep(self.sleep_s)
         return Step(observation=["ok"], done=self.turn >= 2, tool_calls=1)
+
+
+class InlineEnv(SleepyEnv):
+    """SleepyEnv without the sleep, declaring that its steps return at once (`steps_inline`); each step
+    records the thread it ran on."""
+
+    steps_inline = True
+    threads: list[int] = []
+
+    def step(self, turn: str) -> Step:
+        InlineEnv.threads.append(threading.get_ident())
+        return super().step(turn)
 
 
 class NeedsOption:

@@ -244,6 +244,21 @@ def test_limits_end_trajectories_and_are_recorded(tool_tokenizer):
     assert out[0].env_reward == 0.5
 
 
+def test_an_environment_that_steps_inline_runs_on_the_rollouts_own_thread(tool_tokenizer):
+    """`steps_inline` (the built-in single_turn declares it): the steps run on the calling thread, not in the
+    worker pool, and a step that raises still ends its own trajectory only."""
+    import threading
+
+    from envs_for_tests import InlineEnv
+
+    InlineEnv.threads.clear()
+    out, engine = trajectories_of(tool_tokenizer, EnvConfig(name="envs_for_tests:InlineEnv"), [{"raise": "boom"}, {}])
+    assert [t.finish_reason for t in out] == ["env_error", "stop"] and [t.turns for t in out] == [1, 2]
+    assert engine.calls == [2, 1]
+    assert InlineEnv.threads == [threading.get_ident()] * 3  # the failed step, then both steps of the other
+    assert environment_factory(EnvConfig())().steps_inline
+
+
 @pytest.mark.parametrize("env, metadata, max_new_tokens, expected", [
     # single_turn: handed out as the engine returns the turn, before its step says "stop"
     (EnvConfig(), [{}, {}], 10, [(0, 1, ""), (1, 1, "")]),

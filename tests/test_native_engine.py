@@ -16,13 +16,15 @@ def sample(engine: NativeEngine, generate=None):
     return generate(PROMPTS, temperature=1.0, top_p=1.0, max_new_tokens=8, eos_id=2, pad_id=0)
 
 
-def test_generation_records_no_autograd_graph(qwen2_dir):
-    engine = NativeEngine(str(qwen2_dir), seed=3, device="cpu")
+@pytest.mark.parametrize("lean_decode", [True, False])
+def test_generation_records_no_autograd_graph(qwen2_dir, lean_decode):
+    """The vocabulary projection runs in every forward, lean (megarl.rollout.decode) or transformers' own."""
+    engine = NativeEngine(str(qwen2_dir), seed=3, device="cpu", lean_decode=lean_decode)
     seen = []
-    engine.model.register_forward_hook(lambda module, args, output: seen.append(
-        (output.logits.requires_grad, torch.is_inference_mode_enabled())))
+    engine.model.lm_head.register_forward_hook(lambda module, args, output: seen.append(
+        (output.requires_grad, torch.is_inference_mode_enabled())))
     sample(engine)
-    assert seen and all(not grad and inference for grad, inference in seen), seen[:3]
+    assert len(seen) >= 2 and all(not grad and inference for grad, inference in seen), seen[:3]
 
 
 def test_inference_mode_samples_what_autograd_mode_sampled(qwen2_dir):
@@ -54,22 +56,25 @@ def test_sampled_logprobs_are_those_of_a_full_forward_of_each_sequence(qwen2_dir
 # ---- lean decode steps -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3", "mistral"])
 def test_lean_decode_samples_what_transformers_forward_samples(arch, arch_dir):
-    """After the prefill the engine runs megarl.rollout.decode's lean steps instead of transformers' forward:
-    the same seed draws the same tokens, with logprobs within 1e-6 (fp32: the same weights and sums; the
-    attention kernel and the norms' order of operations may round differently)."""
+    """The engine runs megarl.rollout.decode's lean prefill and steps instead of transformers' forward: the
+    same seed draws the same tokens, with logprobs within 1e-6 (fp32: the same weights and sums; the
+    attention kernel and the norms' order of operations may round differently). PROMPTS repeat, so the
+    prefill reads each distinct prompt once and copies its keys and values to every row that shares it."""
     from megarl.rollout import decode
 
     model_dir = str(arch_dir(arch))
     lean_engine = NativeEngine(model_dir, seed=7, device="cpu")
     assert lean_engine.lean_decode and decode.covers(lean_engine.model, 64)
-    steps = []
-    original = decode.LeanDecoder.step
+    steps, prefills = [], []
+    original, original_prefill = decode.LeanDecoder.step, decode.LeanDecoder.prefill
     decode.LeanDecoder.step = lambda self, *a: steps.append(a[-1]) or original(self, *a)
+    decode.LeanDecoder.prefill = lambda self, ids, *a: prefills.append(len(ids)) or original_prefill(self, ids, *a)
     try:
         lean = sample(lean_engine)
     finally:
-        decode.LeanDecoder.step = original
+        decode.LeanDecoder.step, decode.LeanDecoder.prefill = original, original_prefill
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3  # the lean steps ran
+    assert prefills == [3]  # one lean prefill, of the 3 distinct prompts
     full_engine = NativeEngine(model_dir, seed=7, device="cpu", lean_decode=False)
     full = sample(full_engine)
     assert lean.response_ids == full.response_ids and lean.finish_reasons == full.finish_reasons
@@ -84,6 +89,17 @@ def test_lean_decode_samples_what_transformers_forward_samples(arch, arch_dir):
     lean, full = sample(lean_engine), sample(full_engine)
     assert lean.response_ids == full.response_ids
     for got, want in zip(lean.logprobs, full.logprobs):
+        assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-6)
+
+
+def test_lean_prefill_of_distinct_left_padded_prompts_matches_transformers(qwen2_dir):
+    """Every prompt distinct, of three lengths (left padding of 0, 1 and 2 positions): the same tokens and
+    logprobs within 1e-6 as transformers' forward, as above."""
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16, 17, 18]]
+    outs = [NativeEngine(str(qwen2_dir), seed=11, device="cpu", lean_decode=lean).generate(
+        prompts, temperature=1.0, top_p=1.0, max_new_tokens=8, eos_id=2, pad_id=0) for lean in (True, False)]
+    assert outs[0].response_ids == outs[1].response_ids and outs[0].finish_reasons == outs[1].finish_reasons
+    for got, want in zip(outs[0].logprobs, outs[1].logprobs):
         assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-6)
 
 

@@ -11,7 +11,10 @@ An environment is any object with
 template's tool-response format by the rollout); `done` ends the episode (the turn was the final answer);
 `reward`, when not None, is added to the recipe's reward of the trajectory. One environment object serves
 one trajectory at a time, so it may keep per-episode state; steps of different trajectories run
-concurrently on different objects, each bounded by `env.tool_timeout_s`.
+concurrently on different objects, each bounded by `env.tool_timeout_s`. An environment whose step returns
+at once (no tool, no I/O) may say so with a class attribute `steps_inline = True`: its steps then run on the
+rollout's own thread, unbounded, instead of going through a worker thread (a round trip that costs more
+than such a step); the built-in single_turn does.
 
 A recipe chooses one with `env.name`: a built-in below, or `module:Class` for your own, built as
 Class(**env.options) once per trajectory. An `env.name` that does not import, or a class that does not
@@ -53,6 +56,7 @@ class SingleTurn:
     """One model turn and done: the plain RL rollout, scored by the recipe's reward terms alone."""
 
     tools: list[dict] = []
+    steps_inline = True
 
     def reset(self, prompt: str, metadata: dict) -> None:
         pass

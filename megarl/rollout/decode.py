@@ -7,9 +7,10 @@ the CPU that is about five sixths of the step. `LeanDecoder` runs the same modul
 with the mask, the rotary tables and a preallocated KV cache handled directly: the same sums, so the same
 logits to fp32 rounding (tests/test_native_engine.py holds it to a full forward of every sequence).
 
-It takes over after the prefill, which stays transformers' own forward: the prompts' keys and values are
-copied out of that forward's cache once. Models it does not cover (mixture of experts, sliding windows that
-the sequence outgrows, other attention variants) keep transformers' forward for every step.
+The prefill over the prompts runs the same way: one causal pass that writes the prompts' keys and values
+into that cache, in place of transformers' forward and a copy out of its cache. Models it does not cover
+(mixture of experts, sliding windows that the sequence outgrows, other attention variants) keep
+transformers' forward for every step.
 """
 
 from __future__ import annotations
@@ -86,26 +87,43 @@ def _norm(module, x: Tensor) -> Tensor:
 
 
 class LeanDecoder:
-    """Decode steps over a batch whose prompts (left padded to `width`) a transformers forward has read into
-    `cache`; room for `new_tokens` more positions per row. `weights` are `model`'s current FusedWeights."""
+    """A batch of `batch` rows whose prompts are left padded to `width`, with room for `new_tokens` more
+    positions per row in a preallocated KV cache: `prefill` reads the prompts, `step` feeds one token per row.
+    `weights` are `model`'s current FusedWeights."""
 
-    def __init__(self, model, cache, weights: FusedWeights, *, width: int, new_tokens: int):
+    def __init__(self, model, weights: FusedWeights, *, batch: int, width: int, new_tokens: int):
         self.model = model
         self.base = model.model
         self.layers = list(self.base.layers)
         self.weights = weights
         self.rotary = _rotary(self.layers[0])
-        self.caches: list[tuple[Tensor, Tensor]] = []
-        for layer_cache in cache.layers:
-            keys, values = layer_cache.keys, layer_cache.values
-            batch, heads, prompt, dim = keys.shape
-            if prompt != width:
-                raise ValueError(f"prefill cache holds {prompt} positions, expected {width}")
-            k = keys.new_empty(batch, heads, width + new_tokens, dim)
-            v = values.new_empty(batch, heads, width + new_tokens, dim)
-            k[:, :, :width], v[:, :, :width] = keys, values
-            self.caches.append((k, v))
+        config = model.config
+        head_dim = self.layers[0].self_attn.head_dim
+        like = self.base.embed_tokens.weight
+        self.caches: list[tuple[Tensor, Tensor]] = [
+            tuple(like.new_empty(batch, config.num_key_value_heads, width + new_tokens, head_dim) for _ in "kv")
+            for _ in self.layers]
         self.width = width
+
+    def prefill(self, ids: Tensor, attention: Tensor, positions: Tensor, source: Tensor | None = None) -> Tensor:
+        """The last position's logits [B, V] over the left-padded prompts `ids` [b, width] (`attention` 0 on
+        padding, `positions` their position ids), whose keys and values fill the first `width` slots of the
+        cache; with `source` [B], cache row i takes prompt row source[i] (a group's samples share a prompt,
+        read once)."""
+        width = self.width
+        hidden = self.base.embed_tokens(ids)  # [b, width, H]
+        cos, sin = self.base.rotary_emb(hidden, positions)
+        causal = torch.ones(width, width, dtype=torch.bool, device=ids.device).tril()
+        # a padding position attends to itself, so no row of the softmax is empty (its output is never read)
+        mask = (attention[:, None, None, :].bool() & causal) | torch.eye(width, dtype=torch.bool, device=ids.device)
+        for index in range(len(self.layers)):
+            q, k, v = self._qkv(index, hidden, cos, sin)
+            k_cache, v_cache = self.caches[index]
+            k_cache[:, :, :width] = k if source is None else k[source]
+            v_cache[:, :, :width] = v if source is None else v[source]
+            hidden = self._attend_and_mlp(index, hidden, q, k, v, mask)
+        logits = self.model.lm_head(_norm(self.base.norm, hidden[:, -1:]))[:, -1]
+        return logits if source is None else logits[source]
 
     def step(self, tokens: Tensor, positions: Tensor, attention: Tensor, t: int) -> Tensor:
         """Logits [B, V] after feeding `tokens` [B] at `positions` [B, 1], the batch's t-th new token
@@ -115,23 +133,35 @@ class LeanDecoder:
         hidden = self.base.embed_tokens(tokens[:, None])  # [B, 1, H]
         cos, sin = self.base.rotary_emb(hidden, positions)  # [B, 1, D]
         mask = attention[:, None, None, :length].bool()
-        batch = tokens.shape[0]
-        for layer, (k_cache, v_cache), (qkv_weight, qkv_bias), gate_up in zip(
-                self.layers, self.caches, self.weights.qkv, self.weights.gate_up):
-            attn = layer.self_attn
-            heads, groups = attn.config.num_attention_heads, attn.config.num_key_value_heads
-            qkv = F.linear(_norm(layer.input_layernorm, hidden), qkv_weight, qkv_bias).view(batch, 1, -1, attn.head_dim)
-            q, k, v = qkv[:, :, :heads], qkv[:, :, heads: heads + groups], qkv[:, :, heads + groups:]
-            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head
-                q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
-            q, k = self.rotary(q, k, cos, sin, unsqueeze_dim=2)  # q [B, 1, heads, D]: cos to [B, 1, 1, D]
-            q = q.transpose(1, 2)
-            k_cache[:, :, slot] = k[:, 0]
-            v_cache[:, :, slot] = v[:, 0]
-            out = F.scaled_dot_product_attention(q, k_cache[:, :, :length], v_cache[:, :, :length], attn_mask=mask,
-                                                 scale=attn.scaling, enable_gqa=True)
-            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(batch, 1, -1))
-            gate, up = F.linear(_norm(layer.post_attention_layernorm, hidden), gate_up).chunk(2, dim=-1)
-            hidden = hidden + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+        for index in range(len(self.layers)):
+            q, k, v = self._qkv(index, hidden, cos, sin)
+            k_cache, v_cache = self.caches[index]
+            k_cache[:, :, slot] = k[:, :, 0]
+            v_cache[:, :, slot] = v[:, :, 0]
+            hidden = self._attend_and_mlp(index, hidden, q, k_cache[:, :, :length], v_cache[:, :, :length], mask)
         return self.model.lm_head(_norm(self.base.norm, hidden))[:, -1]
 
+    def _qkv(self, index: int, hidden: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Layer `index`'s rotated queries, keys and values [b, heads, positions, D] of `hidden` [b, positions, H]."""
+        layer, (qkv_weight, qkv_bias) = self.layers[index], self.weights.qkv[index]
+        attn = layer.self_attn
+        heads, groups = attn.config.num_attention_heads, attn.config.num_key_value_heads
+        batch, length = hidden.shape[:2]
+        qkv = F.linear(_norm(layer.input_layernorm, hidden), qkv_weight, qkv_bias).view(batch, length, -1, attn.head_dim)
+        q, k, v = qkv[:, :, :heads], qkv[:, :, heads: heads + groups], qkv[:, :, heads + groups:]
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head
+            q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
+        q, k = self.rotary(q, k, cos, sin, unsqueeze_dim=2)  # q [B, positions, heads, D]: cos to [B, positions, 1, D]
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def _attend_and_mlp(self, index: int, hidden: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        """The rest of layer `index` after the projections: attention of `q` over `k`, `v` under `mask`, the
+        output projection and the MLP, each added to the residual stream `hidden`."""
+        layer = self.layers[index]
+        attn = layer.self_attn
+        batch, length = hidden.shape[:2]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+        gate_up = self.weights.gate_up[index]
+        gate, up = F.linear(_norm(layer.post_attention_layernorm, hidden), gate_up).chunk(2, dim=-1)
+        return hidden + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)

@@ -166,7 +166,11 @@ def run_trajectories(engine, prompts: Sequence[list[int]], envs: Sequence[Enviro
                         trajectories[i].versions[-kept:] = versions[:kept]
             stepping.sort()  # responses end in any order; the next round's batch keeps the trajectories' order
             texts = {i: _turn_text(tokenizer, trajectories[i].last_turn, eos_id) for i in stepping}
-            results = _step_all(workers.pool(), envs, texts, trajectories, limits) if texts else {}
+            inline = {i: text for i, text in texts.items() if getattr(envs[i], "steps_inline", False)}
+            results = {i: _step_inline(envs[i], i, text) for i, text in inline.items()}
+            threaded = {i: text for i, text in texts.items() if i not in inline}
+            if threaded:
+                results.update(_step_all(workers.pool(), envs, threaded, trajectories, limits))
             left_running |= "tool_time" in results.values()
             active = []
             for i in stepping:
@@ -207,6 +211,15 @@ def _turn_text(tokenizer, ids: list[int], eos_id: int) -> str:
     """The turn as text for the environment: special tokens kept (Llama 3's <|python_tag|> is one), the
     stop token left out."""
     return tokenizer.decode(ids[:-1] if ids and ids[-1] == eos_id else ids, skip_special_tokens=False)
+
+
+def _step_inline(env: Environment, i: int, text: str) -> Step | str:
+    """The step of an environment that declares it returns at once (`steps_inline`), on this thread."""
+    try:
+        return env.step(text)
+    except Exception as e:  # noqa: BLE001 - a broken environment ends its trajectory, not the run
+        log.warning("environment step of trajectory %d raised %s: %s", i, type(e).__name__, e)
+        return "env_error"
 
 
 def _step_all(pool: ThreadPoolExecutor, envs: Sequence[Environment], texts: dict[int, str],

@@ -128,8 +128,8 @@ class NativeEngine:
         # the others (the prompt's, at the first step) are told so.
         self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in forward_args else {}
         self._routes = RouteRecorder(self.model) if capture_routes else None
-        # decode steps after the prefill skip transformers' per-step plumbing where megarl.rollout.decode covers
-        # the model (routes are recorded by hooks on transformers' own forward)
+        # the prefill and the decode steps skip transformers' per-forward plumbing where megarl.rollout.decode
+        # covers the model (routes are recorded by hooks on transformers' own forward)
         self._fused = FusedWeights(self.model) if lean_decode and not capture_routes and fusable(self.model) else None
         self.lean_decode = self._fused is not None
         self._params = dict(self.model.named_parameters())
@@ -174,11 +174,18 @@ class NativeEngine:
 
         if self._routes is not None:
             self._routes.start()
-        cache, logits = self._prefill(ids, attention[:, :width], positions, prompts)
         lean = None
-        if self.lean_decode and max_new_tokens > 1 and covers(self.model, width + max_new_tokens):
-            lean = LeanDecoder(self.model, cache, self._fused, width=width, new_tokens=max_new_tokens)
-            cache = None  # the lean steps hold their own copy
+        if self.lean_decode and covers(self.model, width + max_new_tokens):
+            lean = LeanDecoder(self.model, self._fused, batch=batch, width=width, new_tokens=max_new_tokens)
+            firsts, source = _distinct(prompts)
+            if len(firsts) == batch:
+                logits = lean.prefill(ids, attention[:, :width], positions)
+            else:
+                rows = torch.tensor(firsts, device=self.device)
+                logits = lean.prefill(ids[rows], attention[rows, :width], positions[rows],
+                                      torch.tensor(source, device=self.device))
+        else:
+            cache, logits = self._prefill(ids, attention[:, :width], positions, prompts)
         for t in range(max_new_tokens):
             if t > 0 and lean is not None:
                 logits = lean.step(token, positions, attention, t)
