@@ -285,8 +285,9 @@ class PipelineSchedule:
         scaled = self._mask_vocab_padding(logits.float() / temperature)
         if not entropy and not on_gpu() and self.stage.groups.tp_size == 1:
             # The same logprobs (4.8e-7 apart at V = 128) without Megatron's three all-reduces over a group of
-            # one: forward and backward in a third of the time on a 32 x 13 x 128 CPU batch. Not on a GPU: torch's log-softmax keeps a second logits-sized tensor, where
-            # Megatron's works in place, and the logits are the largest activation of the step there.
+            # one: forward and backward in a third of the time on a 32 x 13 x 128 CPU batch. Not on a GPU:
+            # torch's log-softmax keeps a second logits-sized tensor, where Megatron's works in place, and the
+            # logits are the largest activation of the step there.
             return -F.cross_entropy(scaled.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels), {}
         if not entropy:
             return -vocab_parallel_cross_entropy(scaled, labels), {}

@@ -147,7 +147,8 @@ class LeanDecoder:
         attn = layer.self_attn
         heads, groups = attn.config.num_attention_heads, attn.config.num_key_value_heads
         batch, length = hidden.shape[:2]
-        qkv = F.linear(_norm(layer.input_layernorm, hidden), qkv_weight, qkv_bias).view(batch, length, -1, attn.head_dim)
+        qkv = F.linear(_norm(layer.input_layernorm, hidden), qkv_weight, qkv_bias)
+        qkv = qkv.view(batch, length, -1, attn.head_dim)
         q, k, v = qkv[:, :, :heads], qkv[:, :, heads: heads + groups], qkv[:, :, heads + groups:]
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head
             q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)

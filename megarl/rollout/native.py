@@ -177,15 +177,7 @@ class NativeEngine:
         lean = None
         if self.lean_decode and covers(self.model, width + max_new_tokens):
             lean = LeanDecoder(self.model, self._fused, batch=batch, width=width, new_tokens=max_new_tokens)
-            firsts, source = _distinct(prompts)
-            if len(firsts) == batch:
-                logits = lean.prefill(ids, attention[:, :width], positions)
-            else:
-                rows = torch.tensor(firsts, device=self.device)
-                logits = lean.prefill(ids[rows], attention[rows, :width], positions[rows],
-                                      torch.tensor(source, device=self.device))
-        else:
-            cache, logits = self._prefill(ids, attention[:, :width], positions, prompts)
+        cache, logits = self._prefill(ids, attention[:, :width], positions, prompts, lean)
         for t in range(max_new_tokens):
             if t > 0 and lean is not None:
                 logits = lean.step(token, positions, attention, t)
@@ -214,20 +206,25 @@ class NativeEngine:
         return Generation(response_ids=[r[0] for r in ordered], logprobs=[r[1] for r in ordered],
                           finish_reasons=[r[2] for r in ordered], routes=routes)
 
-    def _prefill(self, ids: Tensor, attention: Tensor, positions: Tensor, prompts: list[list[int]]):
-        """The first forward over the left-padded prompts: (its KV cache, the last position's logits [B, V]).
+    def _prefill(self, ids: Tensor, attention: Tensor, positions: Tensor, prompts: list[list[int]],
+                 lean: LeanDecoder | None):
+        """The first forward over the left-padded prompts: (its KV cache, the last position's logits [B, V]);
+        with `lean`, that decoder's pass, which fills its own cache (None is returned for the cache).
         A group's samples share their prompt, so it reads each distinct prompt once; the cache, logits and
         routes are then copied out to every row that asked for it."""
         firsts, source = _distinct(prompts)
-        if len(firsts) == len(prompts):
-            out = self.model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True,
-                             **self._last_logits)
-            return self._cache_of(out), out.logits[:, -1]
-        rows = torch.tensor(firsts, device=self.device)
-        out = self.model(input_ids=ids[rows], attention_mask=attention[rows], position_ids=positions[rows],
-                         use_cache=True, **self._last_logits)
-        source_rows = torch.tensor(source, device=self.device)
+        source_rows = None
+        if len(firsts) < len(prompts):
+            rows = torch.tensor(firsts, device=self.device)
+            source_rows = torch.tensor(source, device=self.device)
+            ids, attention, positions = ids[rows], attention[rows], positions[rows]
+        if lean is not None:
+            return None, lean.prefill(ids, attention, positions, source_rows)
+        out = self.model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                         **self._last_logits)
         cache = self._cache_of(out)
+        if source_rows is None:
+            return cache, out.logits[:, -1]
         cache.reorder_cache(source_rows)
         if self._routes is not None:
             self._routes.expand_first(source_rows, width=ids.shape[1])
