@@ -49,7 +49,7 @@ def hf_shard(stage: StageModel, source: SafetensorsDir, name: str, param: Tensor
     full = _fuse(stage.shape, [source.get(n) for n in hf_names], rule_fuse)
     if name in VOCAB_PARAMS:
         full = _pad_rows(full, param.shape[0] * stage.groups.tp_size)
-    shard = layout.shard(full, dim=tp_split(param), rank=stage.groups.tp_rank,
+    shard = layout.shard(full, dim=tp_split(name, param), rank=stage.groups.tp_rank,
                          size=stage.groups.tp_size, gate_up=rule_fuse == "gate_up")
     if shard.shape != param.shape:
         raise ValueError(f"{source.model_dir}: {hf_names} gives shape {tuple(shard.shape)} for {name}, "
@@ -91,7 +91,7 @@ def hf_tensors(stage: StageModel, params: Iterator[tuple[str, Tensor, Tensor]] |
         if name == "output_layer.weight" and stage.shape.tied_embeddings:
             continue
         rule, _, expert = stage.names.lookup(name)
-        dim = tp_split(param)
+        dim = tp_split(name, param)
         if dim is not None and stage.groups.tp_size > 1:
             shards = [torch.empty_like(data) for _ in range(stage.groups.tp_size)]
             dist.all_gather(shards, data.contiguous(), group=stage.groups.tp)

@@ -6,6 +6,7 @@ stage, and the critic's value head.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -205,8 +206,19 @@ def global_name(local_name: str, layer_offset: int) -> str:
     return ".".join(parts)
 
 
-def tp_split(param: Tensor) -> int | None:
-    return param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+# Transformer Engine's grouped expert linears (TEGroupedLinear: `mlp.experts.linear_fc2.weight{e}`). With tp > 1
+# or ep > 1 Megatron builds them without a TE parallel mode (its MoE dispatcher does the communication), and TE
+# then tags every weight{e} with partition_dim 0, the row-parallel fc2's too. fc2 is split on its input dim 1,
+# as Megatron's own checkpoint sharding of TERowParallelGroupedLinear says.
+_GROUPED_FC2 = re.compile(r"(^|\.)mlp\.experts\.linear_fc2\.weight\d+$")
+
+
+def tp_split(name: str, param: Tensor) -> int | None:
+    """The dim along which parameter `name` is split over the tensor-parallel ranks; None if every rank holds it
+    whole."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return None
+    return 1 if _GROUPED_FC2.search(name) else param.partition_dim
 
 
 class ValueHead(torch.nn.Module):
