@@ -5,6 +5,7 @@ Engine.
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from pathlib import Path
 
@@ -121,3 +122,41 @@ def test_te_grouped_experts_load_and_export_with_tensor_parallelism(arch_dir, tm
         assert exported.keys() == experts.keys()
         for name, tensor in experts.items():
             assert torch.equal(exported[name], tensor), name
+
+
+# ---- megatron-core's MoE router without Transformer Engine --------------------------------------------------------
+_ROUTER_ON_THE_CUDA_PATH = """
+import torch
+import torch.distributed as dist
+
+from megarl.device import load_cuda_driver_stand_in
+
+load_cuda_driver_stand_in()  # a real driver where there is one; megatron's imports may load CUDA kernels
+from megatron.core import tensor_parallel
+from megatron.core.transformer.moe import moe_utils
+
+from megarl.engine import cpu_compat, parallel
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+parallel.on_gpu = lambda: True  # the path a CUDA machine takes: cpu_compat is never installed
+tensor_parallel.model_parallel_cuda_manual_seed = lambda seed: None  # it seeds CUDA generators
+parallel.init_parallel(tp=1, pp=1)
+assert not cpu_compat.is_installed()
+tokens, weight = torch.randn(2, 3, 8), torch.randn(4, 8, requires_grad=True)
+logits = moe_utils.router_gating_linear(tokens, weight, None, torch.float32)  # [2, 3, 4]
+torch.testing.assert_close(logits, tokens @ weight.t())
+logits.sum().backward()
+torch.testing.assert_close(weight.grad, tokens.reshape(-1, 8).sum(0).expand(4, 8))
+print("routed")
+"""
+
+
+def test_moe_router_runs_without_transformer_engine_on_the_cuda_path():
+    """megatron-core's router gating reads `te_general_gemm`, a name bound only when Transformer Engine imports;
+    init_parallel binds it to None on every device, not only where the CPU compatibility layer is installed, so
+    a GPU machine without TE routes with torch's matmul (forward and backward) instead of a NameError."""
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine is installed: the router uses its GEMM")
+    result = run_python(["-c", _ROUTER_ON_THE_CUDA_PATH], timeout_s=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "routed" in result.stdout

@@ -6,11 +6,11 @@ grad clipping, `.type() == 'torch.cuda.FloatTensor'` asserts, and CUDA streams i
 redirects exactly those to the CPU. Everything it changes is process-global, so it refuses to run when a
 CUDA device is usable: on a GPU machine megatron runs untouched.
 
-Also here: two megatron/torch issues that bite any run without Transformer Engine (`te_general_gemm`
-referenced unbound in the MoE router utils; numpy split sizes passed to `all_to_all_single`), fixed
-only on the CPU path because GPU images ship Transformer Engine; and gloo's `all_gather`, which refuses
-tensors of different lengths per rank that the MoE dispatcher gathers under tensor parallelism (NCCL takes
-them).
+Also here: `te_general_gemm`, which megatron-core's MoE router reads although it is bound only with
+Transformer Engine: `patch_moe_router_without_te` fixes that on every device (a GPU machine may lack TE).
+And, on the CPU path only: numpy split sizes passed to `all_to_all_single`, and gloo's `all_gather`, which
+refuses tensors of different lengths per rank that the MoE dispatcher gathers under tensor parallelism (NCCL
+takes them).
 """
 
 from __future__ import annotations
@@ -194,11 +194,18 @@ def _patch_cuda_type_asserts() -> None:
     fp16_opt.__init__ = _with_cuda_type_names(fp16_opt.__init__)
 
 
-def _patch_moe_without_te() -> None:
+def patch_moe_router_without_te() -> None:
+    """Without Transformer Engine, on any device: megatron-core's router gating (moe_utils.router_gating_linear)
+    calls `te_general_gemm` unless it is None, but moe_utils binds the name only when TE imports, so every MoE
+    forward would raise NameError. Bound to None, the router takes its torch matmul. Idempotent."""
     from megatron.core.transformer.moe import moe_utils
 
-    if not hasattr(moe_utils, "te_general_gemm"):
+    if not getattr(moe_utils, "HAVE_TE", True) or not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def _patch_moe_without_te() -> None:
+    patch_moe_router_without_te()
     original = torch.distributed.all_to_all_single
 
     @functools.wraps(original)

@@ -69,10 +69,11 @@ def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0,
         else:  # one process outside torchrun; on a GPU NCCL, since gloo cannot reduce CUDA tensors
             dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timeout)
-    if not cuda:
-        from megarl.engine import cpu_compat
+    from megarl.engine import cpu_compat
 
+    if not cuda:
         cpu_compat.install()
+    cpu_compat.patch_moe_router_without_te()  # a GPU machine may lack Transformer Engine too
     world = dist.get_world_size()
     if world % (tp * pp * cp) != 0:
         raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
