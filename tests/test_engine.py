@@ -523,6 +523,33 @@ def test_train_step_is_invariant_to_micro_batch_size(qwen2_dir, groups):
             assert results[size][key] == pytest.approx(full[key], rel=1e-5, abs=1e-9), (size, key)
 
 
+# ---- fp16 --------------------------------------------------------------------------------------------------
+def test_fp16_step_scales_the_loss_and_moves_the_weights_as_far_as_fp32(qwen2_dir, groups):
+    """`model.dtype: float16`: Megatron's optimizer divides the gradients by its dynamic loss scale, so the
+    schedule must multiply each loss by it (TransformerConfig.grad_scale_func); without that the gradients are
+    the true ones over the scale and Adam barely moves. The first step is taken (the scale starts where fp16
+    gradients do not overflow), with fp32's gradient norm and an update of fp32's size."""
+    from megarl.algo.aggregate import global_loss_norm
+    from megarl.config import AlgoConfig
+    from megarl.objective import policy_objective
+
+    tokens = fixed_tokens()
+    mask = response_mask(tokens)
+    extras = {"response_mask": mask, "advantages": torch.linspace(-1.0, 1.0, tokens.shape[0])[:, None] * mask}
+    loss_fn = partial(policy_objective(AlgoConfig(), on_policy=True), norm=global_loss_norm(mask))
+    grad_norm, moved = {}, {}
+    for dtype in ("float32", "float16"):
+        engine = make_engine(qwen2_dir, groups, train=True, dtype=dtype)
+        before = {name: t.float().clone() for name, t in engine.hf_tensors()}
+        metrics = engine.train_step(tokens, extras, loss_fn, temperature=1.0, micro_batch_size=2)
+        assert "skipped_step" not in metrics, dtype
+        grad_norm[dtype] = metrics["grad_norm"]
+        moved[dtype] = torch.stack([(t.float() - before[name]).norm() for name, t in engine.hf_tensors()]).norm()
+    # fp16 rounding: 1e-4 (gradient norm) and 3e-3 (update) relative here
+    assert grad_norm["float16"] == pytest.approx(grad_norm["float32"], rel=0.02)
+    assert 0.8 < float(moved["float16"] / moved["float32"]) < 1.25
+
+
 # ---- the CPU compatibility layer -------------------------------------------------------------------------
 def test_cpu_compat_is_installed_only_because_cuda_is_absent(groups):
     from megarl.engine import cpu_compat

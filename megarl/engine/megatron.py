@@ -122,10 +122,16 @@ class TrainEngine:
             adam_beta2=optim.beta2, adam_eps=optim.eps, clip_grad=optim.grad_clip,
             bf16=self.config.bf16, fp16=self.config.fp16, params_dtype=self.config.params_dtype,
             use_distributed_optimizer=optim.distributed,
+            # fp16: torch GradScaler's first scale. Megatron's 2**32 overflows fp16 gradients and skips steps
+            # while it halves down (17 skipped steps on the tiny model, each a whole RL step's rollout).
+            initial_loss_scale=2.0**16,
         )
         # one optimizer over every chunk: one gradient norm, one clipping, one step
         optimizer = get_megatron_optimizer(opt_config, ddps)
         fuse_torch_adam(optimizer)
+        # The schedule multiplies each loss (and the MoE aux loss) by the optimizer's loss scale, which the
+        # optimizer divides out of the gradients again: 1 except in fp16, where it keeps them representable.
+        self.config.grad_scale_func = optimizer.scale_loss
         self.config.finalize_model_grads_func = finalize_model_grads
         # the interleaved schedule takes one no_sync per chunk, the others a single one
         self.config.no_sync_func = ddps[0].no_sync if len(ddps) == 1 else [ddp.no_sync for ddp in ddps]
