@@ -6,6 +6,7 @@ Used by the trainer and by both rollout engines, so neither package imports the 
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import subprocess
 import tempfile
@@ -22,6 +23,14 @@ def on_gpu() -> bool:
 def current_device() -> torch.device:
     """The device this rank's tensors live on: its CUDA device, or the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
+
+
+def release_cached_blocks() -> None:
+    """Return the device memory this process freed to the driver, so that another process (a rollout
+    engine sizing or taking back its memory) can allocate it. A no-op on the CPU."""
+    gc.collect()  # Megatron's modules hold reference cycles: their memory is freed by the collector
+    if on_gpu():
+        torch.cuda.empty_cache()
 
 
 # CUDA driver stand-in: torch CUDA builds (the ones SGLang pins) ship kernel libraries that link against

@@ -184,6 +184,8 @@ def test_resume_at_another_layout_continues_with_the_same_metrics(recipe, tmp_pa
     for got, want in zip(moved[2:], stayed[2:]):
         assert got["reward/mean"] == want["reward/mean"] and got["response/len_mean"] == want["response/len_mean"]
         for key, value in want.items():
+            if key == "handover/offloaded_bytes":
+                continue  # a rank's share of the trainer state: another layout parks another share
             # 1e-4 relative: TP=2 and PP=2 sum the same fp32 products in different orders (~1e-6 relative
             # per step), and Adam's normalization can amplify that on near-zero gradients; 1e-5 absolute for
             # statistics that are differences of nearly equal numbers (a whitened mean). The explained

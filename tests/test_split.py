@@ -66,8 +66,9 @@ def records(run_dir: Path) -> list[dict]:
 
 
 def numbers(run_dir: Path) -> list[dict]:
-    """Per-step records without wall-clock figures and the split-only async/* ones."""
-    return [{k: v for k, v in r.items() if not k.startswith(("timing/", "throughput/", "async/"))}
+    """Per-step records without wall-clock figures, the split-only async/* ones and the trainer state parked
+    while the engines generate (a colocated trainer's; a split one keeps its memory)."""
+    return [{k: v for k, v in r.items() if not k.startswith(("timing/", "throughput/", "async/", "handover/"))}
             for r in records(run_dir)]
 
 

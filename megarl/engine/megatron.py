@@ -160,18 +160,18 @@ class TrainEngine:
         return hf_weights.pipeline_hf_tensors(self.stage)
 
     # ---- device memory choreography (co-located rollout) ------------------------------------------------
-    # On GPU the trainer gives its device memory to the rollout engine between updates (megarl.engine.offload);
-    # on CPU there is nothing to give back and these are no-ops, logged once.
-    def offload_training_state(self) -> None:
-        """Free gradient buffers and move optimizer state to the host (GPU only)."""
-        self.memory.offload_training_state()
+    # The trainer gives its device memory to the rollout engine between updates (megarl.engine.offload), on
+    # the CPU too, in the same order and with the storage really freed.
+    def offload_training_state(self) -> int:
+        """Free gradient buffers and move optimizer state to the host; returns the bytes freed."""
+        return self.memory.offload_training_state()
 
-    def offload_params(self) -> None:
-        """Move parameters to pinned host memory (GPU only); `onload` brings everything back."""
-        self.memory.offload_params()
+    def offload_params(self) -> int:
+        """Move parameters to the host; `onload` brings everything back. Returns the bytes freed."""
+        return self.memory.offload_params()
 
     def onload(self) -> None:
-        """Bring parameters, gradient buffers and optimizer state back to the device (GPU only)."""
+        """Bring parameters, gradient buffers (zeroed) and optimizer state back to the device."""
         self.memory.onload()
 
     # ---- distributed checkpoints ---------------------------------------------------------------------

@@ -1,31 +1,34 @@
-"""A trainer's device memory, lent to a co-located rollout engine between updates (GPU only).
+"""A trainer's device memory, lent to a co-located rollout engine between updates: on a GPU and on the CPU alike.
 
 Gradients and optimizer state leave right after the optimizer step; parameters after the weight push
-(the push reads them on the device); everything comes back before the next step's logprobs. Built on
-megatron-core's RL helpers (0.16.1): `DistributedDataParallel.offload_grad_buffers` /
-`restore_grad_buffers`, `_ParamAndGradBuffer.offload_to_cpu` / `reload_from_cpu` and
-`MegatronOptimizer.offload_to_cpu` / `restore_from_cpu`. Two cases they do not cover are handled here:
+(the push reads them on the device); everything comes back before the next step's logprobs.
 
-- Without the distributed optimizer a DDP buffer holds only gradients (`param_data` is None): its
-  parameters are separate tensors, parked one by one in reused pinned host buffers.
-- Megatron's `FP32Optimizer` holds the model's own parameters in its param groups, and its
-  `offload_to_cpu` would move them (breaking the push that follows); only its state moves here.
+Every piece moves as a whole storage: its bytes go to a host buffer kept from step to step (pinned on a
+GPU, so the copies run asynchronously), then the storage is resized to zero, which frees the memory and
+keeps every view of it valid (DDP buckets, `main_grad`, the distributed optimizer's shards of the
+parameter buffer); onload resizes it back and copies the bytes in. Gradient buffers are not copied: they
+are zeroed when they come back, as after every step. Storages shared between pieces move once, with the
+parameters (an fp32 optimizer steps the model's own parameters, or views of the parameter buffer).
 
-Storage is resized to zero rather than re-pointed, so every view (DDP buckets, `main_grad`) stays valid.
-On CPU there is nothing to lend: each call is skipped and logged once.
+The CPU runs the same order of operations with its storage really freed, so a read of offloaded memory
+fails in CPU tests as it would on a GPU (there it is an illegal memory access; here a crash or garbage).
 """
 
 from __future__ import annotations
 
-import gc
-import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
 from megarl.device import on_gpu
 
-log = logging.getLogger(__name__)
-_logged_skips: set[str] = set()
+
+@dataclass
+class _Parked:
+    storage: torch.UntypedStorage       # the device storage, resized to zero while parked
+    nbytes: int                         # its size when resident
+    host: torch.UntypedStorage | None   # its bytes while parked; None: zeroed when it comes back (gradients)
 
 
 class TrainerMemory:
@@ -34,116 +37,92 @@ class TrainerMemory:
 
     def __init__(self, modules: list[torch.nn.Module], ddps: list | None = None, optimizer=None):
         self.modules, self.ddps, self.optimizer = modules, ddps, optimizer
-        self._host: dict[torch.Tensor, torch.Tensor] = {}  # parked parameter -> its pinned host copy
+        self._parked: list[_Parked] = []
+        # host buffers by the identity of the storage they hold, kept while that storage lives in the model
+        self._hosts: dict[int, torch.UntypedStorage] = {}
 
-    def offload_training_state(self) -> None:
-        """Free the gradient buffers and move optimizer state to the host."""
-        if _skip_on_cpu("trainer: offload_training_state"):
-            return
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes of device memory this model has given back (parameters, gradients, optimizer state)."""
+        return sum(parked.nbytes for parked in self._parked)
+
+    def offload_training_state(self) -> int:
+        """Free the gradient buffers and move the optimizer state to the host; returns the bytes freed."""
         if self.optimizer is None:
-            return
-        for ddp in self.ddps:
-            ddp.offload_grad_buffers(synchronize=True, empty_cache=False)
-        for opt in _optimizers(self.optimizer):
-            if _holds_model_params(opt):
-                _move_state(opt, torch.device("cpu"))
-            else:
-                opt.offload_to_cpu()
-        _release_cached_blocks()
+            return 0
+        model = {_key(t) for t in self._param_tensors()}
+        grads = [buffer.grad_data for buffer in self._buffers() if buffer.grad_data is not None]
+        freed = self._park(grads, keep_bytes=False)
+        state = [t for t in self._optimizer_tensors() if _key(t) not in model]
+        # a loaded checkpoint replaces the optimizer's tensors: drop the host buffers of those that are gone
+        live = model | {_key(t) for t in state}
+        self._hosts = {key: host for key, host in self._hosts.items() if key in live}
+        return freed + self._park(state, keep_bytes=True)
 
-    def offload_params(self) -> None:
-        """Move the parameters to pinned host memory."""
-        if _skip_on_cpu("trainer: offload_params"):
-            return
-        if self.ddps is None:
-            self._park(param for module in self.modules for param in module.parameters())
-        else:
-            for buffer in self._buffers():
-                if buffer.param_data is not None:
-                    buffer.offload_to_cpu(move_params=True, move_grads=False)
-                else:
-                    self._park(buffer.params)
-        _release_cached_blocks()
+    def offload_params(self) -> int:
+        """Move the parameters to the host; returns the bytes freed."""
+        return self._park(self._param_tensors(), keep_bytes=True)
 
     def onload(self) -> None:
         """Bring back whatever was offloaded: parameters, gradient buffers (zeroed), optimizer state."""
-        if _skip_on_cpu("trainer: onload"):
-            return
-        if self.ddps is None:
-            self._unpark()
-            return
-        for buffer in self._buffers():
-            if buffer.param_data is not None:
-                buffer.reload_from_cpu(move_params=True, move_grads=False)
-        self._unpark()
-        for ddp in self.ddps:
-            ddp.restore_grad_buffers(synchronize=False)
-        device = torch.device("cuda", torch.cuda.current_device())
-        for opt in _optimizers(self.optimizer):
-            if _holds_model_params(opt):
-                _move_state(opt, device)
+        for parked in self._parked:
+            parked.storage.resize_(parked.nbytes)
+            if parked.host is None:
+                parked.storage.fill_(0)
             else:
-                opt.restore_from_cpu()
-        torch.cuda.synchronize()
+                parked.storage.copy_(parked.host, non_blocking=True)
+        self._parked = []
+
+    def _park(self, tensors: Iterable[torch.Tensor], *, keep_bytes: bool) -> int:
+        storages: dict[int, torch.UntypedStorage] = {}
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            if storage.nbytes() > 0:  # not parked yet (nor empty)
+                storages.setdefault(_key(tensor), storage)
+        freed = 0
+        for key, storage in storages.items():
+            host = None
+            if keep_bytes:
+                host = self._hosts.get(key)
+                if host is None or host.nbytes() != storage.nbytes():
+                    # Kept for the next steps: pinning again every step would double the host peak.
+                    host = self._hosts[key] = _host_buffer(storage.nbytes())
+                host.copy_(storage, non_blocking=True)
+            nbytes = storage.nbytes()
+            # On a GPU the caching allocator orders the freed block after the copy on this stream.
+            storage.resize_(0)
+            self._parked.append(_Parked(storage, nbytes, host))
+            freed += nbytes
+        if freed and on_gpu():
+            torch.cuda.empty_cache()  # to the driver: the rollout engine is another process
+        return freed
+
+    def _param_tensors(self) -> list[torch.Tensor]:
+        """The parameters' storages: each DDP buffer's (with the distributed optimizer), else each parameter."""
+        params = [param.data for module in self.modules for param in module.parameters()]
+        if self.ddps is not None:
+            params += [buffer.param_data for buffer in self._buffers() if buffer.param_data is not None]
+        return params
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        """The optimizer's own parameters (fp32 main copies) and its state tensors. A scalar state (Adam's step
+        count) stays: it is a few bytes, and copying one per parameter costs more than it frees."""
+        tensors = []
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for group in opt.optimizer.param_groups:
+                tensors += [p.data for p in group["params"]]
+            for state in opt.optimizer.state.values():
+                tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return tensors
 
     def _buffers(self) -> list:
         return [buffer for ddp in self.ddps for buffer in ddp.buffers + ddp.expert_parallel_buffers]
 
-    def _park(self, params) -> None:
-        for param in params:
-            data = param.data
-            storage = data.untyped_storage()
-            if storage.nbytes() == 0:
-                continue  # already parked
-            if storage.nbytes() != data.nbytes or data.storage_offset() != 0:
-                raise RuntimeError(f"cannot offload a parameter of shape {tuple(data.shape)} that shares its "
-                                   "storage with other tensors")
-            host = self._host.get(param)
-            if host is None:
-                # Pinned once and reused: pinning again every step doubles the host peak.
-                host = self._host[param] = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
-            host.copy_(data, non_blocking=True)
-            # The caching allocator orders the freed block after the copy on this stream.
-            storage.resize_(0)
 
-    def _unpark(self) -> None:
-        for param, host in self._host.items():
-            storage = param.data.untyped_storage()
-            if storage.nbytes() == 0:
-                storage.resize_(host.nbytes)
-                param.data.copy_(host, non_blocking=True)
+def _key(tensor: torch.Tensor) -> int:
+    """One storage's identity, whichever view of it `tensor` is (also while it is resized to zero)."""
+    return tensor.untyped_storage()._cdata
 
 
-def _optimizers(optimizer) -> list:
-    """The Megatron optimizers inside a ChainedOptimizer, or the optimizer itself."""
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _holds_model_params(opt) -> bool:
-    """Megatron's FP32Optimizer steps the model parameters themselves (no main-param copies)."""
-    from megatron.core.optimizer.optimizer import FP32Optimizer
-
-    return isinstance(opt, FP32Optimizer)
-
-
-def _move_state(opt, device: torch.device) -> None:
-    for state in opt.optimizer.state.values():
-        for key, value in state.items():
-            # Adam's step counter lives on the host unless the optimizer is capturable; leave it there.
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                state[key] = value.to(device)
-
-
-def _release_cached_blocks() -> None:
-    """Return freed blocks to the driver, so the rollout engine in another process can allocate them."""
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
-def _skip_on_cpu(what: str) -> bool:
-    if on_gpu():
-        return False
-    if what not in _logged_skips:
-        _logged_skips.add(what)
-        log.debug("%s skipped on CPU (GPU-only operation); logged once", what)
-    return True
+def _host_buffer(nbytes: int) -> torch.UntypedStorage:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_gpu()).untyped_storage()

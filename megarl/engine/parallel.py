@@ -45,6 +45,14 @@ class ParallelGroups:
         return self.pp_rank == self.pp_size - 1
 
 
+def world_backend(cuda: bool) -> str:
+    """torch.distributed's backends for the world, which every group made later inherits (Megatron's and
+    megarl's alike). On a GPU, NCCL serves CUDA tensors only (torch's `Backend.backend_capability`), while
+    the loops' bookkeeping (counts, sums, flags, objects) is host tensors: gloo serves those on every group,
+    NCCL the device tensors. On CPU, gloo serves everything."""
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
 def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0,
                   timeout: timedelta = timedelta(minutes=60),
                   trainer_store: tuple[dist.Store, int, int] | None = None) -> ParallelGroups:
@@ -65,9 +73,9 @@ def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0,
             meet = {}  # torchrun's env:// rendezvous
             if trainer_store is not None:
                 meet = dict(zip(("store", "rank", "world_size"), trainer_store))
-            dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout, **meet)
-        else:  # one process outside torchrun; on a GPU NCCL, since gloo cannot reduce CUDA tensors
-            dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+            dist.init_process_group(world_backend(cuda), timeout=timeout, **meet)
+        else:  # one process outside torchrun
+            dist.init_process_group(world_backend(cuda), store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timeout)
     from megarl.engine import cpu_compat
 

@@ -18,9 +18,11 @@ Files load with `weights_only=True`: nothing is unpickled beyond tensors and pla
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +99,9 @@ class RunState:
     load_extra: Callable[[dict], None] = lambda saved: None  # restores it from state.json
     save_files: Callable[[Path, int], None] | None = None  # (directory, step): the loop's own files, every rank
     load_files: Callable[[Path, dict, int], None] | None = None  # (directory, state.json, step): read them back
+    # a context in which the engines' state is on the device, to be read (RL: onloaded from the host, where a
+    # co-located run keeps it while the rollout engines generate)
+    resident: Callable[[], AbstractContextManager] = contextlib.nullcontext
 
 
 def save_checkpoint(cfg: Config, step: int, state: RunState) -> Path:
@@ -106,7 +111,8 @@ def save_checkpoint(cfg: Config, step: int, state: RunState) -> Path:
     dist.broadcast_object_list(name, src=0)
     tmp = Path(name[0])
     try:
-        return _write_checkpoint(cfg, step, state, tmp)
+        with state.resident():
+            return _write_checkpoint(cfg, step, state, tmp)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException

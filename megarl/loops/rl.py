@@ -8,7 +8,9 @@ ranks, and each rank receives its data-parallel replica's batch (megarl.loops.ge
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -81,7 +83,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
     return {
         **metrics, **sampling, **kl_metrics, **train_metrics, **eval_metrics, **moe, **timer.metrics(),
         "train/tokens_imbalance": tokens_imbalance, "train/trained_frac": trained_frac,
-        "handoff/bytes": float(push_stats["bytes"]),
+        "handoff/bytes": float(push_stats["bytes"]), "handover/offloaded_bytes": float(push_stats["offloaded_bytes"]),
         **({"async/push_wait_s": push_stats["wait_s"]} if "wait_s" in push_stats else {}),
         "throughput/tokens_per_s": tokens / seconds,
     }
@@ -173,23 +175,38 @@ def hand_over(run: RLRun, timer: PhaseTimer) -> dict:
     """Give the devices back to the rollout engines with the new weights: the trainer's gradients and
     optimizer state leave the device, the weights are pushed, the trainer's parameters leave too and the
     engines take back their KV cache. Also how a run starts (the engines released their memory while the
-    trainer was built). Returns the push's counts. Placement split: the push alone (the rollout ranks keep
-    their memory; the trainer keeps its own)."""
+    trainer was built). Returns the push's counts and `offloaded_bytes`, the trainer state parked while the
+    engines generate. Placement split: the push alone (the rollout ranks keep their memory; the trainer
+    keeps its own)."""
     if run.split is not None:
         with timer("push"):
-            return run.split.push(run)
+            return run.split.push(run) | {"offloaded_bytes": 0}
     with timer("sleep_trainer"):
-        for engine in (run.actor, run.critic):
-            if engine is not None:
-                engine.offload_training_state()
+        offloaded = sum(engine.offload_training_state() for engine in (run.actor, run.critic) if engine is not None)
     with timer("push"):
         push_stats = push_policy(run)
     with timer("wake_rollout"):
-        for engine in run.trainer_engines():
-            engine.offload_params()
+        offloaded += sum(engine.offload_params() for engine in run.trainer_engines())
         if run.rollout is not None:
             run.rollout.resume_cache()
-    return push_stats
+    return push_stats | {"offloaded_bytes": offloaded}
+
+
+@contextlib.contextmanager
+def trainer_resident(run: RLRun) -> Iterator[None]:
+    """The trainer's state on the device for the length of the block (a checkpoint reads it), handed back
+    as after a step when it ends. The rollout engines give their memory back first, as before an update:
+    the trainer never shares the device with a KV cache. Their weights are released with it, so the end
+    of the block pushes them again (a new weight version, with the same weights)."""
+    if run.split is not None:  # the training ranks keep their memory
+        yield
+        return
+    if run.rollout is not None:
+        run.rollout.release_memory()
+    for engine in run.trainer_engines():
+        engine.onload()
+    yield
+    hand_over(run, PhaseTimer())
 
 
 def push_policy(run: RLRun) -> dict:
@@ -295,7 +312,7 @@ def train(cfg: Config) -> Path:
 
     split = run.split
     state = RunState(groups=groups, engines=run.trained_engines(), sampler=run.sampler, rollout=run.rollout,
-                     placement=run.placement,
+                     placement=run.placement, resident=partial(trainer_resident, run),
                      extra=lambda: {"weight_version": run.weight_version, "kl": run.kl.state_dict(),
                                     **({"split": split.state()} if split else {})},
                      load_extra=load_extra,

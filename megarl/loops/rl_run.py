@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from megarl.algo.advantages import AdaptiveKLController, FixedKLController
@@ -144,6 +145,12 @@ def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: lis
                                       seed=cfg.seed + placement.engine_index,
                                       capture_routes=read_shape(model_dir).is_moe and captures_routes(cfg.rollout))
         rollout.release_memory()  # its KV cache is sized; the trainer is built in the memory it gives back
+    if split is None:
+        # Every rank waits for every engine of the job to start and give its memory back: an SGLang engine's
+        # TP schedulers size the KV cache from the memory free on each of the group's devices (and refuse an
+        # imbalance), so no trainer model may be built on them before. On the host side: NCCL's
+        # communicators are not made yet.
+        dist.all_reduce(torch.zeros(1))
     actor = make_engine(cfg, groups, role="actor", model_dir=model_dir)
     reference = make_engine(cfg, groups, role="reference", model_dir=model_dir) if algo.kl_coef > 0 else None
     critic = None

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from megarl.config import Config
 from megarl.data.prompts import PromptRow, PromptSampler, encode_prompt
 from megarl.data.supervised import completion_example
+from megarl.device import release_cached_blocks
 from megarl.engine.parallel import ParallelGroups
 from megarl.engine.roles import make_engine
 from megarl.loops.lifecycle import export_policy
@@ -62,4 +63,7 @@ def sft_warmup(cfg: Config, groups: ParallelGroups, tokenizer, rows: list[Prompt
     log.info("supervised warm start: %s", ended)
     export_policy(engine, groups, source_dir=cfg.model.path, out_dir=out,
                   meta={"stage": "sft_warmup", "steps": step + 1, "answer_prob": metrics["response_prob"]})
+    # The rollout engines start next and size their memory from what is free: give back all of this engine's.
+    del engine
+    release_cached_blocks()
     return str(out)
