@@ -95,13 +95,35 @@ def _moe_config(shape: ModelShape) -> dict:
     )
 
 
+# Megatron settings the engine cannot honour, refused when set to anything but Megatron's default.
+_CUDA_GRAPHS = ("CUDA graphs replay the device addresses and shapes they captured, but every step's micro-batches "
+                "have shapes of their own, and the co-located trainer offloads its parameters, gradients and "
+                "optimizer state between steps and brings them back at new addresses (megarl.engine.offload)")
+_QUANTIZED_PARAMS = ("fp8/fp4 parameters are held as Transformer Engine's quantized tensors, which the HF checkpoint "
+                     "load, the weight push to the rollout engine and the HF export do not read or write")
+
+
+def _unsupported(name: str) -> str | None:
+    """Why the engine cannot honour TransformerConfig field `name` (None: it can)."""
+    if "cuda_graph" in name:  # enable_cuda_graph, external_cuda_graph, cuda_graph_impl, cuda_graph_scope, ...
+        return _CUDA_GRAPHS
+    if name in ("fp8_param", "fp4_param"):
+        return _QUANTIZED_PARAMS
+    return None
+
+
 def check_megatron_fields(megatron: dict) -> None:
     """The recipe's `model.megatron` keys must be TransformerConfig fields the engine can honour."""
     from megatron.core.transformer import TransformerConfig
 
-    unknown = sorted(set(megatron) - {f.name for f in dataclasses.fields(TransformerConfig)})
+    fields = {f.name: f for f in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(megatron) - set(fields))
     if unknown:
         raise RecipeError(f"model.megatron: unknown TransformerConfig field(s): {', '.join(unknown)}")
+    for name, value in megatron.items():
+        reason = _unsupported(name)
+        if reason is not None and value != fields[name].default:
+            raise RecipeError(f"model.megatron.{name} = {value!r} is not supported: {reason}")
     vpp = megatron.get("virtual_pipeline_model_parallel_size")
     if vpp is not None and (type(vpp) is not int or vpp < 1):
         raise RecipeError(f"model.megatron.virtual_pipeline_model_parallel_size = {vpp!r}: the number of virtual "
