@@ -2,7 +2,13 @@
 # The GPU check on the lent machine (one H200, Python 3.12, torch 2.11, no package index): installs the
 # wheels of tools/device_check/prepare.sh without an index and without dependencies, on top of the machine's
 # own torch and transformers, installs megarl the same way, then runs tools/device_check/check.py (at most
-# 8 minutes), which writes device_check.json, device_check.txt and the stages' logs into OUT.
+# its TOTAL_S, 8 minutes), which writes device_check.json, device_check.txt and one log per stage into OUT
+# (the machine returns at most 8 files from it; scratch goes to a temporary folder).
+#
+# The machine receives tracked and untracked, not ignored, files only: .device_wheels is git-ignored, so the
+# call carries it. After `bash tools/device_check/prepare.sh` here, the device tool's call is
+#   run(command="bash tools/device_check/run.sh", carry=[".device_wheels"], timeout_s=570)
+# (570 s: the check's 480 and the installs, under the machine's 600 s per command).
 #
 #   bash tools/device_check/run.sh [--out DIR]     # on the GPU machine; DIR defaults to $OUT, else runs/device_check
 #   bash tools/device_check/run.sh --dry-run       # here: the bundle resolves for CPython 3.12, and every
