@@ -117,6 +117,58 @@ def test_shipped_recipes_stop_on_placeholder_paths_but_load_for_planning():
         assert cfg.model.path.startswith("/SET-ME/") and cfg.data.train_path.startswith("/SET-ME/")
 
 
+# ---- the weight push's calls into SGLang ------------------------------------------------------------------------
+# Every handoff bucket is one `update_weights_from_tensor` call into SGLang: a request through its tokenizer
+# manager, a barrier over the engine's TP ranks and a CUDA IPC open per rank, tens of ms each. A push of
+# at most this many calls spends well under a minute on them, however large the model.
+MAX_PUSH_CALLS = 1000
+SGLANG_RECIPES = [p for p in (*GPU_RECIPES, *CHECKED_RECIPES) if "engine: sglang" in p.read_text()]
+
+
+def hf_tensor_elements(shape) -> list[int]:
+    """Elements of every HF tensor a weight push sends (tied embeddings once), layer by layer in the order
+    megarl.engine.hf_weights gathers them."""
+    h, d = shape.hidden, shape.head_dim
+    out = [shape.vocab_size * h]
+    for _ in range(shape.layers):
+        out += [h, shape.heads * d * h, shape.kv_heads * d * h, shape.kv_heads * d * h]  # norm, q, k, v
+        if shape.qkv_bias:
+            out += [shape.heads * d, shape.kv_heads * d, shape.kv_heads * d]
+        out += [h * shape.heads * d, h] + ([d, d] if shape.qk_norm else [])  # o, post-attention norm, q/k norms
+        if shape.experts:
+            out += [shape.experts * h]  # router
+            out += [shape.moe_ffn * h] * 2 * shape.experts + [h * shape.moe_ffn] * shape.experts  # gate, up; down
+            if shape.shared_ffn:
+                out += [shape.shared_ffn * h] * 3 + [h]  # shared gate, up, down and its gate
+        else:
+            out += [shape.ffn * h] * 3
+    return out + [h] + ([] if shape.tied_embeddings else [shape.vocab_size * h])
+
+
+@pytest.mark.parametrize("recipe", SGLANG_RECIPES, ids=lambda p: p.stem)
+def test_a_push_into_sglang_takes_a_bounded_number_of_calls(recipe):
+    """Every recipe that generates with SGLang on GPUs pushes its weights in buckets of at least 512 MiB, and in
+    at most MAX_PUSH_CALLS buckets (counted by the handoff's own bucketing over the model's HF tensors): 30 for
+    7B, 322 for 70B, 888 for the 235B MoE. At the 64 MiB default they were 115, 643 and 7,523."""
+    import torch
+
+    from megarl.config import load_config
+    from megarl.handoff import buckets
+    from megarl.plan import DTYPE_BYTES, read_model, stage_params
+
+    cfg = load_config(recipe, check_paths=False)
+    args = header_command(recipe)
+    shape = read_model(REPO / args[args.index("--model-config") + 1])
+    elements = hf_tensor_elements(shape)
+    # the same parameters as the plan counts for one unsplit copy of the model
+    assert sum(elements) == stage_params(shape, tp=1, pp=1, ep=1, stage=0, padded_vocab=shape.vocab_size).total
+    dtype = {2: torch.bfloat16, 4: torch.float32}[DTYPE_BYTES[cfg.model.dtype]]
+    tensors = [(str(i), torch.empty(n, dtype=dtype, device="meta")) for i, n in enumerate(elements)]
+    assert cfg.rollout.bucket_bytes >= 512 * 2**20
+    calls = sum(1 for _ in buckets(tensors, bucket_bytes=cfg.rollout.bucket_bytes))
+    assert calls <= MAX_PUSH_CALLS, (calls, sum(elements))
+
+
 @pytest.mark.parametrize("model,total,active", [
     # Totals of the published bf16 checkpoints (safetensors index total_size / 2); active = dense + top-k of
     # the experts, the "A3B"/"A22B" of the names.
@@ -658,7 +710,7 @@ def test_split_plan_trains_on_the_training_world_and_generates_on_the_rest(rollo
     colocated = json.loads(out)
     assert code == 0 and colocated["layout"]["dp"] == 3 and colocated["models"] == result["models"]
 
-    reserve, bucket = RESERVE_GIB * GIB, 64 * 2**20  # rollout.bucket_bytes default
+    reserve, bucket = RESERVE_GIB * GIB, 512 * 2**20  # the recipe's rollout.bucket_bytes
     state = sum(m["state"] for m in result["models"])
     training = {"train": state + actor["activations"] + reserve,
                 "push": state + bucket + 2 * shape.vocab_size * shape.hidden * 2 + reserve}
