@@ -85,3 +85,63 @@ def test_a_frozen_model_offloads_its_parameters_and_host_buffers_are_kept(qwen2_
     assert {k: h.data_ptr() for k, h in engine.memory._hosts.items()} == hosts  # the same host buffers, reused
     engine.onload()
     assert torch.equal(engine.logprobs(tokens, temperature=1.0, micro_batch_size=2), want)
+
+
+# ---- start-up order ------------------------------------------------------------------------------------------
+# Rank 0 hosts the one engine of rollout.tp = 2, whose release of its memory is slow here; each rank records
+# when it starts building its first trainer model, and rank 0 when its engine gave the memory back.
+STARTUP_WORKER = """
+import json, sys, time
+import torch.distributed as dist
+from megarl.cli import main
+from megarl.loops import rl_run
+
+events = {}
+make_rollout_engine, make_engine = rl_run.make_rollout_engine, rl_run.make_engine
+
+def slow_release(*args, **kwargs):
+    engine = make_rollout_engine(*args, **kwargs)
+    release = engine.release_memory
+    def release_memory():
+        time.sleep(3)
+        release()
+        events.setdefault("released", time.time())
+    engine.release_memory = release_memory
+    return engine
+
+def first_model(*args, **kwargs):
+    events.setdefault("first_model", time.time())
+    return make_engine(*args, **kwargs)
+
+rl_run.make_rollout_engine, rl_run.make_engine = slow_release, first_model
+try:
+    main(sys.argv[1:])
+finally:
+    with open(f"{sys.argv[-1].split('=', 1)[1]}/events{dist.get_rank()}.json", "w") as f:
+        json.dump(events, f)
+"""
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S)
+def test_no_rank_builds_a_trainer_model_before_every_engine_gave_its_memory_back(qwen2_dir, arithmetic_dir,
+                                                                                  tmp_path):
+    """An SGLang engine's TP schedulers size their KV cache from the memory free on every device of the group,
+    so the rank beside the engine's host must not allocate a model there until the engine has released."""
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text(
+        f"model:\n  path: {qwen2_dir}\n"
+        f"data:\n  train_path: {arithmetic_dir / 'train.jsonl'}\n  prompts_per_step: 2\n"
+        "rollout:\n  n_samples: 2\n  max_new_tokens: 2\n  tp: 2\n"
+        "train:\n  steps: 1\n  micro_batch_size: 2\n"
+        "algo:\n  name: grpo\n"
+        "reward:\n  terms:\n    - {kind: length_penalty, max_tokens: 2, cache_tokens: 1}\n"
+        "log:\n  progress: false\n")
+    worker = tmp_path / "worker.py"
+    worker.write_text(STARTUP_WORKER)
+    run_dir = tmp_path / "run"
+    proc = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker), "train",
+                       str(recipe), f"run_dir={run_dir}"], cwd=tmp_path, timeout_s=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    host, beside = (json.loads((run_dir / f"events{rank}.json").read_text()) for rank in (0, 1))
+    assert "released" not in beside  # one engine, on rank 0
+    assert beside["first_model"] >= host["released"], (beside, host)

@@ -1,11 +1,16 @@
 """Process groups wait `parallel.timeout_minutes` in a collective (every group: the world, Megatron's and
-megarl's own), and an error raised while a step waits names the phase it was in."""
+megarl's own), and an error raised while a step waits names the phase it was in. The world megarl starts on a
+GPU serves the loops' host-side bookkeeping beside NCCL's device tensors: RL, SFT and DPO steps run on two ranks
+in it, emulated on the CPU where NCCL's part refuses host tensors as NCCL does."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+
 import pytest
 
-from conftest import run_python
+from conftest import REPO, run_python
 
 # Rank 1 is late by far more than the timeout; rank 0 waits for it in the "generate" phase's collective.
 WORKER = """
@@ -51,3 +56,62 @@ def test_the_recipe_key_is_checked(tmp_path):
     assert load_config(recipe, check_paths=False).parallel.timeout_minutes == 90
     with pytest.raises(ConfigError, match="parallel.timeout_minutes"):
         load_config(recipe, ["parallel.timeout_minutes=0"], check_paths=False)
+
+
+# ---- the world of a GPU run, emulated on the CPU (tests/gpu_world_worker.py) --------------------------------
+RUN_TIMEOUT_S = 240  # each run below takes ~20-40 s on 2 busy cores
+
+
+def gpu_world(*args: str, cwd) -> subprocess.CompletedProcess:
+    return run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                       str(REPO / "tests" / "gpu_world_worker.py"), *args], cwd=cwd, timeout_s=RUN_TIMEOUT_S)
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S)
+def test_the_emulated_nccl_world_refuses_host_tensors_and_megarls_gpu_world_serves_them(tmp_path):
+    """The control for the runs below: NCCL's devices alone (what a world started as "nccl" has) refuse the
+    loops' host-side counts, as NCCL does on a GPU; the world megarl starts on a GPU sums them."""
+    refused = gpu_world("nccl", "sums", cwd=tmp_path)
+    assert refused.returncode != 0 and "No backend type associated with device type cpu" in refused.stderr
+    served = gpu_world("megarl", "sums", cwd=tmp_path)
+    assert served.returncode == 0, served.stderr[-3000:]
+    assert served.stdout.count("sums [2.0, 1.0]") == 2
+
+
+def rl_recipe(path, *, model_dir, data_dir):
+    """PPO with a critic (whitened advantages), a reference model, dynamic sampling (the ranks decide
+    together whether to sample again) and a checkpoint every step: every host-side collective of the loop."""
+    path.write_text(
+        f"model:\n  path: {model_dir}\n"
+        f"data:\n  train_path: {data_dir / 'train.jsonl'}\n  eval_path: {data_dir / 'heldout.jsonl'}\n"
+        "  prompts_per_step: 4\n  eval_prompts: 4\n  eval_every: 1\n"
+        "rollout:\n  n_samples: 2\n  max_new_tokens: 4\n  tp: 2\n"
+        "train:\n  steps: 2\n  micro_batch_size: 2\n"
+        "algo:\n  name: ppo\n  kl_coef: 0.05\n  dynamic_sampling: true\n  max_sampling_rounds: 2\n"
+        "reward:\n  terms:\n    - {kind: length_penalty, max_tokens: 4, cache_tokens: 3}\n"
+        "checkpoint:\n  every_steps: 1\n"
+        "log:\n  progress: false\n")
+    return path
+
+
+@pytest.mark.timeout(4 * RUN_TIMEOUT_S)
+def test_rl_sft_and_dpo_steps_run_on_two_ranks_in_the_world_megarl_starts_on_a_gpu(qwen2_dir, arithmetic_dir,
+                                                                                    tiny_data, tmp_path):
+    """Two data-parallel ranks (and one rollout engine over both), so every bookkeeping collective of the
+    loops runs over more than one rank: counts, sums, balancing, flags, objects."""
+    recipe = rl_recipe(tmp_path / "ppo.yaml", model_dir=qwen2_dir, data_dir=arithmetic_dir)
+    runs = {
+        "rl": ("train", str(recipe), f"run_dir={tmp_path / 'rl'}"),
+        "sft": ("train", str(REPO / "recipes" / "sft_tiny.yaml"), f"model.path={qwen2_dir}",
+                f"data.train_path={tiny_data / 'train.jsonl'}", f"data.eval_path={tiny_data / 'heldout.jsonl'}",
+                f"run_dir={tmp_path / 'sft'}", "train.steps=2", "data.eval_every=1", "log.progress=false"),
+        "dpo": ("train", str(REPO / "recipes" / "dpo_tiny.yaml"), f"model.path={qwen2_dir}",
+                f"data.train_path={tiny_data / 'train_pairs.jsonl'}",
+                f"data.eval_path={tiny_data / 'heldout_pairs.jsonl'}", f"run_dir={tmp_path / 'dpo'}",
+                "train.steps=2", "data.eval_every=1", "log.progress=false"),
+    }
+    for name, args in runs.items():
+        proc = gpu_world("megarl", *args, cwd=tmp_path)
+        assert proc.returncode == 0, f"{name}: {proc.stderr[-4000:]}"
+        steps = [json.loads(line)["step"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert steps == [1, 2], name

@@ -1,0 +1,47 @@
+"""A torchrun rank whose world has the backends a GPU run would have, emulated on the CPU: every backend
+entry keeps its devices, and NCCL becomes gloo on the devices NCCL serves only (torch's
+`Backend.backend_capability`: CUDA), so the world refuses host tensors where a GPU world's NCCL would.
+megarl's `init_parallel` keeps a world that exists.
+
+    python -m torch.distributed.run --nproc_per_node=2 tests/gpu_world_worker.py BACKEND sums
+    python -m torch.distributed.run --nproc_per_node=2 tests/gpu_world_worker.py BACKEND train RECIPE [key=value ...]
+
+BACKEND: a torch.distributed backend string, or `megarl` for the one megarl starts a GPU world with.
+`sums` all-reduces the loops' host-side counts (megarl.algo.aggregate.group_sums) over the world.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch.distributed as dist
+
+
+def on_ncclls_devices(backend: str) -> str:
+    """`backend` with NCCL replaced by gloo restricted to NCCL's devices: "nccl" -> "cuda:gloo",
+    "cpu:gloo,cuda:nccl" -> "cpu:gloo,cuda:gloo"."""
+    entries = []
+    for entry in backend.split(","):
+        device, _, name = entry.rpartition(":")
+        devices = [device] if device else dist.Backend.backend_capability[name]
+        entries += [f"{d}:{'gloo' if name == 'nccl' else name}" for d in devices]
+    return ",".join(entries)
+
+
+def main(argv: list[str]) -> None:
+    from megarl.engine.parallel import world_backend
+
+    backend, command = argv[0], argv[1]
+    dist.init_process_group(on_ncclls_devices(world_backend(True) if backend == "megarl" else backend))
+    if command == "sums":
+        from megarl.algo.aggregate import group_sums
+
+        print("sums", group_sums([1.0, float(dist.get_rank())], group=dist.group.WORLD), flush=True)
+        return
+    from megarl.cli import main as megarl_main
+
+    megarl_main(argv[1:])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
