@@ -10,8 +10,10 @@ Checked:
    distribution named `apex` (PyPI's is another project) and, with `-c constraints.txt`, the CPU torch pinned
    there;
 2. `pip install -e .` accepts the torch of a GPU container (GPU_TORCHES): pip keeps it instead of replacing it;
-3. the Dockerfile's pins: Transformer Engine exists with the extras the image asks for and is inside
-   megatron-core's declared range; the image's torch is the one its SGLang release pins.
+3. the Dockerfile's pins: Transformer Engine exists, its metapackage's extras name the distributions the
+   image installs by name at its version, and it is inside megatron-core's declared range; the `wheel` its
+   build needs exists; its onnx pins need nothing that SGLang's release does not install; the image's torch
+   is the one its SGLang release pins.
 Exits 1 naming every command or pin that failed.
 """
 
@@ -123,8 +125,31 @@ def requirement_of(metadata: dict, name: str, *, extra: str | None = None) -> Re
 def check_image_pins(args: dict[str, str], sglang_meta: dict | None, errors: list[str]) -> list[str]:
     """The Dockerfile's Transformer Engine, megatron-core and torch pins against their packages' metadata."""
     notes = []
-    te = f"transformer_engine[pytorch,core_cu13]=={args['TE_VERSION']}"
-    resolve(["pip", "install", "--no-deps", te], errors)
+    # The image installs the metapackage's two extras by name, without dependencies: they must be the very
+    # distributions and version the metapackage names.
+    te_version = args["TE_VERSION"]
+    te = resolve(["pip", "install", "--no-deps", f"transformer_engine[pytorch,core_cu13]=={te_version}"], errors)
+    if te:
+        for extra, dist in (("pytorch", "transformer-engine-torch"), ("core-cu13", "transformer-engine-cu13")):
+            req = requirement_of(te["transformer-engine"], dist, extra=extra)
+            if req is None or str(req.specifier) != f"=={te_version}":
+                errors.append(f"transformer_engine {te_version}'s extra {extra} is {req}, not {dist}=={te_version}")
+        notes.append(f"TE {te_version}: transformer_engine_torch and transformer_engine_cu13 of the same version")
+    resolve(["pip", "install", "--no-deps", f"wheel=={args['WHEEL_VERSION']}"], errors)  # TE's build needs it
+    # The image installs Transformer Engine's onnx packages without dependencies, beside SGLang: with SGLang
+    # they must resolve to SGLang's own environment plus themselves, nothing added and nothing moved.
+    onnx = {"onnx": args["ONNX_VERSION"], "onnx-ir": args["ONNX_IR_VERSION"], "onnxscript": args["ONNXSCRIPT_VERSION"]}
+    sglang = f"sglang=={args['SGLANG_VERSION']}"
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        alone, with_onnx = pool.map(lambda names: resolve(["pip", "install", *names], errors),
+                                    [[sglang], [sglang, *(f"{name}=={v}" for name, v in onnx.items())]])
+    if alone and with_onnx:
+        others = {name: meta["version"] for name, meta in with_onnx.items()
+                  if name not in onnx and alone.get(name, {}).get("version") != meta["version"]}
+        if others:
+            errors.append(f"Dockerfile's onnx pins {onnx} need more than {sglang} installs: {others}")
+        else:
+            notes.append(f"onnx pins {onnx} need nothing beyond {sglang}'s environment")
     mcore = resolve(["pip", "install", "--no-deps", f"megatron-core=={args['MCORE_VERSION']}"], errors)
     if mcore:
         req = requirement_of(mcore["megatron-core"], "transformer-engine", extra="dev")
