@@ -104,6 +104,50 @@ print("ok")
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-4000:]
 
 
+PAYLOADS_WORKER = """
+import torch
+import torch.distributed as dist
+from sglang.srt.utils import MultiprocessingSerializer
+from megarl.device import current_device
+from megarl.rollout.sglang_engine import SGLangPeer, gather_payloads, push_done
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+group = dist.new_group([0, 1])
+# each rank's copy differs, so the host can tell whose payload it got
+buckets = [[("w", torch.full((3, 4), float(rank + 2 * n))), ("b", torch.arange(5, dtype=torch.int64) + 10 * rank)]
+           for n in range(2)]
+if rank == 0:  # the host's side of SGLangEngine.update_weights, reading each payload as a scheduler would
+    for n, bucket in enumerate(buckets):
+        gathered, flat = gather_payloads(bucket, group=group)
+        assert len(gathered) == 2
+        for k, payload in enumerate(gathered):
+            got = MultiprocessingSerializer.deserialize(payload)
+            theirs, meta = got["flattened_tensor"], got["metadata"]
+            assert theirs.device == current_device(), theirs.device
+            tensors = {m.name: theirs[m.start_idx:m.end_idx].view(m.dtype).view(m.shape) for m in meta}
+            assert torch.equal(tensors["w"], torch.full((3, 4), float(k + 2 * n))), (k, tensors["w"])
+            assert torch.equal(tensors["b"], torch.arange(5) + 10 * k), (k, tensors["b"])
+    push_done(group)
+else:
+    stats = SGLangPeer(group).push([t for bucket in buckets for t in bucket], bucket_bytes=100)
+    assert stats == {"bytes": 2 * (12 * 4 + 5 * 8)}, stats
+print("ok", rank)
+"""
+
+
+def test_every_rank_of_an_engines_group_serializes_its_own_copy_for_the_tp_rank_on_its_device(tmp_path):
+    """The push's payload for SGLang TP rank k is made by the trainer rank on TP rank k's device (its own copy,
+    in its own memory), gathered to the host in TP-rank order; on a GPU the receiving scheduler then opens
+    memory on its own device instead of on the host's."""
+    script = tmp_path / "payloads.py"
+    script.write_text(PAYLOADS_WORKER)
+    proc = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
+                      timeout_s=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "ok 0" in proc.stdout and "ok 1" in proc.stdout
+
+
 def test_a_flattened_bucket_rebuilds_every_tensor_from_one_shared_buffer():
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 

@@ -217,6 +217,8 @@ def push_policy(run: RLRun) -> dict:
         run.rollout.resume_weights()
         return push_weights(run.rollout, tensors, bucket_bytes=run.cfg.rollout.bucket_bytes,
                             version=run.weight_version)
+    if run.rollout_peer is not None:
+        return run.rollout_peer.push(tensors, bucket_bytes=run.cfg.rollout.bucket_bytes)
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)  # drive the collectives
     return {"bytes": nbytes}
 

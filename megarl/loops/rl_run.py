@@ -29,8 +29,8 @@ from megarl.objective import (AdvantageFn, CriticObjective, PolicyObjective, adv
                               policy_objective)
 from megarl.rewards.scorer import Scorer
 from megarl.rewards.terms import build_terms
-from megarl.rollout.backends import captures_routes, make_rollout_engine
-from megarl.rollout.engine import RolloutEngine
+from megarl.rollout.backends import captures_routes, make_rollout_engine, make_rollout_peer
+from megarl.rollout.engine import RolloutEngine, RolloutPeer
 from megarl.rollout.multi_turn import EnvWorkers
 from megarl.rollout.placement import RolloutPlacement, place_rollout
 from megarl.routing import RoutePlan
@@ -59,6 +59,7 @@ class RLRun:
     kl: FixedKLController | AdaptiveKLController
     scorer: Scorer                    # the recipe's per-sample reward terms, in process or on Ray workers
     reward_models: list[tuple[float, TrainEngine]]  # (weight, frozen scalar-head model) of reward_model terms
+    rollout_peer: RolloutPeer | None = None  # beside an engine's host: its side of every push (make_rollout_peer)
     weight_version: int = 0
     failed_reward_steps: int = 0  # consecutive steps in which every sample's reward failed (check_rewards)
     new_env: Callable[[], Environment] = SingleTurn  # one trajectory's environment (env.name)
@@ -138,13 +139,16 @@ def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: lis
                                      exchange_ranks=(dist.get_rank(),), exchange_engines=())
     else:
         placement = place_rollout(rollout_tp=cfg.rollout.tp, replica=groups.mp, timeout=groups.timeout)
-    rollout = None
+    rollout = rollout_peer = None
     if placement.hosts_engine:
         # MoE: every run captures the engines' routing where they can, for moe/routing_agreement and r3
         rollout = make_rollout_engine(cfg.rollout, model_dir, dtype=cfg.model.dtype,
                                       seed=cfg.seed + placement.engine_index,
-                                      capture_routes=read_shape(model_dir).is_moe and captures_routes(cfg.rollout))
+                                      capture_routes=read_shape(model_dir).is_moe and captures_routes(cfg.rollout),
+                                      group=placement.engine_group)
         rollout.release_memory()  # its KV cache is sized; the trainer is built in the memory it gives back
+    elif placement.engine_group is not None:
+        rollout_peer = make_rollout_peer(cfg.rollout, placement.engine_group)
     if split is None:
         # Every rank waits for every engine of the job to start and give its memory back: an SGLang engine's
         # TP schedulers size the KV cache from the memory free on each of the group's devices (and refuse an
@@ -166,7 +170,7 @@ def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: lis
         sampler=PromptSampler(len(train_rows), seed=cfg.seed, shuffle=cfg.data.shuffle, dp_rank=groups.dp_rank,
                               dp_size=groups.dp_size),
         actor=actor, reference=reference, critic=critic,
-        rollout=rollout, placement=placement, prompts_per_rank=cfg.data.prompts_per_step // groups.dp_size,
+        rollout=rollout, rollout_peer=rollout_peer, placement=placement, prompts_per_rank=cfg.data.prompts_per_step // groups.dp_size,
         objective=policy_objective(algo, on_policy=algo.on_policy),
         critic_objective=CriticObjective(value_clip=cfg.critic.value_clip) if critic is not None else None,
         routes=RoutePlan(algo.router_replay, on_policy=algo.on_policy),

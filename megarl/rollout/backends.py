@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from megarl.config import RecipeError, RolloutConfig
 from megarl.device import current_device, on_gpu
-from megarl.rollout.engine import RolloutEngine
+from megarl.rollout.engine import RolloutEngine, RolloutPeer
 
 
 def make_rollout_engine(cfg: RolloutConfig, model_dir: str, *, dtype: str, seed: int,
-                        capture_routes: bool = False) -> RolloutEngine:
+                        capture_routes: bool = False, group=None) -> RolloutEngine:
     """The recipe's rollout engine (`rollout.engine`) over the HF checkpoint `model_dir`, sampling with `seed`;
-    with `capture_routes` (MoE models) it returns each token's experts (Generation.routes)."""
+    with `capture_routes` (MoE models) it returns each token's experts (Generation.routes). `group`: the
+    trainer ranks on the engine's devices, this one first, which hand SGLang their own copies of the pushed
+    weights (`make_rollout_peer` on the others); None when the engine is fed from this rank alone."""
     match cfg.engine:
         case "native":
             from megarl.rollout.native import NativeEngine
@@ -21,7 +23,21 @@ def make_rollout_engine(cfg: RolloutConfig, model_dir: str, *, dtype: str, seed:
 
             return SGLangEngine(model_dir, dtype=dtype, seed=seed, tp_size=cfg.tp, mem_fraction=cfg.mem_fraction,
                                 base_gpu_id=current_device().index if on_gpu() else 0,
-                                capture_routes=capture_routes)
+                                capture_routes=capture_routes, group=group)
+    raise RecipeError(f"rollout.engine: unknown engine {cfg.engine!r}")
+
+
+def make_rollout_peer(cfg: RolloutConfig, group) -> RolloutPeer | None:
+    """What a rank beside an engine's host runs in every weight push (`push(named_tensors, bucket_bytes=)`), or
+    None where the host alone feeds its engine: an SGLang engine takes each device's payload from the trainer
+    rank on that device; the native engine lives in its host's process."""
+    match cfg.engine:
+        case "native":
+            return None
+        case "sglang":
+            from megarl.rollout.sglang_engine import SGLangPeer
+
+            return SGLangPeer(group)
     raise RecipeError(f"rollout.engine: unknown engine {cfg.engine!r}")
 
 

@@ -81,3 +81,13 @@ class RolloutEngine(Protocol):
 
     def shutdown(self) -> None:
         ...
+
+
+@runtime_checkable
+class RolloutPeer(Protocol):
+    """A rank beside an engine's host, on one of the engine's devices: its side of every weight push."""
+
+    def push(self, named_tensors: Iterable[tuple[str, Tensor]], *, bucket_bytes: int) -> dict:
+        """Take part in the host's `update_weights` of these tensors (each rank holds them in full); returns the
+        push's counts (`bytes`)."""
+        ...

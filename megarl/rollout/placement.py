@@ -27,6 +27,7 @@ class RolloutPlacement:
     exchange: dist.ProcessGroup | None  # the exchange group of this rank; None when it is this rank alone
     exchange_ranks: tuple[int, ...]  # its global ranks, ascending
     exchange_engines: tuple[int, ...]  # the global ranks in it that host an engine, ascending
+    engine_group: dist.ProcessGroup | None = None  # the ranks this rank's engine spans, its host first; None: one
 
     @property
     def hosts_engine(self) -> bool:
@@ -45,17 +46,22 @@ def place_rollout(*, rollout_tp: int, replica: dist.ProcessGroup, timeout: timed
     dist.all_gather_object(replicas, tuple(dist.get_process_group_ranks(replica)))
     components = exchange_groups(replicas, rollout_tp=rollout_tp)
     mine = next(ranks for ranks in components if rank in ranks)
-    exchange = None
+    exchange = engine_group = None
     for ranks in components:
         # every rank creates every group; one-rank groups need none
         if len(ranks) > 1:
             group = dist.new_group(list(ranks), timeout=timeout)
             if ranks == mine:
                 exchange = group
+    if rollout_tp > 1:
+        for start in range(0, world, rollout_tp):
+            group = dist.new_group(list(range(start, start + rollout_tp)), timeout=timeout)
+            if start <= rank < start + rollout_tp:
+                engine_group = group
     return RolloutPlacement(tp=rollout_tp, engines=world // rollout_tp,
                             engine_index=rank // rollout_tp if rank % rollout_tp == 0 else None,
                             exchange=exchange, exchange_ranks=mine,
-                            exchange_engines=tuple(r for r in mine if r % rollout_tp == 0))
+                            exchange_engines=tuple(r for r in mine if r % rollout_tp == 0), engine_group=engine_group)
 
 
 def exchange_groups(replicas: list[tuple[int, ...]], *, rollout_tp: int) -> list[tuple[int, ...]]:

@@ -6,10 +6,13 @@ are resumed for the weight push and the rest once the push is done. On a machine
 runs in its CPU mode (no memory release there: those calls are GPU-only and are skipped and logged),
 so the same code path is tested everywhere.
 
-Weights arrive as full HF-named tensors in byte-bounded buckets (megarl.handoff). Each bucket is
-flattened into one fresh byte buffer and serialized once per rollout TP rank: on GPU the payload is a
-CUDA IPC handle to that buffer, on CPU a shared-memory tensor. The buffer is never reused: the call
-returns once SGLang has copied it, and only then is the reference dropped.
+Weights arrive as full HF-named tensors in byte-bounded buckets (megarl.handoff). Every rank of the engine's
+group holds each tensor in full (the trainer's gathers deliver them to every rank), so each flattens the
+bucket into one fresh byte buffer on its own device and serializes it for the SGLang TP rank on that device:
+on GPU the payload is a CUDA IPC handle to memory local to the scheduler that opens it, on CPU a
+shared-memory tensor. The payloads are gathered to the host rank, which hands SGLang one per TP rank
+(`gather_payloads`; the ranks beside the host run `SGLangPeer`). A buffer is never reused: CUDA keeps an
+exported block until its receiver released it (`torch.cuda.ipc_collect` frees it then).
 
 With `capture_routes`, SGLang records every token's top-k expert ids at each MoE layer as the token is fed
 in (`enable_return_routed_experts`), indexed by the token's KV-cache slot, so prompt tokens served from the
@@ -27,10 +30,11 @@ import os
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from megarl.device import load_cuda_driver_stand_in, on_gpu
-from megarl.handoff import flatten
+from megarl.device import current_device, load_cuda_driver_stand_in, on_gpu
+from megarl.handoff import buckets, flatten
 from megarl.models.arch import read_shape
 from megarl.models.safetensors_dir import SafetensorsDir
 from megarl.rollout.engine import Generation, ResponseCallback
@@ -81,8 +85,14 @@ class SGLangEngine:
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0, tp_size: int = 1,
                  mem_fraction: float = 0.5, base_gpu_id: int = 0, cpu_pool_tokens: int | None = CPU_POOL_TOKENS,
-                 capture_routes: bool = False):
+                 capture_routes: bool = False, group: dist.ProcessGroup | None = None):
+        """`group`: the trainer ranks on the engine's devices, this one first (its SGLang TP ranks, in order),
+        each of which serializes its own copy of every pushed bucket (`SGLangPeer` on the others); None: this
+        rank serializes its copy for every TP rank."""
         self.on_gpu = on_gpu()
+        if group is not None and group.size() != tp_size:
+            raise ValueError(f"the engine's group has {group.size()} ranks for an SGLang engine of tp_size {tp_size}")
+        self.group = group
         if not self.on_gpu:
             # SGLang's CPU mode, for this process and the scheduler processes it spawns.
             os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
@@ -189,17 +199,22 @@ class SGLangEngine:
                         raise KeyError(f"weight push of version {version}: the rollout model has no tensor "
                                        f"{unknown[0]!r}")
                     missing.difference_update(name for name, _ in bucket)
-                    flat, metadata = flatten_bucket(bucket)
-                    payload = {"flattened_tensor": flat, "metadata": metadata}
-                    # One payload per rollout TP rank; each scheduler rank opens only its own, so the IPC
-                    # reference counts drop back to zero after every bucket.
-                    per_rank = [MultiprocessingSerializer.serialize(payload) for _ in range(self.tp_size)]
+                    if self.group is not None:
+                        per_rank, flat = gather_payloads(bucket, group=self.group)
+                    else:
+                        # One payload per rollout TP rank; each scheduler rank opens only its own, so the IPC
+                        # reference counts drop back to zero after every bucket.
+                        flat, metadata = flatten_bucket(bucket)
+                        payload = {"flattened_tensor": flat, "metadata": metadata}
+                        per_rank = [MultiprocessingSerializer.serialize(payload) for _ in range(self.tp_size)]
                     _check(self.engine.update_weights_from_tensor(per_rank, load_format="flattened_bucket",
                                                                   flush_cache=False), "update_weights_from_tensor")
                     # Dropping the references is safe once the call returned: torch keeps an exported
                     # CUDA block out of the allocator until every receiver has synchronized its stream and
                     # released its handle (ipc_collect below frees it then).
-                    del flat, metadata, payload, per_rank
+                    del per_rank, flat
+            if self.group is not None:
+                push_done(self.group)
         finally:
             if session:
                 _check(self.engine.end_weight_update(), "end_weight_update")
@@ -248,13 +263,63 @@ class SGLangEngine:
         self.engine.shutdown()
 
 
-def flatten_bucket(bucket: list[tuple[str, Tensor]]) -> tuple[Tensor, list]:
-    """One bucket as a fresh byte buffer (megarl.handoff.flatten: one bucket of extra memory, every slot
-    aligned to its dtype, in shared memory on CPU) and SGLang's `FlattenedTensorMetadata` per tensor, for
+class SGLangPeer:
+    """A trainer rank beside an SGLang engine's host, on one of the engine's devices (colocated placement): in
+    every push it hands the SGLang TP rank on its device that rank's payload of each bucket."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        if on_gpu():
+            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+            monkey_patch_torch_reductions()  # as the host: CUDA IPC handles name the GPU by UUID
+        # A host tensor's default handle is a file descriptor handed over by this process to the processes of
+        # its own job only (same authentication key); the scheduler that opens it is the host's child.
+        torch.multiprocessing.set_sharing_strategy("file_system")
+
+    def push(self, named_tensors: Iterable[tuple[str, Tensor]], *, bucket_bytes: int) -> dict:
+        """This rank's side of `SGLangEngine.update_weights`, bucket by bucket; returns the push's counts."""
+        nbytes, held = 0, None
+        with _ipc_exportable(on_gpu()):
+            for bucket in buckets(named_tensors, bucket_bytes=bucket_bytes):
+                _, held = gather_payloads(bucket, group=self.group)  # the previous bucket's copy is loaded
+                nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            push_done(self.group)
+        del held
+        if on_gpu():
+            torch.cuda.ipc_collect()  # the staging buffers of the buckets the schedulers released
+        return {"bytes": nbytes}
+
+
+def gather_payloads(bucket: list[tuple[str, Tensor]], *, group: dist.ProcessGroup) -> tuple[list[bytes] | None, Tensor]:
+    """Every rank of an engine's `group` flattens `bucket` on its own device and serializes it for the SGLang
+    TP rank there; returns the payloads, in group order (= TP rank order), on the group's first rank (the
+    host), None elsewhere, and this rank's buffer, to be kept until the host has loaded it: until the next
+    gather, which the host joins once SGLang took the bucket, or `push_done`. At most two buckets per rank
+    are in flight."""
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    flat, metadata = flatten_bucket(bucket, device=current_device())
+    payload = MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": metadata})
+    gathered = [None] * group.size() if dist.get_rank(group) == 0 else None
+    dist.gather_object(payload, gathered, group=group, group_dst=0)
+    return gathered, flat
+
+
+def push_done(group: dist.ProcessGroup) -> None:
+    """The host's word, after SGLang loaded the last bucket, that the group's buffers may go (a host-side
+    all-reduce: no device work waits on it)."""
+    dist.all_reduce(torch.zeros(1), group=group)
+
+
+def flatten_bucket(bucket: list[tuple[str, Tensor]], *,
+                   device: torch.device | None = None) -> tuple[Tensor, list]:
+    """One bucket as a fresh byte buffer on `device` (by default its tensors'; megarl.handoff.flatten: one bucket
+    of extra memory, every slot aligned to its dtype, in shared memory on CPU) and SGLang's `FlattenedTensorMetadata` per tensor, for
     `load_format="flattened_bucket"` (SGLang rebuilds each tensor as a dtype view of its slice)."""
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
-    flat, slots = flatten(bucket, share_memory=True)
+    flat, slots = flatten(bucket, device=device, share_memory=True)
     return flat, [FlattenedTensorMetadata(name=name, shape=shape, dtype=dtype, start_idx=start, end_idx=end,
                                           numel=end - start) for name, shape, dtype, start, end in slots]
 
