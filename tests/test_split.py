@@ -267,3 +267,56 @@ def test_quickstart_learns_with_staleness_one(tmp_path):
     heldout = [m["eval/reward_mean"] for m in steps]
     first, last = sum(heldout[:10]) / 10, sum(heldout[-10:]) / 10
     assert last - first >= 0.2, (first, last)
+
+
+# Training rank 1 shares replica 0 with the lead (tp = 2), so its gathers feed the push; the rollout worker
+# (rank 2) is slow to get ready for it. Each training rank records when it starts its first push's gathers, and
+# the lead when the worker said it was ready.
+PUSH_ORDER_WORKER = """
+import json, sys, time
+import torch.distributed as dist
+from megarl.cli import main
+from megarl.engine.megatron import TrainEngine
+from megarl.loops import split
+
+events = {}
+gather, take, load_weights = TrainEngine.pipeline_hf_tensors, split.Mailbox.take, split.Worker.load_weights
+
+def first_gather(self):
+    events.setdefault("gathers", time.time())
+    return gather(self)
+
+def ready(self, key, **kwargs):
+    value = take(self, key, **kwargs)
+    if key.startswith("ready/"):
+        events.setdefault("ready", time.time())
+    return value
+
+def slow(self, version):
+    time.sleep(3)
+    load_weights(self, version)
+
+TrainEngine.pipeline_hf_tensors, split.Mailbox.take, split.Worker.load_weights = first_gather, ready, slow
+run_dir = sys.argv[-1].split("=", 1)[1]
+try:
+    main(sys.argv[1:])
+finally:
+    if dist.is_initialized():  # a training rank
+        with open(f"{run_dir}/events{dist.get_rank()}.json", "w") as f:
+            json.dump(events, f)
+"""
+
+
+def test_the_push_gathers_start_once_the_rollout_workers_are_ready(recipe, tmp_path):
+    """A replica-0 rank beside the lead does not queue its gathers (and their buffers) while the lead still
+    waits for the workers, which can take a whole generation."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(PUSH_ORDER_WORKER)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    proc = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", str(worker), "train",
+                       str(recipe), *SPLIT, "parallel.tp=2", "train.steps=1", "checkpoint.save_final=false",
+                       "data.eval_path=null", f"run_dir={run_dir}"], cwd=tmp_path, timeout_s=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lead, beside = (json.loads((run_dir / f"events{rank}.json").read_text()) for rank in (0, 1))
+    assert beside["gathers"] >= lead["ready"], (lead, beside)

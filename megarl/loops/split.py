@@ -410,22 +410,32 @@ class SplitRollout:
         training rank 0: the engines were the slower side)."""
         self.version += 1
         groups = self.groups
-        tensors = run.actor.pipeline_hf_tensors() if groups.dp_rank == 0 or groups.ep_size > 1 else iter(())
+        gathers = groups.dp_rank == 0 or groups.ep_size > 1  # the ranks whose gathers deliver the tensors
+        waited = 0.0
+        if self.lead:
+            self._command("weights", self.version)
+            if self.group is None:
+                self.group = self.bridge()
+            start = time.monotonic()
+            for w in range(self.workers):
+                self.box.take(f"ready/{self.version}/{w}")
+            waited = time.monotonic() - start
+        if gathers:
+            # The gathering ranks start together once the workers are ready: a rank that ran ahead of the waiting
+            # lead would queue a gather for every tensor and hold its buffers, up to a copy of the model.
+            # On the host side (a short wait, no device work queued behind it).
+            dist.all_reduce(torch.zeros(1), group=None if groups.ep_size > 1 else groups.mp)
+        tensors = run.actor.pipeline_hf_tensors() if gathers else iter(())
         if not self.lead:
             return {"bytes": sum(t.numel() * t.element_size() for _, t in tensors)}  # drive the gathers
-        self._command("weights", self.version)
-        if self.group is None:
-            self.group = self.bridge()
-        start = time.monotonic()
-        for w in range(self.workers):
-            self.box.take(f"ready/{self.version}/{w}")
-        waited = time.monotonic() - start
         nbytes, n = 0, 0
         for n, bucket in enumerate(buckets(tensors, bucket_bytes=self.cfg.rollout.bucket_bytes), start=1):
             flat, slots = flatten(bucket, device=current_device())
             for w in range(self.workers):
                 self.box.put(f"weights/{w}/{self.version}/{n - 1}", slots)
             self.group.broadcast(flat, 0).wait()
+            if on_gpu():  # one bucket in flight: wait() orders the stream only, not this host thread
+                torch.cuda.current_stream().synchronize()
             nbytes += flat.numel()
         for w in range(self.workers):
             self.box.put(f"weights/{w}/{self.version}/{n}", None)  # the end of the push
