@@ -69,6 +69,11 @@ def test_offload_frees_the_storage_and_onload_brings_back_the_same_training(qwen
     assert got == want
     for a, b in zip(moved.module.parameters(), stayed.module.parameters()):
         assert torch.equal(a, b)
+    # every step parks into the same host buffers (pinned ones, on a GPU): none is allocated again
+    hosts = {key: host.data_ptr() for key, host in moved.memory._hosts.items()}
+    moved.offload_training_state() + moved.offload_params()
+    assert {key: host.data_ptr() for key, host in moved.memory._hosts.items()} == hosts
+    moved.onload()
 
 
 def test_a_frozen_model_offloads_its_parameters_and_host_buffers_are_kept(qwen2_dir, groups):

@@ -6,7 +6,8 @@ TOTAL_S seconds on one GPU, run by tools/device_check/run.sh after it installed 
    every architecture, bf16 parity (tolerances in the test: Megatron's error against fp32 at most twice
    transformers' own bf16 error, and within 0.1 mean / 0.6 max nats of transformers in bf16), the HF round
    trip, the weight push, micro-batch invariance, trainer offload and onload (memory drops, the same bytes
-   come back); MoE routing replay (tests/test_router_replay.py: forced routes equal transformers', the native
+   come back; tests/test_handover.py: every storage freed, the next update the same to the bit, the pinned
+   host buffers reused), the MoE router without Transformer Engine (tests/test_gpu_paths.py); MoE routing replay (tests/test_router_replay.py: forced routes equal transformers', the native
    engine's routes give its logprobs, recording, recompute); no test may be skipped;
 3. a bf16 GRPO quickstart under `torchrun --nproc_per_node=1` with the native engine: every step offloads
    the trainer, pushes the weights on the device and onloads it again; the run saves a checkpoint and a
@@ -141,14 +142,17 @@ def preflight(check: Check) -> None:
 # ---- 2 ---------------------------------------------------------------------------------------------------
 ENGINE_TESTS = ("gpu_ or equal_transformers or bit_exact or push_makes or invariant_to_micro_batch or "
                 # MoE routing replay on the device: forced routes, the engine's routes, recording, recompute
-                "replays_given or engines_routes or r2_records or recomputed")
-ENGINE_TESTS_DRY = "gpu_ or (equal_transformers and qwen2 and not moe)"
+                "replays_given or engines_routes or r2_records or recomputed or "
+                # the hand-over on CUDA storage and pinned host buffers; the MoE router without Transformer Engine
+                "offload_frees or frozen_model_offloads or router_runs_without")
+ENGINE_TESTS_DRY = "gpu_ or (equal_transformers and qwen2 and not moe) or frozen_model_offloads"
 
 
 def engine_tests(check: Check) -> None:
     junit = check.work / "engine_tests.xml"
     args = ["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--basetemp={check.work / 'pytest'}",
-            f"--junitxml={junit}", "tests/test_engine.py", "tests/test_router_replay.py",
+            f"--junitxml={junit}", "tests/test_engine.py", "tests/test_router_replay.py", "tests/test_handover.py",
+            "tests/test_gpu_paths.py",
             "-k", ENGINE_TESTS_DRY if check.dry_run else ENGINE_TESTS]
     proc = check.python("engine_tests", args)
     if proc is None:
