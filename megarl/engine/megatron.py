@@ -174,6 +174,11 @@ class TrainEngine:
         """Bring parameters, gradient buffers (zeroed) and optimizer state back to the device."""
         self.memory.onload()
 
+    def free(self) -> int:
+        """Free every storage the engine holds, for good (megarl.engine.offload.TrainerMemory.free); returns the
+        bytes freed. The engine cannot be used afterwards."""
+        return self.memory.free()
+
     # ---- distributed checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self, path: str | Path, *, hf_dir: str | Path | None = None,
                         progress: Callable[[], object] | None = None) -> None:

@@ -63,6 +63,18 @@ class TrainerMemory:
         """Move the parameters to the host; returns the bytes freed."""
         return self._park(self._param_tensors(), keep_bytes=True)
 
+    def free(self) -> int:
+        """Free every storage of the model for good: parameters, gradient buffers, optimizer state; returns the
+        bytes freed. For a model that is done (the warm start): its Python objects may outlive it, since
+        Megatron's DDP hooks its parameters' gradient accumulators, reference cycles that pass through
+        autograd's C++ nodes, which the garbage collector does not break."""
+        tensors = self._param_tensors()
+        if self.optimizer is not None:
+            tensors += [b.grad_data for b in self._buffers() if b.grad_data is not None] + self._optimizer_tensors()
+        freed = self._park(tensors, keep_bytes=False)
+        self._parked, self._hosts = [], {}
+        return freed
+
     def onload(self) -> None:
         """Bring back whatever was offloaded: parameters, gradient buffers (zeroed), optimizer state."""
         for parked in self._parked:

@@ -64,6 +64,6 @@ def sft_warmup(cfg: Config, groups: ParallelGroups, tokenizer, rows: list[Prompt
     export_policy(engine, groups, source_dir=cfg.model.path, out_dir=out,
                   meta={"stage": "sft_warmup", "steps": step + 1, "answer_prob": metrics["response_prob"]})
     # The rollout engines start next and size their memory from what is free: give back all of this engine's.
-    del engine
+    engine.free()
     release_cached_blocks()
     return str(out)
