@@ -576,8 +576,8 @@ engines = []
 def free_bytes():  # SGLang's own reading in CPU mode: available host memory (cgroup-bounded) per NUMA node
     return get_available_gpu_memory("cpu", 0) * 2**30
 
-def start_engine(rollout_cfg, model_dir, *, dtype, seed, capture_routes):
-    assert not capture_routes  # a dense model
+def start_engine(rollout_cfg, model_dir, *, dtype, seed, capture_routes, group):
+    assert not capture_routes and group is None  # a dense model; rollout.tp = 1
     result["built"].append("rollout")
     free = free_bytes()
     fraction = (target + weights) / free
