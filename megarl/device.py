@@ -27,8 +27,8 @@ def current_device() -> torch.device:
 
 def release_cached_blocks() -> None:
     """Return the device memory this process freed to the driver, so that another process (a rollout
-    engine sizing or taking back its memory) can allocate it. A no-op on the CPU."""
-    gc.collect()  # Megatron's modules hold reference cycles: their memory is freed by the collector
+    engine sizing or taking back its memory) can allocate it; on the CPU, only the collector runs."""
+    gc.collect()  # what reference cycles held is freed by the collector only
     if on_gpu():
         torch.cuda.empty_cache()
 

@@ -83,7 +83,8 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
     return {
         **metrics, **sampling, **kl_metrics, **train_metrics, **eval_metrics, **moe, **timer.metrics(),
         "train/tokens_imbalance": tokens_imbalance, "train/trained_frac": trained_frac,
-        "handoff/bytes": float(push_stats["bytes"]), "handover/offloaded_bytes": float(push_stats["offloaded_bytes"]),
+        "handoff/bytes": float(push_stats["bytes"]),
+        "handover/offloaded_bytes": float(push_stats["offloaded_bytes"]),
         **({"async/push_wait_s": push_stats["wait_s"]} if "wait_s" in push_stats else {}),
         "throughput/tokens_per_s": tokens / seconds,
     }

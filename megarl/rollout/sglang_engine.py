@@ -291,7 +291,8 @@ class SGLangPeer:
         return {"bytes": nbytes}
 
 
-def gather_payloads(bucket: list[tuple[str, Tensor]], *, group: dist.ProcessGroup) -> tuple[list[bytes] | None, Tensor]:
+def gather_payloads(bucket: list[tuple[str, Tensor]], *,
+                    group: dist.ProcessGroup) -> tuple[list[bytes] | None, Tensor]:
     """Every rank of an engine's `group` flattens `bucket` on its own device and serializes it for the SGLang
     TP rank there; returns the payloads, in group order (= TP rank order), on the group's first rank (the
     host), None elsewhere, and this rank's buffer, to be kept until the host has loaded it: until the next
