@@ -67,6 +67,13 @@ def run_python(args: list[str], *, cwd: Path | str | None = None, timeout_s: flo
                           capture_output=True, text=True, timeout=timeout_s)
 
 
+def in_gpu_world(nproc: int) -> list[str]:
+    """`python` arguments that run `megarl ARGS` (append them) on `nproc` torchrun ranks in the world megarl starts
+    on a GPU, emulated on the CPU: its NCCL part refuses host tensors as NCCL does (tests/gpu_world_worker.py)."""
+    return ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            str(REPO / "tests" / "gpu_world_worker.py"), "megarl"]
+
+
 def _tiny_model_tool():
     spec = importlib.util.spec_from_file_location("make_tiny_model", REPO / "tools" / "make_tiny_model.py")
     module = importlib.util.module_from_spec(spec)

@@ -7,11 +7,13 @@ megarl's `init_parallel` keeps a world that exists.
     python -m torch.distributed.run --nproc_per_node=2 tests/gpu_world_worker.py BACKEND train RECIPE [key=value ...]
 
 BACKEND: a torch.distributed backend string, or `megarl` for the one megarl starts a GPU world with.
-`sums` all-reduces the loops' host-side counts (megarl.algo.aggregate.group_sums) over the world.
+`sums` all-reduces the loops' host-side counts (megarl.algo.aggregate.group_sums) over the world and prints them,
+or what refused them.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch.distributed as dist
@@ -36,7 +38,11 @@ def main(argv: list[str]) -> None:
     if command == "sums":
         from megarl.algo.aggregate import group_sums
 
-        print("sums", group_sums([1.0, float(dist.get_rank())], group=dist.group.WORLD), flush=True)
+        try:
+            print("sums", group_sums([1.0, float(dist.get_rank())], group=dist.group.WORLD), flush=True)
+        except RuntimeError as e:
+            print("refused:", e, flush=True)
+            os._exit(3)  # at once: a world torn down after a failed collective may abort instead of exiting
         return
     from megarl.cli import main as megarl_main
 

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, in_gpu_world, run_python
 from megarl.data.prompts import DataError
 from megarl.data.supervised import load_preference_pairs
 from test_sft import RUN_TIMEOUT_S, megarl_train, read_metrics, write_lines
@@ -65,10 +65,12 @@ def test_tiny_recipe_raises_reward_accuracy_and_margin(dpo_run):
 @pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_two_data_parallel_ranks_give_the_single_rank_numbers(dpo_run, qwen2_dir, tiny_data, tmp_path):
     # Same recipe and seed, so the same global batches of 32 pairs: DP=1 runs each as 2 micro-batches of 16
-    # pairs, DP=2 as one per rank. Only fp32 summation order differs (~1e-7 relative).
-    proc = megarl_train(REPO / "recipes" / "dpo_tiny.yaml", f"model.path={qwen2_dir}",
-                        f"data.train_path={tiny_data / 'train_pairs.jsonl'}", "data.eval_path=null",
-                        f"train.steps={DP_STEPS}", "checkpoint.save_final=false", f"run_dir={tmp_path}", nproc=2)
+    # pairs, DP=2 as one per rank. Only fp32 summation order differs (~1e-7 relative). The two ranks run in the
+    # world megarl starts on a GPU, so the loop's host-side sums must not go to its NCCL part.
+    proc = run_python([*in_gpu_world(2), "train", str(REPO / "recipes" / "dpo_tiny.yaml"), f"model.path={qwen2_dir}",
+                       f"data.train_path={tiny_data / 'train_pairs.jsonl'}", "data.eval_path=null",
+                       f"train.steps={DP_STEPS}", "checkpoint.save_final=false", f"run_dir={tmp_path}",
+                       "log.progress=false"], timeout_s=RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for got, want in zip(read_metrics(tmp_path), read_metrics(dpo_run)[:DP_STEPS], strict=True):
         for key in ("loss", "grad_norm", "reward_accuracy", "rewards/chosen", "rewards/margin"):
