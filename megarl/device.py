@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 
 def on_gpu() -> bool:
@@ -31,6 +32,13 @@ def release_cached_blocks() -> None:
     gc.collect()  # what reference cycles held is freed by the collector only
     if on_gpu():
         torch.cuda.empty_cache()
+
+
+def host_barrier(group=None) -> None:
+    """Wait for every rank of `group` (None: the world) on the host side: a one-element all-reduce of a host
+    tensor, which megarl's process groups serve with gloo (megarl.engine.parallel.world_backend). No device
+    work is queued behind it and no NCCL communicator is made for it."""
+    dist.all_reduce(torch.zeros(1), group=group)
 
 
 # CUDA driver stand-in: torch CUDA builds (the ones SGLang pins) ship kernel libraries that link against

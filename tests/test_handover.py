@@ -35,7 +35,7 @@ def resident_bytes(engine) -> dict[str, int]:
     memory = engine.memory
     storages = lambda tensors: {t.untyped_storage()._cdata: t.untyped_storage() for t in tensors}  # noqa: E731
     params = storages(memory._param_tensors())
-    grads = storages(b.grad_data for b in memory._buffers() if b.grad_data is not None) if memory.ddps else {}
+    grads = storages(memory._grad_tensors()) if memory.ddps else {}
     opt = storages(memory._optimizer_tensors()) if memory.optimizer is not None else {}
     opt = {k: v for k, v in opt.items() if k not in params}
     return {kind: sum(s.nbytes() for s in found.values())

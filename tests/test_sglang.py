@@ -109,7 +109,8 @@ import torch
 import torch.distributed as dist
 from sglang.srt.utils import MultiprocessingSerializer
 from megarl.device import current_device
-from megarl.rollout.sglang_engine import SGLangPeer, gather_payloads, push_done
+from megarl.device import host_barrier
+from megarl.rollout.sglang_engine import SGLangPeer, gather_payloads
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -128,7 +129,7 @@ if rank == 0:  # the host's side of SGLangEngine.update_weights, reading each pa
             tensors = {m.name: theirs[m.start_idx:m.end_idx].view(m.dtype).view(m.shape) for m in meta}
             assert torch.equal(tensors["w"], torch.full((3, 4), float(k + 2 * n))), (k, tensors["w"])
             assert torch.equal(tensors["b"], torch.arange(5) + 10 * k), (k, tensors["b"])
-    push_done(group)
+    host_barrier(group)
 else:
     stats = SGLangPeer(group).push([t for bucket in buckets for t in bucket], bucket_bytes=100)
     assert stats == {"bytes": 2 * (12 * 4 + 5 * 8)}, stats

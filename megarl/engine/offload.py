@@ -51,8 +51,7 @@ class TrainerMemory:
         if self.optimizer is None:
             return 0
         model = {_key(t) for t in self._param_tensors()}
-        grads = [buffer.grad_data for buffer in self._buffers() if buffer.grad_data is not None]
-        freed = self._park(grads, keep_bytes=False)
+        freed = self._park(self._grad_tensors(), keep_bytes=False)
         state = [t for t in self._optimizer_tensors() if _key(t) not in model]
         # a loaded checkpoint replaces the optimizer's tensors: drop the host buffers of those that are gone
         live = model | {_key(t) for t in state}
@@ -70,7 +69,7 @@ class TrainerMemory:
         autograd's C++ nodes, which the garbage collector does not break."""
         tensors = self._param_tensors()
         if self.optimizer is not None:
-            tensors += [b.grad_data for b in self._buffers() if b.grad_data is not None] + self._optimizer_tensors()
+            tensors += self._grad_tensors() + self._optimizer_tensors()
         freed = self._park(tensors, keep_bytes=False)
         self._parked, self._hosts = [], {}
         return freed
@@ -115,6 +114,10 @@ class TrainerMemory:
         if self.ddps is not None:
             params += [buffer.param_data for buffer in self._buffers() if buffer.param_data is not None]
         return params
+
+    def _grad_tensors(self) -> list[torch.Tensor]:
+        """The DDP buffers' gradients (a trained model's)."""
+        return [buffer.grad_data for buffer in self._buffers() if buffer.grad_data is not None]
 
     def _optimizer_tensors(self) -> list[torch.Tensor]:
         """The optimizer's own parameters (fp32 main copies) and its state tensors. A scalar state (Adam's step

@@ -12,13 +12,13 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from megarl.algo.advantages import AdaptiveKLController, FixedKLController
 from megarl.algo.aggregate import group_sums
 from megarl.config import Config, RecipeError
 from megarl.data.prompts import PromptRow, PromptSampler
+from megarl.device import host_barrier
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
 from megarl.engine.roles import make_engine
@@ -154,7 +154,7 @@ def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: lis
         # TP schedulers size the KV cache from the memory free on each of the group's devices (and refuse an
         # imbalance), so no trainer model may be built on them before. On the host side: NCCL's
         # communicators are not made yet.
-        dist.all_reduce(torch.zeros(1))
+        host_barrier()
     actor = make_engine(cfg, groups, role="actor", model_dir=model_dir)
     reference = make_engine(cfg, groups, role="reference", model_dir=model_dir) if algo.kl_coef > 0 else None
     critic = None

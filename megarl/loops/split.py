@@ -55,7 +55,7 @@ from megarl.batch import RolloutBatch
 from megarl.checkpoint import CheckpointError
 from megarl.config import Config, RecipeError
 from megarl.data.prompts import PromptRow
-from megarl.device import current_device, on_gpu
+from megarl.device import current_device, host_barrier, on_gpu
 from megarl.handoff import buckets, flatten, unflatten
 from megarl.metrics import PhaseTimer
 from megarl.packing import balanced_partition
@@ -423,8 +423,7 @@ class SplitRollout:
         if gathers:
             # The gathering ranks start together once the workers are ready: a rank that ran ahead of the waiting
             # lead would queue a gather for every tensor and hold its buffers, up to a copy of the model.
-            # On the host side (a short wait, no device work queued behind it).
-            dist.all_reduce(torch.zeros(1), group=None if groups.ep_size > 1 else groups.mp)
+            host_barrier(None if groups.ep_size > 1 else groups.mp)
         tensors = run.actor.pipeline_hf_tensors() if gathers else iter(())
         if not self.lead:
             return {"bytes": sum(t.numel() * t.element_size() for _, t in tensors)}  # drive the gathers

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megarl.device import current_device, load_cuda_driver_stand_in, on_gpu
+from megarl.device import current_device, host_barrier, load_cuda_driver_stand_in, on_gpu
 from megarl.handoff import buckets, flatten
 from megarl.models.arch import read_shape
 from megarl.models.safetensors_dir import SafetensorsDir
@@ -214,7 +214,7 @@ class SGLangEngine:
                     # released its handle (ipc_collect below frees it then).
                     del per_rank, flat
             if self.group is not None:
-                push_done(self.group)
+                host_barrier(self.group)  # SGLang loaded the last bucket: the group's buffers may go
         finally:
             if session:
                 _check(self.engine.end_weight_update(), "end_weight_update")
@@ -284,7 +284,7 @@ class SGLangPeer:
             for bucket in buckets(named_tensors, bucket_bytes=bucket_bytes):
                 _, held = gather_payloads(bucket, group=self.group)  # the previous bucket's copy is loaded
                 nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            push_done(self.group)
+            host_barrier(self.group)  # the host loaded the last bucket: the buffers may go
         del held
         if on_gpu():
             torch.cuda.ipc_collect()  # the staging buffers of the buckets the schedulers released
@@ -296,8 +296,8 @@ def gather_payloads(bucket: list[tuple[str, Tensor]], *,
     """Every rank of an engine's `group` flattens `bucket` on its own device and serializes it for the SGLang
     TP rank there; returns the payloads, in group order (= TP rank order), on the group's first rank (the
     host), None elsewhere, and this rank's buffer, to be kept until the host has loaded it: until the next
-    gather, which the host joins once SGLang took the bucket, or `push_done`. At most two buckets per rank
-    are in flight."""
+    gather, which the host joins once SGLang took the bucket, or the push's closing `host_barrier`. At most
+    two buckets per rank are in flight."""
     from sglang.srt.utils import MultiprocessingSerializer
 
     flat, metadata = flatten_bucket(bucket, device=current_device())
@@ -307,17 +307,12 @@ def gather_payloads(bucket: list[tuple[str, Tensor]], *,
     return gathered, flat
 
 
-def push_done(group: dist.ProcessGroup) -> None:
-    """The host's word, after SGLang loaded the last bucket, that the group's buffers may go (a host-side
-    all-reduce: no device work waits on it)."""
-    dist.all_reduce(torch.zeros(1), group=group)
-
-
 def flatten_bucket(bucket: list[tuple[str, Tensor]], *,
                    device: torch.device | None = None) -> tuple[Tensor, list]:
     """One bucket as a fresh byte buffer on `device` (by default its tensors'; megarl.handoff.flatten: one bucket
-    of extra memory, every slot aligned to its dtype, in shared memory on CPU) and SGLang's `FlattenedTensorMetadata` per tensor, for
-    `load_format="flattened_bucket"` (SGLang rebuilds each tensor as a dtype view of its slice)."""
+    of extra memory, every slot aligned to its dtype, in shared memory on CPU) and SGLang's
+    `FlattenedTensorMetadata` per tensor, for `load_format="flattened_bucket"` (SGLang rebuilds each tensor as a
+    dtype view of its slice)."""
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
     flat, slots = flatten(bucket, device=device, share_memory=True)
