@@ -140,7 +140,10 @@ def run_train(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     finally:
         STOP.restore()
-    if lead():
+    is_lead = lead()
+    if dist.is_initialized():  # the backends' threads joined here: left to the interpreter's exit, a rank may abort
+        dist.destroy_process_group()
+    if is_lead:
         if cfg.checkpoint.save_final:
             print(f"megarl: done; final checkpoint in {final}")
         else:

@@ -30,6 +30,12 @@ def on_ncclls_devices(backend: str) -> str:
     return ",".join(entries)
 
 
+def say(line: str) -> None:
+    """One line in one write: the ranks share a pipe, and print's separate writes of its parts interleave."""
+    sys.stdout.write(f"{line}\n")
+    sys.stdout.flush()
+
+
 def main(argv: list[str]) -> None:
     from megarl.engine.parallel import world_backend
 
@@ -39,10 +45,11 @@ def main(argv: list[str]) -> None:
         from megarl.algo.aggregate import group_sums
 
         try:
-            print("sums", group_sums([1.0, float(dist.get_rank())], group=dist.group.WORLD), flush=True)
+            say(f"sums {group_sums([1.0, float(dist.get_rank())], group=dist.group.WORLD)}")
         except RuntimeError as e:
-            print("refused:", e, flush=True)
+            say(f"refused: {e}")
             os._exit(3)  # at once: a world torn down after a failed collective may abort instead of exiting
+        dist.destroy_process_group()  # gloo's threads joined before exit: left to the interpreter, a rank may abort
         return
     from megarl.cli import main as megarl_main
 
