@@ -744,7 +744,7 @@ def test_reward_model_scores_equal_transformers_sequence_classifier(qwen2_dir, g
 
     from megarl.batch import RolloutBatch
     from megarl.engine.megatron import TrainEngine
-    from megarl.loops.generation import reward_model_scores
+    from megarl.loops.samples import reward_model_scores
 
     scored = with_score_head(qwen2_dir, tmp_path / "rm", seed=5)
     model = TrainEngine(model_dir=str(scored), dtype="float32", megatron={}, groups=groups, value_head=True)

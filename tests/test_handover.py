@@ -99,10 +99,10 @@ def test_a_frozen_model_offloads_its_parameters_and_host_buffers_are_kept(qwen2_
 STARTUP_WORKER = """
 import json, os, sys, time
 from megarl.cli import main
-from megarl.loops import rl_run
+from megarl.loops import colocated, rl_run
 
 events = {}
-make_rollout_engine, make_engine = rl_run.make_rollout_engine, rl_run.make_engine
+make_rollout_engine, make_engine = colocated.make_rollout_engine, rl_run.make_engine
 
 def slow_release(*args, **kwargs):
     engine = make_rollout_engine(*args, **kwargs)
@@ -118,7 +118,7 @@ def first_model(*args, **kwargs):
     events.setdefault("first_model", time.time())
     return make_engine(*args, **kwargs)
 
-rl_run.make_rollout_engine, rl_run.make_engine = slow_release, first_model
+colocated.make_rollout_engine, rl_run.make_engine = slow_release, first_model
 try:
     main(sys.argv[1:])
 finally:

@@ -36,14 +36,14 @@ def tool_chat_dir(tmp_path_factory):
 
 
 def make_run(model_dir, groups, engine, *, env: EnvConfig, max_new_tokens: int, chat_template: bool):
-    """The parts of an RLRun that generate() reads, around a real engine."""
+    """The parts of an RLRun that generate() reads, around a real engine (colocated, on this rank)."""
     from transformers import AutoTokenizer
 
     from megarl.config import RewardConfig
     from megarl.envs.tool_format import observation_format
+    from megarl.loops.colocated import ColocatedRollouts
     from megarl.loops.rl_run import RLRun
     from megarl.rewards.scorer import Scorer
-    from megarl.rollout.placement import RolloutPlacement
     from megarl.routing import RoutePlan
 
     cfg = Config(model=ModelConfig(path=str(model_dir)), data=DataConfig(train_path="unused.jsonl",
@@ -51,10 +51,10 @@ def make_run(model_dir, groups, engine, *, env: EnvConfig, max_new_tokens: int, 
                  rollout=RolloutConfig(max_new_tokens=max_new_tokens), env=env)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     new_env = environment_factory(env)
+    rollouts = ColocatedRollouts(cfg, groups)  # one engine, on this rank
+    rollouts.engine = engine
     return RLRun(cfg=cfg, groups=groups, tokenizer=tokenizer, train_rows=[], eval_rows=[], sampler=None,
-                 actor=None, reference=None, critic=None, rollout=engine, prompts_per_rank=0, objective=None,
-                 placement=RolloutPlacement(tp=1, engines=1, engine_index=0, exchange=None, exchange_ranks=(0,),
-                                            exchange_engines=(0,)),
+                 actor=None, reference=None, critic=None, rollouts=rollouts, prompts_per_rank=0, objective=None,
                  critic_objective=None, routes=RoutePlan("none", on_policy=True), advantages=None, kl=None,
                  scorer=Scorer(RewardConfig()), reward_models=[],
                  new_env=new_env,
@@ -70,11 +70,11 @@ def rows(n: int, **metadata):
 
 def test_single_turn_environment_reproduces_the_plain_rollout(qwen2_dir, groups):
     from megarl.data.prompts import encode_prompt
-    from megarl.loops.generation import generate
+    from megarl.loops.colocated import generate
 
     run = make_run(qwen2_dir, groups, NativeEngine(str(qwen2_dir), seed=7), env=EnvConfig(),
                    max_new_tokens=12, chat_template=False)
-    batch = generate(run, rows(6), n_samples=2).batch
+    batch = generate(run, run.rollouts, rows(6), n_samples=2).batch
     # the rollout as it is without environments: one engine call, responses packed after their prompts
     plain = NativeEngine(str(qwen2_dir), seed=7)
     prompts = [encode_prompt(run.tokenizer, r.prompt, chat_template=False) for r in rows(6) for _ in range(2)]
@@ -109,13 +109,14 @@ def test_trajectory_is_generated_then_observation_tokens_and_the_trainer_scores_
     from megarl.algo.advantages import grpo_advantages
     from megarl.engine.megatron import TrainEngine
     from megarl.data.prompts import encode_prompt
-    from megarl.loops.generation import generate
+    from megarl.loops.colocated import generate
     from megarl.objective import advantage_fn
 
     engine = RecordingEngine(NativeEngine(str(tool_chat_dir), seed=0))
     env = EnvConfig(name="envs_for_tests:CountingEnv", max_turns=3, max_tokens=240)
     run = make_run(tool_chat_dir, groups, engine, env=env, max_new_tokens=100, chat_template=True)
-    batch = generate(run, rows(16), n_samples=1).batch  # distinct prompts: each context identifies its trajectory
+    # distinct prompts: each context identifies its trajectory
+    batch = generate(run, run.rollouts, rows(16), n_samples=1).batch
     fmt = ObservationFormat(run.tokenizer)
     eos = run.tokenizer.eos_token_id
     multi_turn = 0
@@ -294,7 +295,7 @@ class RoutedEngine(ScriptedEngine):
 
 
 def test_a_trajectory_keeps_the_routes_of_its_last_call_and_the_batch_cuts_them_to_its_tokens(tool_tokenizer):
-    from megarl.loops.generation import _routes
+    from megarl.loops.samples import batch_routes
 
     env = EnvConfig(name="envs_for_tests:CountingEnv", max_turns=2)
     prompt = [1, 40, 41]
@@ -312,7 +313,7 @@ def test_a_trajectory_keeps_the_routes_of_its_last_call_and_the_batch_cuts_them_
                            tokenizer=tool_tokenizer, observations=ObservationFormat(tool_tokenizer), limits=cut,
                            temperature=1.0, top_p=1.0, max_new_tokens=10)
     assert out[0].finish_reason == "max_tokens"
-    routes, = _routes([prompt], out)
+    routes, = batch_routes([prompt], out)
     assert routes.shape[0] == len(prompt) + len(out[0].response_ids) - 1
     # without routes from the engine, the batch has none
-    assert _routes([prompt], trajectories_of(tool_tokenizer, env, [{}])[0]) is None
+    assert batch_routes([prompt], trajectories_of(tool_tokenizer, env, [{}])[0]) is None

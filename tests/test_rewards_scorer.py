@@ -234,13 +234,13 @@ def generate_scored(model_dir, groups, scorer: Scorer, *, seed: int):
     from test_multi_turn import make_run, rows
 
     from megarl.config import EnvConfig
-    from megarl.loops.generation import generate
+    from megarl.loops.colocated import generate
     from megarl.rollout.native import NativeEngine
 
     run = make_run(model_dir, groups, NativeEngine(str(model_dir), seed=seed), env=EnvConfig(),
                    max_new_tokens=12, chat_template=False)
     run.scorer = scorer
-    generated = generate(run, rows(6, bonus="x"), n_samples=2)
+    generated = generate(run, run.rollouts, rows(6, bonus="x"), n_samples=2)
     return generated.batch, generated.scoring.result()
 
 
@@ -294,7 +294,7 @@ def test_scoring_on_the_pool_begins_before_generation_ends(ray_local, qwen2_dir,
     from test_multi_turn import make_run, rows
 
     from megarl.config import EnvConfig
-    from megarl.loops.generation import generate, score
+    from megarl.loops.colocated import generate, score
 
     # In this process nothing is scored before the batch is complete, so there the gate must close (1 s
     # is then plenty); on the pool the first sample's task starts while the engine waits.
@@ -305,9 +305,10 @@ def test_scoring_on_the_pool_begins_before_generation_ends(ray_local, qwen2_dir,
         # 4 samples on 2 workers: chunks of one, sent as each sample ends
         if not workers:
             with pytest.raises(AssertionError, match="no reward began scoring"):
-                generate(run, rows(2, started=str(tmp_path)), n_samples=2)
+                generate(run, run.rollouts, rows(2, started=str(tmp_path)), n_samples=2)
             return
-        batch, failures, _, engines = score(run, generate(run, rows(2, started=str(tmp_path)), n_samples=2))
+        generated = generate(run, run.rollouts, rows(2, started=str(tmp_path)), n_samples=2)
+        batch, failures, _, engines = score(run, run.rollouts.placement, generated)
     finally:
         run.scorer.close()
     assert batch.rewards.tolist() == [1.0] * 4 and failures == 0 and engines == 1

@@ -560,7 +560,7 @@ from sglang.srt.utils.common import get_available_gpu_memory
 from transformers import AutoTokenizer
 from megarl.config import load_config
 from megarl.data.prompts import load_prompts
-from megarl.loops import rl_run
+from megarl.loops import colocated, rl_run
 from megarl.loops.launch import init_groups
 from megarl.models.arch import read_shape
 from megarl.plan import DTYPE_BYTES, stage_params
@@ -598,11 +598,12 @@ def build_engine(cfg, groups, *, role, model_dir):
     return make_engine(cfg, groups, role=role, model_dir=model_dir)
 
 make_engine = rl_run.make_engine
-rl_run.make_rollout_engine, rl_run.make_engine = start_engine, build_engine
+colocated.make_rollout_engine, rl_run.make_engine = start_engine, build_engine
 groups = init_groups(cfg)
 rows = load_prompts(cfg.data.train_path)
-run = rl_run.build_run(cfg, groups, tokenizer=AutoTokenizer.from_pretrained(cfg.model.path), train_rows=rows,
-                       eval_rows=[], model_dir=cfg.model.path)
+run = rl_run.build_run(cfg, groups, rollouts=colocated.ColocatedRollouts(cfg, groups),
+                       tokenizer=AutoTokenizer.from_pretrained(cfg.model.path), train_rows=rows, eval_rows=[],
+                       model_dir=cfg.model.path)
 hog = torch.ones(hog_bytes // 4)  # written, so the pages are really taken
 state = engines[0].engine.get_server_info()["internal_states"][0]["memory_usage"]
 result.update(pool_tokens_after_trainer=state["token_capacity"], free_after_trainer=free_bytes())

@@ -73,7 +73,8 @@ class MegarlStep:
         from megarl.config import load_config
         from megarl.data.prompts import load_prompts
         from megarl.loops.launch import init_groups
-        from megarl.loops.rl import hand_over, rl_step
+        from megarl.loops.colocated import ColocatedRollouts
+        from megarl.loops.rl import rl_step
         from megarl.loops.rl_run import build_run
         from megarl.metrics import PhaseTimer
 
@@ -84,9 +85,10 @@ class MegarlStep:
             "log.progress=false", *overrides])
         groups = init_groups(cfg)
         rows = load_prompts(cfg.data.train_path, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key)
-        self.run = build_run(cfg, groups, tokenizer=AutoTokenizer.from_pretrained(model), train_rows=rows,
-                             eval_rows=[], model_dir=str(model))
-        hand_over(self.run, PhaseTimer())
+        self.run = build_run(cfg, groups, rollouts=ColocatedRollouts(cfg, groups),
+                             tokenizer=AutoTokenizer.from_pretrained(model), train_rows=rows, eval_rows=[],
+                             model_dir=str(model))
+        self.run.rollouts.hand_over(self.run, PhaseTimer())
         self._step, self.steps, self.trained_frac = rl_step, 0, 1.0
 
     def __call__(self) -> dict[str, float]:

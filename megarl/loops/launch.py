@@ -16,21 +16,18 @@ from megarl.engine.parallel import ParallelGroups, init_parallel
 from megarl.models.arch import check_layout, read_shape
 
 
-def init_groups(cfg: Config) -> ParallelGroups:
+def init_groups(cfg: Config, *, trainer_store: tuple[dist.Store, int, int] | None = None) -> ParallelGroups:
     """Check the model and the parallel layout against this launch, then start the parallel state.
     A mismatch is a RecipeError naming the keys, raised before any model is built, and so is a run_dir
-    that cannot be written."""
+    that cannot be written. `trainer_store` (store, rank, world size): the training ranks are those of a larger
+    job (placement split, megarl.loops.split.trainer_world) and meet through that store."""
     try:
         shape = read_shape(cfg.model.path)
     except ValueError as e:
         raise RecipeError(f"model.path: {e}") from None
     par = cfg.parallel
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    trainer_store = None
-    if cfg.placement.mode == "split" and not dist.is_initialized():
-        from megarl.loops.split import trainer_world
-
-        trainer_store = trainer_world(cfg)
+    if trainer_store is not None and not dist.is_initialized():
         world_size = trainer_store[2]
     check_megatron_fields(cfg.model.megatron)
     try:

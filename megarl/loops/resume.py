@@ -36,8 +36,6 @@ from megarl.data.prompts import PromptSampler
 from megarl.engine.dist_checkpoint import set_trainer_rng_state, trainer_rng_state
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
-from megarl.rollout.engine import RolloutEngine
-from megarl.rollout.placement import RolloutPlacement
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +81,7 @@ def already_finished(cfg: Config, path: Path | None, step: int, steps: int) -> b
 def _layout(state: RunState) -> dict[str, int]:
     groups = state.groups
     return {"world": dist.get_world_size(), "tp": groups.tp_size, "pp": groups.pp_size, "ep": groups.ep_size,
-            "dp": groups.dp_size, "engines": state.placement.engines if state.placement is not None else 0}
+            "dp": groups.dp_size, "engines": state.rollout_engines}
 
 
 @dataclass
@@ -93,11 +91,11 @@ class RunState:
     groups: ParallelGroups
     engines: dict[str, TrainEngine]  # trained models by name ("actor", "critic"); frozen ones are rebuilt
     sampler: PromptSampler           # this data-parallel replica's prompt sampler
-    rollout: RolloutEngine | None = None  # on the rank that holds one: its sampler RNG is saved
-    placement: RolloutPlacement | None = None  # where the job's rollout engines live (RL)
-    extra: Callable[[], dict] = dict  # the loop's own JSON state (RL: weight version, KL controller)
+    rollout_engines: int = 0         # RL: the job's rollout engines (their sampler RNG is saved per engine)
+    extra: Callable[[], dict] = dict  # the loop's own JSON state (RL: weight version, KL controller, rollouts)
     load_extra: Callable[[dict], None] = lambda saved: None  # restores it from state.json
-    save_files: Callable[[Path, int], None] | None = None  # (directory, step): the loop's own files, every rank
+    # (directory, step): the loop's own files, every rank (RL: the rollouts', e.g. each engine's sampler RNG)
+    save_files: Callable[[Path, int], None] | None = None
     load_files: Callable[[Path, dict, int], None] | None = None  # (directory, state.json, step): read them back
     # a context in which the engines' state is on the device, to be read (RL: onloaded from the host, where a
     # co-located run keeps it while the rollout engines generate)
@@ -128,8 +126,6 @@ def _write_checkpoint(cfg: Config, step: int, state: RunState, tmp: Path) -> Pat
         engine.save_checkpoint(tmp / key)
     if dist.get_rank() == groups.mp_src_global_rank:  # one writer per data-parallel replica
         torch.save({"sampler": state.sampler.state_dict()}, tmp / f"dp{groups.dp_rank:05d}.pt")
-    if state.rollout is not None:
-        torch.save({"rollout_rng": state.rollout.rng_state()}, tmp / f"engine{state.placement.engine_index:05d}.pt")
     torch.save(trainer_rng_state(), tmp / f"rank{dist.get_rank():05d}.pt")
     if state.save_files is not None:
         state.save_files(tmp, step)
@@ -159,13 +155,6 @@ def restore_checkpoint(path: Path, state: RunState) -> int:
         engine.load_checkpoint(path / key)
         engine.step = saved_state["engine_steps"][key]
     saved, now = saved_state["layout"], _layout(state)
-    if state.rollout is not None and saved.get("engines") == now["engines"]:
-        rng = torch.load(path / f"engine{state.placement.engine_index:05d}.pt", weights_only=True)["rollout_rng"]
-        if rng is not None:
-            state.rollout.set_rng_state(rng)
-    elif state.rollout is not None:
-        log.warning("resuming with %d rollout engines, saved with %s: the engines' samplers are seeded again, "
-                    "so samples differ from an uninterrupted run", now["engines"], saved.get("engines"))
     if saved["dp"] == now["dp"]:
         mine = torch.load(path / f"dp{groups.dp_rank:05d}.pt", weights_only=True)
         state.sampler.load_state_dict(mine["sampler"])

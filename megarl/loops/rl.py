@@ -1,16 +1,15 @@
 """The RL loop: one step is generate -> reward -> old/ref logprobs -> advantages -> train -> push weights.
 
 Everything that depends on the recipe is resolved when the run is built (megarl.loops.rl_run); `rl_step`
-reads like the algorithm, one line per phase, in the order the hardware sees them. Every rank runs the
-same code (SPMD under torchrun); a rollout engine lives on the first rank of every group of rollout.tp
-ranks, and each rank receives its data-parallel replica's batch (megarl.loops.generation).
+reads like the algorithm, one line per phase, in the order the hardware sees them. Every training rank runs
+the same code (SPMD under torchrun). Where the samples come from and where the weights go is the run's
+`Rollouts`, chosen once by the placement (`train`): engines on the trainer's own devices
+(megarl.loops.colocated) or on rollout ranks of their own (megarl.loops.split).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -22,13 +21,12 @@ from megarl.algo.kl import kl_estimate
 from megarl.batch import RolloutBatch
 from megarl.config import Config, TrainConfig
 from megarl.data.prompts import load_prompts
-from megarl.handoff import push_weights
-from megarl.loops.generation import evaluate, rollout
+from megarl.loops.colocated import ColocatedRollouts
 from megarl.loops.launch import init_groups
 from megarl.loops.lifecycle import final_dir, run_steps
 from megarl.loops.resume import RunState, already_finished, find_resume
-from megarl.loops.rl_run import RLRun, build_run, check_launch
-from megarl.loops.split import SplitRollout, dismiss_rollout_ranks, is_rollout_rank, serve_rollout
+from megarl.loops.rl_run import RLRun, Rollouts, build_run, check_launch
+from megarl.loops.split import SplitRollouts, is_rollout_rank, serve_rollout, trainer_world
 from megarl.loops.warmup import sft_warmup
 from megarl.metrics import PhaseTimer, check_finite
 from megarl.objective import explained_variance
@@ -42,12 +40,10 @@ from megarl.routing import compact
 # ---- one step -----------------------------------------------------------------------------------------
 def rl_step(run: RLRun, step: int) -> dict[str, float]:
     cfg, timer = run.cfg, PhaseTimer()
-    # generate and score, timed as "generate" and "reward"; placement split: take the batch the rollout ranks made
-    batch, sampling = run.split.next_batch(run, step, timer) if run.split else rollout(run, timer)
+    batch, sampling = run.rollouts.next_batch(run, step, timer)  # timed as "generate" and "reward"
     check_rewards(run, sampling["reward/failed_frac"], step=step)
     with timer("release_rollout"):
-        if run.rollout is not None:
-            run.rollout.release_memory()
+        run.rollouts.release()
     with timer("wake_trainer"):
         for engine in run.trainer_engines():
             engine.onload()
@@ -73,10 +69,10 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
         train_metrics |= train_critic(run, trained) if run.critic is not None else {}
     training_moe = routing_metrics(run)  # also clears the counts of the training passes
     moe = moe or training_moe
-    push_stats = hand_over(run, timer)
+    push_stats = run.rollouts.hand_over(run, timer)
     with timer("eval"):
         eval_metrics = evaluate(run) if run.eval_rows and step % cfg.data.eval_every == 0 else {}
-    metrics = batch_metrics(run, batch, trained)
+    metrics = batch_metrics(run, batch, trained) | run.rollouts.metrics(run)
     kl_metrics = update_kl_coef(run, batch)
     seconds = sum(timer.seconds.values())
     tokens, = run.global_sums([float(batch.prompt_lens.sum() + batch.response_mask.sum())])
@@ -172,56 +168,12 @@ def keep_batch(run: RLRun, batch: RolloutBatch, *, step: int) -> str:
     return f"the batch is saved to {path} to replay it"
 
 
-def hand_over(run: RLRun, timer: PhaseTimer) -> dict:
-    """Give the devices back to the rollout engines with the new weights: the trainer's gradients and
-    optimizer state leave the device, the weights are pushed, the trainer's parameters leave too and the
-    engines take back their KV cache. Also how a run starts (the engines released their memory while the
-    trainer was built). Returns the push's counts and `offloaded_bytes`, the trainer state parked while the
-    engines generate. Placement split: the push alone (the rollout ranks keep their memory; the trainer
-    keeps its own)."""
-    if run.split is not None:
-        with timer("push"):
-            return run.split.push(run) | {"offloaded_bytes": 0}
-    with timer("sleep_trainer"):
-        offloaded = sum(engine.offload_training_state() for engine in (run.actor, run.critic) if engine is not None)
-    with timer("push"):
-        push_stats = push_policy(run)
-    with timer("wake_rollout"):
-        offloaded += sum(engine.offload_params() for engine in run.trainer_engines())
-        if run.rollout is not None:
-            run.rollout.resume_cache()
-    return push_stats | {"offloaded_bytes": offloaded}
-
-
-@contextlib.contextmanager
-def trainer_resident(run: RLRun) -> Iterator[None]:
-    """The trainer's state on the device for the length of the block (a checkpoint reads it), handed back
-    as after a step when it ends. The rollout engines give their memory back first, as before an update:
-    the trainer never shares the device with a KV cache. Their weights are released with it, so the end
-    of the block pushes them again (a new weight version, with the same weights)."""
-    if run.split is not None:  # the training ranks keep their memory
-        yield
-        return
-    if run.rollout is not None:
-        run.rollout.release_memory()
-    for engine in run.trainer_engines():
-        engine.onload()
-    yield
-    hand_over(run, PhaseTimer())
-
-
-def push_policy(run: RLRun) -> dict:
-    """Hand the updated weights to the rollout engine (every rank of the pipeline joins the gathers)."""
-    run.weight_version += 1
-    tensors = run.actor.pipeline_hf_tensors()
-    if run.rollout is not None:
-        run.rollout.resume_weights()
-        return push_weights(run.rollout, tensors, bucket_bytes=run.cfg.rollout.bucket_bytes,
-                            version=run.weight_version)
-    if run.rollout_peer is not None:
-        return run.rollout_peer.push(tensors, bucket_bytes=run.cfg.rollout.bucket_bytes)
-    nbytes = sum(t.numel() * t.element_size() for _, t in tensors)  # drive the collectives
-    return {"bytes": nbytes}
+def evaluate(run: RLRun) -> dict[str, float]:
+    """Mean reward on the fixed held-out prompts (this rank's share), one sample each, as in training."""
+    batch = run.rollouts.generate_now(run, run.eval_rows[run.groups.dp_rank:: run.groups.dp_size])
+    mine = [float(batch.rewards.sum()), float(batch.tool_calls.sum()), float(len(batch))] if batch else [0.0] * 3
+    total, calls, n = run.global_sums(mine)
+    return {"eval/reward_mean": total / n, "eval/tool_calls_mean": calls / n}
 
 
 def batch_metrics(run: RLRun, batch: RolloutBatch, trained: RolloutBatch) -> dict[str, float]:
@@ -286,15 +238,20 @@ def train(cfg: Config) -> Path:
     """Run the recipe; returns the directory of the final checkpoint."""
     from transformers import AutoTokenizer
 
-    if cfg.placement.mode == "split" and is_rollout_rank(cfg):
-        serve_rollout(cfg)  # until the training ranks are done
-        return final_dir(cfg)
-    groups = init_groups(cfg)
+    trainer_store = None  # how the training ranks meet: torchrun's rendezvous, or their part of a split job's
+    match cfg.placement.mode:
+        case "colocated":
+            make_rollouts: type[Rollouts] = ColocatedRollouts
+        case "split":
+            if is_rollout_rank(cfg):
+                serve_rollout(cfg)  # until the training ranks are done
+                return final_dir(cfg)
+            make_rollouts, trainer_store = SplitRollouts, trainer_world(cfg)
+    groups = init_groups(cfg, trainer_store=trainer_store)
     check_launch(cfg, groups)
     resume_from, done = find_resume(cfg)
     if already_finished(cfg, resume_from, done, cfg.train.steps):
-        if cfg.placement.mode == "split" and dist.get_rank() == 0:
-            dismiss_rollout_ranks(cfg)  # they wait for commands that will not come
+        make_rollouts(cfg, groups).close()  # placement split: the rollout ranks wait for a command
         return final_dir(cfg)
     data = cfg.data
     fields = dict(prompt_key=data.prompt_key, answer_key=data.answer_key, metadata_key=data.metadata_key,
@@ -306,30 +263,29 @@ def train(cfg: Config) -> Path:
         check_test_specs(eval_rows, where=data.eval_path)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     model_dir = sft_warmup(cfg, groups, tokenizer, train_rows) if cfg.warmup.sft_steps else cfg.model.path
-    run = build_run(cfg, groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
-                    model_dir=model_dir, split=SplitRollout(cfg, groups) if cfg.placement.mode == "split" else None)
+    run = build_run(cfg, groups, rollouts=make_rollouts(cfg, groups), tokenizer=tokenizer, train_rows=train_rows,
+                    eval_rows=eval_rows, model_dir=model_dir)
+    try:
+        # the first push hands over the trainer's own (or restored) weights, which also proves the name table
+        return run_steps(cfg, run_state(run), step=partial(rl_step, run), steps=cfg.train.steps,
+                         resume_from=resume_from, desc="rl", on_start=lambda: run.rollouts.hand_over(run, PhaseTimer()))
+    finally:
+        run.rollouts.close()
+        run.scorer.close()
+        if run.env_workers is not None:
+            run.env_workers.retire()
+
+
+def run_state(run: RLRun) -> RunState:
+    """What a checkpoint of the run holds: the trained models, the sampler, the weight version and the KL
+    controller, and the rollouts' own state and files."""
+    rollouts = run.rollouts
 
     def load_extra(saved: dict) -> None:
         run.kl.load_state_dict(saved["kl"])
         run.weight_version = saved["weight_version"]
 
-    split = run.split
-    state = RunState(groups=groups, engines=run.trained_engines(), sampler=run.sampler, rollout=run.rollout,
-                     placement=run.placement, resident=partial(trainer_resident, run),
-                     extra=lambda: {"weight_version": run.weight_version, "kl": run.kl.state_dict(),
-                                    **({"split": split.state()} if split else {})},
-                     load_extra=load_extra,
-                     save_files=(lambda path, step: split.save(path, step=step)) if split else None,
-                     load_files=(lambda path, saved, step: split.restore(path, saved, step=step)) if split else None)
-    try:
-        # the first push hands over the trainer's own (or restored) weights, which also proves the name table
-        return run_steps(cfg, state, step=partial(rl_step, run), steps=cfg.train.steps, resume_from=resume_from,
-                         desc="rl", on_start=lambda: hand_over(run, PhaseTimer()))
-    finally:
-        if run.split is not None:
-            run.split.close()
-        run.scorer.close()
-        if run.env_workers is not None:
-            run.env_workers.retire()
-        if run.rollout is not None:
-            run.rollout.shutdown()
+    return RunState(groups=run.groups, engines=run.trained_engines(), sampler=run.sampler,
+                    rollout_engines=rollouts.engines, resident=partial(rollouts.resident, run),
+                    extra=lambda: {"weight_version": run.weight_version, "kl": run.kl.state_dict(), **rollouts.state()},
+                    load_extra=load_extra, save_files=rollouts.save, load_files=rollouts.restore)

@@ -10,30 +10,91 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 import torch.distributed as dist
 
 from megarl.algo.advantages import AdaptiveKLController, FixedKLController
 from megarl.algo.aggregate import group_sums
+from megarl.batch import RolloutBatch
 from megarl.config import Config, RecipeError
 from megarl.data.prompts import PromptRow, PromptSampler
-from megarl.device import host_barrier
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
 from megarl.engine.roles import make_engine
 from megarl.envs.environment import Environment, SingleTurn, environment_factory
 from megarl.envs.tool_format import ObservationFormat, observation_format
+from megarl.metrics import PhaseTimer
 from megarl.models.arch import read_shape
 from megarl.objective import (AdvantageFn, CriticObjective, PolicyObjective, advantage_fn, kl_controller,
                               policy_objective)
 from megarl.rewards.scorer import Scorer
 from megarl.rewards.terms import build_terms
-from megarl.rollout.backends import captures_routes, make_rollout_engine, make_rollout_peer
-from megarl.rollout.engine import RolloutEngine, RolloutPeer
+from megarl.rollout.backends import captures_routes
 from megarl.rollout.multi_turn import EnvWorkers
-from megarl.rollout.placement import RolloutPlacement, place_rollout
 from megarl.routing import RoutePlan
+
+
+class Rollouts(Protocol):
+    """Where a run's samples come from and where its weights go: the rollout engines on the training ranks'
+    own devices (megarl.loops.colocated) or on rollout ranks of their own (megarl.loops.split). Every training
+    rank makes the same calls in the same order (SPMD)."""
+
+    engines: int  # rollout engines in the job (a checkpoint records it: an engine's sampler RNG is per engine)
+    scores_here: bool  # whether the training ranks score samples (else the rollout ranks do, and no rank here
+                       # needs a pool of reward workers)
+
+    def start(self, model_dir: str) -> None:
+        """Start the engines this rank hosts, before the trainer's models are built (SGLang sizes its KV
+        cache from the memory free when it starts), and give their memory back."""
+        ...
+
+    def next_batch(self, run: RLRun, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
+        """This replica's scored batch of step `step` and the sampling metrics, timed as "generate" and
+        "reward"."""
+        ...
+
+    def generate_now(self, run: RLRun, rows: list[PromptRow]) -> RolloutBatch | None:
+        """One scored sample of each of `rows` with the latest weights (evaluation); None when `rows` is empty."""
+        ...
+
+    def release(self) -> None:
+        """The engines give the devices to the trainer, which is about to be woken for the update."""
+        ...
+
+    def hand_over(self, run: RLRun, timer: PhaseTimer) -> dict:
+        """Push the actor's new weights and give the devices back to the engines (also how a run starts).
+        Returns the push's counts (`bytes`, and `wait_s` when the push waited for the engines) and
+        `offloaded_bytes`, the trainer state parked while the engines generate."""
+        ...
+
+    def metrics(self, run: RLRun) -> dict[str, float]:
+        """The rollouts' own figures of the step (placement split: what its messages moved), once per step on every
+        training rank."""
+        ...
+
+    def resident(self, run: RLRun) -> AbstractContextManager:
+        """A context in which the trainer's state is on its devices (a checkpoint reads it)."""
+        ...
+
+    def state(self) -> dict:
+        """What state.json records of the rollouts (checked when a run resumes)."""
+        ...
+
+    def save(self, directory: Path, step: int) -> None:
+        """Write the rollouts' files of a checkpoint after `step` (every training rank calls)."""
+        ...
+
+    def restore(self, directory: Path, saved: dict, step: int) -> None:
+        """Read them back; `saved` is the checkpoint's state.json."""
+        ...
+
+    def close(self) -> None:
+        """Stop the engines (a run that ends, finished or not)."""
+        ...
 
 
 @dataclass
@@ -49,8 +110,7 @@ class RLRun:
     actor: TrainEngine
     reference: TrainEngine | None     # when algo.kl_coef > 0
     critic: TrainEngine | None        # when algo.name is ppo
-    rollout: RolloutEngine | None     # this rank's engine: on the first rank of every group of rollout.tp ranks
-    placement: RolloutPlacement       # where the job's engines live, and which ranks exchange with this one
+    rollouts: Rollouts                # the rollout engines' side of the run (colocated or split placement)
     prompts_per_rank: int
     objective: PolicyObjective
     critic_objective: CriticObjective | None
@@ -59,16 +119,12 @@ class RLRun:
     kl: FixedKLController | AdaptiveKLController
     scorer: Scorer                    # the recipe's per-sample reward terms, in process or on Ray workers
     reward_models: list[tuple[float, TrainEngine]]  # (weight, frozen scalar-head model) of reward_model terms
-    rollout_peer: RolloutPeer | None = None  # beside an engine's host: its side of every push (make_rollout_peer)
     weight_version: int = 0
     failed_reward_steps: int = 0  # consecutive steps in which every sample's reward failed (check_rewards)
     new_env: Callable[[], Environment] = SingleTurn  # one trajectory's environment (env.name)
     tool_schemas: list[dict] = dataclasses.field(default_factory=list)  # the environment's tools, for the prompt
     observations: ObservationFormat | None = None  # renders tool messages; None when the env sends none
     env_workers: EnvWorkers | None = None  # the threads of the environment steps, kept from step to step
-    # placement split: the training ranks' side of the rollout ranks (megarl.loops.split.SplitRollout, made by the
-    # loop, which imports this module)
-    split: object | None = None
 
     def trainer_engines(self) -> list[TrainEngine]:
         return [e for e in (self.actor, self.reference, self.critic) if e is not None]
@@ -124,37 +180,13 @@ def check_launch(cfg: Config, groups: ParallelGroups) -> None:
                           "devices must be on one node")
 
 
-def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: list[PromptRow],
-              eval_rows: list[PromptRow], model_dir: str, split=None) -> RLRun:
-    """The rollout engines, one on the first rank of every group of `rollout.tp` ranks (megarl.rollout.placement),
-    each seeded by its index (so a run resumed at another trainer layout with the same world size samples
-    as the one that saved it), started before the trainer's models are built: SGLang sizes its KV cache from
-    the device memory free when it starts. Then the train engines: actor; reference when algo.kl_coef > 0;
-    critic for PPO; the reward models, which stay on the device the whole step because their scores are
-    needed as generation ends. With `split` (placement split, megarl.loops.split.SplitRollout) this rank
-    holds no engine: the rollout ranks do."""
+def build_run(cfg: Config, groups: ParallelGroups, *, rollouts: Rollouts, tokenizer, train_rows: list[PromptRow],
+              eval_rows: list[PromptRow], model_dir: str) -> RLRun:
+    """The rollout engines first (`rollouts.start`: SGLang sizes its KV cache from the device memory free when it
+    starts), then the train engines: actor; reference when algo.kl_coef > 0; critic for PPO; the reward
+    models, which stay on the device the whole step because their scores are needed as generation ends."""
     algo = cfg.algo
-    if split is not None:  # placement split: the engines are on rollout ranks of their own
-        placement = RolloutPlacement(tp=cfg.rollout.tp, engines=split.workers, engine_index=None, exchange=None,
-                                     exchange_ranks=(dist.get_rank(),), exchange_engines=())
-    else:
-        placement = place_rollout(rollout_tp=cfg.rollout.tp, replica=groups.mp, timeout=groups.timeout)
-    rollout = rollout_peer = None
-    if placement.hosts_engine:
-        # MoE: every run captures the engines' routing where they can, for moe/routing_agreement and r3
-        rollout = make_rollout_engine(cfg.rollout, model_dir, dtype=cfg.model.dtype,
-                                      seed=cfg.seed + placement.engine_index,
-                                      capture_routes=read_shape(model_dir).is_moe and captures_routes(cfg.rollout),
-                                      group=placement.engine_group)
-        rollout.release_memory()  # its KV cache is sized; the trainer is built in the memory it gives back
-    elif placement.engine_group is not None:
-        rollout_peer = make_rollout_peer(cfg.rollout, placement.engine_group)
-    if split is None:
-        # Every rank waits for every engine of the job to start and give its memory back: an SGLang engine's
-        # TP schedulers size the KV cache from the memory free on each of the group's devices (and refuse an
-        # imbalance), so no trainer model may be built on them before. On the host side: NCCL's
-        # communicators are not made yet.
-        host_barrier()
+    rollouts.start(model_dir)
     actor = make_engine(cfg, groups, role="actor", model_dir=model_dir)
     reference = make_engine(cfg, groups, role="reference", model_dir=model_dir) if algo.kl_coef > 0 else None
     critic = None
@@ -163,18 +195,16 @@ def build_run(cfg: Config, groups: ParallelGroups, *, tokenizer, train_rows: lis
     reward_models = [(term.weight, make_engine(cfg, groups, role="reward_model", model_dir=term.path))
                      for term in cfg.reward.terms if term.kind == "reward_model"]
     new_env = environment_factory(cfg.env)
-    # placement split: the rollout ranks score, so a training rank needs no pool of reward workers
-    reward_in_process = dataclasses.replace(cfg.reward, workers=0)
+    in_process = dataclasses.replace(cfg.reward, workers=0)
     return RLRun(
         cfg=cfg, groups=groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
         sampler=PromptSampler(len(train_rows), seed=cfg.seed, shuffle=cfg.data.shuffle, dp_rank=groups.dp_rank,
                               dp_size=groups.dp_size),
-        actor=actor, reference=reference, critic=critic,
-        rollout=rollout, rollout_peer=rollout_peer, placement=placement,
+        actor=actor, reference=reference, critic=critic, rollouts=rollouts,
         prompts_per_rank=cfg.data.prompts_per_step // groups.dp_size,
         objective=policy_objective(algo, on_policy=algo.on_policy),
         critic_objective=CriticObjective(value_clip=cfg.critic.value_clip) if critic is not None else None,
         routes=RoutePlan(algo.router_replay, on_policy=algo.on_policy),
-        advantages=advantage_fn(algo, group=groups.dp), kl=kl_controller(algo), scorer=Scorer(cfg.reward if split is None else reward_in_process),
+        advantages=advantage_fn(algo, group=groups.dp), kl=kl_controller(algo), scorer=Scorer(cfg.reward if rollouts.scores_here else in_process),
         reward_models=reward_models, new_env=new_env, tool_schemas=new_env().tools,
-        observations=observation_format(cfg.env, tokenizer), env_workers=EnvWorkers(cfg.env.tool_workers), split=split)
+        observations=observation_format(cfg.env, tokenizer), env_workers=EnvWorkers(cfg.env.tool_workers))

@@ -5,14 +5,18 @@ meets through its own prefix of torchrun's store) and ranks W-R ... W-1 generate
 `rollout.tp` rollout ranks hosts an engine (a *worker*, seeded `seed + worker index`); the others wait beside
 it (on GPU an SGLang engine spans their devices).
 
-What travels, and how:
-- Commands, prompts and finished samples go through the job's key-value store (torchrun's TCPStore): one side
-  posts a key, the other blocks on it, so neither side waits in a collective while the other works. Each
-  replica's first rank posts its prompts; training rank 0 posts every worker's commands, which a worker runs
-  strictly in order; a worker posts each replica's share of the samples it generated, scored.
+What travels, and how (megarl.loops.transport):
+- Commands go through the job's key-value store (torchrun's TCPStore, which also serves rendezvous): training
+  rank 0 posts every worker's commands, which a worker runs strictly in order; a worker posts that it is ready
+  for a push. These are tens of bytes, whatever the batch (`async/store_bytes`).
+- Prompts and finished samples go point to point over groups of their own (gloo on CPU, NCCL on GPU) between
+  each replica's first rank and every worker: the replica sends its prompts to every worker, and each worker
+  sends each replica its share of the samples it generated, scored (ids, logprobs, versions, rewards, MoE
+  routes), as soon as its part of the request is done; the replica's first rank shares them with the rest of
+  the replica. Neither side waits for the other to take a message (`async/transport_bytes`).
 - Weights go by a collective broadcast from training rank 0 to every worker (gloo on CPU, NCCL on GPU) in
-  buckets of at most `rollout.bucket_bytes`, each bucket's names, shapes and dtypes posted first. The rest of
-  replica 0 joins the gathers that build the full tensors; the other replicas do not.
+  buckets of at most `rollout.bucket_bytes`, each bucket's names, shapes and dtypes broadcast first. The rest
+  of replica 0 joins the gathers that build the full tensors; the other replicas do not.
 
 The schedule is deterministic. Weight version v is the policy after v - 1 updates (version 1: the start).
 Step n trains on batch n, which version max(1, n - N) generated (N = `algo.max_staleness`): at the start of
@@ -30,17 +34,17 @@ continue under the new weights. A sample's staleness is its oldest token's; `asy
 samples that span two versions. Such a run is not reproducible bit for bit (when a push lands is a race).
 
 Checkpoints lose nothing and regenerate nothing: the N batches requested but not yet trained are waited for
-and saved with the checkpoint (plain tensors and lists), with the workers' sampler RNG after them, and a
-resumed run hands them to its steps, so it computes the numbers of a run never stopped (without partial
-rollouts).
+and saved with the checkpoint by each replica (plain tensors and lists), with the workers' sampler RNG after
+them, and a resumed run hands them to its steps, so it computes the numbers of a run never stopped (without
+partial rollouts).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
-import pickle
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,10 +60,20 @@ from megarl.checkpoint import CheckpointError
 from megarl.config import Config, RecipeError
 from megarl.data.prompts import PromptRow
 from megarl.device import current_device, host_barrier, on_gpu
+from megarl.engine.parallel import ParallelGroups
+from megarl.envs.environment import environment_factory
+from megarl.envs.tool_format import observation_format
 from megarl.handoff import buckets, flatten, unflatten
+from megarl.loops.rl_run import RLRun
+from megarl.loops.samples import build_batch, encode_rows, generate_part, pooled_samples, with_rewards
+from megarl.loops.sampling import draw_batch
+from megarl.loops.transport import Link, Mailbox, own_group, receive_header, send_header
 from megarl.metrics import PhaseTimer
+from megarl.models.arch import read_shape
 from megarl.packing import balanced_partition
-from megarl.rollout.multi_turn import Trajectory
+from megarl.rewards.scorer import Scorer
+from megarl.rollout.backends import captures_routes, make_rollout_engine
+from megarl.rollout.multi_turn import EnvWorkers, Trajectory
 from megarl.rollout.partial import VersionedEngine
 
 # ---- the job ----------------------------------------------------------------------------------------------
@@ -95,58 +109,24 @@ def is_rollout_rank(cfg: Config) -> bool:
     return rank >= trainers
 
 
-def dismiss_rollout_ranks(cfg: Config) -> None:
-    """End the rollout ranks of a job whose training ranks stop before any command (a finished run resumed)."""
-    store, _, _, _ = _job(cfg)
-    box = Mailbox(store, timedelta(minutes=cfg.parallel.timeout_minutes))
-    for w in range(cfg.placement.rollout_ranks // cfg.rollout.tp):
-        box.put(f"cmd/{w}/0", ("stop",))
-    box.put("done", True)
+def replicas(cfg: Config, trainers: int) -> int:
+    """The training replicas of a job with `trainers` training ranks."""
+    par = cfg.parallel
+    return trainers // (par.tp * par.pp * par.cp)
 
 
-def _bridge_group(store: dist.Store, *, member: int, size: int, timeout: timedelta):
-    """The weight broadcast's group: training rank 0 (member 0) and every worker (member 1 + index); made
-    by those processes only, outside torch.distributed's world (the workers have none)."""
-    store = dist.PrefixStore("megarl/weights/", store)
-    backend = dist.ProcessGroupNCCL if on_gpu() else dist.ProcessGroupGloo
-    return backend(store, member, size, timeout)
+class Links:
+    """Both sample links of a job (megarl.loops.transport.Link): prompts from the replicas' first ranks to the
+    workers, samples back. Members: replica d is member d, worker w is member `replicas` + w. Made when first
+    used, by every replica's first rank and every worker (a run that turns out to be finished makes none)."""
 
+    def __init__(self, store: dist.Store, *, member: int, size: int, timeout: timedelta):
+        self.prompts = Link(own_group(store, "prompts", member=member, size=size, timeout=timeout))
+        self.samples = Link(own_group(store, "samples", member=member, size=size, timeout=timeout))
 
-# what each kind of key carries, for the error of a wait that timed out
-_WHAT = {"cmd": "a rollout worker's next command", "in": "a replica's prompts", "out": "a worker's samples",
-         "weights": "a weight bucket's names and shapes", "ready": "a worker ready for a weight push",
-         "rng": "a worker's sampler state", "done": "the end of the training ranks' run"}
-
-
-class Mailbox:
-    """Keys of the job's store holding pickled plain data (lists, dicts, numbers, strings, tensors)."""
-
-    def __init__(self, store: dist.Store, timeout: timedelta):
-        self.store, self.timeout = dist.PrefixStore("megarl/split/", store), timeout
-
-    def put(self, key: str, value) -> None:
-        self.store.set(key, pickle.dumps(value))
-
-    def take(self, key: str, *, keep: bool = False):
-        """The value of `key`, waiting for it to be posted (up to parallel.timeout_minutes); removed unless
-        `keep`."""
-        try:
-            self.store.wait([key], self.timeout)
-        except dist.DistStoreError:
-            raise TimeoutError(f"placement split: waited {self.timeout} (parallel.timeout_minutes) for {key!r} "
-                               f"({_WHAT.get(key.split('/')[0], 'a message')}) from the other side of the job"
-                               ) from None
-        value = pickle.loads(self.store.get(key))
-        if not keep:
-            self.store.delete_key(key)
-        return value
-
-    def drop(self, key: str) -> None:
-        self.store.delete_key(key)
-
-    def ready(self, key: str) -> bool:
-        """Whether `key` is posted (without waiting)."""
-        return self.store.check([key])
+    @property
+    def bytes(self) -> int:
+        return self.prompts.bytes + self.samples.bytes
 
 
 # ---- a rollout rank ---------------------------------------------------------------------------------------
@@ -155,28 +135,22 @@ class Mailbox:
 @dataclass
 class RolloutRank:
     """What a worker holds: the fields of an RLRun that generation and scoring read
-    (megarl.loops.generation.generate_part)."""
+    (megarl.loops.samples.SampleContext), and its engine."""
 
     cfg: Config
     tokenizer: object
-    rollout: object
-    scorer: object
+    rollout: VersionedEngine
+    scorer: Scorer
     new_env: object
+    tool_schemas: list[dict]
     observations: object
-    env_workers: object
+    env_workers: EnvWorkers
 
 
 def serve_rollout(cfg: Config) -> None:
     """A rollout rank's whole run: build the engine, then run the training rank 0's commands in order until it
     says stop."""
     from transformers import AutoTokenizer
-
-    from megarl.envs.environment import environment_factory
-    from megarl.envs.tool_format import observation_format
-    from megarl.models.arch import read_shape
-    from megarl.rewards.scorer import Scorer
-    from megarl.rollout.backends import captures_routes, make_rollout_engine
-    from megarl.rollout.multi_turn import EnvWorkers
 
     store, rank, world, trainers = _job(cfg)
     timeout = timedelta(minutes=cfg.parallel.timeout_minutes)
@@ -188,20 +162,23 @@ def serve_rollout(cfg: Config) -> None:
     index = local // cfg.rollout.tp
     if on_gpu():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    # the broadcast group meets at the first push (a run that turns out to be finished never pushes)
-    bridge = functools.partial(_bridge_group, store, member=1 + index, size=1 + workers, timeout=timeout)
+    # the groups meet when first used (a run that turns out to be finished uses none)
+    bridge = functools.partial(own_group, store, "weights", member=1 + index, size=1 + workers, timeout=timeout)
+    dp = replicas(cfg, trainers)
+    links = functools.partial(Links, store, member=dp + index, size=dp + workers, timeout=timeout)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     moe = read_shape(cfg.model.path).is_moe
     engine = make_rollout_engine(cfg.rollout, cfg.model.path, dtype=cfg.model.dtype, seed=cfg.seed + index,
                                  capture_routes=moe and captures_routes(cfg.rollout))
     new_env = environment_factory(cfg.env)
-    worker = Worker(box, bridge, index=index, workers=workers)
+    worker = Worker(box, bridge, links, index=index, workers=workers, replicas=dp)
     place = cfg.placement
     # every token's version is recorded; with partial rollouts, pushed weights are taken between chunks
     worker.engine = VersionedEngine(engine, chunk_tokens=place.chunk_tokens if place.partial_rollouts else None,
                                     between_chunks=worker.take_pushed_weights)
     me = RolloutRank(cfg=cfg, tokenizer=tokenizer, rollout=worker.engine, scorer=Scorer(cfg.reward), new_env=new_env,
-                     observations=observation_format(cfg.env, tokenizer), env_workers=EnvWorkers(cfg.env.tool_workers))
+                     tool_schemas=new_env().tools, observations=observation_format(cfg.env, tokenizer),
+                     env_workers=EnvWorkers(cfg.env.tool_workers))
     try:
         worker.serve(me)
     finally:
@@ -213,9 +190,9 @@ def serve_rollout(cfg: Config) -> None:
 class Worker:
     """A rollout rank with an engine: runs the training rank 0's commands in order."""
 
-    def __init__(self, box: Mailbox, bridge, *, index: int, workers: int):
-        self.box, self.bridge, self.index, self.workers = box, bridge, index, workers
-        self.group = None  # the weight broadcast's, made at the first push
+    def __init__(self, box: Mailbox, bridge, links, *, index: int, workers: int, replicas: int):
+        self.box, self.index, self.workers, self.replicas = box, index, workers, replicas
+        self.bridge, self.links = functools.cache(bridge), functools.cache(links)  # made when first used
         self.engine: VersionedEngine | None = None
         self.next = 0  # the next command's number
         self.waited = 0.0  # seconds spent waiting for a command since the last batch was posted
@@ -227,27 +204,24 @@ class Worker:
             self.next += 1
             self.waited += time.monotonic() - start
             if command == "generate":
-                key, replicas, n_samples = args
-                _generate(me, self.box, key, replicas=replicas, n_samples=n_samples, index=self.index,
-                          workers=self.workers, waited=self.waited)
+                key, n_samples = args
+                self.generate(me, key, n_samples=n_samples)
                 self.waited = 0.0
             elif command == "weights":
                 self.load_weights(*args)
-            elif command == "rng":
-                self.box.put(f"rng/{args[0]}/{self.index}", self.engine.rng_state())
+            elif command == "rng":  # to training rank 0, behind every sample sent before
+                self.links().samples.send({"key": f"rng{args[0]}", "rng": self.engine.rng_state()}, to=0)
             elif command == "set_rng":
-                self.engine.set_rng_state(args[0][self.index])
+                self.engine.set_rng_state(self.links().prompts.receive(0))
             elif command == "stop":
                 return
             else:
                 raise RuntimeError(f"rollout worker {self.index}: unknown command {command!r}")
 
     def load_weights(self, version: int) -> None:
-        if self.group is None:
-            self.group = self.bridge()
+        group = self.bridge()
         self.box.put(f"ready/{version}/{self.index}", True)  # the push may start
-        self.engine.update_weights(_received(self.box, self.group, index=self.index, version=version),
-                                   version=version)
+        self.engine.update_weights(_received(group), version=version)
         self.engine.flush_cache()
 
     def take_pushed_weights(self) -> None:
@@ -262,64 +236,70 @@ class Worker:
             self.next += 1
             self.load_weights(*args)
 
-
-def _generate(me: RolloutRank, box: Mailbox, key: str, *, replicas: int, n_samples: int, index: int, workers: int,
-              waited: float) -> None:
-    """Generate and score this worker's share of request `key` (the pooled prompts of every replica, split over
-    the workers by prompt tokens as colocated engines split them), and post each replica its samples."""
-    from megarl.loops.generation import generate_part, pooled_samples
-
-    shares = {dp: tuple(box.take(f"in/{key}/{dp}", keep=True)) for dp in range(replicas)}
-    samples = pooled_samples(shares, n_samples=n_samples)
-    first = {dp: min(i for i, s in enumerate(samples) if s[0] == dp) for dp in shares if shares[dp][0]}
-    part = balanced_partition([len(ids) for _, _, ids in samples], workers)[index]
-    trajectories, rewards, failures, hidden = [], [], 0, 0
-    if part:
-        trajectories, scoring = generate_part(me, [samples[i][1:] for i in part])
-        rewards, failures, hidden = scoring.result()
-    for dp in range(replicas):
-        mine = [j for j, i in enumerate(part) if samples[i][0] == dp]
-        box.put(f"out/{key}/{index}/{dp}", {
-            "index": [part[j] - first[dp] for j in mine],
-            "trajectories": [dataclasses.asdict(trajectories[j]) for j in mine],
-            "rewards": [rewards[j] for j in mine],
-            # failures, scored before generation ended, engines that generated: counted once, on replica 0
-            "counts": [failures, hidden, int(bool(part))] if dp == 0 else [0, 0, 0],
-            "waited_s": waited})
+    def generate(self, me: RolloutRank, key: str, *, n_samples: int) -> None:
+        """Generate and score this worker's share of request `key` (the pooled prompts of every replica, split
+        over the workers by prompt tokens as colocated engines split them), and send each replica its samples."""
+        links = self.links()
+        shares = {dp: tuple(links.prompts.receive(dp)) for dp in range(self.replicas)}
+        samples = pooled_samples(shares, n_samples=n_samples)
+        first = {dp: min(i for i, s in enumerate(samples) if s[0] == dp) for dp in shares if shares[dp][0]}
+        part = balanced_partition([len(ids) for _, _, ids in samples], self.workers)[self.index]
+        trajectories, rewards, failures, hidden = [], [], 0, 0
+        if part:
+            trajectories, scoring = generate_part(me, me.rollout, [samples[i][1:] for i in part])
+            rewards, failures, hidden = scoring.result()
+        for dp in range(self.replicas):
+            mine = [j for j, i in enumerate(part) if samples[i][0] == dp]
+            links.samples.send({
+                "key": key,
+                "index": [part[j] - first[dp] for j in mine],
+                "trajectories": [dataclasses.asdict(trajectories[j]) for j in mine],
+                "rewards": [rewards[j] for j in mine],
+                # failures, scored before generation ended, engines that generated: counted once, on replica 0
+                "counts": [failures, hidden, int(bool(part))] if dp == 0 else [0, 0, 0],
+                "waited_s": self.waited}, to=dp)
 
 
-def _received(box: Mailbox, group, *, index: int, version: int) -> Iterator[list[tuple[str, Tensor]]]:
-    """The buckets of weight version `version`, as the training rank 0 broadcasts them."""
-    n = 0
-    while (slots := box.take(f"weights/{index}/{version}/{n}")) is not None:
+def _received(group) -> Iterator[list[tuple[str, Tensor]]]:
+    """The buckets of a weight push, as the training rank 0 broadcasts them (each one's slots first; None ends
+    the push)."""
+    while (slots := receive_header(group)) is not None:
         flat = torch.empty(slots[-1][4], dtype=torch.uint8, device=current_device())  # the last slot's end
         group.broadcast(flat, 0).wait()
         yield unflatten(flat, slots)
-        n += 1
 
 
 # ---- the training ranks' side -------------------------------------------------------------------------------
 
 
-class SplitRollout:
-    """The training ranks' side: requests batches ahead of the steps that train them, collects them, pushes
-    weights; the same calls on every training rank (SPMD)."""
+class SplitRollouts:
+    """The training ranks' side (megarl.loops.rl_run.Rollouts): requests batches ahead of the steps that train
+    them, collects them, pushes weights; the same calls on every training rank (SPMD). The training ranks keep
+    their memory: nothing is released or parked."""
 
-    def __init__(self, cfg: Config, groups):
+    scores_here = False  # the workers score what they generate
+
+    def __init__(self, cfg: Config, groups: ParallelGroups):
         store, _, _, _ = _job(cfg)
         timeout = timedelta(minutes=cfg.parallel.timeout_minutes)
         self.cfg, self.groups, self.box = cfg, groups, Mailbox(store, timeout)
         self.workers = cfg.placement.rollout_ranks // cfg.rollout.tp
+        self.engines = self.workers
         self.lead = dist.get_rank() == 0  # sends the commands and the weights
-        self.writer = dist.get_rank() == groups.mp_src_global_rank  # posts its replica's prompts
-        self.bridge = functools.partial(_bridge_group, store, member=0, size=1 + self.workers, timeout=timeout)
-        self.group = None  # made at the first push, as the workers make theirs
+        self.writer = dist.get_rank() == groups.mp_src_global_rank  # sends and takes its replica's messages
+        dp = groups.dp_size
+        # made when first used, as the workers make theirs
+        self.bridge = functools.cache(functools.partial(own_group, store, "weights", member=0, size=1 + self.workers,
+                                                        timeout=timeout))
+        self.links = functools.cache(functools.partial(Links, store, member=groups.dp_rank, size=dp + self.workers,
+                                                       timeout=timeout))
         self.sent = [0] * self.workers  # commands posted to each worker
         self.requested = 0  # the last batch requested
         self.pending: dict[int, list[int]] = {}  # requested batch -> this replica's prompt rows (indices)
+        self.taken: dict[str, dict[int, dict]] = {}  # request -> worker -> its message, taken ahead of its turn
         self.version = 0  # the last weight version pushed
-        self.collected: list[str] = []  # requests whose keys go once every rank has read them
         self.evals = 0
+        self.counted = (0, 0)  # store and link bytes of this rank when the metrics were last read
 
     # -- commands
     def _command(self, *command) -> None:
@@ -330,31 +310,45 @@ class SplitRollout:
             self.box.put(f"cmd/{w}/{self.sent[w]}", command)
             self.sent[w] += 1
 
-    def _request(self, run, key: str, rows: list[PromptRow], *, n_samples: int) -> None:
-        from megarl.loops.generation import encode_rows
-
+    def _request(self, run: RLRun, key: str, rows: list[PromptRow], *, n_samples: int) -> None:
+        self._command("generate", key, n_samples)  # first: the workers make the links when they run it
         if self.writer:
-            self.box.put(f"in/{key}/{self.groups.dp_rank}", (rows, encode_rows(run, rows)))
-        self._command("generate", key, self.groups.dp_size, n_samples)
+            prompts = (rows, encode_rows(run, rows))
+            for w in range(self.workers):
+                self.links().prompts.send(prompts, to=self.groups.dp_size + w)
 
-    def _collect(self, run, key: str, rows: list[PromptRow], *, n_samples: int):
-        """This replica's batch of request `key` with its rewards (None when it asked for no prompt), the
-        counts [failures, scored early, engines], the versions and the longest worker wait."""
-        from megarl.loops.generation import build_batch, with_rewards
+    def _arrived(self, key: str) -> dict[int, dict]:
+        """Each worker's message for request `key` to this replica (its first rank). A worker answers requests in
+        the order they were made, and its messages arrive in that order: those for requests taken later (the
+        batches requested ahead of an evaluation) are kept until their turn."""
+        for w in range(self.workers):
+            while w not in self.taken.get(key, {}):
+                message = self.links().samples.receive(self.groups.dp_size + w)
+                self.taken.setdefault(message["key"], {})[w] = message
+        return self.taken[key]
 
-        if self.lead:  # every rank has read the earlier requests' keys: they are past a collective since
-            for done in self.collected:
-                for dp in range(self.groups.dp_size):
-                    self.box.drop(f"in/{done}/{dp}")
-                    for w in range(self.workers):
-                        self.box.drop(f"out/{done}/{w}/{dp}")
-            self.collected = []
-        self.collected.append(key)
+    def _take(self, key: str) -> list[dict]:
+        """Each worker's part of request `key` for this replica: on its first rank from the workers (or from what
+        a checkpoint saved), shared with the rest of the replica."""
+        parts = None
+        if self.writer:
+            self._arrived(key)
+            parts = [self.taken[key][w] for w in range(self.workers)]
+            del self.taken[key]
+        if self.groups.tp_size * self.groups.pp_size * self.groups.cp_size > 1:
+            shared = [parts]
+            dist.broadcast_object_list(shared, src=self.groups.mp_src_global_rank, group=self.groups.mp)
+            parts = shared[0]
+        return parts
+
+    def _collect(self, run: RLRun, key: str, rows: list[PromptRow], *, n_samples: int, first_group: int = 0):
+        """This replica's batch of request `key` with its rewards (None when it asked for no prompt), its groups
+        numbered from `first_group`, the counts [failures, scored early, engines], the versions and the longest
+        worker wait."""
         trajectories: dict[int, Trajectory] = {}
         rewards: dict[int, float] = {}
         counts, waited = torch.zeros(3, dtype=torch.float64), 0.0
-        for w in range(self.workers):
-            part = self.box.take(f"out/{key}/{w}/{self.groups.dp_rank}", keep=True)
+        for part in self._take(key):
             for i, t, r in zip(part["index"], part["trajectories"], part["rewards"]):
                 trajectories[i], rewards[i] = Trajectory(**t), r
             counts += torch.tensor(part["counts"], dtype=torch.float64)
@@ -362,20 +356,24 @@ class SplitRollout:
         if not rows:
             return None, counts, waited
         done = [trajectories[i] for i in range(len(rows) * n_samples)]  # the replica's samples, in order
-        batch = build_batch(run, [row for row in rows for _ in range(n_samples)], [t.prompt_ids for t in done],
-                            done, n_samples=n_samples)
-        batch = with_rewards(run, batch, torch.tensor([rewards[i] for i in range(len(done))]))
+        batch = build_batch(run.tokenizer, [row for row in rows for _ in range(n_samples)],
+                            [t.prompt_ids for t in done], done, n_samples=n_samples, first_group=first_group)
+        batch = with_rewards(batch, torch.tensor([rewards[i] for i in range(len(done))]),
+                             reward_models=run.reward_models, micro_batch_size=run.cfg.train.micro_batch_size,
+                             pad_id=run.tokenizer.pad_token_id)
         versions = torch.zeros_like(batch.tokens)
         for row, (start, t) in enumerate(zip(batch.prompt_lens.tolist(), done)):
             versions[row, start: start + len(t.versions)] = torch.tensor(t.versions)
         return batch.replace(weight_versions=versions * batch.response_mask.long()), counts, waited
 
     # -- the loop's calls
-    def next_batch(self, run, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
+    def start(self, model_dir: str) -> None:
+        """Nothing to start here: the workers started their engines (with the recipe's model; the first push hands
+        them the trainer's weights, warm-started or restored)."""
+
+    def next_batch(self, run: RLRun, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
         """Request the batches up to `step` + max_staleness not requested yet, then take batch `step` (with
         dynamic sampling, further rounds are requested now, behind those: the engines' current weights)."""
-        from megarl.loops.generation import rollout
-
         cfg = self.cfg
         for k in range(self.requested + 1, step + cfg.algo.max_staleness + 1):
             self.pending[k] = run.sampler.next_batch(run.prompts_per_rank)
@@ -383,7 +381,7 @@ class SplitRollout:
             self.requested = k
         start = time.monotonic()
         rounds = SplitRounds(self, run, step)
-        batch, sampling = rollout(run, timer, rounds)  # dynamic sampling: more rounds
+        batch, sampling = draw_batch(run, timer, rounds)  # dynamic sampling: more rounds
         waited_for_batch = time.monotonic() - start
         oldest, newest = sample_versions(batch)
         staleness = (step - oldest).double()
@@ -396,15 +394,34 @@ class SplitRollout:
                        "async/partial_frac": partial / n,
                        "async/rollout_wait_s": float(worst[1]), "async/train_wait_s": float(worst[2])}
 
-    def generate_now(self, run, rows: list[PromptRow], *, n_samples: int) -> RolloutBatch | None:
-        """Generate `rows` with the latest weights, after every batch requested so far (evaluation)."""
+    def generate_now(self, run: RLRun, rows: list[PromptRow]) -> RolloutBatch | None:
+        """One sample of each of `rows` with the latest weights, after every batch requested so far (evaluation)."""
         key = f"e{self.evals}"
         self.evals += 1
-        self._request(run, key, rows, n_samples=n_samples)
-        batch, _, _ = self._collect(run, key, rows, n_samples=n_samples)
+        self._request(run, key, rows, n_samples=1)
+        batch, _, _ = self._collect(run, key, rows, n_samples=1)
         return batch
 
-    def push(self, run) -> dict:
+    def release(self) -> None:
+        """Nothing: the engines are on devices of their own."""
+
+    def hand_over(self, run: RLRun, timer: PhaseTimer) -> dict:
+        with timer("push"):
+            return self.push(run) | {"offloaded_bytes": 0}
+
+    def metrics(self, run: RLRun) -> dict[str, float]:
+        """The bytes the training ranks posted to the job's store and moved over the sample links (prompts out,
+        samples in) since the last call, summed over the training ranks."""
+        links = self.links().bytes if self.writer and self.links.cache_info().currsize else 0
+        now = (self.box.written, links)
+        store, moved = run.global_sums([float(a - b) for a, b in zip(now, self.counted)])
+        self.counted = now
+        return {"async/store_bytes": store, "async/transport_bytes": moved}
+
+    def resident(self, run: RLRun) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def push(self, run: RLRun) -> dict:
         """Broadcast the actor's weights to every worker as the next version; a worker loads them once it
         has generated every batch requested before, so the push first waits for those (its "wait_s", on
         training rank 0: the engines were the slower side)."""
@@ -414,8 +431,7 @@ class SplitRollout:
         waited = 0.0
         if self.lead:
             self._command("weights", self.version)
-            if self.group is None:
-                self.group = self.bridge()
+            group = self.bridge()
             start = time.monotonic()
             for w in range(self.workers):
                 self.box.take(f"ready/{self.version}/{w}")
@@ -430,14 +446,12 @@ class SplitRollout:
         nbytes, n = 0, 0
         for n, bucket in enumerate(buckets(tensors, bucket_bytes=self.cfg.rollout.bucket_bytes), start=1):
             flat, slots = flatten(bucket, device=current_device())
-            for w in range(self.workers):
-                self.box.put(f"weights/{w}/{self.version}/{n - 1}", slots)
-            self.group.broadcast(flat, 0).wait()
+            send_header(group, slots)
+            group.broadcast(flat, 0).wait()
             if on_gpu():  # one bucket in flight: wait() orders the stream only, not this host thread
                 torch.cuda.current_stream().synchronize()
             nbytes += flat.numel()
-        for w in range(self.workers):
-            self.box.put(f"weights/{w}/{self.version}/{n}", None)  # the end of the push
+        send_header(group, None)  # the end of the push
         return {"bytes": nbytes, "wait_s": waited}
 
     def close(self) -> None:
@@ -448,26 +462,23 @@ class SplitRollout:
 
     # -- checkpoints
     def state(self) -> dict:
-        return {"max_staleness": self.cfg.algo.max_staleness, "workers": self.workers}
+        return {"split": {"max_staleness": self.cfg.algo.max_staleness, "workers": self.workers}}
 
-    def save(self, directory: Path, *, step: int) -> None:
-        """The batches requested but not trained yet (waited for) and the workers' sampler RNG after them; the
-        replicas' rows of those batches."""
-        if self.writer:
-            torch.save({"pending": self.pending}, directory / f"split_dp{self.groups.dp_rank:05d}.pt")
-        if not self.lead:
+    def save(self, directory: Path, step: int) -> None:
+        """Each replica's rows of the batches requested but not trained yet, and those batches' samples (waited
+        for, and kept for the steps that train them); the workers' sampler RNG after them."""
+        if not self.writer:
             return
-        ahead = {}
-        for k in sorted(self.pending):
-            for w in range(self.workers):
-                for dp in range(self.groups.dp_size):
-                    ahead[f"out/b{k}/{w}/{dp}"] = self.box.take(f"out/b{k}/{w}/{dp}", keep=True)
-        self._command("rng", step)
-        rng = [self.box.take(f"rng/{step}/{w}") for w in range(self.workers)]
-        torch.save({"ahead": ahead, "rng": rng}, directory / "split.pt")
+        ahead = {f"b{k}": self._arrived(f"b{k}") for k in sorted(self.pending)}
+        torch.save({"pending": self.pending, "taken": ahead}, directory / f"split_dp{self.groups.dp_rank:05d}.pt")
+        if self.lead:
+            self._command("rng", step)
+            rng = self._arrived(f"rng{step}")
+            del self.taken[f"rng{step}"]
+            torch.save({"rng": [rng[w]["rng"] for w in range(self.workers)]}, directory / "split.pt")
 
-    def restore(self, directory: Path, saved: dict, *, step: int) -> None:
-        here = self.state()
+    def restore(self, directory: Path, saved: dict, step: int) -> None:
+        here = self.state()["split"]
         if saved.get("split") != here:
             raise CheckpointError(f"{directory}: saved with placement split {saved.get('split')} "
                                   f"(algo.max_staleness, rollout workers); this run has {here}: resume with the "
@@ -476,22 +487,24 @@ class SplitRollout:
         self.pending = mine["pending"]
         self.requested = max(self.pending, default=step)
         self.version = step
-        if self.lead:
-            kept = torch.load(directory / "split.pt", weights_only=True)
-            for key, value in kept["ahead"].items():
-                self.box.put(key, value)
-            self._command("set_rng", kept["rng"])
+        self._command("set_rng")  # first: the workers make the links when they run it
+        if self.writer:  # every replica's first rank makes them together with the workers
+            self.taken = mine["taken"]
+            links = self.links()
+            if self.lead:
+                for w, rng in enumerate(torch.load(directory / "split.pt", weights_only=True)["rng"]):
+                    links.prompts.send(rng, to=self.groups.dp_size + w)
 
 
 class SplitRounds:
-    """The rounds of step `step` (megarl.loops.generation.Rounds): the first is the batch requested ahead, a
+    """The rounds of step `step` (megarl.loops.sampling.Rounds): the first is the batch requested ahead, a
     further one (dynamic sampling) is requested when it is drawn."""
 
-    def __init__(self, split: SplitRollout, run, step: int):
+    def __init__(self, split: SplitRollouts, run: RLRun, step: int):
         self.split, self.run, self.step, self.round = split, run, step, 0
         self.waited = 0.0  # the workers' longest wait for the trainers before generating this step's rounds
 
-    def next(self, draw: int, timer: PhaseTimer) -> tuple[RolloutBatch | None, int, int, int]:
+    def next(self, draw: int, timer: PhaseTimer, *, first_group: int) -> tuple[RolloutBatch | None, int, int, int]:
         split, run, n_samples = self.split, self.run, self.split.cfg.rollout.n_samples
         self.round += 1
         key = f"b{self.step}" if self.round == 1 else f"b{self.step}.{self.round}"
@@ -501,7 +514,7 @@ class SplitRounds:
             else:
                 rows = [run.train_rows[i] for i in run.sampler.next_batch(draw)] if draw else []
                 split._request(run, key, rows, n_samples=n_samples)
-            batch, counts, waited = split._collect(run, key, rows, n_samples=n_samples)
+            batch, counts, waited = split._collect(run, key, rows, n_samples=n_samples, first_group=first_group)
         self.waited = max(self.waited, waited)
         failures, hidden, engines = (int(c) for c in counts.tolist())
         return batch, failures, hidden, engines

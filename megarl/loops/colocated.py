@@ -1,0 +1,261 @@
+"""Colocated placement: the rollout engines live on the training ranks' own devices, one on the first rank of
+every group of `rollout.tp` ranks (megarl.rollout.placement), and the two sides take turns with the memory.
+
+A round generates on the engines of this rank's exchange group (every device generates, whatever the trainer's
+layout): the group's replicas pool their prompts, the samples are split over its engines by prompt tokens,
+each engine's rank scores what its engine generated, and every rank receives its replica's batch. Between two
+rounds of generation the trainer updates: the engines release their memory, the trainer's state comes back to
+the device, and after the update the trainer parks its state on the host, pushes the new weights and gives the
+devices back (`hand_over`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megarl.batch import RolloutBatch
+from megarl.config import Config
+from megarl.data.prompts import PromptRow
+from megarl.device import host_barrier
+from megarl.engine.parallel import ParallelGroups
+from megarl.handoff import push_weights
+from megarl.loops.rl_run import RLRun
+from megarl.loops.sampling import draw_batch
+from megarl.loops.samples import build_batch, encode_rows, generate_part, pooled_samples, with_rewards
+from megarl.metrics import PhaseTimer
+from megarl.models.arch import read_shape
+from megarl.packing import balanced_partition
+from megarl.rewards.scorer import Scoring
+from megarl.rollout.backends import captures_routes, make_rollout_engine, make_rollout_peer
+from megarl.rollout.engine import RolloutEngine, RolloutPeer
+from megarl.rollout.multi_turn import Trajectory
+from megarl.rollout.placement import RolloutPlacement, place_rollout
+
+log = logging.getLogger(__name__)
+
+
+class ColocatedRollouts:
+    """The rollouts of colocated placement (megarl.loops.rl_run.Rollouts)."""
+
+    scores_here = True
+
+    def __init__(self, cfg: Config, groups: ParallelGroups):
+        self.cfg, self.groups = cfg, groups
+        self.placement = place_rollout(rollout_tp=cfg.rollout.tp, replica=groups.mp, timeout=groups.timeout)
+        self.engines = self.placement.engines
+        self.engine: RolloutEngine | None = None  # this rank's: on the first rank of every group of rollout.tp ranks
+        self.peer: RolloutPeer | None = None      # beside an engine's host: its side of every push
+
+    def start(self, model_dir: str) -> None:
+        """The engine of this rank, seeded by its index (so a run resumed at another trainer layout with the same
+        world size samples as the one that saved it), which releases its memory once its KV cache is sized; then
+        every rank waits for every engine of the job."""
+        cfg, place = self.cfg, self.placement
+        if place.hosts_engine:
+            # MoE: every run captures the engines' routing where they can, for moe/routing_agreement and r3
+            self.engine = make_rollout_engine(cfg.rollout, model_dir, dtype=cfg.model.dtype,
+                                              seed=cfg.seed + place.engine_index,
+                                              capture_routes=read_shape(model_dir).is_moe and captures_routes(cfg.rollout),
+                                              group=place.engine_group)
+            self.engine.release_memory()  # its KV cache is sized; the trainer is built in the memory it gives back
+        elif place.engine_group is not None:
+            self.peer = make_rollout_peer(cfg.rollout, place.engine_group)
+        # An SGLang engine's TP schedulers size the KV cache from the memory free on each of the group's devices
+        # (and refuse an imbalance), so no trainer model may be built on them before. On the host side: NCCL's
+        # communicators are not made yet.
+        host_barrier()
+
+    # -- generation
+    def next_batch(self, run: RLRun, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
+        return draw_batch(run, timer, ColocatedRounds(run, self))
+
+    def generate_now(self, run: RLRun, rows: list[PromptRow]) -> RolloutBatch | None:
+        batch, _, _, _ = score(run, self.placement, generate(run, self, rows, n_samples=1))
+        return batch
+
+    # -- the memory and the weights
+    def release(self) -> None:
+        if self.engine is not None:
+            self.engine.release_memory()
+
+    def hand_over(self, run: RLRun, timer: PhaseTimer) -> dict:
+        """The trainer's gradients and optimizer state leave the device, the weights are pushed, the trainer's
+        parameters leave too and the engines take back their KV cache."""
+        with timer("sleep_trainer"):
+            offloaded = sum(engine.offload_training_state() for engine in (run.actor, run.critic)
+                            if engine is not None)
+        with timer("push"):
+            push_stats = self.push(run)
+        with timer("wake_rollout"):
+            offloaded += sum(engine.offload_params() for engine in run.trainer_engines())
+            if self.engine is not None:
+                self.engine.resume_cache()
+        return push_stats | {"offloaded_bytes": offloaded}
+
+    def push(self, run: RLRun) -> dict:
+        """Hand the updated weights to the rollout engine (every rank of the pipeline joins the gathers)."""
+        run.weight_version += 1
+        tensors = run.actor.pipeline_hf_tensors()
+        bucket_bytes = self.cfg.rollout.bucket_bytes
+        if self.engine is not None:
+            self.engine.resume_weights()
+            return push_weights(self.engine, tensors, bucket_bytes=bucket_bytes, version=run.weight_version)
+        if self.peer is not None:
+            return self.peer.push(tensors, bucket_bytes=bucket_bytes)
+        return {"bytes": sum(t.numel() * t.element_size() for _, t in tensors)}  # drive the collectives
+
+    def metrics(self, run: RLRun) -> dict[str, float]:
+        return {}
+
+    @contextlib.contextmanager
+    def resident(self, run: RLRun) -> Iterator[None]:
+        """The engines give their memory back first, as before an update: the trainer never shares the device
+        with a KV cache. Their weights are released with it, so the end of the block pushes them again (a new
+        weight version, with the same weights)."""
+        self.release()
+        for engine in run.trainer_engines():
+            engine.onload()
+        yield
+        self.hand_over(run, PhaseTimer())
+
+    # -- checkpoints: each engine's sampler RNG
+    def state(self) -> dict:
+        return {}
+
+    def save(self, directory: Path, step: int) -> None:
+        if self.engine is not None:
+            torch.save({"rollout_rng": self.engine.rng_state()},
+                       directory / f"engine{self.placement.engine_index:05d}.pt")
+
+    def restore(self, directory: Path, saved: dict, step: int) -> None:
+        """The engine's sampler RNG when the checkpoint was written by as many engines as this run has."""
+        if self.engine is None:
+            return
+        engines = saved["layout"].get("engines")
+        if engines != self.engines:
+            log.warning("resuming with %d rollout engines, saved with %s: the engines' samplers are seeded again, "
+                        "so samples differ from an uninterrupted run", self.engines, engines)
+            return
+        rng = torch.load(directory / f"engine{self.placement.engine_index:05d}.pt", weights_only=True)["rollout_rng"]
+        if rng is not None:
+            self.engine.set_rng_state(rng)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+
+
+class ColocatedRounds:
+    """Rounds on the engines of this rank's exchange group (megarl.loops.sampling.Rounds)."""
+
+    def __init__(self, run: RLRun, rollouts: ColocatedRollouts):
+        self.run, self.rollouts = run, rollouts
+
+    def next(self, draw: int, timer: PhaseTimer, *, first_group: int) -> tuple[RolloutBatch | None, int, int, int]:
+        run = self.run
+        with timer("generate"):
+            rows = [run.train_rows[i] for i in run.sampler.next_batch(draw)] if draw else []
+            generated = generate(run, self.rollouts, rows, n_samples=run.cfg.rollout.n_samples,
+                                 first_group=first_group)
+        with timer("reward"):
+            return score(run, self.rollouts.placement, generated)
+
+    def anyone(self, flag: bool) -> bool:
+        place = self.rollouts.placement
+        if place.exchange is None:
+            return flag
+        value = torch.tensor([int(flag)])
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=place.exchange)
+        return bool(value)
+
+
+@dataclass
+class Generated:
+    """One round of generation as this rank sees it: its replica's batch, and what its engine (when it hosts
+    one) must still score."""
+
+    batch: RolloutBatch | None        # this replica's samples in order; None when it drew no prompt this round
+    scoring: Scoring | None           # the rewards of this engine's samples, on a rank that hosts an engine
+    part: list[int]                   # exchange-wide indices of the samples this rank's engine generated
+    replica: list[int]                # exchange-wide indices of this replica's samples, in batch order
+    reporter: bool                    # this replica reports its exchange group's counts (the group's first)
+
+
+def generate(run: RLRun, rollouts: ColocatedRollouts, rows: list[PromptRow], *, n_samples: int,
+             first_group: int = 0) -> Generated:
+    """Sample `n_samples` trajectories for each row, each with its own environment (megarl.rollout.multi_turn;
+    with the single_turn environment, one response per sample), on the engines of this rank's exchange
+    group: the group's replicas pool their prompts, the samples are split over the engines by prompt tokens,
+    and every rank receives its replica's batch, its groups numbered from `first_group`. Each response the
+    rewards score (a sample's last turn) goes to its engine's scorer as soon as it is final, while the engine
+    generates the others."""
+    place = rollouts.placement
+    encoded = encode_rows(run, rows)
+    # every replica of the exchange group, in data-parallel order (its ranks all hold the same rows)
+    shares = {dp: (their_rows, their_ids)
+              for dp, their_rows, their_ids in exchange(place, (run.groups.dp_rank, rows, encoded))}
+    samples = pooled_samples(shares, n_samples=n_samples)
+    parts = balanced_partition([len(ids) for _, _, ids in samples], len(place.exchange_engines))
+    part = parts[place.exchange_engines.index(dist.get_rank())] if place.hosts_engine else []
+    scoring, mine = None, None
+    if place.hosts_engine:
+        generated, scoring = generate_part(run, rollouts.engine, [samples[i][1:] for i in part])
+        mine = (part, generated)
+    trajectories: dict[int, Trajectory] = {}
+    for done in exchange(place, mine):
+        if done is not None:
+            trajectories.update(zip(*done))
+    replica = [i for i, (dp, _, _) in enumerate(samples) if dp == run.groups.dp_rank]
+    batch = None
+    if replica:
+        batch = build_batch(run.tokenizer, [samples[i][1] for i in replica], [samples[i][2] for i in replica],
+                            [trajectories[i] for i in replica], n_samples=n_samples, first_group=first_group)
+    return Generated(batch=batch, scoring=scoring, part=part, replica=replica,
+                     reporter=run.groups.dp_rank == min(shares))
+
+
+def exchange(place: RolloutPlacement, item) -> list:
+    """`item` of every rank of the exchange group, in rank order."""
+    if place.exchange is None:
+        return [item]
+    out = [None] * len(place.exchange_ranks)
+    dist.all_gather_object(out, item, group=place.exchange)
+    return out
+
+
+def score(run: RLRun, place: RolloutPlacement, generated: Generated) -> tuple[RolloutBatch | None, int, int, int]:
+    """The replica's batch with the recipe's rewards [B], plus the environment's and the reward models'; and
+    the number of samples whose reward failed (scored 0; see Scorer), the number already scored when
+    generation ended, and the number of engines that generated, over the exchange group, on the replica
+    that reports them (0 on the group's other replicas, so sums over data-parallel ranks count each once).
+
+    Each engine's rank scores the samples its engine generated (a sandbox or a Ray pool runs once per
+    sample, not once per rank) and the exchange group shares the rewards. Reward-model terms need the
+    trainer's ranks, so they are scored here, after generation, over `batch.tokens`.
+    """
+    result = (generated.part, *generated.scoring.result()) if generated.scoring is not None else None
+    rewards_of: dict[int, float] = {}
+    counts = torch.zeros(3, dtype=torch.float64)  # failures, scored before generation ended, engines
+    for item in exchange(place, result):
+        if item is not None:
+            part, rewards, _, _ = item
+            rewards_of.update(zip(part, rewards))
+    if result is not None:
+        counts += torch.tensor([result[2], result[3], int(bool(generated.part))], dtype=torch.float64)
+    if place.exchange is not None:  # every sample was scored by exactly one engine's rank
+        dist.all_reduce(counts, group=place.exchange)
+    failures, hidden, engines = (int(c) * generated.reporter for c in counts.tolist())
+    batch = generated.batch
+    if batch is None:
+        return None, failures, hidden, engines
+    rewards = torch.tensor([rewards_of[i] for i in generated.replica])
+    batch = with_rewards(batch, rewards, reward_models=run.reward_models,
+                         micro_batch_size=run.cfg.train.micro_batch_size, pad_id=run.tokenizer.pad_token_id)
+    return batch, failures, hidden, engines
