@@ -97,10 +97,10 @@ class PipelineSchedule:
         statistics summed over micro-batches).
 
         Micro-batches hold `micro_batch_size` padded rows (the last one fewer when they do not divide the
-        batch, on one pipeline stage), or, with `micro_batch_tokens`, are packed rows
-        of at most that many tokens (`lengths` [B], the real tokens of each row of `tokens`, is then
-        required; see `packed_rows`). Loss functions see [b, T] tensors either way; packed
-        outputs are 0 past each sequence's end.
+        batch, on one pipeline stage), or, with `micro_batch_tokens`, are packed rows of at most that many
+        tokens (`lengths` [B], the real tokens of each row of `tokens`, is then required; see
+        `packed_rows`). Loss functions see [b, T] tensors either way; packed outputs are 0 past each
+        sequence's end.
 
         `routes` (MoE models) gives the routers each sample's experts to compare with, or to replay; with
         `routes.record` the trainer's own routing is kept per sample (`ModelRouting.recorded`).
@@ -116,6 +116,7 @@ class PipelineSchedule:
         one_pass = SchedulePass(self, loss_fn, temperature=temperature, entropy=entropy, seq_len=seq_len,
                                 width=tokens.shape[1], loss_scale=self.loss_scale(len(micro)),
                                 keep_outputs=forward_only or keep_outputs, routes=routes.routes)
+        # the shape of the activations pipeline stages exchange: rows x seq_length tokens
         if micro_batch_tokens:
             seq_length, rows = max(m.packed.row_len for m in micro), 1
         else:
