@@ -1,7 +1,9 @@
 """`RolloutBatch`: the one object that carries an RL step from generation to training.
 
 Generation creates it; every later stage returns `batch.replace(new_field=...)`, which refuses to
-overwrite a field an earlier stage set. A batch can be saved and loaded, so any stage can be replayed
+overwrite a field an earlier stage set. Two later changes are not rewrites and have methods of their own:
+new names for the same groups (`renumber_groups`) and responses taken out of the mask
+(`mask_responses_except`). A batch can be saved and loaded, so any stage can be replayed
 alone (train on a saved rollout without generating again).
 """
 
@@ -21,22 +23,26 @@ class RolloutBatch:
     tokens: Tensor                        # [B, T] prompt + response ids, right padded
     response_mask: Tensor                 # [B, T] 1.0 on generated response tokens (EOS included), else 0;
                                           # 0 on observation tokens between the turns of a multi-turn response
-    prompt_lens: Tensor                   # [B] prompt length in tokens
-    group_ids: Tensor                     # [B] samples of the same prompt share an id
+    prompt_lens: Tensor                   # [B] long: prompt length in tokens
+    group_ids: Tensor                     # [B] long: samples of the same prompt share an id
     rollout_logprobs: Tensor              # [B, T] the rollout engine's logprobs on response tokens, else 0
     responses: list[str]                  # [B] decoded responses
     answers: list[str]                    # [B] reference answers of the prompts
     finish_reasons: list[str]             # [B] "stop", "length" or the limit that ended a multi-turn rollout
     prompt_texts: list[str]               # [B] the prompts as text, before any chat template (for rewards)
     metadata: list[dict]                  # [B] the prompt rows' metadata (for rewards)
-    turns: Tensor | None = None           # [B] model turns of each trajectory (1 for single-turn rollouts)
-    tool_calls: Tensor | None = None      # [B] tool calls the environment answered
+    turns: Tensor | None = None           # [B] long: model turns of each trajectory (1 for single-turn rollouts)
+    tool_calls: Tensor | None = None      # [B] long: tool calls the environment answered
     env_rewards: Tensor | None = None     # [B] sum of the environment's step rewards, added to the recipe's
+                                          # rewards
     routes: list[Tensor] | None = None    # [B] MoE models: the experts the rollout engine routed each token to,
                                           # [real tokens - 1, moe_layers, top_k] per sample (megarl.routing)
-    trainer_routes: list[Tensor] | None = None  # [B] the same, as the old-logprob forward routed (router_replay r2)
-    weight_versions: Tensor | None = None  # [B] placement split: the weight version that generated each sample
-    rewards: Tensor | None = None         # [B]
+    trainer_routes: list[Tensor] | None = None  # [B] the experts the old-logprob forward routed each token to
+                                          # (router_replay r2), [T or real tokens, moe_layers, top_k] per sample:
+                                          # T from padded micro-batches, the real tokens from packed ones
+    weight_versions: Tensor | None = None  # [B, T] long, placement split: the weight version that generated each
+                                          # response token, 0 on every other token
+    rewards: Tensor | None = None         # [B] each sample's reward: the recipe's terms plus env_rewards
     old_logprobs: Tensor | None = None    # [B, T] trainer logprobs before the update
     ref_logprobs: Tensor | None = None    # [B, T] reference-model logprobs
     values: Tensor | None = None          # [B, T] critic values before the update (ppo)
@@ -49,6 +55,25 @@ class RolloutBatch:
             if getattr(self, name) is not None:
                 raise ValueError(f"RolloutBatch.{name} is already set; a later stage must not overwrite it")
         return dataclasses.replace(self, **fields)
+
+    def renumber_groups(self, group_ids: Tensor) -> RolloutBatch:
+        """The same samples under new group ids [B] (long), so that groups stay distinct where batches of
+        other ranks or steps are combined with this one. The groups themselves cannot change: samples that
+        shared an id share the new one, and no others do."""
+        pairs = torch.stack([self.group_ids, group_ids]).unique(dim=1).shape[1]
+        if group_ids.shape != self.group_ids.shape or not (
+                pairs == self.group_ids.unique().numel() == group_ids.unique().numel()):
+            raise ValueError("RolloutBatch.renumber_groups: the new group ids group the samples differently")
+        return dataclasses.replace(self, group_ids=group_ids)
+
+    def mask_responses_except(self, live: Tensor) -> RolloutBatch:
+        """The batch with the responses of the samples not `live` ([B] bool) taken out of `response_mask`:
+        they still run through the trainer, but no loss term or statistic counts them. Tokens only leave the
+        mask, so every field an earlier stage set keeps its meaning. `self` when no token leaves it."""
+        mask = self.response_mask * live[:, None]
+        if torch.equal(mask, self.response_mask):
+            return self
+        return dataclasses.replace(self, response_mask=mask)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]

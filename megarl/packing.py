@@ -14,7 +14,6 @@ outputs of the row back into the [b, T] layout of right-padded sequences that lo
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -190,7 +189,7 @@ def redistribute(batch: RolloutBatch, *, group, pad_id: int) -> tuple[RolloutBat
     flat = torch.cat(all_lengths).tolist()  # global sample g = source rank * B + local index
     parts = balanced_partition(flat, size, equal_size=True)
     n = len(batch)
-    batch = dataclasses.replace(batch, group_ids=batch.group_ids * size + rank)
+    batch = batch.renumber_groups(batch.group_ids * size + rank)
     received: list[RolloutBatch | None] = [None] * size
     # An all-to-all made of one scatter per source rank: each rank receives only its own samples.
     for src in range(size):
@@ -234,7 +233,4 @@ def zero_advantage_split(batch: RolloutBatch, *, group, multiple: int = 1) -> tu
     keep = sorted([i for i in range(len(batch)) if live[i]] + fillers[:keep_n - int(live.sum())])
     trained = batch if len(keep) == len(batch) else batch.select(torch.tensor(keep, dtype=torch.long))
     # a filler's response is masked out: it runs through its prompt only, and no statistic counts it
-    mask = trained.response_mask * live[keep][:, None]
-    if not torch.equal(mask, trained.response_mask):
-        trained = dataclasses.replace(trained, response_mask=mask)
-    return trained, trained_frac
+    return trained.mask_responses_except(live[keep]), trained_frac

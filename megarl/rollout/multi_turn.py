@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from functools import partial
 
 from torch import Tensor
 
@@ -103,102 +104,161 @@ def run_trajectories(engine, prompts: Sequence[list[int]], envs: Sequence[Enviro
     response ids are final then; its finish reason and environment reward may not be yet.
 
     `workers` runs the environment steps (a pool of `env.tool_workers` threads for this call when None)."""
-    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
-    # single_turn's step always ends the episode, so its first turn is known to be the last one before the
-    # step runs (the finish reason is still the step's "stop").
-    max_turns = 1 if limits.kind == "single_turn" else limits.max_turns
-    trajectories = [Trajectory(list(p)) for p in prompts]
+    rollout = _Rollout(engine, envs, [Trajectory(list(p)) for p in prompts], tokenizer=tokenizer,
+                       observations=observations, limits=limits, temperature=temperature, top_p=top_p,
+                       max_new_tokens=max_new_tokens, on_last_turn=on_last_turn)
     for env, (prompt, metadata) in zip(envs, rows):
         env.reset(prompt, metadata)
-    handed_out: set[int] = set()
-
-    def last_turn_known(i: int) -> None:
-        if on_last_turn is not None and i not in handed_out:
-            handed_out.add(i)
-            on_last_turn(i, trajectories[i])
-
-    def finish(i: int, reason: str) -> None:
-        trajectories[i].finish_reason = reason
-        last_turn_known(i)
-
-    def end_turn(j: int, ids: list[int], logprobs: list[float], reason: str) -> None:
-        """The engine's response `j` of this round, as soon as it is final."""
-        i = active[j]
-        traj, keep = trajectories[i], budget[i]
-        traj.turns += 1
-        traj.add(ids[:keep], logprobs[:keep])
-        traj.last_turn = ids[:keep]
-        if len(ids) > keep or (reason == "length" and keep < max_new_tokens):
-            finish(i, "max_tokens")
-        elif reason == "length":
-            finish(i, "length")
-        else:
-            stepping.append(i)
-            if traj.turns >= max_turns:  # whatever the step says, no turn follows
-                last_turn_known(i)
-
-    active = list(range(len(prompts)))
     own_workers = workers is None
     workers = EnvWorkers(limits.tool_workers) if own_workers else workers
     left_running = False
+    active = list(range(len(prompts)))
     try:
         while active:
-            budget = {i: _tokens_left(trajectories[i], limits, max_new_tokens) for i in active}
-            for i in [i for i in active if budget[i] <= 0]:
-                finish(i, "max_tokens")
-            active = [i for i in active if budget[i] > 0]
-            if not active:
-                break
-            # One engine call for every active trajectory; one whose token budget is below the turn limit
-            # is cut to its budget afterwards (engines take one max_new_tokens per call).
-            stepping = []
-            generation = engine.generate([trajectories[i].prompt_ids + trajectories[i].response_ids for i in active],
-                                         temperature=temperature, top_p=top_p,
-                                         max_new_tokens=max(budget[i] for i in active), eos_id=eos_id, pad_id=pad_id,
-                                         on_response=end_turn)
-            if generation.routes is not None:
-                for i, routes in zip(active, generation.routes):
-                    trajectories[i].routes = routes
-            if generation.versions is not None:  # this turn's kept ids end the response so far
-                for i, versions in zip(active, generation.versions):
-                    kept = len(trajectories[i].last_turn)
-                    if kept:
-                        trajectories[i].versions[-kept:] = versions[:kept]
-            stepping.sort()  # responses end in any order; the next round's batch keeps the trajectories' order
-            texts = {i: _turn_text(tokenizer, trajectories[i].last_turn, eos_id) for i in stepping}
-            inline = {i: text for i, text in texts.items() if getattr(envs[i], "steps_inline", False)}
-            results = {i: _step_inline(envs[i], i, text) for i, text in inline.items()}
-            threaded = {i: text for i, text in texts.items() if i not in inline}
-            if threaded:
-                results.update(_step_all(workers.pool(), envs, threaded, trajectories, limits))
-            left_running |= "tool_time" in results.values()
-            active = []
-            for i in stepping:
-                traj, result = trajectories[i], results[i]
-                if isinstance(result, str):  # the step did not return: "tool_time" or "env_error"
-                    finish(i, result)
-                    continue
-                traj.tool_calls += result.tool_calls
-                traj.env_reward += result.reward or 0.0
-                if result.done:
-                    finish(i, "stop")
-                elif traj.turns >= max_turns:
-                    finish(i, "max_turns")
-                else:
-                    obs = observations.ids([result.observation] if isinstance(result.observation, str)
-                                           else list(result.observation))
-                    if limits.max_tokens is not None and len(traj.response_ids) + len(obs) > limits.max_tokens:
-                        finish(i, "max_tokens")  # no room to answer the observation
-                    else:
-                        traj.add(obs, None)
-                        active.append(i)
+            stepping = rollout.generate_turns(active)
+            results = rollout.step_environments(stepping, workers)
+            left_running |= results.timed_out
+            active = rollout.answer_steps(stepping, results)
     except BaseException:
         left_running = True  # steps may still be queued or running
         raise
     finally:
         if own_workers or left_running:
             workers.retire()  # steps past their limit finish on their own
-    return trajectories
+    return rollout.trajectories
+
+
+@dataclass
+class StepResults:
+    """The environment steps of one round: the Step each returned, or why it returned none."""
+
+    steps: dict[int, Step] = field(default_factory=dict)     # trajectory index -> the Step its environment returned
+    failures: dict[int, str] = field(default_factory=dict)  # trajectory index -> "tool_time" or "env_error"
+
+    def raised(self, i: int, error: Exception) -> None:
+        """Trajectory `i`'s step raised `error`: logged, and its trajectory ends with "env_error"."""
+        log.warning("environment step of trajectory %d raised %s: %s", i, type(error).__name__, error)
+        self.failures[i] = "env_error"
+
+    @property
+    def timed_out(self) -> bool:
+        """A step ran past its limit, so its thread may still be busy."""
+        return "tool_time" in self.failures.values()
+
+
+class _Rollout:
+    """The trajectories of one `run_trajectories` call, and each round's three phases: the engine call that
+    generates the active trajectories' turns, their environments' steps, and the observations appended."""
+
+    def __init__(self, engine, envs: Sequence[Environment], trajectories: list[Trajectory], *, tokenizer,
+                 observations: ObservationFormat | None, limits: EnvConfig, temperature: float, top_p: float,
+                 max_new_tokens: int, on_last_turn: Callable[[int, Trajectory], None] | None):
+        self.engine, self.envs, self.trajectories = engine, envs, trajectories
+        self.tokenizer, self.observations, self.limits = tokenizer, observations, limits
+        self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
+        self.on_last_turn = on_last_turn
+        self.handed_out: set[int] = set()  # the trajectories on_last_turn has been called for
+        # single_turn's step always ends the episode, so its first turn is known to be the last one before the
+        # step runs (the finish reason is still the step's "stop").
+        self.max_turns = 1 if limits.kind == "single_turn" else limits.max_turns
+
+    def last_turn_known(self, i: int) -> None:
+        if self.on_last_turn is not None and i not in self.handed_out:
+            self.handed_out.add(i)
+            self.on_last_turn(i, self.trajectories[i])
+
+    def finish(self, i: int, reason: str) -> None:
+        self.trajectories[i].finish_reason = reason
+        self.last_turn_known(i)
+
+    def generate_turns(self, active: list[int]) -> list[int]:
+        """One engine call for every trajectory of `active` with tokens left; returns those whose turn
+        ended in a step of their environment, in the trajectories' order (the others are finished)."""
+        budget = {i: _tokens_left(self.trajectories[i], self.limits, self.max_new_tokens) for i in active}
+        for i in [i for i in active if budget[i] <= 0]:
+            self.finish(i, "max_tokens")
+        active = [i for i in active if budget[i] > 0]
+        if not active:
+            return []
+        # One engine call for every active trajectory; one whose token budget is below the turn limit
+        # is cut to its budget afterwards (engines take one max_new_tokens per call).
+        stepping: list[int] = []
+        eos_id, pad_id = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        generation = self.engine.generate(
+            [self.trajectories[i].prompt_ids + self.trajectories[i].response_ids for i in active],
+            temperature=self.temperature, top_p=self.top_p, max_new_tokens=max(budget[i] for i in active),
+            eos_id=eos_id, pad_id=pad_id, on_response=partial(self.end_turn, active, budget, stepping))
+        if generation.routes is not None:
+            for i, routes in zip(active, generation.routes):
+                self.trajectories[i].routes = routes
+        if generation.versions is not None:  # this turn's kept ids end the response so far
+            for i, versions in zip(active, generation.versions):
+                kept = len(self.trajectories[i].last_turn)
+                if kept:
+                    self.trajectories[i].versions[-kept:] = versions[:kept]
+        return sorted(stepping)  # responses end in any order; the next round's batch keeps the trajectories' order
+
+    def end_turn(self, active: list[int], budget: dict[int, int], stepping: list[int],
+                 j: int, ids: list[int], logprobs: list[float], reason: str) -> None:
+        """The engine's response `j` to the call for trajectories `active` (each cut to its `budget` of
+        tokens), as soon as it is final: the trajectory is finished at a token limit, or added to
+        `stepping`, the trajectories whose environment steps next."""
+        i = active[j]
+        traj, keep = self.trajectories[i], budget[i]
+        traj.turns += 1
+        traj.add(ids[:keep], logprobs[:keep])
+        traj.last_turn = ids[:keep]
+        if len(ids) > keep or (reason == "length" and keep < self.max_new_tokens):
+            self.finish(i, "max_tokens")
+        elif reason == "length":
+            self.finish(i, "length")
+        else:
+            stepping.append(i)
+            if traj.turns >= self.max_turns:  # whatever the step says, no turn follows
+                self.last_turn_known(i)
+
+    def step_environments(self, stepping: list[int], workers: EnvWorkers) -> StepResults:
+        """The environment steps of the trajectories `stepping` on their last turns: inline for environments
+        that return at once (`steps_inline`), the others concurrently on `workers`."""
+        eos_id = self.tokenizer.eos_token_id
+        texts = {i: _turn_text(self.tokenizer, self.trajectories[i].last_turn, eos_id) for i in stepping}
+        inline = {i: text for i, text in texts.items() if getattr(self.envs[i], "steps_inline", False)}
+        results = StepResults()
+        for i, text in inline.items():
+            try:
+                results.steps[i] = self.envs[i].step(text)
+            except Exception as e:  # noqa: BLE001 - a broken environment ends its trajectory, not the run
+                results.raised(i, e)
+        threaded = {i: text for i, text in texts.items() if i not in inline}
+        if threaded:
+            _step_all(workers.pool(), self.envs, threaded, self.trajectories, self.limits, results)
+        return results
+
+    def answer_steps(self, stepping: list[int], results: StepResults) -> list[int]:
+        """Each stepped trajectory ended (its step failed, said done, or its turns or tokens are spent) or
+        given its observation; returns the trajectories that take another turn, in order."""
+        active = []
+        for i in stepping:
+            traj = self.trajectories[i]
+            if i in results.failures:
+                self.finish(i, results.failures[i])
+                continue
+            step = results.steps[i]
+            traj.tool_calls += step.tool_calls
+            traj.env_reward += step.reward or 0.0
+            if step.done:
+                self.finish(i, "stop")
+            elif traj.turns >= self.max_turns:
+                self.finish(i, "max_turns")
+            else:
+                obs = self.observations.ids([step.observation] if isinstance(step.observation, str)
+                                            else list(step.observation))
+                if self.limits.max_tokens is not None and len(traj.response_ids) + len(obs) > self.limits.max_tokens:
+                    self.finish(i, "max_tokens")  # no room to answer the observation
+                else:
+                    traj.add(obs, None)
+                    active.append(i)
+        return active
 
 
 def _tokens_left(traj: Trajectory, limits: EnvConfig, max_new_tokens: int) -> int:
@@ -213,20 +273,11 @@ def _turn_text(tokenizer, ids: list[int], eos_id: int) -> str:
     return tokenizer.decode(ids[:-1] if ids and ids[-1] == eos_id else ids, skip_special_tokens=False)
 
 
-def _step_inline(env: Environment, i: int, text: str) -> Step | str:
-    """The step of an environment that declares it returns at once (`steps_inline`), on this thread."""
-    try:
-        return env.step(text)
-    except Exception as e:  # noqa: BLE001 - a broken environment ends its trajectory, not the run
-        log.warning("environment step of trajectory %d raised %s: %s", i, type(e).__name__, e)
-        return "env_error"
-
-
 def _step_all(pool: ThreadPoolExecutor, envs: Sequence[Environment], texts: dict[int, str],
-              trajectories: list[Trajectory], limits: EnvConfig) -> dict[int, Step | str]:
-    """Every trajectory's environment step, concurrently: trajectory index -> its Step, or the finish
-    reason ("tool_time", "env_error") when it did not return one in time. A step's clock starts when a
-    pool thread picks it up, so waiting for a free thread is not charged to it."""
+              trajectories: list[Trajectory], limits: EnvConfig, results: StepResults) -> None:
+    """Every trajectory's environment step, concurrently, into `results`: trajectory index -> its Step,
+    or its failure ("tool_time", "env_error") when it did not return one in time. A step's clock starts
+    when a pool thread picks it up, so waiting for a free thread is not charged to it."""
     started: dict[int, float] = {}
 
     def timed(i: int, step: Callable[[str], Step], text: str) -> Step:
@@ -235,7 +286,6 @@ def _step_all(pool: ThreadPoolExecutor, envs: Sequence[Environment], texts: dict
 
     limit = {i: min(limits.tool_timeout_s, limits.max_tool_time_s - trajectories[i].tool_time_s) for i in texts}
     pending: dict[Future, int] = {pool.submit(timed, i, envs[i].step, text): i for i, text in texts.items()}
-    results: dict[int, Step | str] = {}
     while pending:
         now = time.monotonic()
         # Sleep until the next deadline of a running step, or a poll interval while some still wait for a thread.
@@ -248,13 +298,11 @@ def _step_all(pool: ThreadPoolExecutor, envs: Sequence[Environment], texts: dict
             i = pending.pop(future)
             trajectories[i].tool_time_s += now - started[i]
             try:
-                results[i] = future.result()
+                results.steps[i] = future.result()
             except Exception as e:  # noqa: BLE001 - a broken environment ends its trajectory, not the run
-                log.warning("environment step of trajectory %d raised %s: %s", i, type(e).__name__, e)
-                results[i] = "env_error"
+                results.raised(i, e)
         for future, i in list(pending.items()):
             if i in started and now - started[i] >= limit[i]:
                 del pending[future]
                 trajectories[i].tool_time_s += now - started[i]
-                results[i] = "tool_time"
-    return results
+                results.failures[i] = "tool_time"
