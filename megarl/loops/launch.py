@@ -13,7 +13,8 @@ import torch.distributed as dist
 from megarl.config import Config, RecipeError
 from megarl.engine.model import check_megatron_fields
 from megarl.engine.parallel import ParallelGroups, init_parallel
-from megarl.models.arch import check_layout, read_shape
+from megarl.layout import check_layout
+from megarl.models.arch import read_shape
 
 
 def init_groups(cfg: Config) -> ParallelGroups:
