@@ -290,7 +290,7 @@ def train(cfg: Config) -> Path:
         serve_rollout(cfg)  # until the training ranks are done
         return final_dir(cfg)
     groups = init_groups(cfg)
-    check_launch(cfg, groups)
+    check_launch(cfg)
     resume_from, done = find_resume(cfg)
     if already_finished(cfg, resume_from, done, cfg.train.steps):
         if cfg.placement.mode == "split" and dist.get_rank() == 0:
