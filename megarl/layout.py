@@ -105,13 +105,12 @@ class Layout:
             case _:
                 per_prompt, what, times = cfg.rollout.n_samples, "samples", " * rollout.n_samples"
         sequences = prompts // dp * per_prompt
-        packed = bool(cfg.train.micro_batch_tokens)  # micro-batches cut by tokens: any count of sequences
-        if not packed:
+        micro_batches = -(-sequences // micro)
+        if not cfg.train.micro_batch_tokens:  # packed micro-batches are cut by tokens: any count of sequences
             named_dp = f", data-parallel size {dp} = {dp_from}" if rollout_ranks else ""
             _divides(sequences, micro, f"{what} per data-parallel rank {sequences} (data.prompts_per_step / {dp}"
                      f"{times}{named_dp})", f"train.micro_batch_size = {micro}")
-            check_schedule(-(-sequences // micro), megatron, pp=par.pp, vpp=vpp,
-                           what="micro-batches per data-parallel rank")
+            check_schedule(micro_batches, megatron, pp=par.pp, vpp=vpp, what="micro-batches per data-parallel rank")
 
         if cfg.algo.name not in OFFLINE_ALGOS:
             if cfg.warmup.sft_steps:
@@ -125,7 +124,7 @@ class Layout:
 
         return cls(world=trainers, rollout_ranks=rollout_ranks, ranks_per_node=ranks_per_node, tp=par.tp,
                    pp=par.pp, cp=par.cp, ep=par.ep, dp=dp, expert_dp=trainers // (par.tp * par.ep * par.pp),
-                   vpp=vpp, micro_batches=-(-sequences // micro), rollout_tp=cfg.rollout.tp)
+                   vpp=vpp, micro_batches=micro_batches, rollout_tp=cfg.rollout.tp)
 
 
 def _divides(number: int, divisor: int, what: str, by: str) -> None:
