@@ -11,7 +11,7 @@ for one process per device. A recipe or data error stops before any work with ex
 message that names the file and the key or line. SIGTERM or SIGUSR1 (a preemption, a job time limit) stops
 a run after its current step with a checkpoint and exit code 143, Ctrl-C with exit code 130 (a second
 Ctrl-C at once); the same command resumes it (megarl/loops/stop.py). `plan` checks a recipe's layout for a
-cluster and estimates its memory per GPU on any machine (see megarl/plan.py): exit code 0 when it fits, 1
+cluster and estimates its memory per GPU on any machine (see megarl/plan/): exit code 0 when it fits, 1
 when it does not, 2 for a recipe or layout error.
 """
 

@@ -190,7 +190,7 @@ def test_unknown_megatron_name_raises_key_error_naming_it(qwen2_dir, name):
      "layers 2 is not divisible by parallel.pp * model.megatron.virtual_pipeline_model_parallel_size = 2 * 2 = 4"),
 ])
 def test_layout_that_does_not_divide_names_both_numbers(qwen2_dir, layout, message):
-    from megarl.models.arch import check_layout, read_shape
+    from megarl.layout import check_layout
 
     with pytest.raises(ValueError) as err:
         check_layout(read_shape(qwen2_dir), **layout)
@@ -207,7 +207,7 @@ def test_layout_that_does_not_divide_names_both_numbers(qwen2_dir, layout, messa
      "parallel.tp = 2 with a mixture-of-experts model (mixtral) needs model.megatron.sequence_parallel: true"),
 ])
 def test_expert_layout_that_does_not_divide_names_both_numbers(arch_dir, layout, message):
-    from megarl.models.arch import check_layout
+    from megarl.layout import check_layout
 
     with pytest.raises(ValueError) as err:
         check_layout(read_shape(arch_dir("mixtral")), **layout)
@@ -215,7 +215,7 @@ def test_expert_layout_that_does_not_divide_names_both_numbers(arch_dir, layout,
 
 
 def test_expert_parallel_needs_experts(qwen2_dir):
-    from megarl.models.arch import check_layout
+    from megarl.layout import check_layout
 
     with pytest.raises(ValueError, match="parallel.ep = 2 needs a mixture-of-experts model; qwen2 has no experts"):
         check_layout(read_shape(qwen2_dir), tp=1, pp=1, cp=1, ep=2, world_size=2)
@@ -241,7 +241,7 @@ def test_moe_shapes_read_the_router_convention(arch_dir):
 
 
 def test_layouts_that_divide_pass(qwen2_dir):
-    from megarl.models.arch import check_layout, read_shape
+    from megarl.layout import check_layout
 
     shape = read_shape(qwen2_dir)
     for tp, pp, world in [(1, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 4), (2, 1, 4), (1, 1, 8)]:

@@ -182,16 +182,12 @@ QWEN25_7B = {  # config.json of the Qwen2.5-7B layout (no weights are needed to 
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name,train_file,seqs_per_row", [("sft_7b", "train.jsonl", 1),
-                                                           ("dpo_7b", "train_pairs.jsonl", 2)])
-def test_full_size_recipe_placeholders_fail_and_layout_fits_one_8_gpu_node(name, train_file, seqs_per_row,
-                                                                           tiny_data, tmp_path):
-    from types import SimpleNamespace
-
+@pytest.mark.parametrize("name,train_file", [("sft_7b", "train.jsonl"), ("dpo_7b", "train_pairs.jsonl")])
+def test_full_size_recipe_placeholders_fail_and_layout_fits_one_8_gpu_node(name, train_file, tiny_data, tmp_path):
     from megarl.config import ConfigError, load_config
     from megarl.engine.model import transformer_config
-    from megarl.loops.sft import rows_per_rank
-    from megarl.models.arch import check_layout, read_shape
+    from megarl.layout import Layout
+    from megarl.models.arch import read_shape
 
     recipe = REPO / "recipes" / f"{name}.yaml"
     with pytest.raises(ConfigError, match=rf"{name}.yaml: model.path: directory not found: /SET-ME/"):
@@ -206,8 +202,8 @@ def test_full_size_recipe_placeholders_fail_and_layout_fits_one_8_gpu_node(name,
     cfg = load_config(recipe, [f"model.path={model}", f"data.train_path={data}", f"data.eval_path={data}"])
     assert (cfg.algo.name, cfg.model.dtype) == (name.removesuffix("_7b"), "bfloat16")
     shape, par = read_shape(model), cfg.parallel
-    check_layout(shape, tp=par.tp, pp=par.pp, cp=par.cp, world_size=8)
-    rows_per_rank(cfg, SimpleNamespace(dp_size=8 // (par.tp * par.pp * par.cp)), seqs_per_row=seqs_per_row)
+    layout = Layout.of(cfg, shape, world=8, ranks_per_node=8)  # the check launch makes
+    assert layout.dp == 8 // (par.tp * par.pp * par.cp)
     # The megatron: block is a valid TransformerConfig for this shape (recompute settings included).
     config = transformer_config(shape, dtype=cfg.model.dtype, tp=par.tp, pp=par.pp, megatron=cfg.model.megatron)
     assert config.bf16 and config.recompute_granularity == "full"

@@ -28,7 +28,8 @@ from megarl.engine.model import StageModel, build_stage_model, only_chunk
 from megarl.engine.offload import TrainerMemory
 from megarl.engine.parallel import ParallelGroups, init_parallel
 from megarl.engine.router_replay import ModelRouting
-from megarl.models.arch import check_layout, read_shape
+from megarl.layout import check_layout
+from megarl.models.arch import read_shape
 from megarl.routing import RouteUse
 
 

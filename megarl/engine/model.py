@@ -19,7 +19,8 @@ from megarl.config import RecipeError
 from megarl.device import current_device, on_gpu
 from megarl.engine import cpu_compat
 from megarl.engine.parallel import ParallelGroups
-from megarl.models.arch import ModelShape, check_virtual_stages, padded_vocab_size, read_shape
+from megarl.layout import check_virtual_stages, virtual_stage_count
+from megarl.models.arch import ModelShape, padded_vocab_size, read_shape
 from megarl.models.names import NameTable, name_rules
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,7 +57,7 @@ def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megat
     if shape.is_moe:
         kwargs.update(_moe_config(shape))
     kwargs.update(fused_kernels(te=uses_transformer_engine()) if on_gpu() else cpu_compat.TRANSFORMER_CONFIG)
-    vpp = megatron.get("virtual_pipeline_model_parallel_size") or 1
+    vpp = virtual_stage_count(megatron)
     if vpp > 1:
         # What Megatron's own training scripts pick for the interleaved schedule: separate isend/irecv calls,
         # overlapped with compute. Batched into one batch_isend_irecv (the default) with pp = 2, a rank's
@@ -124,10 +125,7 @@ def check_megatron_fields(megatron: dict) -> None:
         reason = _unsupported(name)
         if reason is not None and value != fields[name].default:
             raise RecipeError(f"model.megatron.{name} = {value!r} is not supported: {reason}")
-    vpp = megatron.get("virtual_pipeline_model_parallel_size")
-    if vpp is not None and (type(vpp) is not int or vpp < 1):
-        raise RecipeError(f"model.megatron.virtual_pipeline_model_parallel_size = {vpp!r}: the number of virtual "
-                          "pipeline stages per pipeline rank must be a whole number >= 1")
+    virtual_stage_count(megatron)  # a whole number >= 1 (megarl.layout)
 
 
 def fused_kernels(*, te: bool) -> dict:

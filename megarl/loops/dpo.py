@@ -33,7 +33,7 @@ from megarl.engine.roles import make_engine
 from megarl.loops.launch import init_groups
 from megarl.loops.lifecycle import final_dir, run_steps
 from megarl.loops.resume import RunState, already_finished, find_resume
-from megarl.loops.sft import offline_step, rows_per_rank, total_steps
+from megarl.loops.sft import offline_step, total_steps
 
 Pair = tuple[Example, Example]  # (chosen, rejected), tokenized
 
@@ -117,7 +117,7 @@ def build_run(cfg: Config, groups: ParallelGroups) -> DPORun:
     from transformers import AutoTokenizer
 
     data = cfg.data
-    pairs_per_rank = rows_per_rank(cfg, groups, seqs_per_row=2)
+    pairs_per_rank = data.prompts_per_step // groups.dp_size  # they divide (megarl.layout, at launch)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     load = partial(load_preference_pairs, prompt_key=data.prompt_key, chosen_key=data.chosen_key,
                    rejected_key=data.rejected_key)

@@ -1,8 +1,10 @@
 """Starting a run: the model and the parallel layout are checked against this launch before anything is
-built, then Megatron's parallel state starts. Shared by the RL, SFT and DPO loops."""
+built, then Megatron's parallel state starts. Shared by the RL, SFT and DPO loops, and by the rollout ranks of
+placement split (megarl.loops.split), which check the same layout."""
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from datetime import timedelta
@@ -13,30 +15,57 @@ import torch.distributed as dist
 from megarl.config import Config, RecipeError
 from megarl.engine.model import check_megatron_fields
 from megarl.engine.parallel import ParallelGroups, init_parallel
-from megarl.models.arch import check_layout, read_shape
+from megarl.layout import Layout
+from megarl.models.arch import read_shape
 
 
-def init_groups(cfg: Config, *, trainer_store: tuple[dist.Store, int, int] | None = None) -> ParallelGroups:
-    """Check the model and the parallel layout against this launch, then start the parallel state.
-    A mismatch is a RecipeError naming the keys, raised before any model is built, and so is a run_dir
-    that cannot be written. `trainer_store` (store, rank, world size): the training ranks are those of a larger
-    job (placement split, megarl.loops.split.trainer_world) and meet through that store."""
+@functools.cache
+def job_store(timeout_minutes: float) -> tuple[dist.Store, int, int]:
+    """torchrun's store, this process's rank and the job's world size (once per process), for placement split,
+    whose rollout ranks stay outside torch.distributed's world."""
+    if "RANK" not in os.environ:
+        raise RecipeError("placement.mode = 'split' runs rollout ranks beside the training ranks: launch it under "
+                          "torchrun with more processes than placement.rollout_ranks")
+    return next(dist.rendezvous("env://", timeout=timedelta(minutes=timeout_minutes)))
+
+
+def job_world(cfg: Config) -> tuple[int, int]:
+    """(ranks of the job, ranks per node) as this process sees them. The ranks: with placement split those of
+    torchrun's rendezvous (training and rollout ranks), else torch.distributed's world once it is up, else
+    torchrun's WORLD_SIZE (1 outside torchrun). Per node: torchrun's LOCAL_WORLD_SIZE (the whole job outside
+    torchrun)."""
+    if cfg.placement.rollout_ranks:  # placement split (0 otherwise: checked by Config)
+        world = job_store(cfg.parallel.timeout_minutes)[2]
+    else:
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    return world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+def launch_layout(cfg: Config, *, world: int, ranks_per_node: int) -> Layout:
+    """The recipe's layout on a job of `world` ranks, `ranks_per_node` to a node (megarl.layout.Layout.of, the
+    check `megarl plan` makes too): a LayoutError (a RecipeError) names the keys and both numbers, and a model
+    whose config.json cannot be read is a RecipeError naming model.path."""
     try:
         shape = read_shape(cfg.model.path)
     except ValueError as e:
         raise RecipeError(f"model.path: {e}") from None
-    par = cfg.parallel
-    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    if trainer_store is not None and not dist.is_initialized():
-        world_size = trainer_store[2]
+    return Layout.of(cfg, shape, world=world, ranks_per_node=ranks_per_node)
+
+
+def init_groups(cfg: Config) -> ParallelGroups:
+    """Check the model and the parallel layout against this launch, then start the parallel state.
+    A mismatch is a RecipeError naming the keys, raised before any model is built, and so is a run_dir
+    that cannot be written. With placement split the training ranks meet as a world of their own, through
+    their prefix of torchrun's store."""
+    world, ranks_per_node = job_world(cfg)
+    layout = launch_layout(cfg, world=world, ranks_per_node=ranks_per_node)
+    trainer_store = None
+    if layout.rollout_ranks and not dist.is_initialized():
+        store, rank, _ = job_store(cfg.parallel.timeout_minutes)
+        trainer_store = (dist.PrefixStore("megarl/trainer/", store), rank, layout.world)
     check_megatron_fields(cfg.model.megatron)
-    try:
-        check_layout(shape, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, world_size=world_size,
-                     vpp=cfg.model.megatron.get("virtual_pipeline_model_parallel_size") or 1,
-                     sequence_parallel=bool(cfg.model.megatron.get("sequence_parallel")))
-    except ValueError as e:
-        raise RecipeError(str(e)) from None
     check_run_dir(cfg.run_dir)
+    par = cfg.parallel
     try:
         return init_parallel(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, seed=cfg.seed,
                              timeout=timedelta(minutes=par.timeout_minutes), trainer_store=trainer_store)

@@ -26,7 +26,7 @@ from megarl.loops.launch import init_groups
 from megarl.loops.lifecycle import final_dir, run_steps
 from megarl.loops.resume import RunState, already_finished, find_resume
 from megarl.loops.rl_run import RLRun, Rollouts, build_run, check_launch
-from megarl.loops.split import SplitRollouts, is_rollout_rank, serve_rollout, trainer_world
+from megarl.loops.split import SplitRollouts, is_rollout_rank, serve_rollout
 from megarl.loops.warmup import sft_warmup
 from megarl.metrics import PhaseTimer, check_finite
 from megarl.objective import explained_variance
@@ -238,7 +238,6 @@ def train(cfg: Config) -> Path:
     """Run the recipe; returns the directory of the final checkpoint."""
     from transformers import AutoTokenizer
 
-    trainer_store = None  # how the training ranks meet: torchrun's rendezvous, or their part of a split job's
     match cfg.placement.mode:
         case "colocated":
             make_rollouts: type[Rollouts] = ColocatedRollouts
@@ -246,9 +245,9 @@ def train(cfg: Config) -> Path:
             if is_rollout_rank(cfg):
                 serve_rollout(cfg)  # until the training ranks are done
                 return final_dir(cfg)
-            make_rollouts, trainer_store = SplitRollouts, trainer_world(cfg)
-    groups = init_groups(cfg, trainer_store=trainer_store)
-    check_launch(cfg, groups)
+            make_rollouts = SplitRollouts
+    groups = init_groups(cfg)  # placement split: the training ranks meet as a world of their own
+    check_launch(cfg)
     resume_from, done = find_resume(cfg)
     if already_finished(cfg, resume_from, done, cfg.train.steps):
         make_rollouts(cfg, groups).close()  # placement split: the rollout ranks wait for a command

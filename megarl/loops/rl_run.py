@@ -8,7 +8,6 @@ on the config.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -138,27 +137,12 @@ class RLRun:
         return group_sums(values, group=self.groups.dp)
 
 
-def check_launch(cfg: Config, groups: ParallelGroups) -> None:
-    """Batch sizes against this launch's data-parallel size, and the reward terms and environment import;
-    RecipeError names the keys."""
+def check_launch(cfg: Config) -> None:
+    """What the recipe needs besides its parallel layout (checked by megarl.loops.launch.init_groups): the reward
+    terms and the environment import, and router replay suits the model and the engine; RecipeError names the
+    keys."""
     build_terms(cfg.reward)  # a custom reward that does not import stops here, before any work
     environment_factory(cfg.env)  # and so does an environment
-    dp = groups.dp_size
-    if cfg.data.prompts_per_step % dp:
-        raise RecipeError(f"data.prompts_per_step={cfg.data.prompts_per_step} is not divisible by the "
-                          f"data-parallel size {dp} (world size / (parallel.tp * parallel.pp * parallel.cp))")
-    samples = cfg.data.prompts_per_step // dp * cfg.rollout.n_samples
-    if samples % cfg.train.micro_batch_size and not cfg.train.micro_batch_tokens:
-        raise RecipeError(f"samples per data-parallel rank {samples} (data.prompts_per_step / {dp} * "
-                          f"rollout.n_samples) is not divisible by train.micro_batch_size={cfg.train.micro_batch_size}")
-    if cfg.warmup.sft_steps and cfg.warmup.batch_size % dp:
-        raise RecipeError(f"warmup.batch_size={cfg.warmup.batch_size} is not divisible by the data-parallel size {dp}")
-    rollout_tp, world = cfg.rollout.tp, dist.get_world_size()
-    if cfg.placement.mode == "split":
-        world = cfg.placement.rollout_ranks  # the engines live on the rollout ranks (checked in Config)
-    if world % rollout_tp:
-        raise RecipeError(f"rollout.tp = {rollout_tp} does not divide the world size {world}: every rank must "
-                          "belong to one rollout engine")
     shape = read_shape(cfg.model.path)
     if cfg.algo.router_replay != "none" and not shape.is_moe:
         raise RecipeError(f"algo.router_replay = {cfg.algo.router_replay!r} replays mixture-of-experts routing; the "
@@ -170,14 +154,6 @@ def check_launch(cfg: Config, groups: ParallelGroups) -> None:
     if cfg.algo.router_replay != "none" and cfg.model.megatron.get("moe_router_fusion"):
         raise RecipeError("algo.router_replay needs Megatron's unfused router: the fused top-k kernel "
                           "(model.megatron.moe_router_fusion: true) has no replay hook")
-    heads = shape.heads
-    if heads % rollout_tp:
-        raise RecipeError(f"rollout.tp = {rollout_tp} does not divide the {heads} attention heads of the model "
-                          f"in model.path")
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if per_node % rollout_tp:
-        raise RecipeError(f"rollout.tp = {rollout_tp} does not divide the {per_node} ranks per node: an engine's "
-                          "devices must be on one node")
 
 
 def build_run(cfg: Config, groups: ParallelGroups, *, rollouts: Rollouts, tokenizer, train_rows: list[PromptRow],

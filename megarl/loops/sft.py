@@ -17,7 +17,7 @@ from functools import partial
 from pathlib import Path
 
 from megarl.algo.aggregate import group_sums, masked_sum
-from megarl.config import Config, RecipeError
+from megarl.config import Config
 from megarl.data.prompts import PromptSampler
 from megarl.data.supervised import Example, encode_sft_row, load_sft_rows, pad_examples
 from megarl.engine.megatron import TrainEngine
@@ -28,19 +28,6 @@ from megarl.loops.lifecycle import final_dir, run_steps
 from megarl.loops.resume import RunState, already_finished, find_resume
 from megarl.loops.supervised import supervised_step
 from megarl.metrics import check_finite
-
-
-def rows_per_rank(cfg: Config, groups: ParallelGroups, *, seqs_per_row: int) -> int:
-    """This rank's rows of each global batch; `seqs_per_row` sequences each (2 for a preference pair)."""
-    dp, rows, micro = groups.dp_size, cfg.data.prompts_per_step, cfg.train.micro_batch_size
-    if rows % dp:
-        raise RecipeError(f"data.prompts_per_step={rows} is not divisible by the data-parallel size {dp} "
-                          f"(world size / (parallel.tp * parallel.pp * parallel.cp))")
-    if rows // dp * seqs_per_row % micro:
-        raise RecipeError(f"sequences per data-parallel rank {rows // dp * seqs_per_row} (data.prompts_per_step"
-                          f" / {dp}{f' * {seqs_per_row}' if seqs_per_row > 1 else ''}) is not divisible by "
-                          f"train.micro_batch_size={micro}")
-    return rows // dp
 
 
 def total_steps(cfg: Config, n_rows: int) -> int:
@@ -72,7 +59,7 @@ def train(cfg: Config) -> Path:
     from transformers import AutoTokenizer
 
     groups = init_groups(cfg)
-    per_rank = rows_per_rank(cfg, groups, seqs_per_row=1)
+    per_rank = cfg.data.prompts_per_step // groups.dp_size  # they divide (megarl.layout, at launch)
     data = cfg.data
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     load = partial(load_sft_rows, prompt_key=data.prompt_key, response_key=data.response_key,

@@ -57,13 +57,14 @@ from torch import Tensor
 
 from megarl.batch import RolloutBatch
 from megarl.checkpoint import CheckpointError
-from megarl.config import Config, RecipeError
+from megarl.config import Config
 from megarl.data.prompts import PromptRow
 from megarl.device import current_device, host_barrier, on_gpu
 from megarl.engine.parallel import ParallelGroups
 from megarl.envs.environment import environment_factory
 from megarl.envs.tool_format import observation_format
 from megarl.handoff import buckets, flatten, unflatten
+from megarl.loops.launch import job_store, job_world, launch_layout
 from megarl.loops.rl_run import RLRun
 from megarl.loops.samples import build_batch, encode_rows, generate_part, pooled_samples, with_rewards
 from megarl.loops.sampling import draw_batch
@@ -79,29 +80,12 @@ from megarl.rollout.partial import VersionedEngine
 # ---- the job ----------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def job_store(timeout_minutes: float) -> tuple[dist.Store, int, int]:
-    """torchrun's store, this process's rank and the job's world size (once per process)."""
-    if "RANK" not in os.environ:
-        raise RecipeError("placement.mode = 'split' runs rollout ranks beside the training ranks: launch it under "
-                          "torchrun with more processes than placement.rollout_ranks")
-    return next(dist.rendezvous("env://", timeout=timedelta(minutes=timeout_minutes)))
-
-
 def _job(cfg: Config) -> tuple[dist.Store, int, int, int]:
-    """(store, rank, world size, training world size), checked against the recipe."""
-    store, rank, world = job_store(cfg.parallel.timeout_minutes)
-    rollout_ranks = cfg.placement.rollout_ranks
-    if rollout_ranks >= world:
-        raise RecipeError(f"placement.rollout_ranks = {rollout_ranks} leaves no training rank in a job of {world} "
-                          "processes")
-    return store, rank, world, world - rollout_ranks
-
-
-def trainer_world(cfg: Config) -> tuple[dist.Store, int, int]:
-    """The store, rank and world size the training ranks start torch.distributed with."""
-    store, rank, _, trainers = _job(cfg)
-    return dist.PrefixStore("megarl/trainer/", store), rank, trainers
+    """(store, rank, world size, training world size), the layout checked (megarl.loops.launch.launch_layout)
+    on every rank of the job, the rollout ranks too."""
+    store, rank, _ = job_store(cfg.parallel.timeout_minutes)
+    world, ranks_per_node = job_world(cfg)
+    return store, rank, world, launch_layout(cfg, world=world, ranks_per_node=ranks_per_node).world
 
 
 def is_rollout_rank(cfg: Config) -> bool:

@@ -12,6 +12,7 @@ scaled by sigmoid(shared_expert_gate(x)).
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,10 +53,21 @@ class ModelShape:
 
 
 def read_shape(model_dir: str | Path) -> ModelShape:
-    """Parse `model_dir/config.json`; an unsupported architecture is a ValueError naming the file."""
+    """Parse `model_dir/config.json`; an unsupported architecture is a ValueError naming the file.
+
+    Every part of a run asks for the shape (the launch's layout check, the rollout engine, each trainer
+    model), so a file is parsed once per process and read again only when it has changed."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ValueError(f"{model_dir} is not an HF checkpoint directory: it has no config.json")
+    stat = path.stat()
+    return _parse_shape(path, path.resolve(), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_shape(path: Path, resolved: Path, mtime_ns: int, size: int) -> ModelShape:
+    """The shape in config.json `path` (named in errors) as it was when the file at `resolved` had
+    modification time `mtime_ns` and `size` bytes: the arguments are the cache's key."""
     try:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -120,56 +132,3 @@ def padded_vocab_size(vocab_size: int, *, tp: int, multiple: int = 128) -> int:
         return vocab_size
     step = multiple * tp
     return -(-vocab_size // step) * step
-
-
-def check_layout(shape: ModelShape, *, tp: int, pp: int, cp: int, world_size: int, ep: int = 1,
-                 sequence_parallel: bool = False, vpp: int = 1) -> None:
-    """The parallel layout must split this model and this world evenly; ValueError says which number
-    does not divide which (keys as in the recipe's `parallel:` section).
-
-    Expert parallelism splits the experts over `ep` ranks; Megatron lays those ranks out inside each
-    pipeline stage next to the expert tensor-parallel ranks (as many as tp), so tp * ep * pp must divide the
-    world as well. `vpp` is the number of virtual pipeline stages (`check_virtual_stages`).
-    """
-    check_virtual_stages(vpp, layers=shape.layers, pp=pp)
-    if ep > 1 and not shape.is_moe:
-        raise ValueError(f"parallel.ep = {ep} needs a mixture-of-experts model; {shape.arch} has no experts")
-    if shape.is_moe and tp > 1 and not sequence_parallel:
-        # Megatron refuses to train MoE layers under tensor parallelism without it (its MoE layer checks
-        # at the first training step); on CPU too, where megarl's RMSNorm carries sequence parallelism
-        raise ValueError(f"parallel.tp = {tp} with a mixture-of-experts model ({shape.arch}) needs "
-                         f"model.megatron.sequence_parallel: true")
-    checks = [
-        (world_size, tp * pp * cp, f"world size {world_size}",
-         f"parallel.tp * parallel.pp * parallel.cp = {tp * pp * cp}"),
-        (shape.heads, tp, f"attention heads {shape.heads}", f"parallel.tp = {tp}"),
-        (shape.kv_heads, tp, f"key/value heads (query groups) {shape.kv_heads}", f"parallel.tp = {tp}"),
-        (shape.ffn, tp, f"MLP width {shape.ffn}", f"parallel.tp = {tp}"),
-        (shape.layers, pp, f"layers {shape.layers}", f"parallel.pp = {pp}"),
-    ]
-    if shape.is_moe:
-        checks += [
-            (shape.experts, ep, f"experts {shape.experts}", f"parallel.ep = {ep}"),
-            (world_size, tp * ep * pp, f"world size {world_size}",
-             f"parallel.tp * parallel.ep * parallel.pp = {tp * ep * pp}"),
-            (shape.moe_ffn, tp, f"expert MLP width {shape.moe_ffn}", f"parallel.tp = {tp}"),
-            (shape.shared_ffn, tp, f"shared expert MLP width {shape.shared_ffn}", f"parallel.tp = {tp}"),
-        ]
-    for number, divisor, what, by in checks:
-        if number % divisor:
-            raise ValueError(f"{what} is not divisible by {by}")
-
-
-def check_virtual_stages(vpp: int, *, layers: int, pp: int) -> None:
-    """Virtual pipeline stages (`model.megatron.virtual_pipeline_model_parallel_size`) cut each of the pp
-    pipeline stages into vpp model chunks that the interleaved schedule visits in turn: it needs pp >= 2
-    and the same number of layers in every one of the pp * vpp chunks. ValueError names the numbers."""
-    key = "model.megatron.virtual_pipeline_model_parallel_size"
-    if vpp == 1:
-        return
-    if vpp < 1:
-        raise ValueError(f"{key} = {vpp} must be at least 1")
-    if pp < 2:
-        raise ValueError(f"{key} = {vpp} needs parallel.pp >= 2, got parallel.pp = {pp}")
-    if layers % (pp * vpp):
-        raise ValueError(f"layers {layers} is not divisible by parallel.pp * {key} = {pp} * {vpp} = {pp * vpp}")
