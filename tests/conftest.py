@@ -39,6 +39,8 @@ def pytest_configure(config):
         config.addinivalue_line("filterwarnings", f"ignore:{pattern}")
     config.addinivalue_line("markers", "learning: trains for minutes to show that a recipe raises its "
                                        "objective (run once per CI, in the first environment)")
+    if config.option.durations is None:  # the 20 slowest tests close every run: the suite has a time budget
+        config.option.durations = 20
 
 
 def setup_requirements() -> tuple[list[str], dict[str, list[str]]]:
