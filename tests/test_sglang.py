@@ -105,6 +105,7 @@ print("ok")
 
 
 PAYLOADS_WORKER = """
+import sys
 import torch
 import torch.distributed as dist
 from sglang.srt.utils import MultiprocessingSerializer
@@ -133,7 +134,7 @@ if rank == 0:  # the host's side of SGLangEngine.update_weights, reading each pa
 else:
     stats = SGLangPeer(group).push([t for bucket in buckets for t in bucket], bucket_bytes=100)
     assert stats == {"bytes": 2 * (12 * 4 + 5 * 8)}, stats
-print("ok", rank)
+sys.stdout.write(f"ok {rank}\\n")  # one write: the ranks share a pipe, and print's separate writes interleave
 """
 
 
