@@ -64,6 +64,7 @@ from megarl.engine.parallel import ParallelGroups
 from megarl.envs.environment import environment_factory
 from megarl.envs.tool_format import observation_format
 from megarl.handoff import buckets, flatten, unflatten
+from megarl.layout import Layout
 from megarl.loops.launch import job_store, job_world, launch_layout
 from megarl.loops.rl_run import RLRun
 from megarl.loops.samples import build_batch, encode_rows, generate_part, pooled_samples, with_rewards
@@ -80,23 +81,17 @@ from megarl.rollout.partial import VersionedEngine
 # ---- the job ----------------------------------------------------------------------------------------------
 
 
-def _job(cfg: Config) -> tuple[dist.Store, int, int, int]:
-    """(store, rank, world size, training world size), the layout checked (megarl.loops.launch.launch_layout)
-    on every rank of the job, the rollout ranks too."""
+def _job(cfg: Config) -> tuple[dist.Store, int, Layout]:
+    """(store, rank, the training ranks' layout), the layout checked (megarl.loops.launch.launch_layout) on
+    every rank of the job, the rollout ranks too."""
     store, rank, _ = job_store(cfg.parallel.timeout_minutes)
     world, ranks_per_node = job_world(cfg)
-    return store, rank, world, launch_layout(cfg, world=world, ranks_per_node=ranks_per_node).world
+    return store, rank, launch_layout(cfg, world=world, ranks_per_node=ranks_per_node)
 
 
 def is_rollout_rank(cfg: Config) -> bool:
-    _, rank, _, trainers = _job(cfg)
-    return rank >= trainers
-
-
-def replicas(cfg: Config, trainers: int) -> int:
-    """The training replicas of a job with `trainers` training ranks."""
-    par = cfg.parallel
-    return trainers // (par.tp * par.pp * par.cp)
+    _, rank, layout = _job(cfg)
+    return rank >= layout.world
 
 
 class Links:
@@ -136,10 +131,10 @@ def serve_rollout(cfg: Config) -> None:
     says stop."""
     from transformers import AutoTokenizer
 
-    store, rank, world, trainers = _job(cfg)
+    store, rank, layout = _job(cfg)
     timeout = timedelta(minutes=cfg.parallel.timeout_minutes)
     box = Mailbox(store, timeout)
-    local, workers = rank - trainers, cfg.placement.rollout_ranks // cfg.rollout.tp
+    local, workers = rank - layout.world, cfg.placement.rollout_ranks // cfg.rollout.tp
     if local % cfg.rollout.tp:  # beside a worker: its engine spans this device; nothing to run here
         box.take("done", keep=True)
         return
@@ -148,14 +143,13 @@ def serve_rollout(cfg: Config) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     # the groups meet when first used (a run that turns out to be finished uses none)
     bridge = functools.partial(own_group, store, "weights", member=1 + index, size=1 + workers, timeout=timeout)
-    dp = replicas(cfg, trainers)
-    links = functools.partial(Links, store, member=dp + index, size=dp + workers, timeout=timeout)
+    links = functools.partial(Links, store, member=layout.dp + index, size=layout.dp + workers, timeout=timeout)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     moe = read_shape(cfg.model.path).is_moe
     engine = make_rollout_engine(cfg.rollout, cfg.model.path, dtype=cfg.model.dtype, seed=cfg.seed + index,
                                  capture_routes=moe and captures_routes(cfg.rollout))
     new_env = environment_factory(cfg.env)
-    worker = Worker(box, bridge, links, index=index, workers=workers, replicas=dp)
+    worker = Worker(box, bridge, links, index=index, workers=workers, replicas=layout.dp)
     place = cfg.placement
     # every token's version is recorded; with partial rollouts, pushed weights are taken between chunks
     worker.engine = VersionedEngine(engine, chunk_tokens=place.chunk_tokens if place.partial_rollouts else None,
@@ -264,7 +258,7 @@ class SplitRollouts:
     scores_here = False  # the workers score what they generate
 
     def __init__(self, cfg: Config, groups: ParallelGroups):
-        store, _, _, _ = _job(cfg)
+        store, _, _ = _job(cfg)
         timeout = timedelta(minutes=cfg.parallel.timeout_minutes)
         self.cfg, self.groups, self.box = cfg, groups, Mailbox(store, timeout)
         self.workers = cfg.placement.rollout_ranks // cfg.rollout.tp

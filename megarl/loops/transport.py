@@ -79,39 +79,40 @@ class Link:
         self.bytes = 0  # payload bytes sent and received by this process
 
     def send(self, value, to: int) -> None:
-        data = _to_device(pickle.dumps(value))
-        size = torch.tensor([data.numel()], dtype=torch.int64, device=data.device)
         self.in_flight = [(work, buffer) for work, buffer in self.in_flight if not work.is_completed()]
+        size, data = _framed(value)
         for buffer in (size, data):
             self.in_flight.append((self.group.send([buffer], to, 0), buffer))
         self.bytes += data.numel()
 
     def receive(self, sender: int):
-        size = torch.zeros(1, dtype=torch.int64, device=current_device())
-        self.group.recv([size], sender, 0).wait()
-        data = torch.empty(int(size), dtype=torch.uint8, device=current_device())
-        self.group.recv([data], sender, 0).wait()
+        data = _unframed(lambda buffer: self.group.recv([buffer], sender, 0).wait())
         self.bytes += data.numel()
         return pickle.loads(data.cpu().numpy().tobytes())
 
 
-def send_header(group: dist.ProcessGroup, value) -> int:
-    """Broadcast `value` (pickled) from member 0 of `group` to the others; returns its size in bytes."""
-    data = _to_device(pickle.dumps(value))
-    size = torch.tensor([data.numel()], dtype=torch.int64, device=data.device)
-    group.broadcast(size, 0).wait()
-    group.broadcast(data, 0).wait()
-    return data.numel()
+def send_header(group: dist.ProcessGroup, value) -> None:
+    """Broadcast `value` (pickled) from member 0 of `group` to the others."""
+    for buffer in _framed(value):
+        group.broadcast(buffer, 0).wait()
 
 
 def receive_header(group: dist.ProcessGroup):
     """What member 0 of `group` broadcast with `send_header`."""
-    size = torch.zeros(1, dtype=torch.int64, device=current_device())
-    group.broadcast(size, 0).wait()
-    data = torch.empty(int(size), dtype=torch.uint8, device=current_device())
-    group.broadcast(data, 0).wait()
+    data = _unframed(lambda buffer: group.broadcast(buffer, 0).wait())
     return pickle.loads(data.cpu().numpy().tobytes())
 
 
-def _to_device(payload: bytes) -> Tensor:
-    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(current_device())
+def _framed(value) -> tuple[Tensor, Tensor]:
+    """`value` pickled, as two device tensors to send in order: its size in bytes, then the bytes."""
+    data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).to(current_device())
+    return torch.tensor([data.numel()], dtype=torch.int64, device=data.device), data
+
+
+def _unframed(fill) -> Tensor:
+    """The bytes of a message framed by `_framed`, each of its two tensors filled by `fill(buffer)`."""
+    size = torch.zeros(1, dtype=torch.int64, device=current_device())
+    fill(size)
+    data = torch.empty(int(size), dtype=torch.uint8, device=current_device())
+    fill(data)
+    return data
