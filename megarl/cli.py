@@ -36,7 +36,10 @@ def _quiet_expected_warnings() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from megarl import __version__
+
     parser = argparse.ArgumentParser(prog="megarl", description="RL, DPO and SFT post-training of LLMs on Megatron-core")
+    parser.add_argument("--version", action="version", version=f"megarl {__version__}")
     sub = parser.add_subparsers(dest="command")
     train_p = sub.add_parser("train", help="run a recipe")
     train_p.add_argument("recipe", nargs="?", help="recipe YAML file")
@@ -159,7 +162,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     stray = [word for word in rest if word.startswith("-") or "=" not in word]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
-    args.overrides = [*args.overrides, *rest]
+    args.overrides = [*getattr(args, "overrides", []), *rest]  # none without a command: main prints the usage
     return args
 
 

@@ -1,7 +1,8 @@
 """Run observability: per-phase timers, `RUN_DIR/metrics.jsonl`, console progress, TensorBoard.
 
 Console progress is a bar on a terminal and one summary line per logged step elsewhere (a log file, a
-pipe), where a bar would be carriage returns. Only the logging rank (global rank 0) writes; every rank may
+pipe), where a bar would be carriage returns; each line ends with the run's ETA, and the warm start, which logs
+no steps, prints its own progress lines. Only the logging rank (global rank 0) writes; every rank may
 time phases.
 """
 
@@ -67,6 +68,7 @@ class MetricsWriter:
         self.enabled = enabled
         self.desc, self.total_steps = desc, total_steps
         self._lines = progress and not sys.stderr.isatty()
+        self._pace = Pace(total_steps, done=resume_step)
         self._bar = None
         self._tb = None
         self._file = None
@@ -107,8 +109,8 @@ class MetricsWriter:
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(1)
         if self._lines:
-            print(summary_line(self.desc, step, self.total_steps, metrics, keys=self.CONSOLE_KEYS), file=sys.stderr,
-                  flush=True)
+            line = summary_line(self.desc, step, self.total_steps, metrics, keys=self.CONSOLE_KEYS)
+            print(f"{line} | {self._pace.eta(step)}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
@@ -117,6 +119,45 @@ class MetricsWriter:
             self._tb.close()
         if self._file is not None:
             self._file.close()
+
+
+class Pace:
+    """The time left of a phase of `total` steps at the pace of the steps this process ran (from `done` on)."""
+
+    def __init__(self, total: int, *, done: int = 0):
+        self.total, self._done, self._start = total, done, time.monotonic()
+
+    def eta(self, done: int) -> str:
+        """`ETA 3.5 min` after `done` of the steps; `ETA ?` before the first."""
+        ran = done - self._done
+        if ran <= 0:
+            return "ETA ?"
+        return f"ETA {duration((time.monotonic() - self._start) / ran * max(self.total - done, 0))}"
+
+
+class ProgressLines:
+    """A long phase's progress where stderr is a log file rather than a terminal (a bar there would be carriage
+    returns): a line after the first step, then at most one every `every_s` seconds, each with the ETA."""
+
+    def __init__(self, desc: str, total: int, *, enabled: bool, every_s: float = 30.0):
+        self.desc, self.total, self.every_s = desc, total, every_s
+        self.enabled = enabled and not sys.stderr.isatty()
+        self._pace, self._last = Pace(total), None
+
+    def update(self, done: int, numbers: dict[str, float]) -> None:
+        now = time.monotonic()
+        if not self.enabled or (self._last is not None and now - self._last < self.every_s):
+            return
+        self._last = now
+        shown = " ".join(f"{k} {v:.3g}" for k, v in numbers.items())
+        print(f"{self.desc} step {done}/{self.total} | {shown} | {self._pace.eta(done)}", file=sys.stderr, flush=True)
+
+
+def duration(seconds: float) -> str:
+    """`42 s`, `3.5 min`, `2.1 h`."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
 def summary_line(desc: str, step: int, total_steps: int, metrics: dict[str, float], *, keys: tuple[str, ...],

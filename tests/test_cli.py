@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -103,6 +104,11 @@ def test_console_without_a_terminal_logs_one_line_per_logged_step(tmp_path, qwen
     assert [ln.split(" | ")[0] for ln in lines] == ["rl step 2/4", "rl step 4/4"], result.stderr[-4000:]
     for line in lines:
         assert "reward " in line and "loss " in line and " tok/s" in line and "generate " in line, line
+        assert re.search(r" \| ETA \d+(\.\d)? (s|min|h)$", line), line
+    assert lines[-1].endswith("| ETA 0 s")
+    # the warm start's progress reaches the log file too: its first step at once, then one line per 30 s
+    warm = [ln for ln in result.stderr.splitlines() if ln.startswith("sft warm start step ")]
+    assert len(warm) == 1 and re.fullmatch(r"sft warm start step 1/2 \| nll \S+ answer_prob \S+ \| ETA \S+ s", warm[0])
     assert "megarl: sft warm start: stopped early after 1 of 2 steps: answer probability" in result.stderr
     assert "final checkpoint in" not in result.stdout and "no final checkpoint" in result.stdout
     assert not (run_dir / "checkpoints" / "final").exists()
@@ -116,6 +122,20 @@ def test_train_without_a_recipe_prints_its_usage(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: megarl train") and "recipe YAML file" in err and "required" not in err
+
+
+def test_megarl_alone_prints_its_usage_and_version_prints_the_version(capsys):
+    from megarl import __version__
+    from megarl.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: megarl") and "train" in err and "plan" in err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out == f"megarl {__version__}\n"
 
 
 def test_command_line_override_takes_effect(tmp_path, qwen2_dir, arithmetic_dir):

@@ -19,6 +19,7 @@ from megarl.engine.parallel import ParallelGroups
 from megarl.engine.roles import make_engine
 from megarl.loops.lifecycle import export_policy
 from megarl.loops.supervised import supervised_step
+from megarl.metrics import ProgressLines
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,8 @@ def sft_warmup(cfg: Config, groups: ParallelGroups, tokenizer, rows: list[Prompt
     per_rank = cfg.warmup.batch_size // groups.dp_size
     console = cfg.log.progress and dist.get_rank() == 0
     bar = tqdm(total=cfg.warmup.sft_steps, desc="sft warm start", dynamic_ncols=True,
-               disable=not (console and sys.stderr.isatty()))  # a log file gets the summary line below
+               disable=not (console and sys.stderr.isatty()))
+    lines = ProgressLines("sft warm start", cfg.warmup.sft_steps, enabled=console)  # a log file's progress
     for step in range(cfg.warmup.sft_steps):
         examples = [completion_example(encode_prompt(tokenizer, r.prompt, chat_template=cfg.data.chat_template),
                                        tokenizer(r.answer, add_special_tokens=False)["input_ids"]
@@ -51,6 +53,7 @@ def sft_warmup(cfg: Config, groups: ParallelGroups, tokenizer, rows: list[Prompt
         bar.set_postfix({"nll": f"{metrics['loss']:.3f}", "answer_prob": f"{metrics['response_prob']:.3f}"},
                         refresh=False)
         bar.update(1)
+        lines.update(step + 1, {"nll": metrics["loss"], "answer_prob": metrics["response_prob"]})
         if metrics["response_prob"] >= cfg.warmup.stop_answer_prob:
             break
     bar.close()
