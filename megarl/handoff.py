@@ -75,15 +75,18 @@ def unflatten(flat: Tensor, slots: list[Slot]) -> list[tuple[str, Tensor]]:
 
 
 def push_weights(engine, named_tensors: Iterable[tuple[str, Tensor]], *, bucket_bytes: int, version: int,
-                 verify: Callable[[int], bool] = lambda index: False, engine_name: str = "the rollout engine") -> dict:
+                 verify: Callable[[int], bool] = lambda index: False, dtype: torch.dtype | None = None,
+                 engine_name: str = "the rollout engine") -> dict:
     """Stream `named_tensors` into `engine` as version `version`, then compare the engine's copy of the tensors
-    `verify(index in the stream)` selects with the trainer's (`verify_engine`, which names `engine_name` when
-    one differs); returns counts for the metrics (`verified`: the tensors compared)."""
+    `verify(index in the stream)` selects with the trainer's, both rounded to `dtype`, the engine's (None: as
+    pushed), by `verify_engine`, which names `engine_name` when one differs. Returns counts for the metrics
+    (`verified`: the tensors compared)."""
     stats = {"tensors": 0, "bytes": 0, "buckets": 0}
     expected: dict[str, Fingerprint] = {}
 
     def counted():
-        for bucket in buckets(fingerprinted(named_tensors, verify, into=expected), bucket_bytes=bucket_bytes):
+        for bucket in buckets(fingerprinted(named_tensors, verify, into=expected, dtype=dtype),
+                              bucket_bytes=bucket_bytes):
             stats["buckets"] += 1
             stats["tensors"] += len(bucket)
             stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
@@ -98,66 +101,83 @@ def push_weights(engine, named_tensors: Iterable[tuple[str, Tensor]], *, bucket_
 
 # ---- verification --------------------------------------------------------------------------------------
 VERIFY_MODES = ("first", "sampled", "every", "off")
-_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a tensor's bytes as integers
-_CHUNK = 1 << 22  # elements fingerprinted at a time: bounds the int64 temporaries at 32 MiB each
+_ROW_WORDS = 64  # 8-byte words summed into one row sum: a value moved to another 512-byte row shows
+_CHUNK_ROWS = 1 << 16  # row sums weighted at a time (32 MiB of the tensor)
 _FACTORS: dict[torch.device, Tensor] = {}
 _warned_unreadable: set[str] = set()  # engines that cannot read some tensors back, warned about once
 
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """One tensor's bytes, exactly, in four integers' worth of space, and what its values look like."""
+    """One tensor's bytes, checked exactly in two integers, and its first values (for messages)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    words: int                # the bytes read as integer words of the element size, summed mod 2**64
-    mixed: int                # the words times fixed pseudo-random factors by position, summed mod 2**64: a
-                              # value moved to another position (a transposed or misordered shard) changes it
-    total: float              # the sum of the values in float64 (for the message only)
-    head: tuple[float, ...]   # the first values (for the message only)
+    words: int                # the bytes read as 8-byte integers, summed mod 2**64
+    rows: int                 # the sums of each 64 words (a row), times fixed pseudo-random factors, summed mod
+                              # 2**64: a value moved to another row (a transposed or misplaced shard) changes it
+    head: tuple[float, ...]   # the first values
 
     def same(self, other: Fingerprint) -> bool:
-        return (self.shape, self.dtype, self.words, self.mixed) == (other.shape, other.dtype, other.words, other.mixed)
+        return (self.shape, self.dtype, self.words, self.rows) == (other.shape, other.dtype, other.words, other.rows)
 
     def __str__(self) -> str:
         head = ", ".join(f"{v:.6g}" for v in self.head)
-        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)} sum {self.total:.9g}, first [{head}]"
+        return (f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)} first [{head}], checksums "
+                f"{self.words:016x} {self.rows:016x}")
 
 
 def _factors(device: torch.device) -> Tensor:
-    """[_CHUNK] int64: odd factors below 2**31, the same on every device and in every process."""
+    """[_CHUNK_ROWS] int64: odd factors below 2**31, the same on every device and in every process."""
     if device not in _FACTORS:
         gen = torch.Generator().manual_seed(0x5EED)
-        _FACTORS[device] = (torch.randint(0, 2**30, (_CHUNK,), generator=gen, dtype=torch.int64) * 2 + 1).to(device)
+        factors = torch.randint(0, 2**30, (_CHUNK_ROWS,), generator=gen, dtype=torch.int64) * 2 + 1
+        _FACTORS[device] = factors.to(device)
     return _FACTORS[device]
+
+
+def _words(tensor: Tensor) -> tuple[Tensor, Tensor]:
+    """A tensor's bytes as int64 words [n] (a view where its offset allows) and its last n % 8 bytes as int64."""
+    flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
+    whole = flat.numel() // 8 * 8
+    try:
+        words = flat[:whole].view(torch.int64)
+    except RuntimeError:  # an offset into its storage that is not a multiple of 8 bytes
+        words = flat[:whole].clone().view(torch.int64)
+    return words, flat[whole:].to(torch.int64)
 
 
 @torch.no_grad()
 def fingerprint(tensor: Tensor) -> Fingerprint:
-    """The tensor's Fingerprint, computed where it lies (one host sync). Integer sums wrap mod 2**64 the same
-    way in any order, so two devices, or a whole tensor and its chunks, agree exactly on equal bytes."""
-    flat = tensor.detach().contiguous().view(-1)
-    words = flat.view(_WORDS[flat.element_size()])
-    factors = _factors(flat.device)
-    sums = torch.zeros(2, dtype=torch.int64, device=flat.device)
-    total = torch.zeros((), dtype=torch.float64, device=flat.device)
-    for c, start in enumerate(range(0, flat.numel(), _CHUNK)):
-        chunk = words[start: start + _CHUNK].to(torch.int64)
-        sums[0] += chunk.sum()
-        sums[1] += (chunk * factors[: chunk.numel()]).sum() * (2 * c + 1)
-        total += flat[start: start + _CHUNK].double().sum()
-    plain, mixed = (v % 2**64 for v in sums.tolist())
-    return Fingerprint(shape=tuple(tensor.shape), dtype=tensor.dtype, words=plain, mixed=mixed,
-                       total=float(total), head=tuple(flat[:4].double().tolist()))
+    """The tensor's Fingerprint, computed where it lies: one pass of integer sums over its bytes and one host
+    sync. Integer sums wrap mod 2**64 alike in any order, so devices and processes agree exactly on equal bytes."""
+    words, tail = _words(tensor)
+    n_rows = words.numel() // _ROW_WORDS
+    rows = words[: n_rows * _ROW_WORDS].view(n_rows, _ROW_WORDS)
+    # the words after the last whole row and the bytes after the last whole word count as rows of their own
+    loose = torch.cat([words[n_rows * _ROW_WORDS:], tail])
+    factors = _factors(words.device)
+    sums = torch.zeros(2, dtype=torch.int64, device=words.device)
+    chunks = [rows[start: start + _CHUNK_ROWS].sum(dim=1) for start in range(0, n_rows, _CHUNK_ROWS)]
+    for c, row_sums in enumerate(chunks + [loose]):
+        sums[0] += row_sums.sum()
+        sums[1] += (row_sums * factors[: row_sums.numel()]).sum() * (2 * c + 1)
+    plain, weighted = (v % 2**64 for v in sums.tolist())
+    head = tensor.detach().reshape(-1)[:4]
+    return Fingerprint(shape=tuple(tensor.shape), dtype=tensor.dtype, words=plain, rows=weighted,
+                       head=tuple(head.double().tolist() if head.is_floating_point() else head.tolist()))
 
 
 def fingerprinted(named_tensors: Iterable[tuple[str, Tensor]], verify: Callable[[int], bool], *,
-                  into: dict[str, Fingerprint]) -> Iterator[tuple[str, Tensor]]:
+                  into: dict[str, Fingerprint], dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
     """The stream unchanged, with the Fingerprint of each tensor `verify(its index)` selects put `into` the dict
-    as it passes (the trainer keeps no copy)."""
+    as it passes (the trainer keeps no copy). A floating-point tensor is fingerprinted as the engine holds it,
+    rounded to `dtype` (the engines load with a cast: an fp32 norm of a bf16 run arrives as bf16), which takes
+    one tensor's temporary copy where the dtypes differ."""
     for index, (name, tensor) in enumerate(named_tensors):
         if verify(index):
-            into[name] = fingerprint(tensor)
+            rounded = dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype
+            into[name] = fingerprint(tensor.to(dtype) if rounded else tensor)
         yield name, tensor
 
 
@@ -194,9 +214,10 @@ class WeightMismatch(RuntimeError):
 
 
 def verify_engine(engine, expected: dict[str, Fingerprint], *, version: int, engine_name: str) -> int:
-    """Compare the engine's copy of every tensor in `expected` (name -> the trainer's Fingerprint, in push order)
-    with the trainer's; raise WeightMismatch at the first that differs. Returns how many were compared: a
-    tensor the engine cannot read back (RolloutEngine.read_weights gives None) is skipped, with a warning once."""
+    """Compare the engine's copy of every tensor in `expected` (name -> the trainer's Fingerprint, in push order;
+    the engine's copy is rounded to its dtype first) with the trainer's; raise WeightMismatch at the first that
+    differs. Returns how many were compared: a tensor the engine cannot read back (RolloutEngine.read_weights
+    gives None) is skipped, with a warning once."""
     if not expected:
         return 0
     verified, unreadable = 0, []

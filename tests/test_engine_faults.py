@@ -43,11 +43,12 @@ def pushes(qwen2_other_dir):
 
 
 def test_fingerprints_match_equal_bytes_only():
-    t = torch.randn(5_000_003, generator=torch.Generator().manual_seed(0))  # more than one chunk
+    t = torch.randn(9_000_001, generator=torch.Generator().manual_seed(0))  # more than one chunk, a loose tail
     assert fingerprint(t).same(fingerprint(t.clone()))
     assert fingerprint(t.view(1, -1)).words == fingerprint(t).words  # the bytes, whatever the shape
+    assert fingerprint(t[1:]).same(fingerprint(t[1:].clone()))  # an offset that is not a whole word
     swapped = t.clone()
-    swapped[[0, 4_999_999]] = swapped[[4_999_999, 0]]
+    swapped[[0, 8_999_998]] = swapped[[8_999_998, 0]]  # the same half of an 8-byte word
     moved = fingerprint(swapped)
     assert moved.words == fingerprint(t).words and not moved.same(fingerprint(t))  # a moved value shows
     nudged = t.clone()
@@ -97,6 +98,18 @@ def test_the_same_pushes_with_nothing_skipped_pass_and_count_what_they_checked(q
     sampled = counts["sampled"]
     assert sampled[0] == n and sum(sampled[1: 1 + PERIOD]) == n  # every tensor once more within PERIOD pushes
     assert all(n // PERIOD <= c <= -(-n // PERIOD) for c in sampled[1:])
+
+
+def test_an_engine_that_holds_the_weights_in_a_narrower_dtype_is_compared_in_its_dtype(qwen2_dir, pushes):
+    """fp32 tensors pushed into a bf16 engine arrive rounded (an fp32 norm of a bf16 trainer): the check rounds
+    the trainer's tensors as the engine's load does, and still tells a skipped one."""
+    n = len(pushes[0])
+    engine = NativeEngine(str(qwen2_dir), dtype="bfloat16", device="cpu")
+    every = dict(bucket_bytes=2**16, verify=lambda index: True, dtype=torch.bfloat16, engine_name="rollout engine 0")
+    assert push_weights(engine, iter(pushes[0]), version=1, **every)["verified"] == n
+    name = next(n for n, _ in pushes[0] if n.endswith("self_attn.o_proj.weight"))
+    with pytest.raises(WeightMismatch, match=rf"version 2: .* '{name}'"):
+        push_weights(SkippingEngine(engine, name=name, start=1), iter(pushes[1]), version=2, **every)
 
 
 def test_recipe_keys_of_the_checks(tmp_path):

@@ -109,9 +109,10 @@ class ColocatedRollouts:
         bucket_bytes = self.cfg.rollout.bucket_bytes
         if self.engine is not None:
             self.engine.resume_weights()
-            name = f"rollout engine {self.placement.engine_index}"
             return push_weights(self.engine, tensors, bucket_bytes=bucket_bytes, version=run.weight_version,
-                                verify=self.check.select(run.weight_version), engine_name=name)
+                                verify=self.check.select(run.weight_version),
+                                dtype=getattr(torch, self.cfg.model.dtype),
+                                engine_name=f"rollout engine {self.placement.engine_index}")
         if self.peer is not None:
             return self.peer.push(tensors, bucket_bytes=bucket_bytes) | {"verified": 0}
         return {"bytes": sum(t.numel() * t.element_size() for _, t in tensors), "verified": 0}  # drive the collectives

@@ -434,7 +434,7 @@ class SplitRollouts:
         if not self.lead:  # drive the gathers
             return {"bytes": sum(t.numel() * t.element_size() for _, t in tensors), "verified": 0}
         nbytes, n, expected = 0, 0, {}
-        tensors = fingerprinted(tensors, verify, into=expected)
+        tensors = fingerprinted(tensors, verify, into=expected, dtype=getattr(torch, self.cfg.model.dtype))
         for n, bucket in enumerate(buckets(tensors, bucket_bytes=self.cfg.rollout.bucket_bytes), start=1):
             flat, slots = flatten(bucket, device=current_device())
             send_header(group, slots)
