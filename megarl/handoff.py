@@ -9,7 +9,7 @@ process as one byte buffer (SGLang's flattened bucket, the broadcast to split pl
 
 A push proves itself (`rollout.verify_weights`): as the tensors stream past, the trainer takes a `Fingerprint`
 of those the push verifies (`WeightCheck`: all of them at a run's first push; after it none, a rotating share,
-or all), an exact checksum of their bytes plus a readable summary, and never a copy. Once the engine has
+or all), an exact checksum of their bytes and their first values, and never a copy. Once the engine has
 loaded the push, `verify_engine` reads the same tensors back from the engine (RolloutEngine.read_weights),
 fingerprints them there and stops at the first that differs, naming it.
 """
