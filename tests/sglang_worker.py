@@ -161,6 +161,7 @@ def gpu_checks(args) -> dict:
     result["free_serving"] = free_serving
     gen = engine.generate(prompts, **sample)
     result["generated_after_resume"] = sum(len(ids) for ids in gen.response_ids)
+    result["stamped_versions"] = sorted({v for versions in gen.versions for v in versions})
     result["after_mean"], result["after_max"] = vs_trainer(gen)
 
     engine.shutdown()

@@ -61,6 +61,12 @@ def test_sglang_engine_api_takes_the_arguments_megarl_passes():
     accepts(Engine.end_weight_update, None)
     accepts(Engine.update_weights_from_tensor, None, [b""], load_format="flattened_bucket", flush_cache=False)
     accepts(Engine.flush_cache, None)
+    accepts(Engine.get_weights_by_name, None, "model.norm.weight", truncate_size=1)  # the push checks' read-back
+    from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    accepts(UpdateWeightVersionReqInput, new_version="1", abort_all_requests=False)  # versions stamped after a push
+    accepts(TokenizerManager.update_weight_version, None, UpdateWeightVersionReqInput(new_version="1"))
     accepts(Engine.release_memory_occupation, None, tags=["weights"])
     accepts(Engine.resume_memory_occupation, None, tags=["weights"])
     accepts(Engine.shutdown, None)
@@ -493,6 +499,7 @@ def test_gpu_release_frees_sglang_memory_and_generation_works_after_resume(gpu_r
     assert r["released_bytes"] >= 0.8 * r["engine_bytes"], r
     assert r["free_after_resume"] <= r["free_serving"] + 0.2 * r["engine_bytes"], r
     assert r["generated_after_resume"] > 0
+    assert r["stamped_versions"] == [1]  # SGLang stamps its responses with the version of the push
 
 
 @pytest.mark.timeout(420)
