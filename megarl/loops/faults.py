@@ -33,27 +33,30 @@ class EngineFault(RuntimeError):
 
 def check_versions(batch: RolloutBatch, versions: tuple[int, int], *, step: int, group=None) -> None:
     """Raise EngineFault when a generated token of `batch` carries a weight version outside `versions` (lowest,
-    highest). Every rank of the data-parallel `group` calls it (one all-reduce): a rank whose own batch is
-    right stops too when another rank's is not."""
+    highest). Every rank of the data-parallel `group` calls it and raises the same error, naming one engine at
+    fault and its version (one all-reduce per step, a second one when a token is outside)."""
     lowest, highest = versions
     stamped = batch.weight_versions  # [B, T]
     wrong = batch.response_mask.bool() & ((stamped < lowest) | (stamped > highest))  # [B, T]
-    count = torch.tensor([float(wrong.sum())])
-    if group is not None and dist.get_world_size(group) > 1:
+    count = torch.tensor([int(wrong.sum())])
+    shared = group is not None and dist.get_world_size(group) > 1
+    if shared:
         dist.all_reduce(count, group=group)
     if not count.item():
         return
+    culprit = torch.tensor([-1])  # engine << 32 | version of this rank's first wrong token, the largest kept
+    if wrong.any():
+        row = int(wrong.any(dim=1).nonzero()[0])
+        culprit[0] = int(batch.engines[row]) << 32 | int(stamped[row][wrong[row]][0])
+    if shared:
+        dist.all_reduce(culprit, op=dist.ReduceOp.MAX, group=group)
+    engine, actual = int(culprit) >> 32, int(culprit) & 0xFFFFFFFF
     expected = f"version {lowest}" if lowest == highest else f"versions {lowest} to {highest}"
-    if not wrong.any():
-        raise EngineFault(f"step {step}: {int(count.item())} generated tokens of another data-parallel replica "
-                          f"carry a weight version outside {expected} (that replica's ranks name the engine)")
-    row = int(wrong.any(dim=1).nonzero()[0])
-    actual = int(stamped[row][wrong[row]][0])
     raise EngineFault(
-        f"step {step}: rollout engine {int(batch.engines[row])} generated with weight version {actual}; the "
-        f"step expects {expected} ({int(count.item())} tokens outside it). The engine did not take the weight "
-        "push (or its update did not take effect), so it samples another policy than the trainer's: check its "
-        "update_weights and that every push reaches it")
+        f"step {step}: rollout engine {engine} generated with weight version {actual}; the step expects "
+        f"{expected} ({int(count.item())} tokens outside it). The engine did not take the weight push (or its "
+        "update did not take effect), so it samples another policy than the trainer's: check its update_weights "
+        "and that every push reaches it")
 
 
 class DriftGate:
