@@ -40,8 +40,10 @@ class RolloutBatch:
     trainer_routes: list[Tensor] | None = None  # [B] the experts the old-logprob forward routed each token to
                                           # (router_replay r2), [T or real tokens, moe_layers, top_k] per sample:
                                           # T from padded micro-batches, the real tokens from packed ones
-    weight_versions: Tensor | None = None  # [B, T] long, placement split: the weight version that generated each
-                                          # response token, 0 on every other token
+    weight_versions: Tensor | None = None  # [B, T] long: the weight version that generated each response token
+                                          # (as its engine stamped it), 0 on every other token
+    engines: Tensor | None = None         # [B] long: the rollout engine (its index in the job) that generated
+                                          # each sample
     rewards: Tensor | None = None         # [B] each sample's reward: the recipe's terms plus env_rewards
     old_logprobs: Tensor | None = None    # [B, T] trainer logprobs before the update
     ref_logprobs: Tensor | None = None    # [B, T] reference-model logprobs

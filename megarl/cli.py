@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     """`megarl train`: 0 when the run finished, 2 for a recipe, data or checkpoint error, 1 when every reward
-    failed for reward.max_failed_steps steps (or any other error, with its traceback), 143 (SIGTERM,
+    failed for reward.max_failed_steps steps, when a rollout engine does not sample the trainer's policy
+    (megarl.loops.faults), or any other error (with its traceback), 143 (SIGTERM,
     SIGUSR1) or 130 (SIGINT) when a signal stopped it (megarl.loops.stop)."""
     import shlex
 
@@ -94,6 +95,8 @@ def run_train(args: argparse.Namespace) -> int:
         return 2
     from megarl.checkpoint import CheckpointError, latest_checkpoint
     from megarl.data.prompts import DataError
+    from megarl.handoff import WeightMismatch
+    from megarl.loops.faults import EngineFault
     from megarl.rewards.scorer import RewardFailure
 
     match cfg.algo.name:
@@ -127,6 +130,12 @@ def run_train(args: argparse.Namespace) -> int:
         return 2
     except RewardFailure as e:
         say(f"megarl: reward error: {e}")
+        return 1
+    except WeightMismatch as e:  # raised where an engine holds other weights (any rank): that rank says so
+        print(f"megarl: rollout engine fault: {e}", file=sys.stderr, flush=True)
+        return 1
+    except EngineFault as e:  # every training rank stops at the same step
+        say(f"megarl: rollout engine fault: {e}")
         return 1
     except Stopped as e:
         saved = f"checkpoint {e.checkpoint}" if e.checkpoint is not None else "no step ran, nothing saved"

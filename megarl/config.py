@@ -111,10 +111,23 @@ class RolloutConfig:
     bucket_bytes: int = 64 * 2**20  # weight handoff bucket size
     tp: int = 1  # ranks per engine (SGLang's TP size): one engine on every group of this many ranks
     mem_fraction: float = 0.5  # SGLang's static memory fraction (weights + KV cache): of the GPU, on CPU of free RAM
+    # After a weight push, compare the engine's copy of the pushed tensors with the trainer's (megarl.handoff).
+    # first: every tensor at a run's first push only; sampled: every tensor at the first push, then a rotating
+    # 1 / verify_period of them at each push; every: every tensor at every push; off: none
+    verify_weights: Literal["first", "sampled", "every", "off"] = "sampled"
+    verify_period: int = 4  # sampled: every tensor is verified again within this many pushes
+    # Stop the run when the mean |rollout - trainer| logprob per generated token (rollout/logprob_diff_mean)
+    # stays above this for drift_patience steps in a row; null: never. Honest quickstart runs measured at most
+    # 2e-7 (fp32) and 8e-3 (bf16), an engine left on old weights 0.26 after three updates and up to 3.9:
+    # README, "Weight hand-off and engine faults"
+    max_logprob_drift: float | None = 0.25
+    drift_patience: int = 3  # steps in a row above max_logprob_drift that stop the run (fewer: a warning)
 
     def check(self) -> None:
-        _at_least(self, 1, "n_samples", "max_new_tokens", "tp")
+        _at_least(self, 1, "n_samples", "max_new_tokens", "tp", "verify_period", "drift_patience")
         _positive(self, "temperature", "bucket_bytes")
+        if self.max_logprob_drift is not None:
+            _positive(self, "max_logprob_drift")
         if not 0 < self.top_p <= 1:
             raise FieldError("top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0 < self.mem_fraction < 1:
@@ -596,10 +609,13 @@ class Config:
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that reads `1e-5` as a float and rejects a key given twice in one mapping.
+    """SafeLoader that reads `1e-5` as a float, only true / false as booleans, and rejects a key given twice in
+    one mapping.
 
     YAML 1.1 (PyYAML) needs a dot in a float (`1.0e-5`); the spelling everyone writes for a learning rate
-    would otherwise arrive as the string '1e-5'. A repeated key would silently drop the first section.
+    would otherwise arrive as the string '1e-5'. It also reads yes / no / on / off as booleans, which would
+    turn a choice such as `verify_weights: off` into false (YAML 1.2 reads them as strings, as here). A
+    repeated key would silently drop the first section.
     """
 
     def construct_mapping(self, node, deep=False):
@@ -619,6 +635,11 @@ _Loader.add_implicit_resolver(
     re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
     list("-+0123456789."),
 )
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in _Loader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
 
 
 def _yaml_error_text(err: yaml.YAMLError) -> str:

@@ -5,6 +5,7 @@ numbers to --out as JSON; the test reads and asserts them.
 
     sglang_worker.py cpu --trainer-model A --other-model B --eos-model C --out R.json
     sglang_worker.py gpu --trainer-model A --other-model B --out R.json      (one CUDA device)
+    sglang_worker.py readback --trainer-model LLAMA --out R.json          (a model SGLang can read back)
 """
 
 from __future__ import annotations
@@ -83,6 +84,10 @@ def cpu_checks(args) -> dict:
     result["response_ids"] = gen.response_ids
     result["logprob_lens_match"] = all(len(a) == len(b) for a, b in zip(gen.response_ids, gen.logprobs))
     result["weight_version"] = engine.weight_version
+    result["stamped_versions"] = sorted({v for versions in gen.versions for v in versions})  # SGLang's own
+    # SGLang's Qwen2 class has no get_weights_by_name: a check of every tensor compares none, and says so
+    result["qwen2_verified"] = push_weights(engine, trainer.hf_tensors(), bucket_bytes=1 << 20, version=1,
+                                            verify=lambda index: True)["verified"]
 
     # Push the other model's own tensors back: the engine reproduces that model again.
     other = TrainEngine(model_dir=args.other_model, dtype="float32", megatron={}, groups=groups)
@@ -156,21 +161,46 @@ def gpu_checks(args) -> dict:
     result["free_serving"] = free_serving
     gen = engine.generate(prompts, **sample)
     result["generated_after_resume"] = sum(len(ids) for ids in gen.response_ids)
+    result["stamped_versions"] = sorted({v for versions in gen.versions for v in versions})
     result["after_mean"], result["after_max"] = vs_trainer(gen)
 
     engine.shutdown()
     return result
 
 
+def readback_checks(args) -> dict:
+    """SGLang's read-back (get_weights_by_name) of a model class that has one: every pushed tensor compares
+    equal to the trainer's, and a push that silently skips one is caught, naming it."""
+    from safetensors.torch import load_file
+
+    from faulty_engines import SkippingEngine
+    from megarl.handoff import WeightMismatch
+
+    tensors = list(load_file(os.path.join(args.trainer_model, "model.safetensors")).items())
+    pushes = [[(name, t + p * 1e-3) for name, t in tensors] for p in (1, 2)]  # other values at every push
+    skipped = tensors[4][0]
+    engine = SkippingEngine(SGLangEngine(args.trainer_model, dtype="float32", seed=0), name=skipped, start=2)
+    every = dict(bucket_bytes=1 << 20, verify=lambda index: True, engine_name="rollout engine 0")
+    result = {"tensors": len(tensors), "skipped": skipped}
+    result["verified"] = push_weights(engine, iter(pushes[0]), version=1, **every)["verified"]
+    try:
+        push_weights(engine, iter(pushes[1]), version=2, **every)
+        result["mismatch"] = None
+    except WeightMismatch as e:
+        result["mismatch"] = str(e)
+    engine.shutdown()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["cpu", "gpu"])
+    parser.add_argument("mode", choices=["cpu", "gpu", "readback"])
     parser.add_argument("--trainer-model", required=True)
-    parser.add_argument("--other-model", required=True, help="same architecture, other weights")
+    parser.add_argument("--other-model", help="cpu, gpu: same architecture, other weights")
     parser.add_argument("--eos-model", help="cpu: same architecture, emits EOS often")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    result = cpu_checks(args) if args.mode == "cpu" else gpu_checks(args)
+    result = {"cpu": cpu_checks, "gpu": gpu_checks, "readback": readback_checks}[args.mode](args)
     with open(args.out, "w") as f:
         json.dump(result, f)
 

@@ -2,7 +2,7 @@
 
     python tools/bench_handoff.py [--device cpu|cuda] [--engine sglang|native] [--bucket-mb 64]
                                   [--dtype bfloat16] [--repeats 5] [--threads 1] [--workdir DIR] [--json PATH]
-                                  [--layers 24] [--vocab-size 151936]
+                                  [--layers 24] [--vocab-size 151936] [--verify sampled] [--verify-period 4]
 
 Writes a checkpoint with Qwen2.5-0.5B's config and tensor shapes (random values, nothing downloaded),
 starts the rollout engine on it, and pushes a second copy of every tensor through megarl.handoff
@@ -13,6 +13,10 @@ process's growth during the last push (resident set size on CPU, sampled every 2
 on GPU), printed beside the bucket and the largest tensor (the contract: about one bucket plus the largest
 tensor). The first push is shown too: an in-process engine whose weights are still memory-mapped from the
 checkpoint grows by its whole model then. SGLang's scheduler is another process: its copy is not counted.
+
+`--verify MODE` (rollout.verify_weights) then times what checking the pushes costs: one push that verifies
+every tensor (a run's first push), then pushes checked by MODE alternating with unchecked ones, push by push,
+so both see the same machine state; it prints the median of each and their ratio.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megarl.handoff import push_weights  # noqa: E402
+from megarl.handoff import WeightCheck, push_weights  # noqa: E402
 
 # Qwen2.5-0.5B (config.json of the released checkpoint): 494M parameters, tied embeddings, GQA 14/2.
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -113,6 +117,31 @@ def timed(fn, device: str) -> float:
     return time.perf_counter() - start
 
 
+def compare_verified(engine, tensors, *, bucket_bytes: int, mode: str, period: int, repeats: int, device: str,
+                     version: int) -> dict:
+    """Seconds of a push that verifies every tensor, and medians of `repeats` pushes checked by `mode` and of as
+    many unchecked ones, alternating (unchecked first), each pair back to back; push versions from `version`."""
+    check = WeightCheck(mode, period=period)
+    stats = {}
+
+    def push(verify, v):
+        return timed(lambda: stats.update(push_weights(engine, iter(tensors), bucket_bytes=bucket_bytes,
+                                                       version=v, verify=verify)), device)
+
+    first_s = push(check.select(version), version)  # a run's first push: every tensor, in every mode but off
+    plain, checked, verified = [], [], []
+    for r in range(repeats):
+        plain.append(push(lambda index: False, version + 1 + 2 * r))
+        # the rotation as a run's consecutive pushes see it (the unchecked pushes take versions in between)
+        checked.append(push(check.select(version + 1 + r), version + 2 + 2 * r))
+        verified.append(stats["verified"])
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return {"verify": mode, "verify_period": period, "first_push_verified_s": first_s,
+            "unverified_push_s": median(plain), "verified_push_s": median(checked),
+            "verified_over_unverified": median(checked) / median(plain),
+            "verified_tensors_per_push": sum(verified) / len(verified)}
+
+
 def make_engine(kind: str, model_dir: Path, *, dtype: str, device: str):
     match kind:
         case "sglang":
@@ -140,6 +169,9 @@ def main(argv=None) -> dict:
                         help="fewer layers (and --vocab-size) make a smaller model of the same layer shapes")
     parser.add_argument("--vocab-size", type=int, default=QWEN25_05B["vocab_size"])
     parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument("--verify", default="off", choices=["off", "first", "sampled", "every"],
+                        help="also time pushes checked this way (rollout.verify_weights) against unchecked ones")
+    parser.add_argument("--verify-period", type=int, default=4, help="rollout.verify_period of --verify sampled")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -188,6 +220,11 @@ def main(argv=None) -> dict:
                         push_s.append(timed(lambda: stats.update(push_weights(
                             engine, iter(tensors), bucket_bytes=bucket_bytes, version=version)), args.device))
                     peaks.append(rss.peak - rss.start)
+            verified = {}
+            if args.verify != "off":
+                verified = compare_verified(engine, tensors, bucket_bytes=bucket_bytes, mode=args.verify,
+                                            period=args.verify_period, repeats=args.repeats, device=args.device,
+                                            version=args.repeats + 1)
         finally:
             if hasattr(engine, "shutdown"):
                 engine.shutdown()
@@ -198,7 +235,7 @@ def main(argv=None) -> dict:
         "bucket_bytes": bucket_bytes, "largest_tensor": largest_name, "largest_tensor_bytes": largest,
         "copy_gb_per_s": total / copy_s / 1e9, "push_gb_per_s": total / min(push_s) / 1e9,
         "push_over_copy": copy_s / min(push_s), "peak_extra_bytes": peaks[-1], "first_push_peak_extra_bytes": peaks[0],
-        "checkpoint_write_s": t_write, "engine_start_s": t_start,
+        "checkpoint_write_s": t_write, "engine_start_s": t_start, **verified,
     }
     mib = 2**20
     print(f"model          Qwen2.5-0.5B shapes, {result['params'] / 1e6:.1f}M parameters, {total / 1e9:.2f} GB "
@@ -209,6 +246,11 @@ def main(argv=None) -> dict:
     print(f"push           {result['push_gb_per_s']:.2f} GB/s  (push / copy = {result['push_over_copy']:.3f})")
     print(f"peak extra     {peaks[-1] / mib:.0f} MiB  (bucket {bucket_bytes / mib:.0f} MiB + largest tensor "
           f"{largest / mib:.0f} MiB = {(bucket_bytes + largest) / mib:.0f} MiB); first push {peaks[0] / mib:.0f} MiB")
+    if verified:
+        print(f"verify         first push, every tensor checked: {verified['first_push_verified_s']:.3f} s; "
+              f"{args.verify} (period {args.verify_period}, {verified['verified_tensors_per_push']:.0f} tensors "
+              f"a push): {verified['verified_push_s']:.3f} s vs unchecked {verified['unverified_push_s']:.3f} s "
+              f"(ratio {verified['verified_over_unverified']:.3f}, medians of {args.repeats} alternating pairs)")
     print("json", json.dumps(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -25,7 +25,7 @@ from megarl.config import Config
 from megarl.data.prompts import PromptRow
 from megarl.device import host_barrier
 from megarl.engine.parallel import ParallelGroups
-from megarl.handoff import push_weights
+from megarl.handoff import WeightCheck, push_weights
 from megarl.loops.rl_run import RLRun
 from megarl.loops.sampling import draw_batch
 from megarl.loops.samples import build_batch, encode_rows, generate_part, pooled_samples, with_rewards
@@ -52,6 +52,8 @@ class ColocatedRollouts:
         self.engines = self.placement.engines
         self.engine: RolloutEngine | None = None  # this rank's: on the first rank of every group of rollout.tp ranks
         self.peer: RolloutPeer | None = None      # beside an engine's host: its side of every push
+        # the tensors of each push that the host compares with its engine's copy (rollout.verify_weights)
+        self.check = WeightCheck(cfg.rollout.verify_weights, period=cfg.rollout.verify_period)
 
     def start(self, model_dir: str) -> None:
         """The engine of this rank, seeded by its index (so a run resumed at another trainer layout with the same
@@ -100,16 +102,24 @@ class ColocatedRollouts:
         return push_stats | {"offloaded_bytes": offloaded}
 
     def push(self, run: RLRun) -> dict:
-        """Hand the updated weights to the rollout engine (every rank of the pipeline joins the gathers)."""
+        """Hand the updated weights to the rollout engine (every rank of the pipeline joins the gathers); its host
+        then compares the engine's copy of the tensors `self.check` selects with the ones it pushed."""
         run.weight_version += 1
         tensors = run.actor.pipeline_hf_tensors()
         bucket_bytes = self.cfg.rollout.bucket_bytes
         if self.engine is not None:
             self.engine.resume_weights()
-            return push_weights(self.engine, tensors, bucket_bytes=bucket_bytes, version=run.weight_version)
+            return push_weights(self.engine, tensors, bucket_bytes=bucket_bytes, version=run.weight_version,
+                                verify=self.check.select(run.weight_version),
+                                dtype=getattr(torch, self.cfg.model.dtype),
+                                engine_name=f"rollout engine {self.placement.engine_index}")
         if self.peer is not None:
-            return self.peer.push(tensors, bucket_bytes=bucket_bytes)
-        return {"bytes": sum(t.numel() * t.element_size() for _, t in tensors)}  # drive the collectives
+            return self.peer.push(tensors, bucket_bytes=bucket_bytes) | {"verified": 0}
+        return {"bytes": sum(t.numel() * t.element_size() for _, t in tensors), "verified": 0}  # drive the collectives
+
+    def versions(self, run: RLRun, step: int) -> tuple[int, int]:
+        """Exactly the version pushed last: the engines generate between two pushes."""
+        return run.weight_version, run.weight_version
 
     def metrics(self, run: RLRun) -> dict[str, float]:
         return {}
@@ -209,14 +219,17 @@ def generate(run: RLRun, rollouts: ColocatedRollouts, rows: list[PromptRow], *, 
         generated, scoring = generate_part(run, rollouts.engine, [samples[i][1:] for i in part])
         mine = (part, generated)
     trajectories: dict[int, Trajectory] = {}
-    for done in exchange(place, mine):
+    engine_of: dict[int, int] = {}  # sample -> the engine that generated it (the engine of rank r is r // tp)
+    for rank, done in zip(place.exchange_ranks, exchange(place, mine)):
         if done is not None:
             trajectories.update(zip(*done))
+            engine_of.update((i, rank // place.tp) for i in done[0])
     replica = [i for i, (dp, _, _) in enumerate(samples) if dp == run.groups.dp_rank]
     batch = None
     if replica:
         batch = build_batch(run.tokenizer, [samples[i][1] for i in replica], [samples[i][2] for i in replica],
-                            [trajectories[i] for i in replica], n_samples=n_samples, first_group=first_group)
+                            [trajectories[i] for i in replica], engines=[engine_of[i] for i in replica],
+                            n_samples=n_samples, first_group=first_group)
     return Generated(batch=batch, scoring=scoring, part=part, replica=replica,
                      reporter=run.groups.dp_rank == min(shares))
 

@@ -22,6 +22,7 @@ from megarl.batch import RolloutBatch
 from megarl.config import Config, TrainConfig
 from megarl.data.prompts import load_prompts
 from megarl.loops.colocated import ColocatedRollouts
+from megarl.loops.faults import check_versions
 from megarl.loops.launch import init_groups
 from megarl.loops.lifecycle import final_dir, run_steps
 from megarl.loops.resume import RunState, already_finished, find_resume
@@ -41,6 +42,7 @@ from megarl.routing import compact
 def rl_step(run: RLRun, step: int) -> dict[str, float]:
     cfg, timer = run.cfg, PhaseTimer()
     batch, sampling = run.rollouts.next_batch(run, step, timer)  # timed as "generate" and "reward"
+    check_versions(batch, run.rollouts.versions(run, step), step=step, group=run.groups.dp)
     check_rewards(run, sampling["reward/failed_frac"], step=step)
     with timer("release_rollout"):
         run.rollouts.release()
@@ -73,13 +75,14 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
     with timer("eval"):
         eval_metrics = evaluate(run) if run.eval_rows and step % cfg.data.eval_every == 0 else {}
     metrics = batch_metrics(run, batch, trained) | run.rollouts.metrics(run)
+    run.drift.observe(metrics["rollout/logprob_diff_mean"], tokens=metrics["rollout/logprob_diff_tokens"], step=step)
     kl_metrics = update_kl_coef(run, batch)
     seconds = sum(timer.seconds.values())
     tokens, = run.global_sums([float(batch.prompt_lens.sum() + batch.response_mask.sum())])
     return {
         **metrics, **sampling, **kl_metrics, **train_metrics, **eval_metrics, **moe, **timer.metrics(),
         "train/tokens_imbalance": tokens_imbalance, "train/trained_frac": trained_frac,
-        "handoff/bytes": float(push_stats["bytes"]),
+        "handoff/bytes": float(push_stats["bytes"]), "handoff/verified_tensors": float(push_stats["verified"]),
         "handover/offloaded_bytes": float(push_stats["offloaded_bytes"]),
         **({"async/push_wait_s": push_stats["wait_s"]} if "wait_s" in push_stats else {}),
         "throughput/tokens_per_s": tokens / seconds,
@@ -180,7 +183,7 @@ def batch_metrics(run: RLRun, batch: RolloutBatch, trained: RolloutBatch) -> dic
     """Reward, length, rollout-vs-trainer logprob drift and the environment's turns, tool calls and finish
     reasons over the global batch (one all-reduce). Response lengths count generated tokens only. The drift
     is over the samples the trainer ran (`trained`, with their old logprobs): all of them, or those of
-    `zero_advantage_split`."""
+    `zero_advantage_split` (`rollout/logprob_diff_tokens` counts their tokens: 0 when no sample trained)."""
     mask = batch.response_mask.bool()
     trained_mask = trained.response_mask.bool()
     diff = (trained.rollout_logprobs - trained.old_logprobs).abs()[trained_mask]
@@ -198,6 +201,7 @@ def batch_metrics(run: RLRun, batch: RolloutBatch, trained: RolloutBatch) -> dic
         "response/truncated_frac": truncated / n,
         "rollout/logprob_diff_mean": diff_sum / max(diff_tokens, 1.0),
         "rollout/logprob_diff_max": float(diff_max),
+        "rollout/logprob_diff_tokens": diff_tokens,
         "env/turns_mean": turns / n,
         "env/tool_calls_mean": calls / n,
         **{f"env/ended_by/{reason}": count / n for reason, count in zip(FINISH_REASONS, ended)},

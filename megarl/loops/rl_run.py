@@ -26,6 +26,7 @@ from megarl.engine.parallel import ParallelGroups
 from megarl.engine.roles import make_engine
 from megarl.envs.environment import Environment, SingleTurn, environment_factory
 from megarl.envs.tool_format import ObservationFormat, observation_format
+from megarl.loops.faults import DriftGate
 from megarl.metrics import PhaseTimer
 from megarl.models.arch import read_shape
 from megarl.objective import (AdvantageFn, CriticObjective, PolicyObjective, advantage_fn, kl_controller,
@@ -60,14 +61,20 @@ class Rollouts(Protocol):
         """One scored sample of each of `rows` with the latest weights (evaluation); None when `rows` is empty."""
         ...
 
+    def versions(self, run: RLRun, step: int) -> tuple[int, int]:
+        """The weight versions (lowest, highest) the generated tokens of step `step`'s batch may carry
+        (megarl.loops.faults.check_versions)."""
+        ...
+
     def release(self) -> None:
         """The engines give the devices to the trainer, which is about to be woken for the update."""
         ...
 
     def hand_over(self, run: RLRun, timer: PhaseTimer) -> dict:
         """Push the actor's new weights and give the devices back to the engines (also how a run starts).
-        Returns the push's counts (`bytes`, and `wait_s` when the push waited for the engines) and
-        `offloaded_bytes`, the trainer state parked while the engines generate."""
+        Returns the push's counts (`bytes`; `verified`, the tensors compared with the engines' copies; `wait_s`
+        when the push waited for the engines) and `offloaded_bytes`, the trainer state parked while the engines
+        generate."""
         ...
 
     def metrics(self, run: RLRun) -> dict[str, float]:
@@ -118,6 +125,8 @@ class RLRun:
     kl: FixedKLController | AdaptiveKLController
     scorer: Scorer                    # the recipe's per-sample reward terms, in process or on Ray workers
     reward_models: list[tuple[float, TrainEngine]]  # (weight, frozen scalar-head model) of reward_model terms
+    # stops the run when the engines' logprobs stay off the trainer's (rollout.max_logprob_drift); off by default
+    drift: DriftGate = dataclasses.field(default_factory=lambda: DriftGate(limit=None, patience=1))
     weight_version: int = 0
     failed_reward_steps: int = 0  # consecutive steps in which every sample's reward failed (check_rewards)
     new_env: Callable[[], Environment] = SingleTurn  # one trajectory's environment (env.name)
@@ -172,6 +181,10 @@ def build_run(cfg: Config, groups: ParallelGroups, *, rollouts: Rollouts, tokeni
                      for term in cfg.reward.terms if term.kind == "reward_model"]
     new_env = environment_factory(cfg.env)
     in_process = dataclasses.replace(cfg.reward, workers=0)
+    # No drift gate where older weights generate the batch by design (placement split, algo.max_staleness > 0):
+    # the drift there is the staleness's; the weight versions and the push checks stand guard.
+    stale = cfg.placement.mode == "split" and algo.max_staleness > 0
+    drift = DriftGate(limit=None if stale else cfg.rollout.max_logprob_drift, patience=cfg.rollout.drift_patience)
     return RLRun(
         cfg=cfg, groups=groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
         sampler=PromptSampler(len(train_rows), seed=cfg.seed, shuffle=cfg.data.shuffle, dp_rank=groups.dp_rank,
@@ -182,5 +195,5 @@ def build_run(cfg: Config, groups: ParallelGroups, *, rollouts: Rollouts, tokeni
         critic_objective=CriticObjective(value_clip=cfg.critic.value_clip) if critic is not None else None,
         routes=RoutePlan(algo.router_replay, on_policy=algo.on_policy),
         advantages=advantage_fn(algo, group=groups.dp), kl=kl_controller(algo), scorer=Scorer(cfg.reward if rollouts.scores_here else in_process),
-        reward_models=reward_models, new_env=new_env, tool_schemas=new_env().tools,
+        reward_models=reward_models, drift=drift, new_env=new_env, tool_schemas=new_env().tools,
         observations=observation_format(cfg.env, tokenizer), env_workers=EnvWorkers(cfg.env.tool_workers))

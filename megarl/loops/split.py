@@ -16,7 +16,9 @@ What travels, and how (megarl.loops.transport):
   the replica. Neither side waits for the other to take a message (`async/transport_bytes`).
 - Weights go by a collective broadcast from training rank 0 to every worker (gloo on CPU, NCCL on GPU) in
   buckets of at most `rollout.bucket_bytes`, each bucket's names, shapes and dtypes broadcast first. The rest
-  of replica 0 joins the gathers that build the full tensors; the other replicas do not.
+  of replica 0 joins the gathers that build the full tensors; the other replicas do not. Behind the last bucket
+  go the fingerprints of the tensors the push verifies (rollout.verify_weights): each worker checks its engine's
+  copy against them once loaded, and a difference stops the worker, and with it the job.
 
 The schedule is deterministic. Weight version v is the policy after v - 1 updates (version 1: the start).
 Step n trains on batch n, which version max(1, n - N) generated (N = `algo.max_staleness`): at the start of
@@ -63,7 +65,7 @@ from megarl.device import current_device, host_barrier, on_gpu
 from megarl.engine.parallel import ParallelGroups
 from megarl.envs.environment import environment_factory
 from megarl.envs.tool_format import observation_format
-from megarl.handoff import buckets, flatten, unflatten
+from megarl.handoff import WeightCheck, buckets, fingerprinted, flatten, unflatten, verify_engine
 from megarl.layout import Layout
 from megarl.loops.launch import job_store, job_world, launch_layout
 from megarl.loops.rl_run import RLRun
@@ -197,10 +199,13 @@ class Worker:
                 raise RuntimeError(f"rollout worker {self.index}: unknown command {command!r}")
 
     def load_weights(self, version: int) -> None:
+        """Load a push, then compare the engine's copy of the tensors the trainer fingerprinted (sent behind the
+        last bucket) with the trainer's: a difference stops this worker, and with it the job."""
         group = self.bridge()
         self.box.put(f"ready/{version}/{self.index}", True)  # the push may start
         self.engine.update_weights(_received(group), version=version)
         self.engine.flush_cache()
+        verify_engine(self.engine, receive_header(group), version=version, engine_name=f"rollout worker {self.index}")
 
     def take_pushed_weights(self) -> None:
         """Between two chunks of a generation (partial rollouts): load the weights pushed meanwhile, if the next
@@ -276,6 +281,8 @@ class SplitRollouts:
         self.pending: dict[int, list[int]] = {}  # requested batch -> this replica's prompt rows (indices)
         self.taken: dict[str, dict[int, dict]] = {}  # request -> worker -> its message, taken ahead of its turn
         self.version = 0  # the last weight version pushed
+        # the tensors of each push the workers compare with their engines' copies (rollout.verify_weights)
+        self.check = WeightCheck(cfg.rollout.verify_weights, period=cfg.rollout.verify_period)
         self.evals = 0
         self.counted = (0, 0)  # store and link bytes of this rank when the metrics were last read
 
@@ -325,24 +332,23 @@ class SplitRollouts:
         worker wait."""
         trajectories: dict[int, Trajectory] = {}
         rewards: dict[int, float] = {}
+        engine_of: dict[int, int] = {}  # sample -> the worker that generated it
         counts, waited = torch.zeros(3, dtype=torch.float64), 0.0
-        for part in self._take(key):
+        for w, part in enumerate(self._take(key)):
             for i, t, r in zip(part["index"], part["trajectories"], part["rewards"]):
-                trajectories[i], rewards[i] = Trajectory(**t), r
+                trajectories[i], rewards[i], engine_of[i] = Trajectory(**t), r, w
             counts += torch.tensor(part["counts"], dtype=torch.float64)
             waited = max(waited, part["waited_s"])
         if not rows:
             return None, counts, waited
         done = [trajectories[i] for i in range(len(rows) * n_samples)]  # the replica's samples, in order
         batch = build_batch(run.tokenizer, [row for row in rows for _ in range(n_samples)],
-                            [t.prompt_ids for t in done], done, n_samples=n_samples, first_group=first_group)
+                            [t.prompt_ids for t in done], done, engines=[engine_of[i] for i in range(len(done))],
+                            n_samples=n_samples, first_group=first_group)
         batch = with_rewards(batch, torch.tensor([rewards[i] for i in range(len(done))]),
                              reward_models=run.reward_models, micro_batch_size=run.cfg.train.micro_batch_size,
                              pad_id=run.tokenizer.pad_token_id)
-        versions = torch.zeros_like(batch.tokens)
-        for row, (start, t) in enumerate(zip(batch.prompt_lens.tolist(), done)):
-            versions[row, start: start + len(t.versions)] = torch.tensor(t.versions)
-        return batch.replace(weight_versions=versions * batch.response_mask.long()), counts, waited
+        return batch, counts, waited
 
     # -- the loop's calls
     def start(self, model_dir: str) -> None:
@@ -379,6 +385,11 @@ class SplitRollouts:
         self._request(run, key, rows, n_samples=1)
         batch, _, _ = self._collect(run, key, rows, n_samples=1)
         return batch
+
+    def versions(self, run: RLRun, step: int) -> tuple[int, int]:
+        """Batch `step` was generated by version max(1, step - max_staleness), a later dynamic-sampling round or
+        a partial rollout's later chunks by any version since, up to the one pushed last."""
+        return max(1, step - self.cfg.algo.max_staleness), self.version
 
     def release(self) -> None:
         """Nothing: the engines are on devices of their own."""
@@ -419,9 +430,11 @@ class SplitRollouts:
             # lead would queue a gather for every tensor and hold its buffers, up to a copy of the model.
             host_barrier(None if groups.ep_size > 1 else groups.mp)
         tensors = run.actor.pipeline_hf_tensors() if gathers else iter(())
-        if not self.lead:
-            return {"bytes": sum(t.numel() * t.element_size() for _, t in tensors)}  # drive the gathers
-        nbytes, n = 0, 0
+        verify = self.check.select(self.version)
+        if not self.lead:  # drive the gathers
+            return {"bytes": sum(t.numel() * t.element_size() for _, t in tensors), "verified": 0}
+        nbytes, n, expected = 0, 0, {}
+        tensors = fingerprinted(tensors, verify, into=expected, dtype=getattr(torch, self.cfg.model.dtype))
         for n, bucket in enumerate(buckets(tensors, bucket_bytes=self.cfg.rollout.bucket_bytes), start=1):
             flat, slots = flatten(bucket, device=current_device())
             send_header(group, slots)
@@ -430,7 +443,8 @@ class SplitRollouts:
                 torch.cuda.current_stream().synchronize()
             nbytes += flat.numel()
         send_header(group, None)  # the end of the push
-        return {"bytes": nbytes, "wait_s": waited}
+        send_header(group, expected)  # the workers compare their engines' copies with these fingerprints
+        return {"bytes": nbytes, "wait_s": waited, "verified": len(expected)}
 
     def close(self) -> None:
         """Stop the workers (and the ranks beside them)."""

@@ -26,6 +26,7 @@ class SafetensorsDir:
         else:
             files = ["model.safetensors"]
         self._where: dict[str, Path] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
         for name in files:
             path = model_dir / name
             if not path.exists():
@@ -33,11 +34,16 @@ class SafetensorsDir:
             try:
                 with safe_open(str(path), framework="pt") as handle:
                     self._where.update(dict.fromkeys(handle.keys(), path))
+                    self._shapes.update((key, tuple(handle.get_slice(key).get_shape())) for key in handle.keys())
             except Exception as e:  # noqa: BLE001 - safetensors' errors do not name the file
                 raise ValueError(f"{path}: not a readable safetensors file (truncated?): {e}") from None
 
     def names(self) -> list[str]:
         return list(self._where)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape, read from the file headers."""
+        return dict(self._shapes)
 
     def __contains__(self, name: str) -> bool:
         return name in self._where

@@ -3,7 +3,8 @@
 Two engines implement it: `native` (a transformers model in-process; megarl.rollout.native) and `sglang`
 (SGLang's offline engine, co-located with the trainer; megarl.rollout.sglang_engine). The loop calls, per
 step and in this order: `generate`, `release_memory` (the trainer takes the device), then after the update
-`resume_weights`, `update_weights` + `flush_cache` (megarl.handoff.push_weights), `resume_cache`.
+`resume_weights`, `update_weights` + `flush_cache` + `read_weights` (megarl.handoff.push_weights, which
+verifies the push), `resume_cache`.
 megarl.rollout.backends picks the recipe's engine.
 """
 
@@ -29,8 +30,8 @@ class Generation:
     # token was routed to at each MoE layer, in layer order, when the engine fed it in: the prompt's tokens
     # at prefill, then each sampled token but the last (which is never fed in). None otherwise.
     routes: list[Tensor] | None = None
-    # Per prompt, the weight version that sampled each response token (megarl.rollout.partial.VersionedEngine);
-    # None from an engine that does not record it.
+    # Per prompt, the weight version that sampled each response token, as the engine records it (its
+    # `weight_version` when the call ran; a partial rollout's chunks may differ: megarl.rollout.partial).
     versions: list[list[int]] | None = None
 
 
@@ -58,6 +59,12 @@ class RolloutEngine(Protocol):
 
     def flush_cache(self) -> None:
         """Drop cached prefixes computed with the previous weights."""
+        ...
+
+    def read_weights(self, names: list[str]) -> Iterable[tuple[str, Tensor | None]]:
+        """The engine's own copy of each named tensor, in the HF layout it was pushed in, one at a time and in
+        order (a view where the engine can); None for a tensor the engine cannot read back. Weight checks
+        (megarl.handoff.verify_engine) compare these with the trainer's."""
         ...
 
     def release_memory(self) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from functools import partial
 
 import torch
@@ -204,7 +204,8 @@ class NativeEngine:
         if self._routes is not None:
             routes = self._routes.per_sequence([len(p) for p in prompts], [len(r[0]) for r in ordered], width=width)
         return Generation(response_ids=[r[0] for r in ordered], logprobs=[r[1] for r in ordered],
-                          finish_reasons=[r[2] for r in ordered], routes=routes)
+                          finish_reasons=[r[2] for r in ordered], routes=routes,
+                          versions=[[self.weight_version] * len(r[0]) for r in ordered])
 
     def _prefill(self, ids: Tensor, attention: Tensor, positions: Tensor, prompts: list[list[int]],
                  lean: LeanDecoder | None):
@@ -265,6 +266,18 @@ class NativeEngine:
         if missing:
             raise ValueError(f"weight push of version {version} missed parameters: {sorted({m[0] for m in missing})[:5]}")
         self.weight_version = version
+
+    def read_weights(self, names: list[str]) -> Iterator[tuple[str, Tensor | None]]:
+        """Views of the model's parameters under their checkpoint names (an expert's slice of a stacked
+        parameter; a tied output layer is the embedding it shares)."""
+        for name in names:
+            param_name, expert, half = _slot(name)
+            target = self._params.get(param_name)
+            if target is None and name == "lm_head.weight":
+                target = self.model.get_output_embeddings().weight
+            elif target is not None and expert is not None:
+                target = target[expert] if half is None else target[expert].chunk(2, dim=0)[half]
+            yield name, None if target is None else target.detach()
 
     # The memory choreography of co-located engines; a native engine keeps its memory.
     def release_memory(self) -> None:

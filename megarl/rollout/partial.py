@@ -56,7 +56,8 @@ class VersionedEngine:
             for j, i in enumerate(active):
                 ids[i] += out.response_ids[j]
                 logprobs[i] += out.logprobs[j]
-                versions[i] += [version] * len(out.response_ids[j])
+                # the engine's own stamps; an engine that records none sampled with the version it had
+                versions[i] += out.versions[j] if out.versions is not None else [version] * len(out.response_ids[j])
                 if out.routes is not None:
                     routes[i] = out.routes[j]  # the last call's routes cover the whole sequence
                 if out.finish_reasons[j] == "stop" or len(ids[i]) >= max_new_tokens:

@@ -26,7 +26,9 @@ import asyncio
 import base64
 import contextlib
 import logging
+import math
 import os
+import sys
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -46,6 +48,8 @@ log = logging.getLogger(__name__)
 # them; the KV cache and the CUDA-graph pool after it, so the push has the most room.
 WEIGHT_TAGS = ("weights",)
 CACHE_TAGS = ("kv_cache", "cuda_graph")
+# The largest tensor read back for a weight check (values): SGLang reads back through Python lists.
+READBACK_MAX_VALUES = 1 << 22
 # CPU mode: the KV pool's cap in tokens. SGLang would otherwise give the pool mem_fraction of the free host
 # memory (less the weights), which on a shared machine is gigabytes no tiny-model run needs.
 CPU_POOL_TOKENS = 8192
@@ -114,7 +118,9 @@ class SGLangEngine:
         self.tp_size = tp_size
         # SGLang skips tensor names its model does not know; a push is checked against the names of the
         # checkpoint the engine was started from instead, so a wrong name table fails loudly.
-        self.expected_names = frozenset(SafetensorsDir(model_dir).names())
+        checkpoint = SafetensorsDir(model_dir)
+        self.expected_names = frozenset(checkpoint.names())
+        self._sizes = {name: math.prod(shape) for name, shape in checkpoint.shapes().items()}  # read_weights
         args = engine_args(model_dir, on_gpu=self.on_gpu, dtype=dtype, seed=seed, tp_size=tp_size,
                            mem_fraction=mem_fraction, base_gpu_id=base_gpu_id, cpu_pool_tokens=cpu_pool_tokens,
                            capture_routes=capture_routes)
@@ -128,6 +134,9 @@ class SGLangEngine:
             monkey_patch_torch_reductions()
         self.weight_version = 0
         self._released: set[str] = set()
+        # SGLang 0.5.21+ records a weight version that it stamps on every response
+        self.stamps_versions = hasattr(self.engine.tokenizer_manager, "update_weight_version")
+        self._readable: bool | None = None  # whether get_weights_by_name answers (None: not asked yet)
 
     def generate(self, prompts: list[list[int]], *, temperature: float, top_p: float, max_new_tokens: int,
                  eos_id: int, pad_id: int, on_response: ResponseCallback | None = None) -> Generation:
@@ -143,6 +152,7 @@ class SGLangEngine:
                   "stop_token_ids": [eos_id], "ignore_eos": False}
         responses: dict[int, tuple[list[int], list[float], str]] = {}
         routes: dict[int, Tensor] = {}
+        stamps: dict[int, int] = {}  # the weight version SGLang answered each request with
 
         # One request per prompt, all sent at once: SGLang's scheduler batches them as it would one batch
         # request, and each is answered as it finishes rather than with the slowest.
@@ -156,6 +166,7 @@ class SGLangEngine:
             response = list(out["output_ids"])
             responses[i] = (response, [lp for lp, _, _ in meta["output_token_logprobs"]][: len(response)],
                             "stop" if reason == "stop" else "length")
+            stamps[i] = self._version_of(meta)
             if self.capture_routes:
                 routes[i] = decode_routes(meta.get("routed_experts"), tokens=len(ids) + len(response) - 1,
                                           layers=self.route_layers, top_k=self.route_top_k,
@@ -170,7 +181,16 @@ class SGLangEngine:
         ordered = [responses[i] for i in range(len(prompts))]
         return Generation(response_ids=[r[0] for r in ordered], logprobs=[r[1] for r in ordered],
                           finish_reasons=[r[2] for r in ordered],
-                          routes=[routes[i] for i in range(len(prompts))] if self.capture_routes else None)
+                          routes=[routes[i] for i in range(len(prompts))] if self.capture_routes else None,
+                          versions=[[stamps[i]] * len(r[0]) for i, r in enumerate(ordered)])
+
+    def _version_of(self, meta: dict) -> int:
+        """The weight version SGLang stamped a response with (`meta_info["weight_version"]`, which megarl sets
+        after every push: "default" until the first), or this engine's own count where SGLang cannot record one."""
+        if not self.stamps_versions:
+            return self.weight_version
+        stamp = str(meta.get("weight_version", "default"))
+        return int(stamp) if stamp.isdigit() else 0
 
     def rng_state(self) -> None:
         """None: SGLang's sampler state lives in its scheduler process and cannot be saved, so a resumed
@@ -222,7 +242,28 @@ class SGLangEngine:
                 torch.cuda.ipc_collect()  # free staging buffers whose last IPC reference just dropped
         if missing:
             raise ValueError(f"weight push of version {version} missed tensors: {sorted(missing)[:5]}")
+        if self.stamps_versions:
+            from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
+
+            # the scheduler stamps every later response with it (meta_info["weight_version"])
+            request = UpdateWeightVersionReqInput(new_version=str(version), abort_all_requests=False)
+            self.engine.loop.run_until_complete(self.engine.tokenizer_manager.update_weight_version(request))
         self.weight_version = version
+
+    def read_weights(self, names: list[str]) -> Iterator[tuple[str, Tensor | None]]:
+        """SGLang's own read-back, `Engine.get_weights_by_name`: in 0.5.23 the model class's method, which turns
+        the whole tensor into a float32 Python list in the scheduler and sends it over its socket (about a
+        microsecond per value), so tensors above READBACK_MAX_VALUES are not read (None). Only some classes have
+        the method (Llama and a few others; not Qwen2, Qwen3 or the MoE classes: None for every tensor), and
+        with tp_size > 1 it returns one TP rank's shard of the column-parallel tensors: None for all then."""
+        for name in names:
+            held = None
+            if self.tp_size == 1 and self._readable is not False and self._sizes.get(name, 0) <= READBACK_MAX_VALUES:
+                values = self.engine.get_weights_by_name(name, truncate_size=sys.maxsize)
+                # a model class without the method answers None to every name (and logs an error): ask once
+                self._readable = self._readable or values is not None
+                held = None if values is None else torch.tensor(values, dtype=torch.float32)
+            yield name, held
 
     def flush_cache(self) -> None:
         result = self.engine.flush_cache()

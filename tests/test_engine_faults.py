@@ -1,0 +1,194 @@
+"""A rollout engine that does not sample the trainer's policy is caught, named, and stops the run: a push that
+silently skips a tensor (the push checks of rollout.verify_weights), a push that never takes effect (the weight
+version every generated token carries), an engine whose logprobs stay off the trainer's (the drift gate).
+
+The engines are real (the native engine on the tiny Qwen2); each fault is a small wrapper around one. The push
+checks run in this process; the version and drift checks in short `megarl train` runs
+(tests/faulty_engines.py injects the fault there).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, run_python
+from faulty_engines import SkippingEngine
+from megarl.handoff import WeightCheck, WeightMismatch, fingerprint, push_weights
+from megarl.rollout.native import NativeEngine
+
+PERIOD = 3  # rollout.verify_period of the sampled checks here
+
+
+def trainer_pushes(model_dir: Path, count: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """`count` pushes of every tensor of a checkpoint, with other values at every push (push p adds p * 1e-3),
+    so a tensor an engine does not load keeps a value the trainer no longer has."""
+    tensors = list(load_file(str(model_dir / "model.safetensors")).items())
+    return [[(name, t + p * 1e-3) for name, t in tensors] for p in range(count)]
+
+
+def push_all(engine, pushes, check: WeightCheck) -> list[int]:
+    """Push each of `pushes` into `engine` with `check`'s selection; the tensors verified at each push."""
+    return [push_weights(engine, iter(tensors), bucket_bytes=2**16, version=v, verify=check.select(v),
+                         engine_name="rollout engine 0")["verified"] for v, tensors in enumerate(pushes, start=1)]
+
+
+@pytest.fixture(scope="module")
+def pushes(qwen2_other_dir):
+    return trainer_pushes(qwen2_other_dir, 2 + PERIOD)
+
+
+def test_fingerprints_match_equal_bytes_only():
+    t = torch.randn(9_000_001, generator=torch.Generator().manual_seed(0))  # more than one chunk, a loose tail
+    assert fingerprint(t).same(fingerprint(t.clone()))
+    assert fingerprint(t.view(1, -1)).words == fingerprint(t).words  # the bytes, whatever the shape
+    assert fingerprint(t[1:]).same(fingerprint(t[1:].clone()))  # an offset that is not a whole word
+    swapped = t.clone()
+    swapped[[0, 8_999_998]] = swapped[[8_999_998, 0]]  # the same half of an 8-byte word
+    moved = fingerprint(swapped)
+    assert moved.words == fingerprint(t).words and not moved.same(fingerprint(t))  # a moved value shows
+    nudged = t.clone()
+    nudged[123] = torch.nextafter(nudged[123], torch.tensor(1.0))  # one bit
+    assert not fingerprint(nudged).same(fingerprint(t))
+    half = t[:1000].to(torch.bfloat16)
+    assert fingerprint(half).same(fingerprint(half.float().to(torch.bfloat16)))
+    assert not fingerprint(half).same(fingerprint(t[:1000]))  # another dtype is another tensor
+
+
+@pytest.mark.parametrize("mode", ["every", "first", "sampled"])
+def test_a_push_that_skips_a_tensor_is_caught_on_that_push_naming_it(qwen2_dir, pushes, mode):
+    """The run's first push checks every tensor in every mode but off (the engine starts from other weights,
+    which the skipped tensor keeps)."""
+    name = next(n for n, _ in pushes[0] if n.endswith("mlp.up_proj.weight"))
+    engine = SkippingEngine(NativeEngine(str(qwen2_dir), device="cpu"), name=name, start=1)
+    with pytest.raises(WeightMismatch, match=rf"version 1: rollout engine 0 holds another '{name}'") as caught:
+        push_all(engine, pushes[:1], WeightCheck(mode, period=PERIOD))
+    assert "engine float32" in str(caught.value) and "vs trainer float32" in str(caught.value)
+
+
+def test_every_catches_a_skip_that_starts_later_on_that_push(qwen2_dir, pushes):
+    name = pushes[0][-1][0]
+    engine = SkippingEngine(NativeEngine(str(qwen2_dir), device="cpu"), name=name, start=3)
+    with pytest.raises(WeightMismatch, match=rf"version 3: .* '{name}'"):
+        push_all(engine, pushes, WeightCheck("every", period=PERIOD))
+
+
+def test_sampled_catches_a_skip_that_starts_later_within_period_pushes(qwen2_dir, pushes):
+    """After the first push, the push of version v checks the tensors at stream positions i = v (mod PERIOD): a
+    skip of tensor i that starts at version 2 is found at the first v >= 2 with v = i (mod PERIOD); the tensor
+    chosen is one the rotation reaches last, PERIOD pushes later."""
+    index = next(i for i in range(len(pushes[0])) if i % PERIOD == 1)  # checked at versions 1, 4, 7, ...
+    name = pushes[0][index][0]
+    engine = SkippingEngine(NativeEngine(str(qwen2_dir), device="cpu"), name=name, start=2)
+    with pytest.raises(WeightMismatch, match=rf"version {1 + PERIOD}: .* '{name}'"):
+        push_all(engine, pushes, WeightCheck("sampled", period=PERIOD))
+
+
+def test_the_same_pushes_with_nothing_skipped_pass_and_count_what_they_checked(qwen2_dir, pushes):
+    n = len(pushes[0])
+    counts = {mode: push_all(NativeEngine(str(qwen2_dir), device="cpu"), pushes, WeightCheck(mode, period=PERIOD))
+              for mode in ("every", "first", "sampled", "off")}
+    assert counts["every"] == [n] * len(pushes)
+    assert counts["first"] == [n] + [0] * (len(pushes) - 1)
+    assert counts["off"] == [0] * len(pushes)
+    sampled = counts["sampled"]
+    assert sampled[0] == n and sum(sampled[1: 1 + PERIOD]) == n  # every tensor once more within PERIOD pushes
+    assert all(n // PERIOD <= c <= -(-n // PERIOD) for c in sampled[1:])
+
+
+def test_an_engine_that_holds_the_weights_in_a_narrower_dtype_is_compared_in_its_dtype(qwen2_dir, pushes):
+    """fp32 tensors pushed into a bf16 engine arrive rounded (an fp32 norm of a bf16 trainer): the check rounds
+    the trainer's tensors as the engine's load does, and still tells a skipped one."""
+    n = len(pushes[0])
+    engine = NativeEngine(str(qwen2_dir), dtype="bfloat16", device="cpu")
+    every = dict(bucket_bytes=2**16, verify=lambda index: True, dtype=torch.bfloat16, engine_name="rollout engine 0")
+    assert push_weights(engine, iter(pushes[0]), version=1, **every)["verified"] == n
+    name = next(n for n, _ in pushes[0] if n.endswith("self_attn.o_proj.weight"))
+    with pytest.raises(WeightMismatch, match=rf"version 2: .* '{name}'"):
+        push_weights(SkippingEngine(engine, name=name, start=1), iter(pushes[1]), version=2, **every)
+
+
+def test_recipe_keys_of_the_checks(tmp_path):
+    """`off` is a choice, not YAML 1.1's false; a bad value is an error naming the key."""
+    from megarl.config import ConfigError, load_config
+
+    path = tmp_path / "q.yaml"
+    path.write_text("model:\n  path: model\ndata:\n  train_path: train.jsonl\nrollout:\n  verify_weights: off\n")
+    assert load_config(path, check_paths=False).rollout.verify_weights == "off"
+    cfg = load_config(path, ["rollout.verify_weights=every", "rollout.max_logprob_drift=null"], check_paths=False)
+    assert (cfg.rollout.verify_weights, cfg.rollout.max_logprob_drift) == ("every", None)
+    for override, key in (("rollout.verify_weights=sometimes", "rollout.verify_weights"),
+                          ("rollout.verify_period=0", "rollout.verify_period"),
+                          ("rollout.max_logprob_drift=0", "rollout.max_logprob_drift"),
+                          ("rollout.drift_patience=0", "rollout.drift_patience")):
+        with pytest.raises(ConfigError, match=key):
+            load_config(path, [override], check_paths=False)
+
+
+# ---- faults a run stops at -----------------------------------------------------------------------------------
+STEPS = 5
+RUN_TIMEOUT_S = 240  # a 5-step tiny run takes ~15 s alone on 2 cores
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory, qwen2_dir, arithmetic_dir) -> Path:
+    """A tiny GRPO run whose weights move at every step: lr 1e-2 and an entropy bonus (the random model's
+    responses all run to the length limit, so a length penalty alone gives every sample the same reward); the
+    bonus also makes every sample train, so every step measures the drift. No evaluation, no checkpoint."""
+    path = tmp_path_factory.mktemp("faults") / "recipe.yaml"
+    path.write_text(
+        f"model:\n  path: {qwen2_dir}\n"
+        f"data:\n  train_path: {arithmetic_dir / 'train.jsonl'}\n  prompts_per_step: 4\n"
+        "rollout:\n  n_samples: 4\n  max_new_tokens: 6\n"
+        f"train:\n  steps: {STEPS}\n  micro_batch_size: 8\n"
+        "algo:\n  name: grpo\n  entropy_coef: 0.01\n"
+        "optim:\n  lr: 1.0e-2\n"
+        "reward:\n  terms:\n    - {kind: length_penalty, max_tokens: 6, cache_tokens: 4}\n"
+        "checkpoint:\n  every_steps: 0\n  save_final: false\n"
+        "log:\n  progress: false\n"
+    )
+    return path
+
+
+def faulty_run(recipe: Path, fault: str, *overrides: str) -> tuple[int, str, list[dict]]:
+    """`megarl train RECIPE` with the engine's pushes stuck after the first (tests/faulty_engines.py):
+    exit code, stderr and the metrics of the steps logged."""
+    run_dir = recipe.parent / fault
+    proc = run_python([str(REPO / "tests" / "faulty_engines.py"), fault, str(recipe), f"run_dir={run_dir}",
+                       *overrides], cwd=recipe.parent, timeout_s=RUN_TIMEOUT_S, env={"OMP_NUM_THREADS": "1"})
+    metrics = run_dir / "metrics.jsonl"
+    logged = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    return proc.returncode, proc.stderr, logged
+
+
+def test_a_push_that_never_takes_effect_stops_the_run_at_the_next_step_naming_engine_and_versions(recipe):
+    """The engine keeps version 1 and its weights from the second push (after step 1) on: step 2's samples carry
+    version 1 where the step expects 2. The push checks are off, which would otherwise catch it first."""
+    code, err, logged = faulty_run(recipe, "ignored", "rollout.verify_weights=off")
+    assert code == 1, err[-3000:]
+    assert [m["step"] for m in logged] == [1]
+    assert "megarl: rollout engine fault: step 2: rollout engine 0 generated with weight version 1; the step " \
+           "expects version 2" in err, err[-3000:]
+    assert "Traceback" not in err
+
+
+def test_an_engine_off_the_trainers_policy_stops_the_run_within_drift_patience_steps(recipe):
+    """The engine claims every pushed version but keeps the weights of the first push, so from step 2 on its
+    logprobs are off the trainer's. The limit is 1e-3: far above an honest run's drift (step 1 here), far below
+    what one stale update of this recipe gives. One step above it is a warning; the second in a row
+    (drift_patience 2) stops the run."""
+    code, err, logged = faulty_run(recipe, "claimed", "rollout.verify_weights=off", "rollout.max_logprob_drift=1e-3",
+                                   "rollout.drift_patience=2")
+    assert code == 1, err[-3000:]
+    drift = [m["rollout/logprob_diff_mean"] for m in logged]
+    assert len(logged) == 2 and all(m["rollout/logprob_diff_tokens"] > 0 for m in logged)
+    assert drift[0] < 1e-5 < 1e-3 < drift[1]  # step 1 by the weights the trainer started from; step 2 stale
+    stopped = len(logged) + 1
+    assert "the rollout engines are not sampling the trainer's policy" in err, err[-3000:]
+    assert f"step {stopped}: " in err
+    assert "rollout.max_logprob_drift = 0.001 for 2 steps" in err
+    assert err.count("is above rollout.max_logprob_drift") == 1  # the warning of the first step above
