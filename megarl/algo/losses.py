@@ -154,8 +154,8 @@ def gspo_loss(
     valid = mask.bool()
     log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0).clamp(-MAX_TOKEN_LOG_RATIO, MAX_TOKEN_LOG_RATIO)
     seq_log_ratio = masked_mean(log_ratio, valid, dim=-1).detach()  # [B]
-    # d_t - sg(d_t) is 0 in value and carries d_t's gradient: none past either bound (the clamp's, or this mask's;
-    # exp(logprobs - sg(logprobs)) would carry e^MAX_SEQ_LOG_RATIO / n_i to each token whatever the bound)
+    # d_t - sg(d_t) is 0 in value and carries d_t's gradient, which the clamp above cuts past the token bound and
+    # `within` past the sequence bound (s_i is capped there, but a gradient of s_i per token would still flow)
     within = (seq_log_ratio <= MAX_SEQ_LOG_RATIO)[:, None]
     grad_carrier = torch.where(within, log_ratio - log_ratio.detach(), 0.0)  # [B, T]
     token_ratio = torch.exp(seq_log_ratio.clamp(max=MAX_SEQ_LOG_RATIO)[:, None] + grad_carrier)  # [B, T]
