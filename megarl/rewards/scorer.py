@@ -1,9 +1,10 @@
 """The recipe's reward: weighted terms built once, scored per sample in this process or on a Ray pool, and
 the failure policy, which lives here only: a sample whose reward raises, returns something that is not a
 number, runs past `reward.timeout_s` or is not finite scores 0, is counted, and the first one of a batch is
-logged and kept (`Scorer.first_failure`); so is a sample whose environment's step reward is not a finite
-number (`Scoring.fail`; the environment's reward is 0 too). A failed sample never ends the run; the RL loop
-stops after `reward.max_failed_steps` consecutive steps in which every sample failed (megarl.loops.rl).
+logged and kept (`Scorer.first_failure`); the same holds for a sample whose environment's step reward is
+not a finite number (`Scoring.fail`; the environment's reward is 0 too). A failed sample never ends the run;
+the RL loop stops after `reward.max_failed_steps` consecutive steps in which every sample failed
+(megarl.loops.rl).
 
     scorer = Scorer(cfg.reward)                       # RecipeError now if a custom function does not import
     rewards, failures = scorer(samples)               # list[float] [B], int
