@@ -250,6 +250,7 @@ def test_equal_rewards_of_any_float_dtype_get_exactly_zero():
     # 0.1 + 0.1 + 0.1 != 3 * 0.1 in float64 too: exactness comes from the shift by the group's minimum
     for dtype in (torch.float64, torch.bfloat16, torch.float16):
         rewards = torch.full((3,), 0.1, dtype=dtype)
-        for adv in (grpo_advantages(rewards, torch.zeros(3)), grpo_advantages(rewards, torch.zeros(3), std_norm=False),
-                    rloo_advantages(rewards, torch.zeros(3))):
+        group_ids = torch.zeros(3)
+        for adv in (grpo_advantages(rewards, group_ids), grpo_advantages(rewards, group_ids, std_norm=False),
+                    rloo_advantages(rewards, group_ids)):
             assert adv.dtype == dtype and torch.equal(adv, torch.zeros(3, dtype=dtype)), (dtype, adv)

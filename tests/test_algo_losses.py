@@ -84,7 +84,7 @@ def test_ppo_truncated_importance_sampling_weight():
 
 
 def test_ppo_tis_weight_is_zero_where_the_rollout_logprob_is_not_finite():
-    # NaN or +-inf is a broken rollout logprob, not a probability: weight 0 (no loss, no gradient), not NaN or the cap
+    # NaN or +-inf is a broken rollout logprob, not a probability: weight 0 (no loss, no gradient), not NaN or cap
     old = torch.full((1, 4), -1.0)
     rollout = torch.tensor([[math.nan, math.inf, -math.inf, -1.0 - LN(1.5)]])  # the last: ratio 1.5
     logprobs = old.clone().requires_grad_(True)
