@@ -34,7 +34,7 @@ class RolloutBatch:
     turns: Tensor | None = None           # [B] long: model turns of each trajectory (1 for single-turn rollouts)
     tool_calls: Tensor | None = None      # [B] long: tool calls the environment answered
     env_rewards: Tensor | None = None     # [B] sum of the environment's step rewards, added to the recipe's
-                                          # rewards
+                                          # rewards; 0 where one was not a finite number (a failed sample)
     routes: list[Tensor] | None = None    # [B] MoE models: the experts the rollout engine routed each token to,
                                           # [real tokens - 1, moe_layers, top_k] per sample (megarl.routing)
     trainer_routes: list[Tensor] | None = None  # [B] the experts the old-logprob forward routed each token to

@@ -47,10 +47,13 @@ class PolicyObjective:
     over the global batch.
 
     `mis_low`/`mis_high` (masked importance sampling, `rollout_rejection_mask`): tokens, or whole sequences
-    (`mis_level`), whose ratio trainer / rollout-engine probability leaves [mis_low, mis_high] get a zero
-    surrogate loss, so no policy gradient. They stay in the aggregation's denominators (the global batch's
-    counts): rejecting tokens does not scale up the gradient of the others, as in IcePop. TIS, when also on,
-    weights the tokens that are kept. The KL and entropy terms are not masked.
+    (`mis_level`), whose ratio trainer / rollout-engine probability leaves [mis_low, mis_high] or is not a
+    number get a surrogate loss of exactly 0 and a policy gradient of exactly 0, whatever their ratios (every
+    factor of the surrogate's local derivative is finite: bounded log-ratios, TIS weights in [0, tis_cap]).
+    They stay in the aggregation's denominators (the global batch's counts): rejecting tokens does not scale
+    up the gradient of the others, as in IcePop. TIS, when also on, weights the tokens that are kept; without
+    MIS, TIS gives weight 0 to a token whose rollout logprob is not finite. The KL and entropy terms are not
+    masked.
 
     `on_policy`: the old logprobs are the detached logprobs of this very forward (AlgoConfig.on_policy: one
     optimizer step per batch, so they are what a separate forward of the same weights would compute), and
@@ -119,7 +122,9 @@ class PolicyObjective:
         if self.rejects:
             keep = rollout_rejection_mask(old, mb["rollout_logprobs"], mask, low=self.mis_low, high=self.mis_high,
                                           level=self.mis_level)
-            # zeroed, not removed: `aggregate` still divides by the counts in `norm`, which include these tokens
+            # zeroed, not removed: `aggregate` still divides by the counts in `norm`, which include these tokens.
+            # Their gradient is 0 times the surrogate's local derivative, which the losses keep finite (a NaN
+            # there, from a NaN TIS weight once, would make it NaN)
             per_token = torch.where(keep.bool(), per_token, 0.0)
         loss = aggregate(per_token, mask, mode=self.loss_agg, norm=norm)
         out = {"pg_loss": loss.detach(), "clipfrac": token_mean(stats["clipped"]),

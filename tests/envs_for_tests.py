@@ -70,3 +70,15 @@ class NeedsOption:
 
     def step(self, turn: str) -> Step:
         return Step(done=True)
+
+
+class StepRewardEnv:
+    """Done on the first turn, with the row's metadata["step_reward"] (anything, or None) as its step reward."""
+
+    tools: list[dict] = []
+
+    def reset(self, prompt: str, metadata: dict) -> None:
+        self.reward = metadata.get("step_reward")
+
+    def step(self, turn: str) -> Step:
+        return Step(done=True, reward=self.reward)

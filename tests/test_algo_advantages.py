@@ -189,3 +189,68 @@ def test_dynamic_sampling_keeps_groups_with_reward_variance():
 def test_integer_rewards_are_accepted():
     adv = grpo_advantages(torch.tensor([1, 0]), torch.tensor([0, 0]), std_norm=False)
     assert adv.is_floating_point() and math.isclose(adv[0].item(), 0.5)
+
+
+# ---- equal rewards: exactly zero ------------------------------------------------------------------------------
+# A group whose rewards are all equal must get an advantage of exactly 0: the trainer skips such samples
+# (`zero_advantage_split` tests `!= 0`), and anything else is a direction made of rounding error, which
+# GRPO's std division blows up (eight float32 rewards of 0.1 gave -0.0074 on each).
+EQUAL_REWARDS = [0.1, 0.2, 0.3, 0.7, 0.9, 1 / 3, 1.1, 0.0, 1.0, 0.5]
+GROUP_SIZES = range(2, 17)
+
+
+def random_lengths_mask(n: int, *, seed: int, width: int = 12) -> torch.Tensor:
+    """`[n, width]` right-padded response masks of random lengths 1..width."""
+    lengths = torch.randint(1, width + 1, (n,), generator=torch.Generator().manual_seed(seed))
+    return (torch.arange(width) < lengths[:, None]).float()
+
+
+ESTIMATORS = {  # (rewards [n], group_ids [n], mask [n, T]) -> advantages
+    "grpo": lambda r, g, mask: grpo_advantages(r, g),
+    "dr_grpo": lambda r, g, mask: grpo_advantages(r, g, std_norm=False),
+    "rloo": lambda r, g, mask: rloo_advantages(r, g),
+    "reinforce_pp_baseline": lambda r, g, mask: reinforce_pp_baseline_advantages(r, g, mask),
+    "reinforce_pp": lambda r, g, mask: reinforce_pp_advantages(
+        kl_penalized_token_rewards(r, torch.zeros_like(mask), mask, kl_coef=0.0), mask),
+    "whiten": lambda r, g, mask: whiten(broadcast_to_tokens(r, mask), mask),
+}
+
+
+@pytest.mark.parametrize("name", ESTIMATORS)
+def test_a_group_of_equal_float32_rewards_gets_exactly_zero_advantage(name):
+    nonzero = []
+    for value in EQUAL_REWARDS:
+        for n in GROUP_SIZES:
+            rewards = torch.full((n,), value, dtype=torch.float32)  # the batch's dtype
+            adv = ESTIMATORS[name](rewards, torch.full((n,), 3), random_lengths_mask(n, seed=n))
+            assert adv.dtype == torch.float32
+            if (adv != 0).any():
+                nonzero.append((round(value, 4), n, float(adv.abs().max())))
+    assert not nonzero, f"{len(nonzero)} of 150 groups (value, size, max |A|): {nonzero[:6]}"
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
+def test_equal_groups_in_one_batch_get_exactly_zero_beside_groups_that_differ(name):
+    # the 150 equal groups, interleaved, in one batch: each group's statistics are its own
+    rewards = torch.tensor([v for v in EQUAL_REWARDS for n in GROUP_SIZES for _ in range(n)], dtype=torch.float32)
+    group_ids = torch.tensor([g for g in range(150) for _ in range(list(GROUP_SIZES)[g % 15])])
+    order = torch.randperm(len(rewards), generator=torch.Generator().manual_seed(0))
+    rewards, group_ids = rewards[order], group_ids[order]
+    mask = random_lengths_mask(len(rewards), seed=1)
+    adv = ESTIMATORS[name](rewards, group_ids, mask)
+    assert torch.equal(adv, torch.zeros_like(adv)), f"{int((adv != 0).sum())} non-zero"
+    if name != "reinforce_pp_baseline":  # whitening over the batch moves every group; the others are per group
+        # a group that differs beside them gets its usual advantage, and theirs stay 0
+        mixed = torch.cat([rewards, torch.tensor([0.1, 0.2])])
+        adv = ESTIMATORS[name](mixed, torch.cat([group_ids, torch.tensor([999, 999])]), mask)
+        assert torch.equal(adv[:-2], torch.zeros_like(rewards)) and (adv[-2:] != 0).all()
+
+
+def test_equal_rewards_of_any_float_dtype_get_exactly_zero():
+    # 0.1 + 0.1 + 0.1 != 3 * 0.1 in float64 too: exactness comes from the shift by the group's minimum
+    for dtype in (torch.float64, torch.bfloat16, torch.float16):
+        rewards = torch.full((3,), 0.1, dtype=dtype)
+        group_ids = torch.zeros(3)
+        for adv in (grpo_advantages(rewards, group_ids), grpo_advantages(rewards, group_ids, std_norm=False),
+                    rloo_advantages(rewards, group_ids)):
+            assert adv.dtype == dtype and torch.equal(adv, torch.zeros(3, dtype=dtype)), (dtype, adv)

@@ -83,6 +83,19 @@ def test_ppo_truncated_importance_sampling_weight():
         ppo_clip_loss(logprobs, old, adv, torch.ones(1, 3), clip_low=0.2, clip_high=0.2, tis_cap=1.5)
 
 
+def test_ppo_tis_weight_is_zero_where_the_rollout_logprob_is_not_finite():
+    # NaN or +-inf is a broken rollout logprob, not a probability: weight 0 (no loss, no gradient), not NaN or cap
+    old = torch.full((1, 4), -1.0)
+    rollout = torch.tensor([[math.nan, math.inf, -math.inf, -1.0 - LN(1.5)]])  # the last: ratio 1.5
+    logprobs = old.clone().requires_grad_(True)
+    loss, stats = ppo_clip_loss(logprobs, old, torch.ones(1, 4), torch.ones(1, 4), clip_low=0.2, clip_high=0.2,
+                                rollout_logprobs=rollout, tis_cap=2.0)
+    close(stats["tis_weight"], [[0.0, 0.0, 0.0, 1.5]])
+    close(loss, [[0.0, 0.0, 0.0, -1.5]])
+    loss.sum().backward()
+    close(logprobs.grad, [[0.0, 0.0, 0.0, -1.5]])
+
+
 def test_ppo_padding_with_extreme_logprobs_stays_finite():
     logprobs = torch.tensor([[-1.0, 0.0]], requires_grad=True)
     old = torch.tensor([[-1.0, -1000.0]])  # exp(1000) would overflow on the padded token
@@ -145,6 +158,17 @@ def test_gspo_hand_computed_sequence_ratio():
     loss.sum().backward()
     # token-level straight-through: d/d logp_t of sg(s) * exp(logp_t - sg(logp_t)) = s, times -A
     close(logprobs.grad, [[-1.2214028, -1.2214028, 0.0]])
+
+
+def test_gspo_token_past_the_token_bound_passes_no_gradient():
+    # log-ratios +-25 are clamped to +-20 (as PPO's): the sequence mean is 0, s = 1 inside the clip range, and
+    # neither token passes a gradient; the third, inside the bound, passes -A * s = -1
+    logprobs = torch.tensor([[25.0, -25.0, 0.0]], requires_grad=True)
+    loss, stats = gspo_loss(logprobs, torch.zeros(1, 3), torch.tensor([1.0]), torch.ones(1, 3),
+                            clip_low=0.2, clip_high=0.28)
+    close(stats["ratio"], [[1.0, 1.0, 1.0]])
+    loss.sum().backward()
+    close(logprobs.grad, [[0.0, 0.0, -1.0]])
 
 
 def test_gspo_equals_ppo_when_every_token_has_the_same_log_ratio():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import time
 
 import pytest
@@ -281,6 +282,75 @@ def test_a_trajectory_is_handed_out_once_as_soon_as_its_last_turn_is_known(tool_
     assert sorted((i, turns, reason) for i, turns, reason, _ in handed) == expected
     for i, _, _, response_ids in handed:
         assert response_ids == out[i].response_ids  # the response was final when it was handed out
+
+
+def scored_batch(tokenizer, env: EnvConfig, metadata: list[dict], *, n_samples: int):
+    """The samples of one generate_part call (ScriptedEngine turns, `env`, one row per metadata), scored by a
+    reward term that gives 1.0, packed and rewarded as a training rank does: (batch, failures, scorer)."""
+    from types import SimpleNamespace
+
+    from megarl.config import RewardConfig, RewardTermConfig
+    from megarl.data.prompts import PromptRow
+    from megarl.loops.samples import build_batch, generate_part, with_rewards
+    from megarl.rewards.scorer import Scorer
+
+    cfg = Config(model=ModelConfig(path="unused"), data=DataConfig(train_path="unused.jsonl"),
+                 rollout=RolloutConfig(max_new_tokens=10), env=env)
+    scorer = Scorer(RewardConfig(terms=[RewardTermConfig(kind="custom", function="reward_fns:fails_on_bad")]))
+    ctx = SimpleNamespace(cfg=cfg, tokenizer=tokenizer, scorer=scorer, new_env=environment_factory(env),
+                          tool_schemas=[], observations=ObservationFormat(tokenizer), env_workers=None)
+    samples = [(PromptRow(prompt="p", answer="a", index=i, metadata=m), [1, 40, 41]) for i, m in enumerate(metadata)]
+    trajectories, scoring = generate_part(ctx, ScriptedEngine([30, 31, 32]), samples)
+    rewards, failures, _ = scoring.result()
+    batch = build_batch(tokenizer, [row for row, _ in samples], [ids for _, ids in samples], trajectories,
+                        n_samples=n_samples)
+    batch = with_rewards(batch, torch.tensor(rewards), reward_models=[], micro_batch_size=8,
+                         pad_id=tokenizer.pad_token_id)
+    return batch, failures, scorer
+
+
+def test_a_nan_step_reward_fails_its_sample_and_never_reaches_the_advantages(tool_tokenizer, caplog):
+    """A step reward that is not a finite number fails its sample as a failing reward term does: the sample
+    scores 0 (its terms' 1.0 and the environment's reward alike), counts as a failure (reward/failed_frac),
+    and the warning names the environment; the group's advantages, loss and gradient stay finite."""
+    import logging
+
+    from megarl.algo.advantages import broadcast_to_tokens, grpo_advantages
+    from megarl.algo.aggregate import LossNorm
+    from megarl.config import AlgoConfig
+    from megarl.objective import policy_objective
+
+    env = EnvConfig(name="envs_for_tests:CountingEnv", max_turns=2, options={"reward_per_step": math.nan})
+    with caplog.at_level(logging.WARNING, logger="megarl.rewards.scorer"):
+        batch, failures, scorer = scored_batch(tool_tokenizer, env, [{}] * 4, n_samples=4)
+    assert batch.env_rewards.tolist() == [0.0] * 4 and batch.rewards.tolist() == [0.0] * 4
+    assert failures == 4
+    reason = "env.name (envs_for_tests:CountingEnv): a step returned reward nan (float), not a finite number"
+    assert scorer.first_failure.startswith(reason)
+    [record] = caplog.records
+    assert "4 of 4 rewards failed" in record.message and reason in record.message
+    advantages = broadcast_to_tokens(grpo_advantages(batch.rewards, batch.group_ids), batch.response_mask)
+    assert torch.equal(advantages, torch.zeros_like(advantages))
+    mask = batch.response_mask
+    logprobs = batch.rollout_logprobs.clone().requires_grad_(True)
+    mb = {"response_mask": mask, "old_logprobs": batch.rollout_logprobs, "advantages": advantages}
+    norm = LossNorm(tokens=float(mask.sum()), seqs=float(len(batch)), max_len=mask.shape[1])
+    loss, _ = policy_objective(AlgoConfig())(logprobs, mb, norm=norm)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
+
+
+def test_step_rewards_that_are_not_finite_numbers_fail_only_their_own_samples(tool_tokenizer):
+    # two groups of three; the failed samples score 0, the others 1.0 (the term) plus their step reward
+    step_rewards = [math.nan, 0.5, "1.0", math.inf, None, True]
+    batch, failures, scorer = scored_batch(tool_tokenizer, EnvConfig(name="envs_for_tests:StepRewardEnv"),
+                                           [{"step_reward": r} for r in step_rewards], n_samples=3)
+    assert failures == 3
+    assert batch.rewards.tolist() == [0.0, 1.5, 0.0, 0.0, 1.0, 2.0]
+    assert batch.env_rewards.tolist() == [0.0, 0.5, 0.0, 0.0, 0.0, 1.0]
+    assert scorer.first_failure.startswith("env.name (envs_for_tests:StepRewardEnv): a step returned reward nan")
+    from megarl.algo.advantages import grpo_advantages
+    assert torch.isfinite(grpo_advantages(batch.rewards, batch.group_ids)).all()
 
 
 class RoutedEngine(ScriptedEngine):

@@ -7,6 +7,7 @@ joins groups. Expected numbers are worked out by hand from the formulas.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -235,6 +236,102 @@ def test_mis_at_sequence_level_rejects_whole_gspo_sequences():
     assert logprobs.grad.tolist() == [[0.0, 0.0], [-0.25, -0.25]]
 
 
+@pytest.mark.parametrize("mis_level, loss, grad", [
+    ("token", -0.5, [[0.0, -0.5]]),     # token 0 rejected (its ratio is NaN); token 1: -A, over both tokens
+    ("sequence", 0.0, [[0.0, 0.0]]),    # the sequence's mean log-ratio is NaN: rejected whole
+    (None, -0.5, [[0.0, -0.5]]),        # TIS alone: a non-finite log-ratio gets weight 0, as if rejected
+])
+def test_a_nan_rollout_logprob_reaches_neither_the_loss_nor_the_gradient(mis_level, loss, grad):
+    mask = torch.ones(1, 2)
+    old = torch.tensor([[-1.0, -1.0]])
+    mb = {"response_mask": mask, "old_logprobs": old, "advantages": torch.ones(1, 2),
+          "rollout_logprobs": torch.tensor([[math.nan, -1.0]])}
+    mis = {} if mis_level is None else {"mis_low": 0.5, "mis_high": 2.0, "mis_level": mis_level}
+    logprobs = old.clone().requires_grad_(True)
+    value, stats = policy_objective(AlgoConfig(tis_cap=2.0, **mis))(logprobs, mb, norm=norm_of(mask))
+    value.backward()
+    assert float(value.detach()) == loss
+    assert logprobs.grad.tolist() == grad
+    assert stats["tis_weight_mean"] == 0.5  # weights [0, 1], token mean
+
+
+# (token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm) of tokens with loss -1 each:
+# `kept` of them, in sequences of `n` tokens, in a batch of `seqs` sequences and `tokens` tokens (T = n)
+def kept_loss(mode: str, *, kept: int, n: int, seqs: int, tokens: int) -> float:
+    return {"token-mean": -kept / tokens, "seq-mean-token-sum": -kept / seqs,
+            "seq-mean-token-mean": -kept / n / seqs, "seq-mean-token-sum-norm": -kept / (seqs * n)}[mode]
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                      "seq-mean-token-sum-norm"])
+def test_a_rejected_token_adds_exactly_zero_loss_and_gradient_whatever_its_ratios(level, loss_agg):
+    # two sequences of two tokens; token (0, 0) is rejected (with sequence 0 at sequence level) for any rollout
+    # logprob that leaves the band or is not a number, whatever the trainer's ratio there, the advantage's sign
+    # and TIS. Every other token is on-policy with A = 1: loss -1 each, and gradient -1 over the denominators.
+    mask = torch.ones(2, 2)
+    old = torch.full((2, 2), -1.0)
+    kept = 3 if level == "token" else 2
+    expected = kept_loss(loss_agg, kept=kept, n=2, seqs=2, tokens=4)
+    rejected = torch.tensor([[True, level == "sequence"], [False, False]])
+    for rollout in (math.nan, math.inf, -math.inf, -100.0, 100.0):
+        for log_ratio in (0.0, 25.0, -25.0, 1000.0):
+            for advantage in (1.0, -1.0):
+                for tis_cap in (None, 2.0):
+                    mb = {"response_mask": mask, "old_logprobs": old,
+                          "advantages": torch.tensor([[advantage, 1.0], [1.0, 1.0]]),
+                          "rollout_logprobs": torch.tensor([[rollout, -1.0], [-1.0, -1.0]])}
+                    logprobs = (old + torch.tensor([[log_ratio, 0.0], [0.0, 0.0]])).requires_grad_(True)
+                    algo = AlgoConfig(loss_agg=loss_agg, tis_cap=tis_cap, mis_low=0.5, mis_high=2.0, mis_level=level)
+                    loss, _ = policy_objective(algo)(logprobs, mb, norm=norm_of(mask))
+                    loss.backward()
+                    case = (rollout, log_ratio, advantage, tis_cap)
+                    assert float(loss.detach()) == pytest.approx(expected, abs=1e-7), case
+                    assert (logprobs.grad[rejected] == 0).all(), (case, logprobs.grad)
+                    assert (logprobs.grad[~rejected] == expected / kept).all(), (case, logprobs.grad)
+
+
+GARBAGE = torch.tensor([[math.nan, math.inf], [-math.inf, 1e30]])  # what padding may hold
+
+
+@pytest.mark.parametrize("algo", [
+    AlgoConfig(tis_cap=2.0, kl_coef=0.1), AlgoConfig(dual_clip=3.0, entropy_coef=0.01),
+    AlgoConfig(name="gspo", mis_low=0.5, mis_high=2.0, mis_level="sequence", kl_coef=0.1),
+], ids=["ppo_tis_kl", "ppo_dual_clip_entropy", "gspo"])
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                      "seq-mean-token-sum-norm"])
+def test_an_all_masked_batch_gives_zero_loss_and_zero_gradient(algo, loss_agg):
+    mask = torch.zeros(2, 2)
+    mb = {"response_mask": mask, "old_logprobs": GARBAGE, "advantages": GARBAGE, "ref_logprobs": GARBAGE.flip(1),
+          "rollout_logprobs": GARBAGE.flip(0)}
+    logprobs = GARBAGE.flip(0, 1).clone().requires_grad_(True)
+    objective = policy_objective(dataclasses.replace(algo, loss_agg=loss_agg))
+    loss, stats = objective(logprobs, mb, norm=norm_of(mask), entropy=GARBAGE.clone())
+    loss.backward()
+    assert float(loss.detach()) == 0.0
+    assert torch.equal(logprobs.grad, torch.zeros(2, 2)), logprobs.grad
+    assert all(float(v) == 0.0 for v in stats.values()), stats
+
+
+@pytest.mark.parametrize("algo", [
+    AlgoConfig(mis_low=0.5, mis_high=2.0), AlgoConfig(tis_cap=2.0, mis_low=0.5, mis_high=2.0, mis_level="sequence"),
+    AlgoConfig(name="gspo", mis_low=0.5, mis_high=2.0, mis_level="sequence"),
+], ids=["ppo_token", "ppo_tis_sequence", "gspo"])
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                      "seq-mean-token-sum-norm"])
+def test_a_batch_with_every_token_rejected_gives_zero_loss_and_zero_gradient(algo, loss_agg):
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    old = torch.full((2, 2), -1.0)
+    mb = {"response_mask": mask, "old_logprobs": old, "advantages": torch.tensor([[1.0, -1.0], [1.0, 0.0]]),
+          "rollout_logprobs": torch.tensor([[math.nan, -10.0], [-math.inf, 0.0]])}
+    logprobs = (old + torch.tensor([[0.1, 30.0], [-0.1, 0.0]])).requires_grad_(True)
+    loss, stats = policy_objective(dataclasses.replace(algo, loss_agg=loss_agg))(logprobs, mb, norm=norm_of(mask))
+    loss.backward()
+    assert float(loss.detach()) == 0.0
+    assert torch.equal(logprobs.grad, torch.zeros(2, 2)), logprobs.grad
+    assert stats["mis_masked_frac"] == 1.0
+
+
 def test_entropy_bonus_lowers_the_loss_by_its_weight():
     mask = torch.tensor([[1.0, 1.0]])
     mb = {"response_mask": mask, "old_logprobs": torch.zeros(1, 2), "advantages": torch.zeros(1, 2)}
@@ -313,6 +410,33 @@ def test_extreme_ratios_give_finite_loss_and_gradients(algo):
     assert torch.isfinite(loss), float(loss)
     assert torch.isfinite(logprobs.grad).all(), logprobs.grad
     assert all(math.isfinite(float(v)) for v in stats.values()), stats
+
+
+@pytest.mark.parametrize("advantage", [-1.0, 1.0])
+@pytest.mark.parametrize("algo, bound", [
+    (AlgoConfig(), 20.0),                                           # PPO: each token's log-ratio
+    (AlgoConfig(name="gspo", loss_agg="seq-mean-token-mean"), 10.0),  # GSPO: the sequence's mean log-ratio
+], ids=["ppo", "gspo"])
+def test_a_ratio_past_its_bound_gives_a_finite_loss_and_no_gradient(algo, bound, advantage):
+    # one sequence of two tokens, both log-ratios 1 past the bound (e^11 for GSPO, e^21 for PPO): the loss is
+    # that of the bounded ratio e^bound, and no gradient passes, for either sign of the advantage. Just
+    # inside the bound the gradient is the formula's.
+    mask = torch.ones(1, 2)
+    old = torch.full((1, 2), -30.0)
+    mb = {"response_mask": mask, "old_logprobs": old, "advantages": torch.full((1, 2), advantage)}
+    for past, grad in ((1.0, 0.0), (-0.5, None)):
+        logprobs = (old + bound + past).requires_grad_(True)
+        loss, _ = policy_objective(algo)(logprobs, mb, norm=norm_of(mask))
+        loss.backward()
+        ratio = math.exp(min(bound + past, bound))
+        clipped = max(min(ratio, 1 + algo.clip_high), 1 - algo.clip_low)
+        assert float(loss.detach()) == pytest.approx(max(-advantage * ratio, -advantage * clipped), rel=1e-6)
+        if grad is not None:
+            assert logprobs.grad.tolist() == [[grad, grad]], logprobs.grad
+        elif advantage < 0:  # the unclipped branch: d(-A * r)/d logp_t = -A * r, over the two tokens
+            close(logprobs.grad, [[-advantage * ratio / 2] * 2], tol=ratio * 1e-6)
+        else:
+            assert logprobs.grad.tolist() == [[0.0, 0.0]]  # clipped
 
 
 # ---- recipe checks -----------------------------------------------------------------------------------------

@@ -185,6 +185,22 @@ def test_a_batch_must_get_each_sample_exactly_once():
         scoring.result()
 
 
+def test_a_reward_failed_outside_the_terms_scores_zero_and_counts_once(caplog):
+    # what an environment's failed step reward does (megarl.loops.samples.generate_part): sample 0 fails
+    # there alone, sample 1 there and in its term (one failure, the term's reason first), sample 2 is scored
+    scoring = Scorer(RewardConfig(terms=[term("custom", function="reward_fns:fails_on_bad")])).batch(3)
+    for i, response in enumerate(("ok", "bad", "ok")):
+        scoring.submit(i, Sample("", response, ""))
+    scoring.fail(0, "env.name (m:Env): a step returned reward nan (float), not a finite number")
+    scoring.fail(1, "env.name (m:Env): a step returned reward inf (float), not a finite number")
+    with caplog.at_level(logging.WARNING, logger="megarl.rewards.scorer"):
+        rewards, failures, _ = scoring.result()
+    assert rewards == [0.0, 0.0, 1.0] and failures == 2
+    [record] = caplog.records
+    assert "2 of 3 rewards failed" in record.message
+    assert scoring.scorer.first_failure.startswith("env.name (m:Env): a step returned reward nan (float)")
+
+
 @pytest.mark.timeout(120)
 def test_samples_handed_to_the_pool_out_of_order_keep_the_failure_policy(ray_local, caplog):
     cfg = RewardConfig(terms=[term("format", weight=0.5, pattern="ok"),

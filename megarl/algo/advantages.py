@@ -23,36 +23,51 @@ def _as_float(rewards: Tensor) -> Tensor:
     return rewards if rewards.is_floating_point() else rewards.to(torch.get_default_dtype())
 
 
+def _above_group_min(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """`[B]` float64: each reward minus the smallest of its group. Group statistics are taken on these: a group
+    of equal rewards is exactly 0 throughout, so its advantage is exactly 0 whatever the dtype, which the
+    trainer's skipping of zero-advantage samples relies on (the float32 mean of eight float32 rewards of 0.1
+    is 7e-9 above them, and GRPO's std division turns that into an advantage of -0.0074)."""
+    rewards = rewards.double()
+    groups, index = torch.unique(group_ids, return_inverse=True)
+    low = torch.full((groups.numel(),), torch.inf, dtype=rewards.dtype, device=rewards.device)
+    return rewards - low.scatter_reduce(0, index, rewards, reduce="amin")[index]
+
+
 def grpo_advantages(rewards: Tensor, group_ids: Tensor, *, std_norm: bool = True, eps: float = 1e-6) -> Tensor:
     """Group-relative advantages (GRPO, Shao et al. 2024, DeepSeekMath).
 
-    rewards: `[B]` float; group_ids: `[B]` long. Returns `[B]`.
+    rewards: `[B]` float; group_ids: `[B]` long. Returns `[B]`, in the rewards' float dtype.
     std_norm=True:  (r - mean_g) / (std_g + eps)
     std_norm=False: r - mean_g                     (Dr. GRPO, Liu et al. 2025)
     mean_g divides by the group size n; std_g is the unbiased estimate (divides by n - 1), as torch.std and
-    the reference implementations use. A group of size 1 has advantage 0; a group with equal rewards has 0.
+    the reference implementations use. Computed in float64 on rewards shifted by their group's minimum (which
+    cancels), so a group of size 1 and a group with equal rewards have exactly 0.
     """
-    rewards = _as_float(rewards)
-    sums, sizes = _group_sums(rewards, group_ids)
-    centered = rewards - sums / sizes
+    dtype = _as_float(rewards).dtype
+    shifted = _above_group_min(rewards, group_ids)
+    sums, sizes = _group_sums(shifted, group_ids)
+    centered = shifted - sums / sizes
     if not std_norm:
-        return centered
+        return centered.to(dtype)
     sq_sums, _ = _group_sums(centered.square(), group_ids)
     # size-1 groups: the squared deviation is 0, so clamping n - 1 to 1 yields std 0 and advantage 0
     std = (sq_sums / (sizes - 1).clamp(min=1)).sqrt()
-    return centered / (std + eps)
+    return (centered / (std + eps)).to(dtype)
 
 
 def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> Tensor:
     """REINFORCE leave-one-out advantages (RLOO, Ahmadian et al. 2024).
 
-    rewards: `[B]` float; group_ids: `[B]` long. Returns `[B]`:
+    rewards: `[B]` float; group_ids: `[B]` long. Returns `[B]`, in the rewards' float dtype:
     r_i - (sum_g - r_i) / (n - 1), the mean of the other n - 1 samples of the group. A size-1 group gets 0.
+    Computed as `grpo_advantages` is, so a group with equal rewards gets exactly 0.
     """
-    rewards = _as_float(rewards)
-    sums, sizes = _group_sums(rewards, group_ids)
-    others = (sums - rewards) / (sizes - 1).clamp(min=1)
-    return torch.where(sizes > 1, rewards - others, torch.zeros_like(rewards))
+    dtype = _as_float(rewards).dtype
+    shifted = _above_group_min(rewards, group_ids)
+    sums, sizes = _group_sums(shifted, group_ids)
+    others = (sums - shifted) / (sizes - 1).clamp(min=1)
+    return torch.where(sizes > 1, shifted - others, 0.0).to(dtype)
 
 
 def reinforce_pp_returns(token_rewards: Tensor, mask: Tensor, *, gamma: float = 1.0) -> Tensor:
@@ -79,15 +94,18 @@ def whiten(values: Tensor, mask: Tensor, *, group=None, shift_mean: bool = True,
       shift_mean=False: (v - mean) / sqrt(var + eps) + mean   (rescale only; the mean is kept)
     mean and var divide by the number of valid tokens N over the group (population variance: the goal is unit
     variance on this batch, not an estimate). group: None is local; otherwise sums and counts are all-reduced,
-    so every rank uses the statistics of the concatenated batch.
+    so every rank uses the statistics of the concatenated batch. Computed in float64 and returned in the dtype
+    of `values`: the float64 mean of N < 2**29 equal float32 values is exact, so a constant float32 batch
+    whitens to exactly 0 (shift_mean=True).
     """
     valid = mask.bool()
-    mean = masked_mean(values, valid, group=group)
-    var = masked_mean((values - mean).square(), valid, group=group)
-    whitened = (values - mean) * torch.rsqrt(var + eps)
+    values64 = values.double()
+    mean = masked_mean(values64, valid, group=group)
+    var = masked_mean((values64 - mean).square(), valid, group=group)
+    whitened = (values64 - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
-    return torch.where(valid, whitened, 0.0)
+    return torch.where(valid, whitened, 0.0).to(values.dtype)
 
 
 def reinforce_pp_advantages(token_rewards: Tensor, mask: Tensor, *, gamma: float = 1.0, group=None) -> Tensor:

@@ -62,7 +62,9 @@ def ppo_clip_loss(
     dual_clip (> 1, Ye et al. 2020): for A < 0 the loss is also capped at -dual_clip * A.
     tis_cap with rollout_logprobs `[B, T]` (truncated importance sampling, Yao et al. 2025): the loss is
     multiplied by the detached weight min(exp(old_logprobs - rollout_logprobs), tis_cap), correcting for the
-    rollout engine sampling from a slightly different distribution than the trainer computes.
+    rollout engine sampling from a slightly different distribution than the trainer computes. Where that
+    log-ratio is not finite (a rollout logprob that is NaN or +-inf is a broken value, not a probability) the
+    weight is 0: the token adds no loss and no gradient, as a rejected one, and still counts in the denominators.
     Returns (loss `[B, T]`, stats): "clipped" 1.0 where clipping (either bound or dual-clip) zeroed the
     gradient, "ratio", "approx_kl" (k3 estimate of KL(new || old)), plus "tis_weight" when TIS is on.
     """
@@ -82,8 +84,10 @@ def ppo_clip_loss(
         clipped = clipped | dual
     stats = {}
     if tis_cap is not None:
-        # exp may overflow to inf here; the cap brings it back, and the weight is detached (no gradient)
-        weight = torch.exp(torch.where(valid, old_logprobs - rollout_logprobs, 0.0)).clamp(max=tis_cap).detach()
+        # exp may overflow to inf; the cap brings it back. NaN passes the cap, and a rejected token's zero upstream
+        # gradient times NaN is NaN: so the weight is in [0, tis_cap] everywhere (and detached).
+        log_weight = torch.where(valid, old_logprobs - rollout_logprobs, 0.0).detach()
+        weight = torch.where(log_weight.isfinite(), log_weight.exp().clamp(max=tis_cap), 0.0)
         loss = loss * weight
         stats["tis_weight"] = torch.where(valid, weight, 0.0)
     stats["clipped"] = (clipped & valid).to(loss.dtype)
@@ -107,7 +111,7 @@ def rollout_rejection_mask(
     old_logprobs, rollout_logprobs, mask: `[B, T]`. r = exp(old_logprobs - rollout_logprobs), the trainer's
     probability of each sampled token over the rollout engine's. The band [low, high] is inclusive and is
     compared in log space (log low <= log r <= log high), so r never overflows and a ratio exactly at an edge
-    is kept; a NaN ratio is rejected.
+    is kept; a ratio that is not finite (a rollout logprob that is NaN or +-inf) is rejected.
       "token": each token whose r leaves the band is rejected (IcePop, Zhao et al. 2025).
       "sequence": the geometric mean of r over the sequence's response tokens, exp(mean of log r), denominator
                   = response tokens of that sequence; a sequence whose mean leaves the band is rejected whole
@@ -138,17 +142,23 @@ def gspo_loss(
     """Per-token GSPO loss with a sequence-level importance ratio (Zheng et al. 2025, GSPO-token form).
 
     logprobs, old_logprobs, mask: `[B, T]`; advantages_seq: `[B]`.
-    s_i = exp(mean over valid tokens of (logprobs - old_logprobs)), denominator = valid tokens of sequence i; the
-    mean log-ratio is clamped to at most MAX_SEQ_LOG_RATIO, and each token's to +-MAX_TOKEN_LOG_RATIO.
-    s_i,t = sg(s_i) * exp(logprobs - sg(logprobs)): its value is s_i on every token and its gradient is per
-    token; loss_t = max(-A_i * s_i,t, -A_i * clip(s_i,t, 1 - clip_low, 1 + clip_high)).
+    s_i = exp(mean over valid tokens of (logprobs - old_logprobs)), denominator = valid tokens of sequence i.
+    s_i,t = sg(s_i) * exp(d_t - sg(d_t)), d_t = logprobs - old_logprobs: its value is s_i on every token and its
+    gradient is per token; loss_t = max(-A_i * s_i,t, -A_i * clip(s_i,t, 1 - clip_low, 1 + clip_high)).
     Aggregate with "seq-mean-token-mean" to get GSPO's objective and gradient exactly.
+    Bounds, as PPO's: each d_t is clamped to +-MAX_TOKEN_LOG_RATIO and such a token passes no gradient; a
+    sequence whose mean log-ratio passes MAX_SEQ_LOG_RATIO has s_i = e^MAX_SEQ_LOG_RATIO and passes no gradient
+    from any token, whatever the sign of A_i.
     Returns (loss `[B, T]`, stats): "clipped", "ratio" (s_i on each valid token), "approx_kl" (k3, per token).
     """
     valid = mask.bool()
     log_ratio = torch.where(valid, logprobs - old_logprobs, 0.0).clamp(-MAX_TOKEN_LOG_RATIO, MAX_TOKEN_LOG_RATIO)
-    seq_ratio = torch.exp(masked_mean(log_ratio, valid, dim=-1).clamp(max=MAX_SEQ_LOG_RATIO))  # [B]
-    token_ratio = seq_ratio.detach()[:, None] * torch.exp(logprobs - logprobs.detach())
+    seq_log_ratio = masked_mean(log_ratio, valid, dim=-1).detach()  # [B]
+    # d_t - sg(d_t) is 0 in value and carries d_t's gradient, which the clamp above cuts past the token bound and
+    # `within` past the sequence bound (s_i is capped there, but a gradient of s_i per token would still flow)
+    within = (seq_log_ratio <= MAX_SEQ_LOG_RATIO)[:, None]
+    grad_carrier = torch.where(within, log_ratio - log_ratio.detach(), 0.0)  # [B, T]
+    token_ratio = torch.exp(seq_log_ratio.clamp(max=MAX_SEQ_LOG_RATIO)[:, None] + grad_carrier)  # [B, T]
     advantages = advantages_seq[:, None].to(token_ratio.dtype)
     loss, clipped = _clipped_surrogate(token_ratio, advantages, clip_low=clip_low, clip_high=clip_high)
     stats = {

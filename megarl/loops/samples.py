@@ -58,7 +58,8 @@ def pooled_samples(shares: dict[int, tuple[list[PromptRow], list[list[int]]]], *
 def generate_part(ctx: SampleContext, engine: RolloutEngine,
                   samples: list[tuple[PromptRow, list[int]]]) -> tuple[list[Trajectory], Scoring]:
     """Run the trajectories of `samples` (row, prompt ids) on `engine`, handing each response to a new
-    scoring of `ctx.scorer` as soon as it is final."""
+    scoring of `ctx.scorer` as soon as it is final. A trajectory whose environment reward failed fails its
+    sample's reward in that scoring, as a failing reward term would."""
     cfg = ctx.cfg.rollout
     scoring = ctx.scorer.batch(len(samples))
 
@@ -72,6 +73,9 @@ def generate_part(ctx: SampleContext, engine: RolloutEngine,
         [(row.prompt, row.metadata) for row, _ in samples], tokenizer=ctx.tokenizer, observations=ctx.observations,
         limits=ctx.cfg.env, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
         on_last_turn=last_turn, workers=ctx.env_workers)
+    for i, trajectory in enumerate(trajectories):
+        if trajectory.env_reward_failure is not None:
+            scoring.fail(i, trajectory.env_reward_failure)
     return trajectories, scoring
 
 

@@ -1,8 +1,10 @@
 """The recipe's reward: weighted terms built once, scored per sample in this process or on a Ray pool, and
 the failure policy, which lives here only: a sample whose reward raises, returns something that is not a
 number, runs past `reward.timeout_s` or is not finite scores 0, is counted, and the first one of a batch is
-logged and kept (`Scorer.first_failure`). A failed sample never ends the run; the RL loop stops after
-`reward.max_failed_steps` consecutive steps in which every sample failed (megarl.loops.rl).
+logged and kept (`Scorer.first_failure`); the same holds for a sample whose environment's step reward is
+not a finite number (`Scoring.fail`; the environment's reward is 0 too). A failed sample never ends the run;
+the RL loop stops after `reward.max_failed_steps` consecutive steps in which every sample failed
+(megarl.loops.rl).
 
     scorer = Scorer(cfg.reward)                       # RecipeError now if a custom function does not import
     rewards, failures = scorer(samples)               # list[float] [B], int
@@ -90,6 +92,7 @@ class Scoring:
         self.samples: list[Sample | None] = [None] * n
         self.chunk_size = scorer.pool.chunk_size(n) if scorer.pool is not None else n
         self.waiting: list[int] = []  # indices handed in and not sent yet
+        self.failed: dict[int, str] = {}  # index -> why its reward failed outside the terms (`fail`)
         self.sent: list[tuple[list[int], object]] = []  # (indices, task reference) of each chunk on the pool
 
     def submit(self, i: int, sample: Sample) -> None:
@@ -99,6 +102,11 @@ class Scoring:
         self.waiting.append(i)
         if self.scorer.pool is not None and len(self.waiting) == self.chunk_size:
             self.send()
+
+    def fail(self, i: int, why: str) -> None:
+        """Sample `i`'s reward failed outside the recipe's terms (its environment's, `why` naming it): it
+        scores 0 and counts as one failure under the same policy, whatever its terms give."""
+        self.failed[i] = why
 
     def send(self) -> None:
         self.sent.append((self.waiting, self.scorer.pool.submit([self.samples[i] for i in self.waiting])))
@@ -123,5 +131,8 @@ class Scoring:
             for (indices, _), chunk in zip(self.sent, chunks):
                 for i, outcome in zip(indices, chunk):
                     outcomes[i] = outcome
+        for i, why in self.failed.items():
+            if outcomes[i][1] is None:  # a sample whose terms failed too keeps their reason, and counts once
+                outcomes[i] = (math.nan, why)
         rewards, failures, self.scorer.first_failure = settle(outcomes, samples)
         return rewards, failures, scored_before

@@ -23,6 +23,8 @@ trajectory leaves the batch. Finish reasons:
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -52,7 +54,10 @@ class Trajectory:
     turns: int = 0
     tool_calls: int = 0
     tool_time_s: float = 0.0
-    env_reward: float = 0.0  # sum of the environment's step rewards
+    env_reward: float = 0.0  # sum of the environment's step rewards; 0 once one failed
+    # why the environment's reward failed (a step reward that is not a finite number), naming env.name; the
+    # sample then fails as a reward term's failure fails it (megarl.rewards.scorer)
+    env_reward_failure: str | None = None
     last_turn_text: str | None = None  # the last turn decoded for the rewards, once it is final
     # MoE: the engine's routes of the last call's prompt and response (megarl.rollout.engine.Generation), which
     # hold every earlier turn too; they may run past a turn cut to its token budget
@@ -245,7 +250,7 @@ class _Rollout:
                 continue
             step = results.steps[i]
             traj.tool_calls += step.tool_calls
-            traj.env_reward += step.reward or 0.0
+            self.add_reward(traj, step.reward)
             if step.done:
                 self.finish(i, "stop")
             elif traj.turns >= self.max_turns:
@@ -259,6 +264,19 @@ class _Rollout:
                     traj.add(obs, None)
                     active.append(i)
         return active
+
+    def add_reward(self, traj: Trajectory, reward) -> None:
+        """A step's reward onto its trajectory's. One that is not a real, finite number (NaN, inf, a string;
+        a bool counts as 0 or 1, as in the reward terms) fails the trajectory's environment reward, which
+        stays 0 whatever later steps return."""
+        if reward is None or traj.env_reward_failure is not None:
+            return
+        if isinstance(reward, numbers.Real) and math.isfinite(reward):
+            traj.env_reward += float(reward)
+            return
+        traj.env_reward = 0.0
+        traj.env_reward_failure = (f"env.name ({self.limits.name}): a step returned reward {reward!r:.80} "
+                                   f"({type(reward).__name__}), not a finite number")
 
 
 def _tokens_left(traj: Trajectory, limits: EnvConfig, max_new_tokens: int) -> int:
