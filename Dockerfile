@@ -34,7 +34,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap libs
 WORKDIR /workspace/megarl
 COPY . .
 RUN pip install -e '.[test]' -c constraints.txt
-CMD ["pytest", "-q", "-n", "auto", "--dist", "loadfile", "tests"]
+CMD ["pytest", "-q", "tests"]
 
 # ---- GPU: SGLang's CUDA image (CUDA, torch, sglang) + Transformer Engine + apex + megatron-core + megarl ----
 FROM ${SGLANG_IMAGE} AS gpu

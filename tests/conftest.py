@@ -11,7 +11,6 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,27 +41,6 @@ def pytest_configure(config):
                                        "objective (run once per CI, in the first environment)")
     if config.option.durations is None:  # the 20 slowest tests close every run: the suite has a time budget
         config.option.durations = 20
-    if getattr(config.option, "dist", "no") == "loadfile":
-        config.option.loadscopereorder = False  # the files start in the order pytest_collection_modifyitems leaves
-
-
-# Run with `-n auto --dist loadfile` (pytest-xdist, README "Tests"), each test file goes to one worker, so its module
-# fixtures are built once. The files start slowest first (measured: each of these takes 2.5-7 minutes of one
-# worker, the others at most 1.5), so the workers end together instead of one starting a long file last.
-SLOW_FIRST = ("test_quickstart", "test_split", "test_parallel", "test_rl_recipes", "test_tool_recipe", "test_convert",
-              "test_router_replay", "test_resume", "test_cli")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the rest keep their order
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_auto_num_workers(config) -> int:
-    """`-n auto`: two workers on two cores (a one-process run leaves a core idle for most of its time: imports,
-    Python-bound steps), and one per two cores above that (the multi-rank runs start 2-4 processes), at most 8."""
-    return max(2, min(8, (os.cpu_count() or 2) // 2))
 
 
 def setup_requirements() -> tuple[list[str], dict[str, list[str]]]:
@@ -189,21 +167,10 @@ def quickstart(out: Path, *args: str, timeout_s: float = QUICKSTART_TIMEOUT_S) -
 
 @pytest.fixture(scope="session")
 def quickstart_out(tmp_path_factory) -> Path:
-    """OUT of one full quickstart run: OUT/model, OUT/data, and OUT/run with its warm start and metrics. Made once
-    per test run: the workers of `pytest -n` share it (the first to need it makes it, the others wait for it)."""
-    from filelock import FileLock
-
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # the run's folder, above each worker's own
-    out, made = root / "quickstart_shared", root / "quickstart_shared.made"
-    with FileLock(str(root / "quickstart_shared.lock")):
-        if not made.exists():
-            shutil.rmtree(out, ignore_errors=True)
-            out.mkdir()
-            proc = quickstart(out, "log.progress=false")
-            assert proc.returncode == 0, proc.stderr[-4000:]
-            made.touch()
+    """OUT of one full quickstart run: OUT/model, OUT/data, and OUT/run with its warm start and metrics."""
+    out = tmp_path_factory.mktemp("quickstart")
+    proc = quickstart(out, "log.progress=false")
+    assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 
 
@@ -211,6 +178,7 @@ def with_score_head(model_dir, out_dir, *, seed: int = 3):
     """A copy of `model_dir` as a one-label sequence-classification checkpoint (a reward model's layout):
     the trunk's weights plus a random `score.weight` [1, hidden]."""
     import json
+    import shutil
 
     import torch
     from safetensors.torch import load_file, save_file
@@ -226,6 +194,3 @@ def with_score_head(model_dir, out_dir, *, seed: int = 3):
     config["num_labels"] = 1
     (out_dir / "config.json").write_text(json.dumps(config))
     return out_dir
-
-
-

@@ -303,7 +303,7 @@ def scored_batch(tokenizer, env: EnvConfig, metadata: list[dict], *, n_samples: 
     trajectories, scoring = generate_part(ctx, ScriptedEngine([30, 31, 32]), samples)
     rewards, failures, _ = scoring.result()
     batch = build_batch(tokenizer, [row for row, _ in samples], [ids for _, ids in samples], trajectories,
-                        n_samples=n_samples)
+                        engines=[0] * len(samples), n_samples=n_samples)
     batch = with_rewards(batch, torch.tensor(rewards), reward_models=[], micro_batch_size=8,
                          pad_id=tokenizer.pad_token_id)
     return batch, failures, scorer
