@@ -38,7 +38,8 @@ def _quiet_expected_warnings() -> None:
 def main(argv: list[str] | None = None) -> None:
     from megarl import __version__
 
-    parser = argparse.ArgumentParser(prog="megarl", description="RL, DPO and SFT post-training of LLMs on Megatron-core")
+    parser = argparse.ArgumentParser(prog="megarl",
+                                     description="RL, DPO and SFT post-training of LLMs on Megatron-core")
     parser.add_argument("--version", action="version", version=f"megarl {__version__}")
     sub = parser.add_subparsers(dest="command")
     train_p = sub.add_parser("train", help="run a recipe")

@@ -243,8 +243,8 @@ class TrainEngine:
 
         `loss_fn(outputs [b, T], micro-batch dict)` sees logprobs (values for a critic), plus
         `entropy=` [b, T] when `entropy` is True; `micro_batch_tokens` packs sequences of `lengths` [B]
-        tokens into micro-batches; `routes`: MoE routes to compare with or replay. Returns its statistics summed over micro-batches and DP ranks (each one a
-        contribution normalized by global counts, so the sums are global means), plus `grad_norm` and `lr`;
+        tokens into micro-batches; `routes`: MoE routes to compare with or replay. Returns its statistics summed
+        over micro-batches and DP ranks (each one a contribution normalized by global counts, so the sums are global means), plus `grad_norm` and `lr`;
         with `return_outputs`, also the outputs [B, T] the loss saw (before the update, detached), on every
         rank of the pipeline, as `logprobs` / `values` return them.
         """

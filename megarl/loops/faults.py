@@ -11,8 +11,9 @@ rank stops at the same step with the same error:
   expected and the actual version.
 - `DriftGate`: the mean |rollout - trainer| logprob per generated token (`rollout/logprob_diff_mean`) above
   `rollout.max_logprob_drift` for `rollout.drift_patience` consecutive steps stops the run; a shorter
-  excursion is a warning, and a step that trained no sample (so measured no drift) does not count. It catches what the two checks above cannot see: an engine that holds the pushed
-  bytes and the right version but computes another distribution (another dtype, temperature, kernel).
+  excursion is a warning, and a step that trained no sample (so measured no drift) does not count. It
+  catches what the two checks above cannot see: an engine that holds the pushed bytes and the right version
+  but computes another distribution (another dtype, temperature, kernel).
 """
 
 from __future__ import annotations

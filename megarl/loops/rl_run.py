@@ -194,6 +194,7 @@ def build_run(cfg: Config, groups: ParallelGroups, *, rollouts: Rollouts, tokeni
         objective=policy_objective(algo, on_policy=algo.on_policy),
         critic_objective=CriticObjective(value_clip=cfg.critic.value_clip) if critic is not None else None,
         routes=RoutePlan(algo.router_replay, on_policy=algo.on_policy),
-        advantages=advantage_fn(algo, group=groups.dp), kl=kl_controller(algo), scorer=Scorer(cfg.reward if rollouts.scores_here else in_process),
+        advantages=advantage_fn(algo, group=groups.dp), kl=kl_controller(algo),
+        scorer=Scorer(cfg.reward if rollouts.scores_here else in_process),
         reward_models=reward_models, drift=drift, new_env=new_env, tool_schemas=new_env().tools,
         observations=observation_format(cfg.env, tokenizer), env_workers=EnvWorkers(cfg.env.tool_workers))
