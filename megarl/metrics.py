@@ -149,8 +149,8 @@ class ProgressLines:
         if not self.enabled or (self._last is not None and now - self._last < self.every_s):
             return
         self._last = now
-        shown = " ".join(f"{k} {v:.3g}" for k, v in numbers.items())
-        print(f"{self.desc} step {done}/{self.total} | {shown} | {self._pace.eta(done)}", file=sys.stderr, flush=True)
+        line = summary_line(self.desc, done, self.total, numbers, keys=tuple(numbers))
+        print(f"{line} | {self._pace.eta(done)}", file=sys.stderr, flush=True)
 
 
 def duration(seconds: float) -> str:

@@ -23,6 +23,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from megarl.algo.aggregate import group_sums
 from megarl.batch import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -39,23 +40,20 @@ def check_versions(batch: RolloutBatch, versions: tuple[int, int], *, step: int,
     lowest, highest = versions
     stamped = batch.weight_versions  # [B, T]
     wrong = batch.response_mask.bool() & ((stamped < lowest) | (stamped > highest))  # [B, T]
-    count = torch.tensor([int(wrong.sum())])
-    shared = group is not None and dist.get_world_size(group) > 1
-    if shared:
-        dist.all_reduce(count, group=group)
-    if not count.item():
+    count, = group_sums([float(wrong.sum())], group=group)
+    if not count:
         return
     culprit = torch.tensor([-1])  # engine << 32 | version of this rank's first wrong token, the largest kept
     if wrong.any():
         row = int(wrong.any(dim=1).nonzero()[0])
         culprit[0] = int(batch.engines[row]) << 32 | int(stamped[row][wrong[row]][0])
-    if shared:
+    if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(culprit, op=dist.ReduceOp.MAX, group=group)
     engine, actual = int(culprit) >> 32, int(culprit) & 0xFFFFFFFF
     expected = f"version {lowest}" if lowest == highest else f"versions {lowest} to {highest}"
     raise EngineFault(
         f"step {step}: rollout engine {engine} generated with weight version {actual}; the step expects "
-        f"{expected} ({int(count.item())} tokens outside it). The engine did not take the weight push (or its "
+        f"{expected} ({int(count)} tokens outside it). The engine did not take the weight push (or its "
         "update did not take effect), so it samples another policy than the trainer's: check its update_weights "
         "and that every push reaches it")
 
