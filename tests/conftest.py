@@ -16,7 +16,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+# One thread per process, in this process and every child (torchrun gives its ranks one already): a CPU's
+# sums then round the same however many cores the machine has, so a learning test sees one trajectory on a
+# given CPU, and two processes of a test never oversubscribe the cores.
+os.environ["OMP_NUM_THREADS"] = "1"
+import torch  # noqa: E402  (after the thread count, which torch reads at import)
+
+torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
 # GPU-only tests carry both marks: `pytest -m gpu` selects them, and they skip themselves without a device.
