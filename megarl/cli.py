@@ -97,7 +97,7 @@ def run_train(args: argparse.Namespace) -> int:
     from megarl.checkpoint import CheckpointError, latest_checkpoint
     from megarl.data.prompts import DataError
     from megarl.handoff import WeightMismatch
-    from megarl.loops.faults import EngineFault
+    from megarl.loops.faults import EngineFault, EngineLost
     from megarl.rewards.scorer import RewardFailure
 
     match cfg.algo.name:
@@ -134,6 +134,11 @@ def run_train(args: argparse.Namespace) -> int:
         return 1
     except WeightMismatch as e:  # raised where an engine holds other weights (any rank): that rank says so
         print(f"megarl: rollout engine fault: {e}", file=sys.stderr, flush=True)
+        return 1
+    except EngineLost as e:  # every training rank, after saving the last complete step
+        saved = f"checkpoint {e.checkpoint}" if e.checkpoint is not None else "no step ran, nothing saved"
+        say(f"megarl: rollout engine lost: {e} ({saved}); to resume, run the same command with the same run_dir "
+            f"(checkpoint.resume: auto): {resume}")
         return 1
     except EngineFault as e:  # every training rank stops at the same step
         say(f"megarl: rollout engine fault: {e}")

@@ -122,10 +122,19 @@ class RolloutConfig:
     # README, "Weight hand-off and engine faults"
     max_logprob_drift: float | None = 0.25
     drift_patience: int = 3  # steps in a row above max_logprob_drift that stop the run (fewer: a warning)
+    # The longest an engine call may go without progress before it fails, naming its phase: one bucket of a
+    # push, a flush, release or resume, or a generate call in which no response finished (SGLang; the native
+    # engine computes in the trainer's own process)
+    engine_timeout_s: float = 600.0
+    # A rollout engine that dies or fails a call is started again, given the current weights, and what it had
+    # not returned is generated again, up to this many times per run (all engines together); one more failure
+    # stops the run with a checkpoint of its last step (colocated placement)
+    max_engine_restarts: int = 3
 
     def check(self) -> None:
         _at_least(self, 1, "n_samples", "max_new_tokens", "tp", "verify_period", "drift_patience")
-        _positive(self, "temperature", "bucket_bytes")
+        _at_least(self, 0, "max_engine_restarts")
+        _positive(self, "temperature", "bucket_bytes", "engine_timeout_s")
         if self.max_logprob_drift is not None:
             _positive(self, "max_logprob_drift")
         if not 0 < self.top_p <= 1:

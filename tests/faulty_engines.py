@@ -1,14 +1,22 @@
-"""Rollout engines with a fault injected into their weight pushes: small wrappers around a real engine.
+"""Rollout engines with a fault injected: small wrappers around a real engine.
 
-`SkippingEngine` silently skips one tensor of its pushes; `StuckEngine` stops taking pushes after the first.
-Run as a script, this is `megarl train` whose rollout engine is a StuckEngine (test_engine_faults.py):
+`SkippingEngine` silently skips one tensor of its pushes; `StuckEngine` stops taking pushes after the first;
+`CrashingEngine` fails generate calls midway, as a model forward that raises. Run as a script, this is
+`megarl train` whose rollout engine carries the fault (test_engine_faults.py):
 
     faulty_engines.py ignored RECIPE [key=value ...]   pushes never take effect: version and weights stay
     faulty_engines.py claimed RECIPE [key=value ...]   the version advances, the weights stay
+    faulty_engines.py crash:N RECIPE [key=value ...]   the process's N-th generate call fails midway, once
+    faulty_engines.py crash:N+ RECIPE [key=value ...]  every generate call from the N-th on fails midway
+
+With CRASH_LOG set, every generate call of a CrashingEngine appends a line there: the call's number, whether it
+failed, the engine's weight version and the prompts (ids) it was given.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 
 
@@ -50,11 +58,57 @@ class StuckEngine:
         return getattr(self.engine, name)
 
 
+class CrashingEngine:
+    """A real engine whose generate calls `crashes(n)` selects (n counts the calls of every CrashingEngine of
+    the process, from 1) hand out their first half of responses and then raise, as a model forward that hits
+    a device error would. The engine is dead afterwards: every later call raises too, until it is replaced."""
+
+    calls = 0  # over the process
+
+    def __init__(self, engine, *, crashes):
+        self.engine, self.crashes, self.dead = engine, crashes, False
+
+    def generate(self, prompts, *, on_response=None, **kwargs):
+        CrashingEngine.calls += 1
+        n, crash = CrashingEngine.calls, self.dead or self.crashes(CrashingEngine.calls)
+        self._log(n, crash, prompts)
+        if not crash:
+            return self.engine.generate(prompts, on_response=on_response, **kwargs)
+        half = len(prompts) // 2
+
+        def respond(i, *response):
+            if i < half and on_response is not None:
+                on_response(i, *response)
+
+        self.engine.generate(prompts[:half], on_response=respond, **kwargs)
+        self.dead = True
+        raise RuntimeError(f"simulated device failure in generate call {n}")
+
+    def _log(self, n: int, crash: bool, prompts) -> None:
+        if path := os.environ.get("CRASH_LOG"):
+            with open(path, "a") as f:
+                f.write(json.dumps({"call": n, "crash": crash, "version": self.engine.weight_version,
+                                    "prompts": prompts}) + "\n")
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+
+def crashes(spec: str):
+    """`N`: the N-th call only; `N+`: every call from the N-th on."""
+    first = int(spec.rstrip("+"))
+    return (lambda n: n >= first) if spec.endswith("+") else (lambda n: n == first)
+
+
 if __name__ == "__main__":
     import megarl.loops.colocated as colocated
     from megarl.cli import main
 
     fault, argv = sys.argv[1], sys.argv[2:]
     make = colocated.make_rollout_engine
-    colocated.make_rollout_engine = lambda *a, **k: StuckEngine(make(*a, **k), claims=fault == "claimed")
+    if fault.startswith("crash:"):
+        which = crashes(fault.removeprefix("crash:"))
+        colocated.make_rollout_engine = lambda *a, **k: CrashingEngine(make(*a, **k), crashes=which)
+    else:
+        colocated.make_rollout_engine = lambda *a, **k: StuckEngine(make(*a, **k), claims=fault == "claimed")
     main(["train", *argv])

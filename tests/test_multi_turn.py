@@ -49,7 +49,8 @@ def make_run(model_dir, groups, engine, *, env: EnvConfig, max_new_tokens: int, 
 
     cfg = Config(model=ModelConfig(path=str(model_dir)), data=DataConfig(train_path="unused.jsonl",
                                                                           chat_template=chat_template),
-                 rollout=RolloutConfig(max_new_tokens=max_new_tokens), env=env)
+                 # no restarts: these runs have no trainer to push the weights again (EngineLost at once)
+                 rollout=RolloutConfig(max_new_tokens=max_new_tokens, max_engine_restarts=0), env=env)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     new_env = environment_factory(env)
     rollouts = ColocatedRollouts(cfg, groups)  # one engine, on this rank
@@ -387,3 +388,77 @@ def test_a_trajectory_keeps_the_routes_of_its_last_call_and_the_batch_cuts_them_
     assert routes.shape[0] == len(prompt) + len(out[0].response_ids) - 1
     # without routes from the engine, the batch has none
     assert batch_routes([prompt], trajectories_of(tool_tokenizer, env, [{}])[0]) is None
+
+
+class FailingEngine(ScriptedEngine):
+    """A ScriptedEngine whose `fail_call`-th generate call hands out the first half of its responses and then
+    raises, as a model forward that hits a device error would."""
+
+    def __init__(self, turn_ids: list[int], *, fail_call: int):
+        super().__init__(turn_ids)
+        self.fail_call = fail_call
+
+    def generate(self, prompts, *, on_response, **kwargs) -> Generation:
+        if len(self.calls) + 1 != self.fail_call:
+            return super().generate(prompts, on_response=on_response, **kwargs)
+        half = len(prompts) // 2
+        super().generate(prompts[:half], on_response=on_response, **kwargs)
+        self.calls.pop()  # a failed call returned nothing: not counted
+        raise RuntimeError("device lost")
+
+
+def test_a_failed_engine_call_is_undone_and_a_new_engine_goes_on_from_the_last_finished_turn(tool_tokenizer):
+    """Two-turn trajectories (CountingEnv, max_turns 2): the engine fails its second call (the last turns) after
+    handing out half of them. Those responses are dropped and withdrawn from the scoring, the environments saw
+    nothing of the call, and a new engine generates the second turns of all four: the trajectories, the
+    environments' records and the rewards equal a run without the failure, each sample scored once."""
+    from types import SimpleNamespace
+
+    from megarl.config import RewardConfig, RewardTermConfig
+    from megarl.data.prompts import PromptRow
+    from megarl.loops.samples import EnginePart
+    from megarl.rewards.scorer import Scorer
+    from megarl.rollout.engine import EngineError
+
+    env = EnvConfig(name="envs_for_tests:CountingEnv", max_turns=2, options={"reward_per_step": 0.25})
+
+    def part():
+        cfg = Config(model=ModelConfig(path="unused"), data=DataConfig(train_path="unused.jsonl"),
+                     rollout=RolloutConfig(max_new_tokens=10), env=env)
+        scorer = Scorer(RewardConfig(terms=[RewardTermConfig(kind="custom", function="reward_fns:fails_on_bad")]))
+        envs: list = []
+
+        def new_env():
+            envs.append(environment_factory(env)())
+            return envs[-1]
+
+        ctx = SimpleNamespace(cfg=cfg, tokenizer=tool_tokenizer, scorer=scorer, new_env=new_env, tool_schemas=[],
+                              observations=ObservationFormat(tool_tokenizer), env_workers=None)
+        samples = [(PromptRow(prompt="p", answer="a", index=i, metadata={}), [1, 40, 41 + i]) for i in range(4)]
+        return EnginePart(ctx, samples), envs
+
+    clean, clean_envs = part()
+    assert clean.run(ScriptedEngine([30, 31, 32])) is None
+    expected, expected_scoring = clean.result()
+
+    faulted, envs = part()
+    withdrawn = []
+    rollout = faulted.trajectories.rollout
+    rollout.on_retract = lambda i, withdraw=rollout.on_retract: (withdrawn.append(i), withdraw(i))
+    failing = FailingEngine([30, 31, 32], fail_call=2)
+    error = faulted.run(failing)
+    assert isinstance(error, EngineError) and error.phase == "generate" and "RuntimeError: device lost" in str(error)
+    assert failing.calls == [4]  # the failed call is not counted: it returned nothing
+    assert withdrawn == [0, 1]  # the two last turns it handed out before failing
+    assert [t.turns for t in faulted.trajectories.trajectories] == [1] * 4  # back to the first turn
+    assert [len(e.turns) for e in envs] == [1] * 4  # no environment stepped on the failed call's turns
+    fresh = ScriptedEngine([30, 31, 32])
+    assert faulted.run(fresh) is None
+    assert fresh.calls == [4]  # every second turn, once
+    got, scoring = faulted.result()
+    for mine, theirs in zip(got, expected):
+        assert (mine.response_ids, mine.generated_mask, mine.logprobs, mine.turns, mine.finish_reason,
+                mine.env_reward) == (theirs.response_ids, theirs.generated_mask, theirs.logprobs, theirs.turns,
+                                     theirs.finish_reason, theirs.env_reward)
+    assert [e.turns for e in envs] == [e.turns for e in clean_envs]
+    assert scoring.result() == expected_scoring.result()  # a sample handed in twice would have raised

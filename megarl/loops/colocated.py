@@ -7,34 +7,44 @@ each engine's rank scores what its engine generated, and every rank receives its
 rounds of generation the trainer updates: the engines release their memory, the trainer's state comes back to
 the device, and after the update the trainer parks its state on the host, pushes the new weights and gives the
 devices back (`hand_over`).
+
+An engine that fails (megarl.rollout.engine.EngineError: its process died, a call raised in it or stopped
+making progress) is abandoned at once, and every rank of the job meets to recover after each round of
+generation and after each push (`recover`, one all-reduce): the failed engines start again from the
+checkpoint they started from, every engine is given the current weights again (the same version), and the
+failed engines' samples go on from their last finished turn, so no prompt is lost or generated twice. Past
+`rollout.max_engine_restarts` restarts in the run, every rank raises EngineLost (the run saves its last
+complete step and stops). The rounds of generation run in lockstep over the whole job for this.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from megarl.algo.aggregate import group_sums
 from megarl.batch import RolloutBatch
 from megarl.config import Config
 from megarl.data.prompts import PromptRow
 from megarl.device import host_barrier
 from megarl.engine.parallel import ParallelGroups
 from megarl.handoff import WeightCheck, push_weights
+from megarl.loops.faults import EngineLost
 from megarl.loops.rl_run import RLRun
 from megarl.loops.sampling import draw_batch
-from megarl.loops.samples import build_batch, encode_rows, generate_part, pooled_samples, with_rewards
+from megarl.loops.samples import EnginePart, build_batch, encode_rows, pooled_samples, with_rewards
 from megarl.metrics import PhaseTimer
 from megarl.models.arch import read_shape
 from megarl.packing import balanced_partition
 from megarl.rewards.scorer import Scoring
 from megarl.rollout.backends import captures_routes, make_rollout_engine, make_rollout_peer
-from megarl.rollout.engine import RolloutEngine, RolloutPeer
+from megarl.rollout.engine import EngineError, RolloutEngine, RolloutPeer
 from megarl.rollout.multi_turn import Trajectory
 from megarl.rollout.placement import RolloutPlacement, place_rollout
 
@@ -54,25 +64,88 @@ class ColocatedRollouts:
         self.peer: RolloutPeer | None = None      # beside an engine's host: its side of every push
         # the tensors of each push that the host compares with its engine's copy (rollout.verify_weights)
         self.check = WeightCheck(cfg.rollout.verify_weights, period=cfg.rollout.verify_period)
+        self.model_dir = cfg.model.path  # the checkpoint the engines start from (the warm start's, when there is one)
+        self.failure: EngineError | None = None  # this rank's engine failed since the last recovery
+        self.restarts = 0  # engine restarts in this run, every engine counted (the same on every rank)
+        self.lost = False  # restarts are spent: nothing is pushed any more (the run saves and stops)
 
     def start(self, model_dir: str) -> None:
         """The engine of this rank, seeded by its index (so a run resumed at another trainer layout with the same
         world size samples as the one that saved it), which releases its memory once its KV cache is sized; then
         every rank waits for every engine of the job."""
-        cfg, place = self.cfg, self.placement
+        place = self.placement
+        self.model_dir = model_dir
         if place.hosts_engine:
-            # MoE: every run captures the engines' routing where they can, for moe/routing_agreement and r3
-            self.engine = make_rollout_engine(cfg.rollout, model_dir, dtype=cfg.model.dtype,
-                                              seed=cfg.seed + place.engine_index,
-                                              capture_routes=read_shape(model_dir).is_moe and captures_routes(cfg.rollout),
-                                              group=place.engine_group)
+            self.engine = self.new_engine()
             self.engine.release_memory()  # its KV cache is sized; the trainer is built in the memory it gives back
         elif place.engine_group is not None:
-            self.peer = make_rollout_peer(cfg.rollout, place.engine_group)
+            self.peer = make_rollout_peer(self.cfg.rollout, place.engine_group)
         # An SGLang engine's TP schedulers size the KV cache from the memory free on each of the group's devices
         # (and refuse an imbalance), so no trainer model may be built on them before. On the host side: NCCL's
         # communicators are not made yet.
         host_barrier()
+
+    def new_engine(self) -> RolloutEngine:
+        """This rank's engine over `model_dir`; a restarted one samples from a stream of its own."""
+        cfg, place = self.cfg, self.placement
+        # MoE: every run captures the engines' routing where they can, for moe/routing_agreement and r3
+        return make_rollout_engine(cfg.rollout, self.model_dir, dtype=cfg.model.dtype,
+                                   seed=cfg.seed + place.engine_index + self.restarts * self.engines,
+                                   capture_routes=read_shape(self.model_dir).is_moe and captures_routes(cfg.rollout),
+                                   group=place.engine_group)
+
+    # -- engine failures
+    def call(self, fn: Callable[[RolloutEngine], object]) -> object:
+        """`fn(this rank's engine)`, or None without running it where there is none or it failed. A failure
+        (EngineError, which names its phase) abandons the engine and is kept for `recover`; None then too."""
+        if self.engine is None or self.failure is not None:
+            return None
+        try:
+            return fn(self.engine)
+        except EngineError as e:
+            self.failed(e)
+            return None
+
+    def failed(self, error: EngineError) -> None:
+        """This rank's engine failed: its processes and memory go at once; it starts again at `recover`."""
+        self.failure = error
+        log.error("rollout engine %d failed: %s; it is started again once every rank knows",
+                  self.placement.engine_index, error)
+        self.engine.abandon()
+
+    def recover(self, run: RLRun, *, trained: bool) -> bool:
+        """Every rank of the job: False when no engine failed since the last call. Otherwise each failed engine
+        is started again, every engine is given the current weights (the same version: the failed engine's
+        restart took the checkpoint's), and True is returned: the caller goes on with what the failed engines
+        had not finished. Past `rollout.max_engine_restarts` every rank raises EngineLost, naming each failed
+        engine and its error; `trained`: whether this step has updated the trainer."""
+        if self.lost:
+            return False
+        failed, = group_sums([float(self.failure is not None)], group=dist.group.WORLD)
+        if not failed:
+            return False
+        reports: list = [None] * dist.get_world_size()
+        mine = None if self.failure is None else (self.placement.engine_index, str(self.failure))
+        dist.all_gather_object(reports, mine)
+        named = "; ".join(f"rollout engine {engine}: {why}" for engine, why in filter(None, reports))
+        self.restarts += int(failed)
+        limit = self.cfg.rollout.max_engine_restarts
+        if self.restarts > limit:
+            self.lost = True
+            raise EngineLost(f"{named}. That is failure {self.restarts} of a rollout engine in this run, past "
+                             f"rollout.max_engine_restarts = {limit}", trained=trained)
+        log.warning("restarting (restart %d of at most %d): %s", self.restarts, limit, named)
+        if self.failure is not None:
+            self.failure = None
+            try:
+                self.engine = self.new_engine()
+            except Exception as e:  # noqa: BLE001 - a restart that fails counts as one more failure
+                self.engine, self.failure = None, EngineError(phase="start", cause=f"{type(e).__name__}: {e}")
+            self.call(lambda engine: engine.release_memory())
+        host_barrier()  # every engine has sized its KV cache before the trainer takes the devices back
+        with self.resident(run, new_version=False):
+            pass
+        return True
 
     # -- generation
     def next_batch(self, run: RLRun, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
@@ -84,56 +157,82 @@ class ColocatedRollouts:
 
     # -- the memory and the weights
     def release(self) -> None:
-        if self.engine is not None:
-            self.engine.release_memory()
+        self.call(lambda engine: engine.release_memory())
 
-    def hand_over(self, run: RLRun, timer: PhaseTimer) -> dict:
-        """The trainer's gradients and optimizer state leave the device, the weights are pushed, the trainer's
-        parameters leave too and the engines take back their KV cache."""
+    def hand_over(self, run: RLRun, timer: PhaseTimer, *, new_version: bool = True) -> dict:
+        """The trainer's gradients and optimizer state leave the device, the weights are pushed (as the next
+        version, or again as the current one), the trainer's parameters leave too and the engines take back
+        their KV cache; then every rank meets to recover engines that failed meanwhile (`recover`)."""
         with timer("sleep_trainer"):
             offloaded = sum(engine.offload_training_state() for engine in (run.actor, run.critic)
                             if engine is not None)
         with timer("push"):
-            push_stats = self.push(run)
+            push_stats = self.push(run, new_version=new_version)
         with timer("wake_rollout"):
             offloaded += sum(engine.offload_params() for engine in run.trainer_engines())
-            if self.engine is not None:
-                self.engine.resume_cache()
+            self.call(lambda engine: engine.resume_cache())
+        self.recover(run, trained=True)
         return push_stats | {"offloaded_bytes": offloaded}
 
-    def push(self, run: RLRun) -> dict:
+    def push(self, run: RLRun, *, new_version: bool = True) -> dict:
         """Hand the updated weights to the rollout engine (every rank of the pipeline joins the gathers); its host
-        then compares the engine's copy of the tensors `self.check` selects with the ones it pushed."""
-        run.weight_version += 1
+        then compares the engine's copy of the tensors `self.check` selects with the ones it pushed. A host
+        whose engine failed still takes its part in the collectives."""
+        if self.lost:
+            return {"bytes": 0, "verified": 0}
+        if new_version:
+            run.weight_version += 1
         tensors = run.actor.pipeline_hf_tensors()
         bucket_bytes = self.cfg.rollout.bucket_bytes
-        if self.engine is not None:
-            self.engine.resume_weights()
-            return push_weights(self.engine, tensors, bucket_bytes=bucket_bytes, version=run.weight_version,
-                                verify=self.check.select(run.weight_version),
-                                dtype=getattr(torch, self.cfg.model.dtype),
-                                engine_name=f"rollout engine {self.placement.engine_index}")
         if self.peer is not None:
             return self.peer.push(tensors, bucket_bytes=bucket_bytes) | {"verified": 0}
-        return {"bytes": sum(t.numel() * t.element_size() for _, t in tensors), "verified": 0}  # drive the collectives
+        if self.placement.hosts_engine and self.failure is None:
+            self.call(lambda engine: engine.resume_weights())
+        if not self.placement.hosts_engine or self.failure is not None:
+            return self.stand_in(tensors, bucket_bytes=bucket_bytes)
+        stats = self.call(lambda engine: push_weights(
+            engine, tensors, bucket_bytes=bucket_bytes, version=run.weight_version,
+            verify=self.check.select(run.weight_version), dtype=getattr(torch, self.cfg.model.dtype),
+            engine_name=f"rollout engine {self.placement.engine_index}"))
+        # a push that failed midway: the engine finished its part in its group's collectives (SGLangEngine);
+        # the trainer's gathers go on to the end
+        return stats or {"bytes": sum(t.numel() * t.element_size() for _, t in tensors), "verified": 0}
+
+    def stand_in(self, tensors, *, bucket_bytes: int) -> dict:
+        """A push without an engine on this rank, or with a failed one: every collective a push runs, nothing
+        loaded (the trainer's gathers; a failed host takes its engine's part beside the engine's peers)."""
+        if self.placement.hosts_engine and self.placement.engine_group is not None:
+            return make_rollout_peer(self.cfg.rollout, self.placement.engine_group).push(
+                tensors, bucket_bytes=bucket_bytes) | {"verified": 0}
+        return {"bytes": sum(t.numel() * t.element_size() for _, t in tensors), "verified": 0}
+
+    def run_part(self, run: RLRun, part: EnginePart | None) -> None:
+        """This rank's share of a round (`part`, on a rank that hosts an engine) on its engine; then every rank
+        meets, and after each recovery the restarted engines go on with their parts."""
+        while True:
+            if part is not None and self.failure is None:
+                if (error := part.run(self.engine)) is not None:
+                    self.failed(error)
+            if not self.recover(run, trained=False):
+                return
 
     def versions(self, run: RLRun, step: int) -> tuple[int, int]:
         """Exactly the version pushed last: the engines generate between two pushes."""
         return run.weight_version, run.weight_version
 
     def metrics(self, run: RLRun) -> dict[str, float]:
-        return {}
+        return {"rollout/engine_restarts": float(self.restarts)}
 
     @contextlib.contextmanager
-    def resident(self, run: RLRun) -> Iterator[None]:
+    def resident(self, run: RLRun, *, new_version: bool = True) -> Iterator[None]:
         """The engines give their memory back first, as before an update: the trainer never shares the device
-        with a KV cache. Their weights are released with it, so the end of the block pushes them again (a new
-        weight version, with the same weights)."""
+        with a KV cache. Their weights are released with it, so the end of the block pushes them again (by
+        default a new weight version, with the same weights)."""
         self.release()
         for engine in run.trainer_engines():
             engine.onload()
         yield
-        self.hand_over(run, PhaseTimer())
+        self.hand_over(run, PhaseTimer(), new_version=new_version)
 
     # -- checkpoints: each engine's sampler RNG
     def state(self) -> dict:
@@ -158,7 +257,7 @@ class ColocatedRollouts:
             self.engine.set_rng_state(rng)
 
     def close(self) -> None:
-        if self.engine is not None:
+        if self.engine is not None and self.failure is None:
             self.engine.shutdown()
 
 
@@ -178,11 +277,12 @@ class ColocatedRounds:
             return score(run, self.rollouts.placement, generated)
 
     def anyone(self, flag: bool) -> bool:
-        place = self.rollouts.placement
-        if place.exchange is None:
+        """Over the whole job (not the exchange group alone): every rank runs as many rounds, so every rank
+        meets after each of them to recover failed engines (ColocatedRollouts.recover)."""
+        if dist.get_world_size() == 1:
             return flag
         value = torch.tensor([int(flag)])
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=place.exchange)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value)
 
 
@@ -214,9 +314,11 @@ def generate(run: RLRun, rollouts: ColocatedRollouts, rows: list[PromptRow], *, 
     samples = pooled_samples(shares, n_samples=n_samples)
     parts = balanced_partition([len(ids) for _, _, ids in samples], len(place.exchange_engines))
     part = parts[place.exchange_engines.index(dist.get_rank())] if place.hosts_engine else []
+    engine_part = EnginePart(run, [samples[i][1:] for i in part]) if place.hosts_engine else None
+    rollouts.run_part(run, engine_part)
     scoring, mine = None, None
-    if place.hosts_engine:
-        generated, scoring = generate_part(run, rollouts.engine, [samples[i][1:] for i in part])
+    if engine_part is not None:
+        generated, scoring = engine_part.result()
         mine = (part, generated)
     trajectories: dict[int, Trajectory] = {}
     engine_of: dict[int, int] = {}  # sample -> the engine that generated it (the engine of rank r is r // tp)

@@ -33,6 +33,17 @@ class EngineFault(RuntimeError):
     """The rollout engines do not sample the policy the trainer trains."""
 
 
+class EngineLost(EngineFault):
+    """A rollout engine failed once more than `rollout.max_engine_restarts` allows. `trained`: whether the
+    step it failed in had updated the trainer (a failed push) or not (a failed generation); the run saves
+    its last complete state (megarl.loops.lifecycle.run_steps) and `checkpoint` is where."""
+
+    def __init__(self, message: str, *, trained: bool):
+        super().__init__(message)
+        self.trained = trained
+        self.checkpoint = None
+
+
 def check_versions(batch: RolloutBatch, versions: tuple[int, int], *, step: int, group=None) -> None:
     """Raise EngineFault when a generated token of `batch` carries a weight version outside `versions` (lowest,
     highest). Every rank of the data-parallel `group` calls it and raises the same error, naming one engine at

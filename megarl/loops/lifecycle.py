@@ -25,6 +25,7 @@ from megarl.checkpoint import save_hf
 from megarl.config import Config, dump_config
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
+from megarl.loops.faults import EngineLost
 from megarl.loops.resume import RunState, restore_checkpoint, save_checkpoint
 from megarl.loops.stop import STOP, Stopped
 from megarl.metrics import MetricsWriter
@@ -42,7 +43,9 @@ def run_steps(cfg: Config, state: RunState, *, step: Callable[[int], dict[str, f
     `log.every_steps` (and the last), a checkpoint every `checkpoint.every_steps`, and with
     `checkpoint.save_final` a last checkpoint plus the actor exported as an HF checkpoint. Returns the
     directory of that export. A signal (megarl.loops.stop) ends the run before its next step: the last
-    finished step is saved unless it already was, and Stopped is raised. The first record written by this
+    finished step is saved unless it already was, and Stopped is raised. So does a rollout engine lost for
+    good (EngineLost, raised again with its `checkpoint`): a step it stopped before the update gives back
+    the prompts it drew. The first record written by this
     process has `timing/startup_seconds`: seconds from the process's start to its first step."""
     start = restore_checkpoint(resume_from, state) if resume_from is not None else 0
     if dist.get_rank() == 0:
@@ -59,7 +62,17 @@ def run_steps(cfg: Config, state: RunState, *, step: Callable[[int], dict[str, f
                 if saved_step < n - 1:
                     saved, saved_step = save_checkpoint(cfg, n - 1, state), n - 1
                 raise Stopped(step=n - 1, checkpoint=saved, exit_code=exit_code, signal_name=STOP.signal_name)
-            metrics = step(n)
+            drawn = state.sampler.state_dict()
+            try:
+                metrics = step(n)
+            except EngineLost as e:  # every rank: save the last complete state, the step's prompts not drawn
+                last = n if e.trained else n - 1
+                if not e.trained:
+                    state.sampler.load_state_dict(drawn)
+                if saved_step < last:
+                    saved, saved_step = save_checkpoint(cfg, last, state), last
+                e.checkpoint = saved
+                raise
             if n % cfg.log.every_steps == 0 or n == steps:
                 writer.write(n, metrics | startup)
                 startup = {}

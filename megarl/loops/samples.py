@@ -1,10 +1,11 @@
 """One sample from prompt to scored row, the same wherever it is generated: a co-located engine
 (megarl.loops.colocated) or a rollout rank of placement split (megarl.loops.split).
 
-`encode_rows` makes the engines' prompt ids, `pooled_samples` lays out a round's samples, `generate_part`
-runs an engine's share of them (each with its own environment, megarl.rollout.multi_turn) and hands every
-final response to the scorer, `build_batch` packs a replica's trajectories into a RolloutBatch and
-`with_rewards` adds the rewards a training rank computes (reward models, the environment's).
+`encode_rows` makes the engines' prompt ids, `pooled_samples` lays out a round's samples, `EnginePart`
+runs an engine's share of them (each with its own environment, megarl.rollout.multi_turn; again on a new
+engine after a failure) and hands every final response to the scorer, `build_batch` packs a replica's
+trajectories into a RolloutBatch and `with_rewards` adds the rewards a training rank computes (reward models,
+the environment's).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from megarl.envs.environment import Environment
 from megarl.envs.tool_format import ObservationFormat
 from megarl.rewards.scorer import Scorer, Scoring
 from megarl.rewards.terms import Sample
-from megarl.rollout.engine import RolloutEngine
-from megarl.rollout.multi_turn import EnvWorkers, Trajectory, run_trajectories
+from megarl.rollout.engine import EngineError, RolloutEngine
+from megarl.rollout.multi_turn import EnvWorkers, Trajectory, TrajectoryRun
 
 
 class SampleContext(Protocol):
@@ -55,28 +56,52 @@ def pooled_samples(shares: dict[int, tuple[list[PromptRow], list[list[int]]]], *
     return [(dp, row, ids) for dp in sorted(shares) for row, ids in zip(*shares[dp]) for _ in range(n_samples)]
 
 
+class EnginePart:
+    """An engine's share of a round: the trajectories of `samples` (row, prompt ids), each response handed to
+    a scoring of `ctx.scorer` as soon as it is final. `run` generates what is left on an engine; after a
+    failed engine call (whose responses are dropped and withdrawn from the scoring) a later `run` on a new
+    engine goes on from there, so no sample is lost or scored twice."""
+
+    def __init__(self, ctx: SampleContext, samples: list[tuple[PromptRow, list[int]]]):
+        cfg = ctx.cfg.rollout
+        self.ctx, self.samples = ctx, samples
+        self.scoring = ctx.scorer.batch(len(samples))
+        self.trajectories = TrajectoryRun(
+            [ids for _, ids in samples], [ctx.new_env() for _ in samples],
+            [(row.prompt, row.metadata) for row, _ in samples], tokenizer=ctx.tokenizer,
+            observations=ctx.observations, limits=ctx.cfg.env, temperature=cfg.temperature, top_p=cfg.top_p,
+            max_new_tokens=cfg.max_new_tokens, on_last_turn=self.last_turn, on_retract=self.scoring.withdraw)
+
+    def last_turn(self, i: int, trajectory: Trajectory) -> None:
+        row, _ = self.samples[i]
+        self.scoring.submit(i, Sample(row.prompt, response_text(self.ctx.tokenizer, trajectory), row.answer,
+                                      row.metadata, response_tokens=sum(trajectory.generated_mask)))
+
+    def run(self, engine: RolloutEngine) -> EngineError | None:
+        """Generate every trajectory not finished yet on `engine`; the engine's failure, or None."""
+        try:
+            self.trajectories.run(engine, self.ctx.env_workers)
+        except EngineError as e:
+            return e
+        return None
+
+    def result(self) -> tuple[list[Trajectory], Scoring]:
+        """The trajectories, in order, and their scoring. A trajectory whose environment reward failed fails
+        its sample's reward, as a failing reward term would."""
+        trajectories = self.trajectories.trajectories
+        for i, trajectory in enumerate(trajectories):
+            if trajectory.env_reward_failure is not None:
+                self.scoring.fail(i, trajectory.env_reward_failure)
+        return trajectories, self.scoring
+
+
 def generate_part(ctx: SampleContext, engine: RolloutEngine,
                   samples: list[tuple[PromptRow, list[int]]]) -> tuple[list[Trajectory], Scoring]:
-    """Run the trajectories of `samples` (row, prompt ids) on `engine`, handing each response to a new
-    scoring of `ctx.scorer` as soon as it is final. A trajectory whose environment reward failed fails its
-    sample's reward in that scoring, as a failing reward term would."""
-    cfg = ctx.cfg.rollout
-    scoring = ctx.scorer.batch(len(samples))
-
-    def last_turn(i: int, trajectory: Trajectory) -> None:
-        row, _ = samples[i]
-        scoring.submit(i, Sample(row.prompt, response_text(ctx.tokenizer, trajectory), row.answer, row.metadata,
-                                 response_tokens=sum(trajectory.generated_mask)))
-
-    trajectories = run_trajectories(
-        engine, [ids for _, ids in samples], [ctx.new_env() for _ in samples],
-        [(row.prompt, row.metadata) for row, _ in samples], tokenizer=ctx.tokenizer, observations=ctx.observations,
-        limits=ctx.cfg.env, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-        on_last_turn=last_turn, workers=ctx.env_workers)
-    for i, trajectory in enumerate(trajectories):
-        if trajectory.env_reward_failure is not None:
-            scoring.fail(i, trajectory.env_reward_failure)
-    return trajectories, scoring
+    """The trajectories of `samples` on `engine` and their scoring (EnginePart); an engine failure is raised."""
+    part = EnginePart(ctx, samples)
+    if (fault := part.run(engine)) is not None:
+        raise fault
+    return part.result()
 
 
 def build_batch(tokenizer, rows: list[PromptRow], prompts: list[list[int]], trajectories: list[Trajectory], *,

@@ -103,6 +103,14 @@ class Scoring:
         if self.scorer.pool is not None and len(self.waiting) == self.chunk_size:
             self.send()
 
+    def withdraw(self, i: int) -> None:
+        """Sample `i` is no longer final (the engine call that made it failed): it must be handed in again.
+        A chunk that already left with it still comes back; the later hand-in's outcome is the one kept."""
+        self.samples[i] = None
+        if i in self.waiting:
+            self.waiting.remove(i)
+        self.failed.pop(i, None)
+
     def fail(self, i: int, why: str) -> None:
         """Sample `i`'s reward failed outside the recipe's terms (its environment's, `why` naming it): it
         scores 0 and counts as one failure under the same policy, whatever its terms give."""
@@ -128,7 +136,7 @@ class Scoring:
                 self.send()
             chunks, scored_before = pool.collect([ref for _, ref in self.sent], [len(ix) for ix, _ in self.sent])
             outcomes: list[Outcome] = [(math.nan, "")] * len(samples)
-            for (indices, _), chunk in zip(self.sent, chunks):
+            for (indices, _), chunk in zip(self.sent, chunks):  # in the order sent: a withdrawn sample's later one wins
                 for i, outcome in zip(indices, chunk):
                     outcomes[i] = outcome
         for i, why in self.failed.items():

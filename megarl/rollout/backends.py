@@ -23,7 +23,7 @@ def make_rollout_engine(cfg: RolloutConfig, model_dir: str, *, dtype: str, seed:
 
             return SGLangEngine(model_dir, dtype=dtype, seed=seed, tp_size=cfg.tp, mem_fraction=cfg.mem_fraction,
                                 base_gpu_id=current_device().index if on_gpu() else 0,
-                                capture_routes=capture_routes, group=group)
+                                capture_routes=capture_routes, group=group, timeout_s=cfg.engine_timeout_s)
     raise RecipeError(f"rollout.engine: unknown engine {cfg.engine!r}")
 
 

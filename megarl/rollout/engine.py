@@ -35,6 +35,17 @@ class Generation:
     versions: list[list[int]] | None = None
 
 
+class EngineError(RuntimeError):
+    """A rollout engine failed a call: its process died, the call raised inside the engine, or it went
+    `rollout.engine_timeout_s` without progress. The engine is unusable afterwards; colocated runs start it
+    again (megarl.loops.colocated, rollout.max_engine_restarts)."""
+
+    def __init__(self, *, phase: str, cause: str, elapsed_s: float | None = None):
+        self.phase, self.cause, self.elapsed_s = phase, cause, elapsed_s
+        after = f" after {elapsed_s:.1f} s" if elapsed_s is not None else ""
+        super().__init__(f"{phase} failed{after}: {cause}")
+
+
 # An engine's call for each response as soon as it is final: (index in the call's prompts, response ids,
 # their logprobs, finish reason).
 ResponseCallback = Callable[[int, list[int], list[float], str], None]
@@ -87,6 +98,10 @@ class RolloutEngine(Protocol):
         ...
 
     def shutdown(self) -> None:
+        ...
+
+    def abandon(self) -> None:
+        """Free what a failed engine holds (its processes, its device memory) without waiting on it."""
         ...
 
 

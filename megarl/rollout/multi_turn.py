@@ -36,6 +36,7 @@ from torch import Tensor
 from megarl.config import EnvConfig
 from megarl.envs.environment import Environment, Step
 from megarl.envs.tool_format import ObservationFormat
+from megarl.rollout.engine import EngineError, Generation
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,16 @@ class Trajectory:
         self.logprobs += [0.0] * len(ids) if logprobs is None else logprobs
         self.versions += [0] * len(ids)
 
+    def mark(self) -> tuple:
+        """What an engine call may change, to `undo` it when the call fails."""
+        return len(self.response_ids), self.turns, self.finish_reason, self.last_turn, self.last_turn_text
+
+    def undo(self, mark: tuple) -> None:
+        """Back to `mark`: the ids, logprobs and turn of a failed engine call are dropped."""
+        n, self.turns, self.finish_reason, self.last_turn, self.last_turn_text = mark
+        for ids in (self.response_ids, self.generated_mask, self.logprobs, self.versions):
+            del ids[n:]
+
 
 class EnvWorkers:
     """The threads that run environment steps, kept from one `run_trajectories` call to the next: starting
@@ -99,38 +110,64 @@ def run_trajectories(engine, prompts: Sequence[list[int]], envs: Sequence[Enviro
                      limits: EnvConfig, temperature: float, top_p: float, max_new_tokens: int,
                      on_last_turn: Callable[[int, Trajectory], None] | None = None,
                      workers: EnvWorkers | None = None) -> list[Trajectory]:
-    """One trajectory per prompt, each with its own environment (reset with its row's (prompt text,
-    metadata)). `max_new_tokens` limits each turn; `limits` the turns, tokens and tool time of a trajectory.
-    `observations` renders tool messages; it may be None only when no environment returns any.
+    """One trajectory per prompt, each with its own environment: `TrajectoryRun(...).run(engine, workers)`."""
+    return TrajectoryRun(prompts, envs, rows, tokenizer=tokenizer, observations=observations, limits=limits,
+                         temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                         on_last_turn=on_last_turn).run(engine, workers)
+
+
+class TrajectoryRun:
+    """The trajectories of a set of prompts, each with its own environment (reset with its row's (prompt
+    text, metadata)), run to their end by `run`. `max_new_tokens` limits each turn; `limits` the turns,
+    tokens and tool time of a trajectory. `observations` renders tool messages; it may be None only when no
+    environment returns any.
 
     `on_last_turn(i, trajectory)` is called once per trajectory, as soon as its last turn is known, so
     its response can be scored while others are still generating: within the engine call, when the turn
     hit a token limit or was the last turn allowed; otherwise once its environment step ended it. Its
     response ids are final then; its finish reason and environment reward may not be yet.
 
-    `workers` runs the environment steps (a pool of `env.tool_workers` threads for this call when None)."""
-    rollout = _Rollout(engine, envs, [Trajectory(list(p)) for p in prompts], tokenizer=tokenizer,
-                       observations=observations, limits=limits, temperature=temperature, top_p=top_p,
-                       max_new_tokens=max_new_tokens, on_last_turn=on_last_turn)
-    for env, (prompt, metadata) in zip(envs, rows):
-        env.reset(prompt, metadata)
-    own_workers = workers is None
-    workers = EnvWorkers(limits.tool_workers) if own_workers else workers
-    left_running = False
-    active = list(range(len(prompts)))
-    try:
-        while active:
-            stepping = rollout.generate_turns(active)
-            results = rollout.step_environments(stepping, workers)
-            left_running |= results.timed_out
-            active = rollout.answer_steps(stepping, results)
-    except BaseException:
-        left_running = True  # steps may still be queued or running
-        raise
-    finally:
-        if own_workers or left_running:
-            workers.retire()  # steps past their limit finish on their own
-    return rollout.trajectories
+    An engine call is all or nothing: when it fails (megarl.rollout.engine.EngineError; anything else the
+    engine raises is turned into one), every response it gave is dropped, `on_retract(i)` withdraws each
+    trajectory that `on_last_turn` had handed out during it, and `run` raises. The environments saw none of
+    the call, so a later `run` on a new engine continues every trajectory from its last finished turn.
+    """
+
+    def __init__(self, prompts: Sequence[list[int]], envs: Sequence[Environment], rows: Sequence[tuple[str, dict]],
+                 *, tokenizer, observations: ObservationFormat | None, limits: EnvConfig, temperature: float,
+                 top_p: float, max_new_tokens: int, on_last_turn: Callable[[int, Trajectory], None] | None = None,
+                 on_retract: Callable[[int], None] | None = None):
+        self.rollout = _Rollout(envs, [Trajectory(list(p)) for p in prompts], tokenizer=tokenizer,
+                                observations=observations, limits=limits, temperature=temperature, top_p=top_p,
+                                max_new_tokens=max_new_tokens, on_last_turn=on_last_turn, on_retract=on_retract)
+        for env, (prompt, metadata) in zip(envs, rows):
+            env.reset(prompt, metadata)
+        self.active = list(range(len(prompts)))  # the trajectories that take another turn
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        return self.rollout.trajectories
+
+    def run(self, engine, workers: EnvWorkers | None = None) -> list[Trajectory]:
+        """Every trajectory to its end on `engine`; `workers` runs the environment steps (a pool of
+        `env.tool_workers` threads for this call when None)."""
+        rollout = self.rollout
+        own_workers = workers is None
+        workers = EnvWorkers(rollout.limits.tool_workers) if own_workers else workers
+        left_running = False
+        try:
+            while self.active:
+                stepping = rollout.generate_turns(engine, self.active)
+                results = rollout.step_environments(stepping, workers)
+                left_running |= results.timed_out
+                self.active = rollout.answer_steps(stepping, results)
+        except BaseException:
+            left_running = True  # steps may still be queued or running
+            raise
+        finally:
+            if own_workers or left_running:
+                workers.retire()  # steps past their limit finish on their own
+        return rollout.trajectories
 
 
 @dataclass
@@ -155,13 +192,14 @@ class _Rollout:
     """The trajectories of one `run_trajectories` call, and each round's three phases: the engine call that
     generates the active trajectories' turns, their environments' steps, and the observations appended."""
 
-    def __init__(self, engine, envs: Sequence[Environment], trajectories: list[Trajectory], *, tokenizer,
+    def __init__(self, envs: Sequence[Environment], trajectories: list[Trajectory], *, tokenizer,
                  observations: ObservationFormat | None, limits: EnvConfig, temperature: float, top_p: float,
-                 max_new_tokens: int, on_last_turn: Callable[[int, Trajectory], None] | None):
-        self.engine, self.envs, self.trajectories = engine, envs, trajectories
+                 max_new_tokens: int, on_last_turn: Callable[[int, Trajectory], None] | None,
+                 on_retract: Callable[[int], None] | None):
+        self.envs, self.trajectories = envs, trajectories
         self.tokenizer, self.observations, self.limits = tokenizer, observations, limits
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
-        self.on_last_turn = on_last_turn
+        self.on_last_turn, self.on_retract = on_last_turn, on_retract
         self.handed_out: set[int] = set()  # the trajectories on_last_turn has been called for
         # single_turn's step always ends the episode, so its first turn is known to be the last one before the
         # step runs (the finish reason is still the step's "stop").
@@ -176,9 +214,10 @@ class _Rollout:
         self.trajectories[i].finish_reason = reason
         self.last_turn_known(i)
 
-    def generate_turns(self, active: list[int]) -> list[int]:
+    def generate_turns(self, engine, active: list[int]) -> list[int]:
         """One engine call for every trajectory of `active` with tokens left; returns those whose turn
-        ended in a step of their environment, in the trajectories' order (the others are finished)."""
+        ended in a step of their environment, in the trajectories' order (the others are finished). A failed
+        call is undone (TrajectoryRun) and raised."""
         budget = {i: _tokens_left(self.trajectories[i], self.limits, self.max_new_tokens) for i in active}
         for i in [i for i in active if budget[i] <= 0]:
             self.finish(i, "max_tokens")
@@ -188,11 +227,19 @@ class _Rollout:
         # One engine call for every active trajectory; one whose token budget is below the turn limit
         # is cut to its budget afterwards (engines take one max_new_tokens per call).
         stepping: list[int] = []
-        eos_id, pad_id = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        generation = self.engine.generate(
-            [self.trajectories[i].prompt_ids + self.trajectories[i].response_ids for i in active],
-            temperature=self.temperature, top_p=self.top_p, max_new_tokens=max(budget[i] for i in active),
-            eos_id=eos_id, pad_id=pad_id, on_response=partial(self.end_turn, active, budget, stepping))
+        marks = {i: self.trajectories[i].mark() for i in active}
+        handed_out = set(self.handed_out)
+        try:
+            generation = self.call_engine(engine, active, max_new_tokens=max(budget[i] for i in active),
+                                          on_response=partial(self.end_turn, active, budget, stepping))
+        except EngineError:
+            for i in active:
+                self.trajectories[i].undo(marks[i])
+            for i in sorted(self.handed_out - handed_out):
+                if self.on_retract is not None:
+                    self.on_retract(i)
+            self.handed_out = handed_out
+            raise
         if generation.routes is not None:
             for i, routes in zip(active, generation.routes):
                 self.trajectories[i].routes = routes
@@ -202,6 +249,32 @@ class _Rollout:
                 if kept:
                     self.trajectories[i].versions[-kept:] = versions[:kept]
         return sorted(stepping)  # responses end in any order; the next round's batch keeps the trajectories' order
+
+    def call_engine(self, engine, active: list[int], *, max_new_tokens: int, on_response) -> Generation:
+        """The engine's generate for the trajectories `active`. What the engine raises is an EngineError (its
+        phase "generate"); what `on_response` raises is not the engine's and goes on unchanged."""
+        ours: list[BaseException] = []
+
+        def respond(*args) -> None:
+            try:
+                on_response(*args)
+            except BaseException as e:
+                ours.append(e)
+                raise
+
+        start = time.monotonic()
+        try:
+            return engine.generate(
+                [self.trajectories[i].prompt_ids + self.trajectories[i].response_ids for i in active],
+                temperature=self.temperature, top_p=self.top_p, max_new_tokens=max_new_tokens,
+                eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id, on_response=respond)
+        except EngineError:
+            raise
+        except Exception as e:
+            if ours:  # the callback's own error, perhaps wrapped by the engine
+                raise ours[0]
+            raise EngineError(phase="generate", cause=f"{type(e).__name__}: {e}",
+                              elapsed_s=time.monotonic() - start) from e
 
     def end_turn(self, active: list[int], budget: dict[int, int], stepping: list[int],
                  j: int, ids: list[int], logprobs: list[float], reason: str) -> None:

@@ -295,3 +295,8 @@ class NativeEngine:
     def shutdown(self) -> None:
         pass
 
+    def abandon(self) -> None:
+        """Drop the model and its fused copies: their memory goes back to the allocator (the engine is unusable)."""
+        self.model = self._fused = self._routes = None
+        self._params = {}
+

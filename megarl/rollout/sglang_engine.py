@@ -18,6 +18,12 @@ With `capture_routes`, SGLang records every token's top-k expert ids at each MoE
 in (`enable_return_routed_experts`), indexed by the token's KV-cache slot, so prompt tokens served from the
 prefix cache keep the routes of the forward that computed them (megarl flushes the cache after every push).
 Each finished request returns them base64-encoded in `meta_info["routed_experts"]`.
+
+Every call into SGLang is bounded (`rollout.engine_timeout_s` without progress: a push's bucket, a flush, a
+release or resume, a generate call in which no response finished) and fails with EngineError naming its
+phase. SGLang's watchdog answers a dead scheduler or detokenizer with SIGQUIT to this process, whose handler
+would kill the process tree, trainer included; megarl takes that signal over and fails the call in flight
+(or the next one) instead, so the run can start the engine again (megarl.loops.colocated).
 """
 
 from __future__ import annotations
@@ -28,8 +34,11 @@ import contextlib
 import logging
 import math
 import os
+import signal
 import sys
-from collections.abc import Iterable, Iterator
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -39,7 +48,7 @@ from megarl.device import current_device, host_barrier, load_cuda_driver_stand_i
 from megarl.handoff import buckets, flatten
 from megarl.models.arch import read_shape
 from megarl.models.safetensors_dir import SafetensorsDir
-from megarl.rollout.engine import Generation, ResponseCallback
+from megarl.rollout.engine import EngineError, Generation, ResponseCallback
 from megarl.routing import compact
 
 log = logging.getLogger(__name__)
@@ -89,10 +98,10 @@ class SGLangEngine:
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0, tp_size: int = 1,
                  mem_fraction: float = 0.5, base_gpu_id: int = 0, cpu_pool_tokens: int | None = CPU_POOL_TOKENS,
-                 capture_routes: bool = False, group: dist.ProcessGroup | None = None):
+                 capture_routes: bool = False, group: dist.ProcessGroup | None = None, timeout_s: float = 600.0):
         """`group`: the trainer ranks on the engine's devices, this one first (its SGLang TP ranks, in order),
         each of which serializes its own copy of every pushed bucket (`SGLangPeer` on the others); None: this
-        rank serializes its copy for every TP rank."""
+        rank serializes its copy for every TP rank. `timeout_s`: how long a call may go without progress."""
         self.on_gpu = on_gpu()
         if group is not None and group.size() != tp_size:
             raise ValueError(f"the engine's group has {group.size()} ranks for an SGLang engine of tp_size {tp_size}")
@@ -124,8 +133,17 @@ class SGLangEngine:
         args = engine_args(model_dir, on_gpu=self.on_gpu, dtype=dtype, seed=seed, tp_size=tp_size,
                            mem_fraction=mem_fraction, base_gpu_id=base_gpu_id, cpu_pool_tokens=cpu_pool_tokens,
                            capture_routes=capture_routes)
+        self.timeout_s = timeout_s
+        self.dead: str | None = None  # why SGLang can no longer answer, once it cannot
+        self._watch: _CallWatch | None = None  # the call in flight
+        # while it starts, SGLang calls this handler on SIGQUIT from its processes (in the main thread); the
+        # server arguments travel to its processes, so it is a module function (pickled by name)
+        global _sigquit_target
+        _sigquit_target = self
+        args["custom_sigquit_handler"] = _on_sigquit
         with _launch_env(self.on_gpu):
             self.engine = Engine(**args)
+        self._take_over_sigquit()
         if self.on_gpu:
             from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
@@ -137,6 +155,39 @@ class SGLangEngine:
         # SGLang 0.5.21+ records a weight version that it stamps on every response
         self.stamps_versions = hasattr(self.engine.tokenizer_manager, "update_weight_version")
         self._readable: bool | None = None  # whether get_weights_by_name answers (None: not asked yet)
+
+    def _take_over_sigquit(self) -> None:
+        """Once running, SGLang answers SIGQUIT (from its watchdog, which polls its processes every second, or
+        from a scheduler that raised) by killing this whole process tree. Its handler is set on the event loop
+        when the first request starts the tokenizer manager's loop: start it now and replace the handler."""
+        self.engine.tokenizer_manager.auto_create_handle_loop()
+        if threading.current_thread() is threading.main_thread():
+            self.engine.loop.add_signal_handler(signal.SIGQUIT, _on_sigquit)
+
+    def _process_failed(self, *_) -> None:
+        self.dead = "an SGLang process exited (SIGQUIT from SGLang: a scheduler or the detokenizer died or raised)"
+        if self._watch is not None:
+            self._watch.stop(self.dead)
+
+    def _bounded(self, phase: str, call: Callable, *args, **kwargs):
+        """`call(...)`, which runs on SGLang's event loop, failing with EngineError(phase) once `timeout_s` pass
+        without progress or SGLang reports a dead process."""
+        if self.dead is not None:
+            raise EngineError(phase=phase, cause=self.dead)
+        watch = self._watch = _CallWatch(self.engine.loop, self.timeout_s)
+        try:
+            return call(*args, **kwargs)
+        except asyncio.CancelledError:
+            raise EngineError(phase=phase, cause=watch.reason or "cancelled", elapsed_s=watch.elapsed_s) from None
+        except EngineError:
+            raise
+        except Exception as e:
+            if watch.reason is not None:  # a request cut short by the stop
+                raise EngineError(phase=phase, cause=watch.reason, elapsed_s=watch.elapsed_s) from e
+            raise
+        finally:
+            watch.close()
+            self._watch = None
 
     def generate(self, prompts: list[list[int]], *, temperature: float, top_p: float, max_new_tokens: int,
                  eos_id: int, pad_id: int, on_response: ResponseCallback | None = None) -> Generation:
@@ -159,10 +210,12 @@ class SGLangEngine:
         async def request(i: int, ids: list[int]) -> None:
             out = await self.engine.async_generate(input_ids=ids, sampling_params=params, return_logprob=True,
                                                    return_routed_experts=self.capture_routes)
+            if self._watch is not None:
+                self._watch.progress()  # a response finished: the clock starts again
             meta = out["meta_info"]
             reason = meta["finish_reason"]["type"]
             if reason == "abort":
-                raise RuntimeError(f"SGLang aborted a request: {meta['finish_reason']}")
+                raise EngineError(phase="generate", cause=f"SGLang aborted a request: {meta['finish_reason']}")
             response = list(out["output_ids"])
             responses[i] = (response, [lp for lp, _, _ in meta["output_token_logprobs"]][: len(response)],
                             "stop" if reason == "stop" else "length")
@@ -177,7 +230,7 @@ class SGLangEngine:
         async def all_requests() -> None:
             await asyncio.gather(*(request(i, ids) for i, ids in enumerate(prompts)))
 
-        self.engine.loop.run_until_complete(all_requests())
+        self._bounded("generate", self.engine.loop.run_until_complete, all_requests())
         ordered = [responses[i] for i in range(len(prompts))]
         return Generation(response_ids=[r[0] for r in ordered], logprobs=[r[1] for r in ordered],
                           finish_reasons=[r[2] for r in ordered],
@@ -208,10 +261,11 @@ class SGLangEngine:
         missing = set(self.expected_names)
         # SGLang 0.5.21+ applies tensor updates only inside a weight-update session; older releases have
         # no session and apply them directly.
+        buckets = iter(buckets)
         session = hasattr(self.engine, "begin_weight_update")
-        if session:
-            _check(self.engine.begin_weight_update(), "begin_weight_update")
         try:
+            if session:
+                _check(self._bounded("begin_weight_update", self.engine.begin_weight_update), "begin_weight_update")
             with _ipc_exportable(self.on_gpu):
                 for bucket in buckets:
                     unknown = [name for name, _ in bucket if name not in self.expected_names]
@@ -227,17 +281,24 @@ class SGLangEngine:
                         flat, metadata = flatten_bucket(bucket)
                         payload = {"flattened_tensor": flat, "metadata": metadata}
                         per_rank = [MultiprocessingSerializer.serialize(payload) for _ in range(self.tp_size)]
-                    _check(self.engine.update_weights_from_tensor(per_rank, load_format="flattened_bucket",
-                                                                  flush_cache=False), "update_weights_from_tensor")
+                    _check(self._bounded("update_weights_from_tensor", self.engine.update_weights_from_tensor,
+                                         per_rank, load_format="flattened_bucket", flush_cache=False),
+                           "update_weights_from_tensor")
                     # Dropping the references is safe once the call returned: torch keeps an exported
                     # CUDA block out of the allocator until every receiver has synchronized its stream and
                     # released its handle (ipc_collect below frees it then).
                     del per_rank, flat
             if self.group is not None:
                 host_barrier(self.group)  # SGLang loaded the last bucket: the group's buffers may go
-        finally:
             if session:
-                _check(self.engine.end_weight_update(), "end_weight_update")
+                _check(self._bounded("end_weight_update", self.engine.end_weight_update), "end_weight_update")
+        except EngineError:
+            if self.group is not None:  # the group's other ranks go on gathering: take their payloads to the end
+                for bucket in buckets:
+                    gather_payloads(bucket, group=self.group)
+                host_barrier(self.group)
+            raise
+        finally:
             if self.on_gpu:
                 torch.cuda.ipc_collect()  # free staging buffers whose last IPC reference just dropped
         if missing:
@@ -247,7 +308,8 @@ class SGLangEngine:
 
             # the scheduler stamps every later response with it (meta_info["weight_version"])
             request = UpdateWeightVersionReqInput(new_version=str(version), abort_all_requests=False)
-            self.engine.loop.run_until_complete(self.engine.tokenizer_manager.update_weight_version(request))
+            self._bounded("update_weight_version", self.engine.loop.run_until_complete,
+                          self.engine.tokenizer_manager.update_weight_version(request))
         self.weight_version = version
 
     def read_weights(self, names: list[str]) -> Iterator[tuple[str, Tensor | None]]:
@@ -259,16 +321,16 @@ class SGLangEngine:
         for name in names:
             held = None
             if self.tp_size == 1 and self._readable is not False and self._sizes.get(name, 0) <= READBACK_MAX_VALUES:
-                values = self.engine.get_weights_by_name(name, truncate_size=sys.maxsize)
+                values = self._bounded("read_weights", self.engine.get_weights_by_name, name, truncate_size=sys.maxsize)
                 # a model class without the method answers None to every name (and logs an error): ask once
                 self._readable = self._readable or values is not None
                 held = None if values is None else torch.tensor(values, dtype=torch.float32)
             yield name, held
 
     def flush_cache(self) -> None:
-        result = self.engine.flush_cache()
+        result = self._bounded("flush_cache", self.engine.flush_cache)
         if not getattr(result, "success", True):
-            raise RuntimeError(f"SGLang refused to flush its cache: {result}")
+            raise EngineError(phase="flush_cache", cause=f"SGLang refused to flush its cache: {result}")
 
     def release_memory(self) -> None:
         """Free SGLang's weights, KV cache and CUDA-graph pool for the trainer (GPU only). SGLang must be
@@ -278,7 +340,7 @@ class SGLangEngine:
             return
         tags = [t for t in WEIGHT_TAGS + CACHE_TAGS if t not in self._released]
         if tags:
-            self.engine.release_memory_occupation(tags=tags)
+            self._bounded("release_memory", self.engine.release_memory_occupation, tags=tags)
             self._released.update(tags)
 
     def resume_weights(self) -> None:
@@ -297,11 +359,33 @@ class SGLangEngine:
         # SGLang raises on resuming a tag that is not released: resume only what release_memory took.
         tags = [t for t in tags if t in self._released]
         if tags:
-            self.engine.resume_memory_occupation(tags=tags)
+            self._bounded(what, self.engine.resume_memory_occupation, tags=tags)
             self._released.difference_update(tags)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+    def abandon(self) -> None:
+        """Kill this engine's processes (its schedulers and detokenizer, each with its children) and cancel its
+        tasks, without waiting on SGLang. SGLang's own shutdown kills every child of this process, which would
+        take the reward sandboxes and pools beside it too."""
+        import psutil
+
+        self.dead = self.dead or "abandoned after a failure"
+        manager = self.engine.tokenizer_manager
+        if getattr(manager, "_subprocess_watchdog", None) is not None:
+            manager._subprocess_watchdog.stop()  # a child it sees die would send SIGQUIT again
+        doomed = []
+        for pid in self.engine.get_all_child_pids():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                root = psutil.Process(pid)
+                doomed += [*root.children(recursive=True), root]
+        for process in doomed:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        psutil.wait_procs(doomed, timeout=30)
+        for task in getattr(manager, "asyncio_tasks", ()):
+            task.cancel()
 
 
 class SGLangPeer:
@@ -460,4 +544,43 @@ def _ipc_exportable(on_gpu: bool) -> Iterator[None]:
 def _check(result, what: str) -> None:
     """SGLang's weight calls return (success, message) and never raise: turn a failure into an error."""
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], bool) and not result[0]:
-        raise RuntimeError(f"SGLang {what} failed: {result[1]}")
+        raise EngineError(phase=what, cause=f"SGLang said: {result[1]}")
+
+
+_sigquit_target: SGLangEngine | None = None  # the engine of this process (the last one started)
+
+
+def _on_sigquit(*_) -> None:
+    if _sigquit_target is not None:
+        _sigquit_target._process_failed()
+
+
+class _CallWatch:
+    """Bounds one call on SGLang's event loop: the tasks the call starts are cancelled (so the call raises
+    CancelledError) once `timeout_s` pass without `progress()`, or at `stop(reason)`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float):
+        self.loop, self.timeout_s = loop, timeout_s
+        self.before = asyncio.all_tasks(loop)  # SGLang's own tasks (its handle loop), left alone
+        self.started = time.monotonic()
+        self.reason: str | None = None
+        self.timer = loop.call_later(timeout_s, self._expired)
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started
+
+    def _expired(self) -> None:
+        self.stop(f"no progress in rollout.engine_timeout_s = {self.timeout_s:g} s")
+
+    def progress(self) -> None:
+        self.timer.cancel()
+        self.timer = self.loop.call_later(self.timeout_s, self._expired)
+
+    def stop(self, reason: str) -> None:
+        self.reason = self.reason or reason
+        for task in asyncio.all_tasks(self.loop) - self.before:
+            task.cancel()
+
+    def close(self) -> None:
+        self.timer.cancel()
