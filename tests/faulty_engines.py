@@ -8,6 +8,8 @@
     faulty_engines.py claimed RECIPE [key=value ...]   the version advances, the weights stay
     faulty_engines.py crash:N RECIPE [key=value ...]   the process's N-th generate call fails midway, once
     faulty_engines.py crash:N+ RECIPE [key=value ...]  every generate call from the N-th on fails midway
+    faulty_engines.py kill:N RECIPE [key=value ...]    SGLang: the N-th generate call's first finished response
+                                                       SIGKILLs the engine's scheduler process
 
 With CRASH_LOG set, every generate call of a CrashingEngine appends a line there: the call's number, whether it
 failed, the engine's weight version and the prompts (ids) it was given.
@@ -94,6 +96,31 @@ class CrashingEngine:
         return getattr(self.engine, name)
 
 
+class SchedulerKiller(CrashingEngine):
+    """An SGLang engine whose scheduler process is SIGKILLed, in the calls `crashes(n)` selects, as soon as the
+    first response has come back (the others are still being generated): the engine fails as SGLang fails."""
+
+    def generate(self, prompts, *, on_response=None, **kwargs):
+        import signal
+
+        CrashingEngine.calls += 1
+        n = CrashingEngine.calls
+        self._log(n, self.crashes(n), prompts)
+        if not self.crashes(n):
+            return self.engine.generate(prompts, on_response=on_response, **kwargs)
+        scheduler = self.engine.engine.get_all_child_pids()[0]  # TP rank 0's scheduler comes first
+        killed = []
+
+        def respond(i, *response):
+            if not killed:
+                os.kill(scheduler, signal.SIGKILL)
+                killed.append(scheduler)
+            if on_response is not None:
+                on_response(i, *response)
+
+        return self.engine.generate(prompts, on_response=respond, **kwargs)
+
+
 def crashes(spec: str):
     """`N`: the N-th call only; `N+`: every call from the N-th on."""
     first = int(spec.rstrip("+"))
@@ -106,9 +133,10 @@ if __name__ == "__main__":
 
     fault, argv = sys.argv[1], sys.argv[2:]
     make = colocated.make_rollout_engine
-    if fault.startswith("crash:"):
-        which = crashes(fault.removeprefix("crash:"))
-        colocated.make_rollout_engine = lambda *a, **k: CrashingEngine(make(*a, **k), crashes=which)
+    if fault.startswith(("crash:", "kill:")):
+        kind, spec = fault.split(":")
+        wrapper, which = {"crash": CrashingEngine, "kill": SchedulerKiller}[kind], crashes(spec)
+        colocated.make_rollout_engine = lambda *a, **k: wrapper(make(*a, **k), crashes=which)
     else:
         colocated.make_rollout_engine = lambda *a, **k: StuckEngine(make(*a, **k), claims=fault == "claimed")
     main(["train", *argv])

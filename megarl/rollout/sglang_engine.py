@@ -160,7 +160,10 @@ class SGLangEngine:
         """Once running, SGLang answers SIGQUIT (from its watchdog, which polls its processes every second, or
         from a scheduler that raised) by killing this whole process tree. Its handler is set on the event loop
         when the first request starts the tokenizer manager's loop: start it now and replace the handler."""
-        self.engine.tokenizer_manager.auto_create_handle_loop()
+        async def start_handle_loop() -> None:  # inside the engine's loop, or SGLang makes a loop of its own
+            self.engine.tokenizer_manager.auto_create_handle_loop()
+
+        self.engine.loop.run_until_complete(start_handle_loop())
         if threading.current_thread() is threading.main_thread():
             self.engine.loop.add_signal_handler(signal.SIGQUIT, _on_sigquit)
 
