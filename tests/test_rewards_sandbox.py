@@ -5,6 +5,7 @@ the external-service hook runs the same harness. Attacks are in tests/test_sandb
 from __future__ import annotations
 
 import json
+import os
 import threading
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -92,7 +93,7 @@ def test_the_wall_clock_limit_stops_a_sleeping_program():
 
 
 def test_output_beyond_the_limit_is_cut():
-    result = run_python("print('x' * 100000)\n", LIMITS)
+    result = run_python("print('x' * 1000000)\n", LIMITS)  # more than the pipe and one read hold
     assert len(result.stdout) <= LIMITS.output_bytes and not result.passed
 
 
@@ -112,6 +113,21 @@ def test_without_bwrap_a_code_reward_or_python_tool_stops_the_launch(no_bwrap):
         build_terms(RewardConfig(terms=[RewardTermConfig(kind="code")]))
     with pytest.raises(RecipeError, match="env.sandbox: .*bubblewrap"):
         environment_factory(EnvConfig(name="python"))
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="simulates a root trainer whose sandbox keeps host uid 0")
+def test_a_sandbox_running_as_host_root_stops_the_launch(monkeypatch):
+    # megarl switches bwrap to nobody only for a root trainer: told it is not root, it would not
+    sandbox.sandbox_mode.cache_clear()
+    sandbox._interpreter.cache_clear()
+    monkeypatch.setattr(sandbox.os, "getuid", lambda: 1000)
+    try:
+        with pytest.raises(SandboxUnavailable, match=r"cgroup mode: .*host root \(uid 0\).*rlimit mode: .*host root"):
+            sandbox.sandbox_mode()
+    finally:
+        monkeypatch.undo()
+        sandbox.sandbox_mode.cache_clear()
+        sandbox._interpreter.cache_clear()
 
 
 def test_insecure_runs_without_isolation_and_says_so(no_bwrap, caplog):
