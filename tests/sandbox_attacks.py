@@ -363,9 +363,9 @@ def attack_flood_stdout():
 
 
 # ---- the code reward -------------------------------------------------------------------------------------------
-def reward(solution: str, *, expected: str = "'ANSWER-7f3e9'") -> float:
+def reward(solution: str, *, expected: str = "'ANSWER-7f3e9'", **limits) -> float:
     tests = json.dumps({"calls": [{"call": "solve(7)", "expected": expected}]})
-    return code_reward(f"```python\n{solution}\n```", tests, LIMITS)
+    return code_reward(f"```python\n{solution}\n```", tests, SandboxConfig(**{**LIMITS.__dict__, **limits}))
 
 
 # looks for the expected answer in every file and command line the run can see
@@ -412,8 +412,24 @@ def attack_reward_tricks():
              f"            os.write(fd, ''.join(f'0 {{d}}\\n' for d in {guesses!r}).encode())\n"
              "        except OSError:\n            pass\n    return True")
     scored["every guess"] = reward(guess, expected="True")
+    # a report line whose index int() refuses to read (more than 4300 digits) must score 0, not raise
+    huge = ("import os\ndef solve(x):\n    for fd in range(3, 20):\n        try:\n"
+            "            os.write(fd, ('9' * 5000 + ' ' + '0' * 64 + '\\n').encode())\n        except OSError:\n"
+            "            pass\n    return None")
+    scored["5000-digit index"] = reward(huge, output_bytes=65536)  # the line must fit the cap to be read
     scored["1.0 for 1"] = reward("def solve(x):\n    return 1.0", expected="1")
     scored["True for 1"] = reward("def solve(x):\n    return True", expected="1")
+    assert scored == dict.fromkeys(scored, 0.0), scored
+
+
+def attack_crash_for_an_empty_expected_output():
+    # a program that crashes prints nothing: for a case whose expected output is empty, only the exit
+    # status tells it from a program that solved it
+    tests = json.dumps({"stdin_stdout": [{"stdin": "1\n", "stdout": ""}, {"stdin": "2\n", "stdout": ""}]})
+    assert code_reward("import sys\ninput()\n", tests, LIMITS) == 1.0  # a program that prints nothing scores
+    crashes = {"exception": "raise RuntimeError", "exit 1": "import sys\nsys.exit(1)",
+               "os._exit(3)": "import os\nos._exit(3)", "killed": "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", "syntax error": "def"}
+    scored = {name: code_reward(code, tests, LIMITS) for name, code in crashes.items()}
     assert scored == dict.fromkeys(scored, 0.0), scored
 
 

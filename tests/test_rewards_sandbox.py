@@ -69,13 +69,29 @@ def test_results_are_encoded_with_exact_types_and_canonical_order():
     ('{"calls": [{"call": "add(x)", "expected": "1"}]}', "bad test case"),
     ('{"calls": [{"call": "add(1)", "expected": "len"}]}', "bad test case"),
     ('{"stdin_stdout": [{"stdin": "1"}]}', 'a string "stdout"'),
+    ('{"calls": [{"call": "f()", "expected": "{[1]: 2}"}]}', "bad test case: TypeError"),  # unhashable key
+    ('{"calls": [{"call": "f()", "expected": "{[1]}"}]}', "bad test case: TypeError"),  # unhashable member
+    ('{"calls": [{"call": "f()", "expected": "' + "[" * 100000 + "]" * 100000 + '"}]}', "bad test case"),
+    ('{"calls": [{"call": "f(' + "(" * 100000 + ")" * 100000 + ')", "expected": "1"}]}', "bad test case"),
+    ('{"calls": ' + "[" * 100000 + "]" * 100000 + "}", "nested too deeply"),
+    ("[" * 100000 + "]" * 100000, "nested too deeply"),
 ])
 def test_a_bad_test_spec_is_refused_naming_the_problem_and_the_row(answer, why):
     with pytest.raises(CodeSpecError, match=why):
         parse_tests(answer)
     rows = [PromptRow("p", CALLS, 0), PromptRow("p", answer, 1)]
     with pytest.raises(DataError, match=f"train.jsonl: row 2: .*{why}"):
-        check_test_specs(rows, where="train.jsonl")
+        check_test_specs(rows, where="train.jsonl", output_bytes=4096)
+
+
+def test_a_row_whose_report_cannot_fit_the_output_cap_is_refused():
+    cases = json.dumps({"calls": [{"call": f"add({i}, 0)", "expected": str(i)} for i in range(100)]})
+    check_test_specs([PromptRow("p", cases, 0)], where="train.jsonl", output_bytes=6790)  # 100 lines: 6790 bytes
+    with pytest.raises(DataError, match=r"train.jsonl: row 1: 100 cases make a report of 6790 bytes, more than "
+                                        r"the sandbox's output_bytes \(6789\)"):
+        check_test_specs([PromptRow("p", cases, 0)], where="train.jsonl", output_bytes=6789)
+    # a row at the cap scores (the launch check is exact but for the report's last newline, which may be cut)
+    assert code_reward("def add(a, b):\n    return a + b\n", cases, replace(LIMITS, output_bytes=6790)) == 1.0
 
 
 def test_a_run_reads_stdin_and_returns_its_output_and_status():
