@@ -338,10 +338,14 @@ def _run_bwrap(code: str, limits: SandboxConfig, *, stdin: str, mode: str, cgrou
     try:
         first = _first_process(proc, info_read, deadline)
         if first is not None:  # bwrap's child waits on block_fd until it is in the run's cgroup and checked
-            _check_not_host_root(first)
-            if cgroup is not None:
-                cgroup.join(first.pid)
-            os.write(block_write, b"x")
+            try:
+                _check_not_host_root(first)
+                if cgroup is not None:
+                    cgroup.join(first.pid)
+            except (ProcessLookupError, FileNotFoundError):  # bwrap's setup failed: its error is on stderr
+                pass
+            else:
+                os.write(block_write, b"x")
         stdout, stderr, timed_out = _communicate(proc, stdin.encode(), cap=limits.output_bytes, deadline=deadline)
     finally:
         _end_run(proc, first, cgroup)
@@ -413,7 +417,7 @@ def _first_process(proc: subprocess.Popen, info_fd: int, deadline: float) -> _Fi
     taken while it is certainly that child; None when bwrap wrote no such JSON (it failed, or timed out)."""
     info = bytearray()
     with open(info_fd, "rb", buffering=0) as f:
-        while (left_s := deadline - time.monotonic()) > 0 and select.select([f], [], [], left_s)[0]:
+        while (left_s := deadline - time.monotonic()) > 0 and _readable(f.fileno(), left_s):
             chunk = f.read(4096)
             if not chunk:
                 break
@@ -439,6 +443,14 @@ def _first_process(proc: subprocess.Popen, info_fd: int, deadline: float) -> _Fi
         os.close(pidfd)
         return None
     return _FirstProcess(pid, pidfd)
+
+
+def _readable(fd: int, timeout_s: float) -> bool:
+    """Whether `fd` became readable (a pidfd: its process exited) within `timeout_s` (poll, not select: a
+    trainer's fds can be numbered past select's 1024)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(timeout_s * 1000))
 
 
 def _check_not_host_root(first: _FirstProcess) -> None:
@@ -503,7 +515,7 @@ def _end_run(proc: subprocess.Popen, first: _FirstProcess | None, cgroup: _RunCg
     if first is not None:
         with contextlib.suppress(ProcessLookupError):
             signal.pidfd_send_signal(first.pidfd, signal.SIGKILL)
-        if not select.select([first.pidfd], [], [], 60)[0]:  # only a process stuck in the kernel takes this long
+        if not _readable(first.pidfd, 60):  # only a process stuck in the kernel takes this long
             log.error("sandbox: the run's first process (pid %d) did not exit 60 s after SIGKILL", first.pid)
         os.close(first.pidfd)
     with contextlib.suppress(ProcessLookupError):  # bwrap, and by --die-with-parent its child if not known here
