@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from megarl.config import SandboxConfig  # noqa: E402
 from megarl.rewards import harness  # noqa: E402
 from megarl.rewards.code import code_reward  # noqa: E402
-from megarl.rewards.sandbox import run_python, sandbox_mode  # noqa: E402
+from megarl.rewards.sandbox import run_python, sandbox_memory_bound_mb, sandbox_mode  # noqa: E402
 
 LIMITS = SandboxConfig(cpu_s=5, wall_s=20.0, memory_mb=256, max_processes=8, disk_mb=16, output_bytes=4096)
 
@@ -51,10 +52,18 @@ def open_dir():
 
 
 def run(code: str, **limits) -> str:
-    """The run's stdout and stderr, after checking the run left no process behind."""
+    """The run's stdout and stderr, after checking the run left no process behind (any it did are killed
+    with their parent, so that a failed attack leaves nothing running either)."""
     marker = f"megarl-attack-{uuid.uuid4().hex}"
     result = run_python(code.replace("MARKER", marker), SandboxConfig(**{**LIMITS.__dict__, **limits}))
-    assert processes_with(marker) == [], f"processes of the run outlived it: {processes_with(marker)}"
+    left = processes_with(marker)
+    for pid in left:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            os.kill(pid, signal.SIGKILL)
+            if Path(f"/proc/{parent}/cmdline").read_bytes().startswith(b"bwrap"):
+                os.kill(parent, signal.SIGKILL)
+    assert left == [], f"processes of the run outlived it: {left}"
     return result.stdout + result.stderr
 
 
@@ -98,7 +107,8 @@ def attack_remount_and_kernel_interfaces():
               f"try:\n    open({str(site)!r}, 'w')\n    print('PLANTED')\n"
               "except OSError as e:\n    print('refused', e)\n")
     for line in out.splitlines()[:9]:
-        assert line.split()[-2:] in (["-1", "1"], ["OSError", "1"], ["OSError", "2"]), out  # EPERM (ENOENT: no fd)
+        # EPERM (ENOENT, EACCES: no fd of the first process's namespace, which is closed to the run)
+        assert line.split()[-2:] in (["-1", "1"], ["OSError", "1"], ["OSError", "2"], ["OSError", "13"]), out
     assert "PLANTED" not in out and not site.exists(), out
 
 
@@ -119,6 +129,111 @@ def attack_proc_of_the_host():
     finally:
         host.kill()
         host.wait()
+
+
+def attack_host_root_powers():
+    # as host root (even without capabilities) the run could rewrite host-wide kernel settings, chmod the
+    # host's device nodes and read root-only files; the run must map to an unprivileged host uid
+    with contextlib.ExitStack() as stack:
+        secret, text = None, "ROOTONLY-" + uuid.uuid4().hex
+        if os.getuid() == 0:  # a root-only file where the run can see it: under the interpreter's prefix
+            fd, secret = tempfile.mkstemp(prefix="megarl-attack-", dir=sys.base_prefix)  # mode 0600
+            stack.callback(os.unlink, secret)
+            os.write(fd, text.encode())
+            os.close(fd)
+        out = run("import os, stat\n"
+                  "for path in ('/proc/sys/kernel/core_pattern', '/proc/sys/kernel/modprobe', '/proc/sysrq-trigger'):\n"
+                  "    try:\n        os.close(os.open(path, os.O_WRONLY))\n        print('WRITABLE', path)\n"
+                  "    except OSError as e:\n        print('refused', path, e.errno)\n"
+                  "for dev in ('/dev/null', '/dev/urandom', '/dev/zero'):\n    try:\n"
+                  "        os.chmod(dev, stat.S_IMODE(os.stat(dev).st_mode))\n        print('CHMOD', dev)\n"
+                  "    except OSError as e:\n        print('refused', dev, e.errno)\n"
+                  f"try:\n    print('READ', open({secret!r}).read())\nexcept (OSError, TypeError) as e:\n"
+                  "    print('refused', e)\n")
+    assert "WRITABLE" not in out and "CHMOD" not in out and text not in out, out
+
+
+# x86-64 code that makes a process ignore its parent's death and wait forever: prctl(PR_SET_PDEATHSIG, 0);
+# then pause() in a loop. Before that it writes 8 bytes (1: exit status 0) to fd EVENT_FD, which is how
+# bubblewrap's own init tells bwrap that the program exited.
+_STAY_ALIVE = ("b801000000 bf%s 488d351e000000 ba08000000 0f05 b89d000000 bf01000000 31f6 0f05"  # hex, EVENT_FD at %s
+               " b822000000 0f05 ebf7 0100000000000000").replace(" ", "")
+
+
+def attack_outlive_through_the_init_process():
+    # the run's first process is what the trainer kills the run through; the code rewrites that process's
+    # memory (/proc/1/mem, no ptrace needed) so that it stays alive, and leaves a daemon behind (run()
+    # checks that none outlives the run)
+    out = run("import os, sys, time\n"
+              "SLEEPER = [sys.executable, '-c', 'import time; time.sleep(60)', 'MARKER']\n"
+              "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        os.execv(sys.executable, SLEEPER)\n"
+              "    os._exit(0)\n"
+              "time.sleep(0.5)\n"
+              "try:\n    mem = open('/proc/1/mem', 'r+b', buffering=0)\n    print('OPENED')\n"
+              "except OSError as e:\n    print('refused', e)\n    sys.exit(0)\n"
+              "events = [int(fd) for fd in os.listdir('/proc/1/fd') if 'eventfd' in os.readlink(f'/proc/1/fd/{fd}')]\n"
+              "pc = int(open('/proc/1/syscall').read().split()[-1], 16)\n"
+              f"code = bytes.fromhex({_STAY_ALIVE!r} % (events + [1])[0].to_bytes(4, 'little').hex())\n"
+              "mem.seek(pc)\nmem.write(code)\nprint('WROTE')\n", wall_s=10.0)
+    assert "OPENED" not in out and "WROTE" not in out, out
+
+
+def attack_memory_outside_the_address_space():
+    # memory that is never mapped into a process's address space escapes RLIMIT_AS: memfd pages, SysV
+    # shared memory, message queues and semaphore sets, POSIX message queues, socket buffers. Each channel
+    # is filled up to STOP MiB (past the run's bound) in its own run; what it held must stay within the bound
+    limits = dict(memory_mb=64, max_processes=4, disk_mb=16, wall_s=20.0)
+    bound_mb = sandbox_memory_bound_mb(SandboxConfig(**{**LIMITS.__dict__, **limits}))
+    stop_mb = bound_mb + 64
+    fill = {
+        "memfd": "fd = os.memfd_create('x')\ndef step():\n    os.write(fd, CHUNK)\n    return len(CHUNK)\n",
+        "sysv shm": "libc.shmat.restype = ctypes.c_void_p\ndef step():\n"
+                    "    shm = libc.shmget(0, len(CHUNK), 0o1600)\n    assert shm >= 0, ctypes.get_errno()\n"
+                    "    address = libc.shmat(shm, None, 0)\n    ctypes.memset(address, 1, len(CHUNK))\n"
+                    "    libc.shmdt(ctypes.c_void_p(address))\n    return len(CHUNK)\n",
+        "sysv msg": "buffer = ctypes.create_string_buffer(8 + 8192)\nbuffer[0] = 1\ndef step():\n"
+                    "    queue = libc.msgget(0, 0o1600)\n    assert queue >= 0, ctypes.get_errno()\n    sent = 0\n"
+                    "    while libc.msgsnd(queue, buffer, 8192, 0o4000) == 0:\n        sent += 8192\n    return sent\n",
+        "sysv sem": "def step():\n    sems = libc.semget(0, 32000, 0o1600)\n    assert sems >= 0, ctypes.get_errno()\n"
+                    "    return 32000 * 64  # struct sem, about 64 bytes\n",
+        "posix mq": "attr = (ctypes.c_long * 8)(0, 10, 8192, 0)\ndef step():\n"
+                    "    q = libc.mq_open(f'/q{os.urandom(8).hex()}'.encode(), 0o100 | 2, 0o600, attr)\n"
+                    "    assert q >= 0, ctypes.get_errno()\n    for _ in range(10):\n"
+                    "        assert libc.mq_send(q, CHUNK[:8192], 8192, 0) == 0, ctypes.get_errno()\n"
+                    "    return 81920\n",
+        "unix socket buffers": "def step():\n    a, b = socket.socketpair()\n    keep.extend((a, b))\n"
+                               "    with contextlib.suppress(OSError):\n"
+                               "        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 30)\n"
+                               "    a.setblocking(False)\n    sent = 0\n"
+                               "    with contextlib.suppress(BlockingIOError):\n"
+                               "        while True:\n            sent += a.send(CHUNK[:65536])\n    return sent\n",
+        "tcp buffers": "listener = socket.create_server(('127.0.0.1', 0))\nkeep.append(listener)\ndef step():\n"
+                       "    a = socket.create_connection(listener.getsockname())\n    b, _ = listener.accept()\n"
+                       "    keep.extend((a, b))\n    a.setblocking(False)\n    sent = 0\n"
+                       "    with contextlib.suppress(BlockingIOError):\n        while True:\n"
+                       "            sent += a.send(CHUNK[:65536])\n    return sent\n",
+        "udp buffers": "def step():\n"
+                       "    a, b = socket.socket(type=socket.SOCK_DGRAM), socket.socket(type=socket.SOCK_DGRAM)\n"
+                       "    keep.extend((a, b))\n    b.bind(('127.0.0.1', 0))\n    a.setblocking(False)\n    sent = 0\n"
+                       "    with contextlib.suppress(BlockingIOError):\n        while sent < (1 << 24):\n"
+                       "            sent += a.sendto(CHUNK[:60000], b.getsockname())\n"
+                       # SO_MEMINFO's first field: the bytes queued at the receiver
+                       "    return int.from_bytes(b.getsockopt(socket.SOL_SOCKET, 55, 36)[:4], 'little')\n",
+        "pipe buffers": "import fcntl\ndef step():\n    r, w = os.pipe()\n    keep.extend((r, w))\n"
+                        "    with contextlib.suppress(OSError):\n        fcntl.fcntl(w, 1031, 1 << 20)\n"
+                        "    os.set_blocking(w, False)\n    sent = 0\n    with contextlib.suppress(BlockingIOError):\n"
+                        "        while True:\n            sent += os.write(w, CHUNK[:65536])\n    return sent\n",
+    }
+    held = {}
+    for channel, step in fill.items():
+        out = run("import contextlib, ctypes, os, socket\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                  f"CHUNK = bytes(1 << 20)\nkeep = []\n{step}held = 0\n"
+                  f"while held < {stop_mb << 20}:\n    try:\n        more = step()\n"
+                  "    except (OSError, AssertionError) as e:\n        print('stopped', repr(e))\n        break\n"
+                  "    if (held + more) >> 24 != held >> 24:\n        print('held', (held + more) >> 20, flush=True)\n"
+                  "    held += more\nprint('held', held >> 20)\n", **limits)
+        held[channel] = max([int(line.split()[1]) for line in out.splitlines() if line.startswith("held")] or [0])
+    assert all(mb <= bound_mb for mb in held.values()), (sandbox_mode(), bound_mb, held)
 
 
 # ---- network and sockets -----------------------------------------------------------------------------------
@@ -151,6 +266,30 @@ def attack_host_unix_sockets():
         assert "CONNECTED" not in out, out
 
 
+def attack_other_socket_families():
+    # vsock reaches the host VM's services and other sandboxes; packet, alg, key and others are kernel
+    # surface no program here needs: only unix, inet, inet6 and netlink sockets may be created
+    families = {"vsock": 40, "packet": 17, "alg": 38, "key": 15, "appletalk": 5, "tipc": 30, "rds": 21,
+                "bluetooth": 31, "can": 29, "xdp": 44, "qipcrtr": 42, "smc": 43, "mctp": 45}
+    out = run("import socket\n"
+              f"for name, family in {families!r}.items():\n"
+              "    for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM, 3):\n"
+              "        try:\n            socket.socket(family, kind)\n            print('CREATED', name, kind)\n"
+              "        except OSError as e:\n            pass\n"
+              "    try:\n        socket.socketpair(family)\n        print('CREATED pair', name)\n"
+              "    except OSError:\n        pass\n"
+              "print('done')\n")
+    assert "CREATED" not in out and "done" in out, out
+
+
+def attack_take_the_machines_ptys():
+    # ptys come from a pool of the whole machine (kernel.pty.max); one run must not drain it
+    out = run("import os\nopened = []\nfor _ in range(100):\n    try:\n        opened.append(os.openpty())\n"
+              "    except OSError as e:\n        print('refused', e)\n        break\nprint('ptys', len(opened))\n")
+    ptys = [int(line.split()[1]) for line in out.splitlines() if line.startswith("ptys")]
+    assert ptys == [0], out
+
+
 # ---- processes and limits ------------------------------------------------------------------------------------
 def attack_spawn_and_daemonize():
     # a double-forked daemon, a new session, posix_spawn and spawnv_passfds (no audit event): all must die
@@ -167,16 +306,18 @@ def attack_spawn_and_daemonize():
 
 
 def attack_memory_of_the_whole_run():
-    # 6 processes of 150 MiB each, all held at once: more than the run's memory in cgroup mode
+    # 6 processes of 150 MiB each, all held at once: more than the run's memory in cgroup mode. Each holder
+    # reports once its block is allocated, then again when asked after every holder has reported: only a
+    # process still alive then answers (one killed to make room for a later one does not), so the second
+    # round counts the blocks held at the same time, however slowly the machine ran the first
     mode, chunk_mb, limits = sandbox_mode(), 150, dict(memory_mb=256, max_processes=8)
-    out = run("import os, sys, time\nholders = []\nfor _ in range(6):\n    r, w = os.pipe()\n    try:\n"
-              "        pid = os.fork()\n    except OSError:\n        break\n    if pid == 0:\n        try:\n"
-              f"            block = b'x' * ({chunk_mb} << 20)\n            os.write(w, b'1')\n"
-              "        except MemoryError:\n            os.write(w, b'0')\n        time.sleep(3)\n        os._exit(0)\n"
-              "    holders.append((pid, r))\n"
-              "time.sleep(2)\nalive = 0\nfor pid, r in holders:\n"
-              "    if os.waitpid(pid, os.WNOHANG) == (0, 0) and os.read(r, 1) == b'1':\n        alive += 1\n"
-              "print('holding', alive)\n", **limits)
+    out = run("import os\nholders = []\nask_r, ask_w = os.pipe()\nfor _ in range(6):\n    r, w = os.pipe()\n"
+              "    try:\n        pid = os.fork()\n    except OSError:\n        break\n    if pid == 0:\n        try:\n"
+              f"            block = b'x' * ({chunk_mb} << 20)\n        except MemoryError:\n            os._exit(0)\n"
+              "        os.write(w, b'1')\n        os.read(ask_r, 1)\n        os.write(w, b'2')\n        os._exit(0)\n"
+              "    os.close(w)\n    holders.append(r)\n"
+              "reported = [os.read(r, 1) for r in holders]\nos.write(ask_w, b'?' * len(holders))\n"
+              "print('holding', sum(os.read(r, 1) == b'2' for r in holders))\n", **limits)
     held = [int(line.split()[1]) for line in out.splitlines() if line.startswith("holding")]
     bound_mb = limits["memory_mb"] * (1 if mode == "cgroup" else limits["max_processes"])
     assert all(n * chunk_mb <= bound_mb for n in held), (mode, out)
@@ -222,9 +363,9 @@ def attack_flood_stdout():
 
 
 # ---- the code reward -------------------------------------------------------------------------------------------
-def reward(solution: str, *, expected: str = "'ANSWER-7f3e9'") -> float:
+def reward(solution: str, *, expected: str = "'ANSWER-7f3e9'", **limits) -> float:
     tests = json.dumps({"calls": [{"call": "solve(7)", "expected": expected}]})
-    return code_reward(f"```python\n{solution}\n```", tests, LIMITS)
+    return code_reward(f"```python\n{solution}\n```", tests, SandboxConfig(**{**LIMITS.__dict__, **limits}))
 
 
 # looks for the expected answer in every file and command line the run can see
@@ -271,8 +412,24 @@ def attack_reward_tricks():
              f"            os.write(fd, ''.join(f'0 {{d}}\\n' for d in {guesses!r}).encode())\n"
              "        except OSError:\n            pass\n    return True")
     scored["every guess"] = reward(guess, expected="True")
+    # a report line whose index int() refuses to read (more than 4300 digits) must score 0, not raise
+    huge = ("import os\ndef solve(x):\n    for fd in range(3, 20):\n        try:\n"
+            "            os.write(fd, ('9' * 5000 + ' ' + '0' * 64 + '\\n').encode())\n        except OSError:\n"
+            "            pass\n    return None")
+    scored["5000-digit index"] = reward(huge, output_bytes=65536)  # the line must fit the cap to be read
     scored["1.0 for 1"] = reward("def solve(x):\n    return 1.0", expected="1")
     scored["True for 1"] = reward("def solve(x):\n    return True", expected="1")
+    assert scored == dict.fromkeys(scored, 0.0), scored
+
+
+def attack_crash_for_an_empty_expected_output():
+    # a program that crashes prints nothing: for a case whose expected output is empty, only the exit
+    # status tells it from a program that solved it
+    tests = json.dumps({"stdin_stdout": [{"stdin": "1\n", "stdout": ""}, {"stdin": "2\n", "stdout": ""}]})
+    assert code_reward("import sys\ninput()\n", tests, LIMITS) == 1.0  # a program that prints nothing scores
+    crashes = {"exception": "raise RuntimeError", "exit 1": "import sys\nsys.exit(1)",
+               "os._exit(3)": "import os\nos._exit(3)", "killed": "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", "syntax error": "def"}
+    scored = {name: code_reward(code, tests, LIMITS) for name, code in crashes.items()}
     assert scored == dict.fromkeys(scored, 0.0), scored
 
 

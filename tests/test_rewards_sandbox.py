@@ -5,6 +5,7 @@ the external-service hook runs the same harness. Attacks are in tests/test_sandb
 from __future__ import annotations
 
 import json
+import os
 import threading
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -68,13 +69,29 @@ def test_results_are_encoded_with_exact_types_and_canonical_order():
     ('{"calls": [{"call": "add(x)", "expected": "1"}]}', "bad test case"),
     ('{"calls": [{"call": "add(1)", "expected": "len"}]}', "bad test case"),
     ('{"stdin_stdout": [{"stdin": "1"}]}', 'a string "stdout"'),
+    ('{"calls": [{"call": "f()", "expected": "{[1]: 2}"}]}', "bad test case: TypeError"),  # unhashable key
+    ('{"calls": [{"call": "f()", "expected": "{[1]}"}]}', "bad test case: TypeError"),  # unhashable member
+    ('{"calls": [{"call": "f()", "expected": "' + "[" * 100000 + "]" * 100000 + '"}]}', "bad test case"),
+    ('{"calls": [{"call": "f(' + "(" * 100000 + ")" * 100000 + ')", "expected": "1"}]}', "bad test case"),
+    ('{"calls": ' + "[" * 100000 + "]" * 100000 + "}", "nested too deeply"),
+    ("[" * 100000 + "]" * 100000, "nested too deeply"),
 ])
 def test_a_bad_test_spec_is_refused_naming_the_problem_and_the_row(answer, why):
     with pytest.raises(CodeSpecError, match=why):
         parse_tests(answer)
     rows = [PromptRow("p", CALLS, 0), PromptRow("p", answer, 1)]
     with pytest.raises(DataError, match=f"train.jsonl: row 2: .*{why}"):
-        check_test_specs(rows, where="train.jsonl")
+        check_test_specs(rows, where="train.jsonl", output_bytes=4096)
+
+
+def test_a_row_whose_report_cannot_fit_the_output_cap_is_refused():
+    cases = json.dumps({"calls": [{"call": f"add({i}, 0)", "expected": str(i)} for i in range(100)]})
+    check_test_specs([PromptRow("p", cases, 0)], where="train.jsonl", output_bytes=6790)  # 100 lines: 6790 bytes
+    with pytest.raises(DataError, match=r"train.jsonl: row 1: 100 cases make a report of 6790 bytes, more than "
+                                        r"the sandbox's output_bytes \(6789\)"):
+        check_test_specs([PromptRow("p", cases, 0)], where="train.jsonl", output_bytes=6789)
+    # a row at the cap scores (the launch check is exact but for the report's last newline, which may be cut)
+    assert code_reward("def add(a, b):\n    return a + b\n", cases, replace(LIMITS, output_bytes=6790)) == 1.0
 
 
 def test_a_run_reads_stdin_and_returns_its_output_and_status():
@@ -92,7 +109,7 @@ def test_the_wall_clock_limit_stops_a_sleeping_program():
 
 
 def test_output_beyond_the_limit_is_cut():
-    result = run_python("print('x' * 100000)\n", LIMITS)
+    result = run_python("print('x' * 1000000)\n", LIMITS)  # more than the pipe and one read hold
     assert len(result.stdout) <= LIMITS.output_bytes and not result.passed
 
 
@@ -112,6 +129,21 @@ def test_without_bwrap_a_code_reward_or_python_tool_stops_the_launch(no_bwrap):
         build_terms(RewardConfig(terms=[RewardTermConfig(kind="code")]))
     with pytest.raises(RecipeError, match="env.sandbox: .*bubblewrap"):
         environment_factory(EnvConfig(name="python"))
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="simulates a root trainer whose sandbox keeps host uid 0")
+def test_a_sandbox_running_as_host_root_stops_the_launch(monkeypatch):
+    # megarl switches bwrap to nobody only for a root trainer: told it is not root, it would not
+    sandbox.sandbox_mode.cache_clear()
+    sandbox._interpreter.cache_clear()
+    monkeypatch.setattr(sandbox.os, "getuid", lambda: 1000)
+    try:
+        with pytest.raises(SandboxUnavailable, match=r"cgroup mode: .*host root \(uid 0\).*rlimit mode: .*host root"):
+            sandbox.sandbox_mode()
+    finally:
+        monkeypatch.undo()
+        sandbox.sandbox_mode.cache_clear()
+        sandbox._interpreter.cache_clear()
 
 
 def test_insecure_runs_without_isolation_and_says_so(no_bwrap, caplog):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megarl.algo.aggregate import LossNorm, global_loss_norm, masked_sum
 from megarl.algo.kl import kl_estimate
 from megarl.batch import RolloutBatch
-from megarl.config import Config, TrainConfig
+from megarl.config import Config, SandboxConfig, TrainConfig
 from megarl.data.prompts import load_prompts
 from megarl.loops.colocated import ColocatedRollouts
 from megarl.loops.faults import check_versions
@@ -261,9 +261,11 @@ def train(cfg: Config) -> Path:
                   skip_bad_rows=data.skip_bad_rows)
     train_rows = load_prompts(data.train_path, **fields)
     eval_rows = load_prompts(data.eval_path, **fields)[: data.eval_prompts] if data.eval_path else []
-    if any(term.kind == "code" for term in cfg.reward.terms):
-        check_test_specs(train_rows, where=data.train_path)
-        check_test_specs(eval_rows, where=data.eval_path)
+    code_terms = [term for term in cfg.reward.terms if term.kind == "code"]
+    if code_terms:
+        output_bytes = min((term.sandbox or SandboxConfig()).output_bytes for term in code_terms)
+        check_test_specs(train_rows, where=data.train_path, output_bytes=output_bytes)
+        check_test_specs(eval_rows, where=data.eval_path, output_bytes=output_bytes)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     model_dir = sft_warmup(cfg, groups, tokenizer, train_rows) if cfg.warmup.sft_steps else cfg.model.path
     run = build_run(cfg, groups, rollouts=make_rollouts(cfg, groups), tokenizer=tokenizer, train_rows=train_rows,

@@ -25,7 +25,7 @@ from megarl.rewards.sandbox import run_python
 
 HARNESS_SOURCE = Path(harness.__file__).read_text(encoding="utf-8")
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
-_LINE = re.compile(r"(\d+) ([0-9a-f]{64}|error \w+)")
+_LINE = re.compile(r"(0|[1-9]\d{0,8}) ([0-9a-f]{64}|error \w+)")  # an index int() always reads
 
 
 class CodeSpecError(ValueError):
@@ -43,12 +43,14 @@ def parse_tests(answer: str) -> tuple[dict, list[str]]:
     CodeSpecError saying what is wrong, old-style assert text included."""
     try:
         spec = json.loads(answer)
-    except ValueError:
+    except (ValueError, TypeError):  # not JSON, or not a string at all
         spec = None
+    except RecursionError:
+        raise CodeSpecError(f"the answer is nested too deeply to parse: {str(answer)[:80]!r}") from None
     if not isinstance(spec, dict) or len(spec) != 1 or not ({"stdin_stdout", "calls"} & set(spec)):
         raise CodeSpecError('the code reward needs the answer to be a JSON object {"stdin_stdout": [{"stdin", '
                             '"stdout"}, ...]} or {"calls": [{"call", "expected"}, ...]} (assert statements '
-                            f"are no longer run), got {answer[:80]!r}")
+                            f"are no longer run), got {str(answer)[:80]!r}")
     cases = next(iter(spec.values()))
     if not isinstance(cases, list) or not cases:
         raise CodeSpecError(f"expected a non-empty list of cases, got {cases!r:.80}")
@@ -61,19 +63,31 @@ def parse_tests(answer: str) -> tuple[dict, list[str]]:
             for call in job["calls"]:
                 harness.parse_call(call)
             expected = [json.dumps(harness.encode(ast.literal_eval(_string(c, "expected")))) for c in cases]
-    except (ValueError, SyntaxError) as e:
-        raise CodeSpecError(f"bad test case: {e}") from None
+    except (ValueError, SyntaxError, TypeError, RecursionError, MemoryError) as e:
+        # literal_eval of a set or dict key that is unhashable, or of nesting deeper than Python parses
+        raise CodeSpecError(f"bad test case: {type(e).__name__}: {e}"[:300]) from None
     return job, [harness.digest(e) for e in expected]
 
 
-def check_test_specs(rows: list[PromptRow], *, where: str) -> None:
+def check_test_specs(rows: list[PromptRow], *, where: str, output_bytes: int) -> None:
     """DataError naming the file and row (1-based, among the rows loaded) of the first answer that is not
-    a test spec: a prompt set for the code reward is checked at launch, not one sample at a time."""
+    a test spec, or whose report (a line per case) would not fit in `output_bytes` (the sandbox's output
+    cap), so that it could never score: a prompt set for the code reward is checked at launch, not one
+    sample at a time."""
     for row in rows:
         try:
-            parse_tests(row.answer)
+            _, expected = parse_tests(row.answer)
         except CodeSpecError as e:
             raise DataError(f"{where}: row {row.index + 1}: {e}") from None
+        if report_bytes(len(expected)) > output_bytes:
+            raise DataError(f"{where}: row {row.index + 1}: {len(expected)} cases make a report of "
+                            f"{report_bytes(len(expected))} bytes, more than the sandbox's output_bytes "
+                            f"({output_bytes}): split the row or raise sandbox.output_bytes")
+
+
+def report_bytes(n_cases: int) -> int:
+    """The size of the harness's report of `n_cases` digests: `INDEX DIGEST\\n` per case."""
+    return sum(len(str(i)) + 1 + 64 + 1 for i in range(n_cases))
 
 
 def _string(case: object, key: str) -> str:

@@ -5,7 +5,8 @@ Standard library only: this file's source is the program the sandbox runs. It re
 {"solution": source, "stdin_cases": [str, ...]} or {"solution": source, "calls": ["f(1, 2)", ...]}, and
 writes one line per case to the stdout it was started with: `INDEX DIGEST` or `INDEX error NAME`.
 - stdin cases: the solution runs as its own program per case, fed the case, its output kept in a file;
-  the digest is of its output normalized by `normalize_output`.
+  the digest is of its output normalized by `normalize_output`, when the program exited with status 0
+  (else the case is `error exit_status`, which matches nothing).
 - calls: the solution is executed once, then each call's literal arguments are passed to the named
   function; the digest is of `encode(result)`, which spells exact types, so a subclass or an object with
   a forged __eq__ encodes as "unsupported" and matches nothing.
@@ -64,8 +65,11 @@ def _run_stdin_cases(solution: str, cases: list, report) -> None:
         f.write(solution)
     for i, case in enumerate(cases):
         with open(f"out{i}", "wb") as out:
-            subprocess.run([sys.executable, "-I", "solution.py"], input=case.encode(), stdout=out,
-                           stderr=subprocess.DEVNULL, check=False)
+            run = subprocess.run([sys.executable, "-I", "solution.py"], input=case.encode(), stdout=out,
+                                 stderr=subprocess.DEVNULL, check=False)
+        if run.returncode != 0:  # a program that failed, whatever it printed (an empty output included)
+            report(i, "error exit_status")
+            continue
         with open(f"out{i}", "rb") as f:
             report(i, digest(normalize_output(f.read().decode("utf-8", "replace"))))
 

@@ -3,32 +3,42 @@
 Isolation, all of it set up by `bwrap` (bubblewrap, a small setuid-free tool the kernel namespaces are driven by):
 - every namespace unshared (user, mount, PID, network, IPC, UTS, cgroup), no further user namespaces
   (`--disable-userns`), all capabilities dropped, a new terminal session, killed with its parent;
+- never host root: a root trainer starts bwrap as `nobody` (uid 65534), so the run's user namespace maps
+  to that unprivileged host uid (every run checks it from outside before the code starts);
 - a fresh root holding only read-only binds of /usr (and /bin, /lib* as on the host) and of the Python
-  interpreter's prefix, a fresh /proc of the new PID namespace, a minimal /dev (read-only), and one writable
-  directory, /sandbox, a tmpfs of `disk_mb` private to the run. No /tmp, /run, /home or host socket is there;
-  the only network interface is an unconfigured loopback of the run's own;
-- a seccomp filter (SECCOMP_DENIED: ptrace, mount, unshare, setns, keyctl, bpf, perf_event_open, kexec,
-  module loading, io_uring ... and clone with a namespace flag) refusing with EPERM. The filter is compiled by
-  libseccomp, the kernel community's filter compiler, through `pyseccomp` (pure-Python ctypes bindings with
-  the API of libseccomp's own, which exist only for the distribution's Python); bwrap installs it.
+  interpreter's prefix, a fresh /proc of the new PID namespace with /proc/sys read-only, a read-only /dev
+  of null, zero, full, random and urandom (no pty, no /dev/shm), and one writable directory, /sandbox, a
+  tmpfs of `disk_mb` private to the run. No /tmp, /run, /home or host socket is there; the only network
+  interface is an unconfigured loopback of the run's own;
+- a seccomp filter (seccomp_program) refusing ptrace, mount, unshare, setns, keyctl, bpf, io_uring, module
+  loading ... and clone with a namespace flag; memfd, SysV and POSIX IPC, TCP and larger socket or pipe
+  buffers (memory outside the address space); sockets other than unix, inet, inet6 and netlink. The filter
+  is compiled by libseccomp, the kernel community's filter compiler, through `pyseccomp` (pure-Python
+  ctypes bindings with the API of libseccomp's own, which exist only for the distribution's Python); bwrap
+  installs it.
 
-Limits, and what each one bounds in each mode (`sandbox_mode()` says which one this machine gets):
+Limits, and what each one bounds in each mode (`sandbox_mode()` says which one this machine gets;
+`sandbox_memory_bound_mb` the memory a run can hold):
 - "cgroup" (a cgroup v2 with the memory and pids controllers delegated to this process, or the cgroup v1
   memory and pids hierarchies, writable, as for root on most hosts): the run is a cgroup of its own, so
-  memory_mb bounds the whole run (every process, and the files of its tmpfs, which are charged to it),
-  max_processes the whole run's processes and threads; each process also has RLIMIT_AS = memory_mb.
+  memory_mb bounds the whole run (every process, the files of its tmpfs and the kernel's buffers for it,
+  which are charged to it; v1 counts socket buffers apart, up to another memory_mb), max_processes the
+  whole run's processes and threads; each process also has RLIMIT_AS = memory_mb.
 - "rlimit" (no usable cgroup): each process has RLIMIT_AS = memory_mb, and RLIMIT_NPROC = max_processes,
-  which the kernel (5.14 and later) counts per user namespace, hence per run, for a user other than root: a
-  root trainer starts bwrap as `nobody` (uid 65534) for that. The run's memory is then at most
-  max_processes x memory_mb + disk_mb.
-- Both: disk is the tmpfs size (a total); CPU time is RLIMIT_CPU per process; wall_s is a total: at the
-  deadline the PID namespace's first process is killed, which makes the kernel kill every process of the
-  run, and the call returns only once they are all gone (and, in cgroup mode, the cgroup is removed).
-  stdout and stderr are pipes this process reads, output_bytes each at most; past that the pipe is closed.
+  which the kernel (5.14 and later) counts per user namespace, hence per run, for a user other than root.
+  The run's memory is then at most max_processes x (memory_mb + OPEN_FILES socket buffers of the host's
+  default size) + disk_mb.
+- Both: OPEN_FILES descriptors per process; disk is the tmpfs size (a total); CPU time is RLIMIT_CPU per
+  process; wall_s is a total. The run's first process (PID 1 of its PID namespace, _BOOT) is closed to the
+  run (non-dumpable: no process of the run can open its memory), and after every run, at the deadline or
+  not, this process kills it through a pidfd, which makes the kernel kill every process of the run; the
+  call returns only once they are all gone (and, in cgroup mode, the cgroup is removed). stdout and stderr
+  are pipes this process reads, output_bytes each at most; past that the pipe is closed.
 Concurrent runs share nothing: each has its own namespaces, tmpfs and cgroup.
 
 Failing closed: `check_sandbox` (called when a recipe's code reward or python tool is built, i.e. at launch)
-raises SandboxUnavailable saying why and what to install or configure when no mode works. Two opt-outs:
+raises SandboxUnavailable saying why and what to install or configure when no mode works: a probe run checks
+the isolation above from inside, and every run checks from outside that it is not host root. Two opt-outs:
 `insecure: true` runs the code as a plain child process with rlimits only (local debugging; logged as a
 warning), and `service_url` sends each run to an external sandbox service (`run_on_service`).
 """
@@ -41,9 +51,11 @@ import functools
 import json
 import logging
 import os
+import select
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -60,6 +72,7 @@ log = logging.getLogger(__name__)
 
 WORKDIR = "/sandbox"  # the run's tmpfs, its working directory, inside the sandbox
 NOBODY = 65534
+OPEN_FILES = 64  # RLIMIT_NOFILE of each process of a run: bounds its sockets, pipes and their kernel buffers
 SECCOMP_DENIED = (
     "ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2", "pivot_root", "chroot", "unshare",
     "setns", "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "kexec_load", "kexec_file_load",
@@ -67,28 +80,47 @@ SECCOMP_DENIED = (
     "open_by_handle_at", "name_to_handle_at", "userfaultfd", "fsopen", "fsconfig", "fsmount", "fspick",
     "move_mount", "open_tree", "mount_setattr", "io_uring_setup", "io_uring_enter", "io_uring_register",
     "quotactl", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "iopl", "ioperm",
+    # memory the kernel holds for a process outside its address space, which RLIMIT_AS does not bound
+    "memfd_create", "memfd_secret", "shmget", "msgget", "semget", "mq_open",
 )
+SOCKET_FAMILIES = (1, 2, 10, 16)  # AF_UNIX, AF_INET, AF_INET6, AF_NETLINK: the only sockets a run may create
 # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
 _CLONE_NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000,
                           0x00000080)
 
-# Runs first in the sandbox as `python -I -c _BOOT CPU_S MEMORY_BYTES MAX_PROCESSES`: sets the per-process
-# limits (inherited by everything the program starts, and no process of the run may raise them), then runs
-# program.py. Nothing here is a protection the program could undo: the kernel enforces all of it.
-_BOOT = r'''
-import resource, sys
-cpu_s, memory_bytes, max_processes = map(int, sys.argv[1:4])
+# Runs first in the sandbox as `python -I -c _BOOT CPU_S MEMORY_BYTES MAX_PROCESSES OPEN_FILES`, as the
+# run's first process (PID 1 of its PID namespace): sets the per-process limits (inherited by everything the
+# program starts, and no process of the run may raise them), makes itself non-dumpable, so that no process
+# of the run can open its /proc/1/mem or change it in any way, then runs program.py in a child and reaps
+# every process left to it until that child exits, with the child's status (128 + N for signal N). When it
+# exits, the kernel kills what is left of the run. Nothing here is a protection the program could undo.
+_BOOT = r"""
+import ctypes, os, resource, sys
+cpu_s, memory_bytes, max_processes, open_files = map(int, sys.argv[1:5])
 resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
 resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
 if max_processes:  # 0: no limit (insecure mode, where it would count every process of the user)
     resource.setrlimit(resource.RLIMIT_NPROC, (max_processes, max_processes))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-sys.argv = ["program.py"]
-sys.dont_write_bytecode = True
-with open("program.py", encoding="utf-8") as f:
-    source = f.read()
-exec(compile(source, "program.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-'''
+prctl = ctypes.CDLL(None, use_errno=True).prctl
+if prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+    sys.exit("cannot make the run's first process non-dumpable")
+program = os.fork()
+if program == 0:
+    prctl(4, 1, 0, 0, 0)  # the program itself is an ordinary process again
+    sys.argv = ["program.py"]
+    sys.dont_write_bytecode = True
+    with open("program.py", encoding="utf-8") as f:
+        source = f.read()
+    exec(compile(source, "program.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    sys.exit()
+while True:
+    pid, status = os.waitpid(-1, 0)
+    if pid == program:
+        code = os.waitstatus_to_exitcode(status)
+        os._exit(code if code >= 0 else 128 - code)
+"""
 
 
 class SandboxUnavailable(RuntimeError):
@@ -134,6 +166,20 @@ def check_sandbox(limits: SandboxConfig) -> str:
     return sandbox_mode()
 
 
+def sandbox_memory_bound_mb(limits: SandboxConfig) -> int:
+    """The most memory, in MiB, one run under `limits` can hold in this machine's mode, whatever it does.
+
+    cgroup: memory_mb, the cgroup's limit, charged with the run's pages, its tmpfs and the kernel's objects
+    for it (socket buffers included; cgroup v1 counts those apart, up to another memory_mb). rlimit:
+    max_processes x (memory_mb of address space + OPEN_FILES socket buffers of the host's default size,
+    net.core.wmem_default + rmem_default, which the run cannot raise) + disk_mb. What RLIMIT_AS would miss
+    otherwise (memfd, SysV and POSIX IPC, TCP, larger socket and pipe buffers) is refused in both modes."""
+    if sandbox_mode() == "cgroup":
+        return limits.memory_mb * (2 if len(_cgroup_parents()) == 2 else 1)
+    socket_bytes = sum(int(Path(f"/proc/sys/net/core/{name}").read_text()) for name in ("wmem_default", "rmem_default"))
+    return limits.max_processes * (limits.memory_mb + -(-OPEN_FILES * socket_bytes // 2**20)) + limits.disk_mb
+
+
 @functools.cache
 def sandbox_mode() -> str:
     """ "cgroup" or "rlimit": the first mode whose probe run shows the isolation in place (probed once per
@@ -161,17 +207,33 @@ def sandbox_mode() -> str:
 
 
 # Checked inside the probe run: the process has no capability, runs under a seccomp filter, sees only the
-# few processes of a fresh PID namespace and no network interface but its loopback.
-_PROBE = r'''
+# few processes of a fresh PID namespace and no network interface but its loopback, can write no kernel
+# setting (/proc/sys), change no host device node, and cannot open the run's first process's memory.
+# (That it is not host root is checked from outside, at every run: _check_not_host_root.)
+_PROBE = r"""
+import os
 status = dict(line.split(":\t", 1) for line in open("/proc/self/status").read().splitlines())
 interfaces = [line.split(":")[0].strip() for line in open("/proc/net/dev").read().splitlines()[2:]]
-pids = [name for name in __import__("os").listdir("/proc") if name.isdigit()]
-assert int(status["CapEff"], 16) == 0 and int(status["CapBnd"], 16) == 0, status["CapEff"]
-assert status["Seccomp"].strip() == "2", status["Seccomp"]
-assert interfaces == ["lo"], interfaces
-assert len(pids) <= 3, pids
-print("isolated")
-'''
+pids = [name for name in os.listdir("/proc") if name.isdigit()]
+failed = []
+if int(status["CapEff"], 16) != 0 or int(status["CapBnd"], 16) != 0:
+    failed.append(f"capabilities {status['CapEff'].strip()}")
+if status["Seccomp"].strip() != "2":
+    failed.append("no seccomp filter")
+if interfaces != ["lo"]:
+    failed.append(f"network interfaces {interfaces}")
+if len(pids) > 3:
+    failed.append(f"processes of the host visible: {len(pids)}")
+for what, attempt in (("/proc/sys writable", lambda: os.close(os.open("/proc/sys/kernel/core_pattern", os.O_WRONLY))),
+                      ("host device nodes can be chmod-ed", lambda: os.chmod("/dev/null", 0o666)),
+                      ("the first process's memory can be opened", lambda: open("/proc/1/mem", "rb").close())):
+    try:
+        attempt()
+        failed.append(what)
+    except OSError:
+        pass
+print("not isolated: " + ", ".join(failed) if failed else "isolated")
+"""
 
 
 def _probe(mode: str) -> str | None:
@@ -186,11 +248,13 @@ def _probe(mode: str) -> str | None:
                 result = _run_bwrap(_PROBE, limits, stdin="", mode=mode, cgroup=cgroup)
         else:
             result = _run_bwrap(_PROBE, limits, stdin="", mode=mode, cgroup=None)
-    except OSError as e:
+    except (OSError, SandboxUnavailable) as e:
         return f"{type(e).__name__}: {e}"
+    if result.stdout.startswith("not isolated"):
+        return result.stdout.strip()
     if result.returncode != 0 or result.stdout != "isolated\n":
-        as_nobody = (f" (as root, this mode runs bwrap as nobody, uid {NOBODY}, who must be able to read "
-                     f"{sys.base_prefix})") if mode == "rlimit" and os.getuid() == 0 else ""
+        as_nobody = (f" (as root, megarl runs bwrap as nobody, uid {NOBODY}, who must be able to read "
+                     f"{_interpreter()[1]})") if os.getuid() == 0 else ""
         return f"the probe run failed (exit status {result.returncode}){as_nobody}: {result.stderr.strip()[-500:]}"
     return None
 
@@ -198,7 +262,9 @@ def _probe(mode: str) -> str | None:
 @functools.cache
 def seccomp_program() -> bytes:
     """The compiled BPF filter bwrap installs: SECCOMP_DENIED and namespace-creating clone refused with
-    EPERM, clone3 with ENOSYS (so that the C library falls back to clone, whose flags the filter can read)."""
+    EPERM, clone3 with ENOSYS (so that the C library falls back to clone, whose flags the filter can read),
+    sockets of a family not in SOCKET_FAMILIES with EAFNOSUPPORT, TCP with EPROTONOSUPPORT, larger socket
+    and pipe buffers with EPERM."""
     import pyseccomp as seccomp
 
     f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
@@ -210,6 +276,22 @@ def seccomp_program() -> bytes:
     for flag in _CLONE_NAMESPACE_FLAGS:
         f.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
     f.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    for call in ("socket", "socketpair"):  # the family is an int: any value with high bits set is >= 17 too
+        f.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), call, seccomp.Arg(0, seccomp.GE, 17))
+        for family in set(range(17)) - set(SOCKET_FAMILIES):
+            f.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), call, seccomp.Arg(0, seccomp.EQ, family))
+    # no TCP (nor SCTP): its buffers grow to net.ipv4.tcp_rmem and tcp_wmem (MiB per connection), outside
+    # RLIMIT_AS and, under cgroup v1, outside the memory cgroup; inet and inet6 datagram sockets remain
+    for family in (2, 10):
+        for kind in (1, 5):  # SOCK_STREAM, SOCK_SEQPACKET, whatever flags are or-ed in
+            f.add_rule(seccomp.ERRNO(errno.EPROTONOSUPPORT), "socket", seccomp.Arg(0, seccomp.EQ, family),
+                       seccomp.Arg(1, seccomp.MASKED_EQ, 0xF, kind))
+    # socket and pipe buffers stay at the host's defaults (net.core.wmem_default, 64 KiB): SO_SNDBUF,
+    # SO_RCVBUF and their FORCE forms at SOL_SOCKET, and F_SETPIPE_SZ, are refused
+    for option in (7, 8, 32, 33):
+        f.add_rule(seccomp.ERRNO(errno.EPERM), "setsockopt", seccomp.Arg(1, seccomp.MASKED_EQ, 0xFFFFFFFF, 1),
+                   seccomp.Arg(2, seccomp.MASKED_EQ, 0xFFFFFFFF, option))
+    f.add_rule(seccomp.ERRNO(errno.EPERM), "fcntl", seccomp.Arg(1, seccomp.MASKED_EQ, 0xFFFFFFFF, 1031))
     f.add_rule(seccomp.ERRNO(errno.EPERM), "ioctl", seccomp.Arg(1, seccomp.MASKED_EQ, 0xFFFFFFFF, 0x5412))  # TIOCSTI
     fd = os.memfd_create("megarl-seccomp")
     with open(fd, "w+b") as file:
@@ -222,40 +304,85 @@ def seccomp_program() -> bytes:
 def _run_bwrap(code: str, limits: SandboxConfig, *, stdin: str, mode: str, cgroup: _RunCgroup | None) -> SandboxResult:
     program_fd, seccomp_fd = _memfd("program.py", code.encode()), _memfd("seccomp", seccomp_program())
     info_read, info_write = os.pipe()
-    python = os.path.realpath(sys._base_executable)
-    prefix = os.path.realpath(sys.base_prefix)
+    block_read, block_write = os.pipe()
+    python, prefix = _interpreter()
     args = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
-            "--cap-drop", "ALL", "--uid", str(NOBODY), "--gid", str(NOBODY),
+            "--as-pid-1", "--cap-drop", "ALL", "--uid", str(NOBODY), "--gid", str(NOBODY),
             "--ro-bind", "/usr", "/usr", *_root_links(),
-            *(() if prefix.startswith("/usr/") else ("--ro-bind", prefix, prefix)),
-            "--proc", "/proc", "--dev", "/dev",
+            *(() if prefix == "/usr" or prefix.startswith("/usr/") else ("--ro-bind", prefix, prefix)),
+            "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", *_devices(),
             "--size", str(limits.disk_mb * 2**20), "--tmpfs", WORKDIR,
             "--perms", "0444", "--file", str(program_fd), f"{WORKDIR}/program.py",
-            "--remount-ro", "/", "--remount-ro", "/dev", "--chdir", WORKDIR,
-            "--seccomp", str(seccomp_fd), "--info-fd", str(info_write),
-            python, "-I", "-c", _BOOT, str(limits.cpu_s), str(limits.memory_mb * 2**20), str(limits.max_processes)]
-    if cgroup is not None:  # join the run's cgroup before bwrap starts, so that every process of the run is in it
-        args = ["/bin/sh", "-c", 'for d in $CGROUPS; do echo $$ > "$d/cgroup.procs" || exit 126; done; exec "$@"',
-                "sh", *args]
-    env = {"PATH": "/usr/bin:/bin", "HOME": WORKDIR, "TMPDIR": WORKDIR, "LANG": "C.UTF-8",
-           **({"CGROUPS": " ".join(map(str, cgroup.dirs))} if cgroup is not None else {})}
-    # rlimit mode counts processes per user namespace only for a user other than root
-    user = NOBODY if mode == "rlimit" and os.getuid() == 0 else None
+            "--remount-ro", "/", "--chdir", WORKDIR,
+            "--seccomp", str(seccomp_fd), "--info-fd", str(info_write), "--block-fd", str(block_read),
+            python, "-I", "-c", _BOOT, str(limits.cpu_s), str(limits.memory_mb * 2**20), str(limits.max_processes),
+            str(OPEN_FILES)]
+    env = {"PATH": "/usr/bin:/bin", "HOME": WORKDIR, "TMPDIR": WORKDIR, "LANG": "C.UTF-8"}
+    # a root trainer starts bwrap as nobody: the run's user namespace then maps to an unprivileged host uid,
+    # and rlimit mode's RLIMIT_NPROC counts the run's processes (the kernel counts them per user namespace
+    # for a user other than root)
+    user = NOBODY if os.getuid() == 0 else None
+    deadline = time.monotonic() + limits.wall_s
     try:
         proc = subprocess.Popen(args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, pass_fds=(program_fd, seccomp_fd, info_write),
+                                stderr=subprocess.PIPE, pass_fds=(program_fd, seccomp_fd, info_write, block_read),
                                 start_new_session=True, user=user, group=user, extra_groups=[] if user else None)
+    except BaseException:
+        os.close(info_read)
+        os.close(block_write)
+        raise
     finally:
-        for fd in (program_fd, seccomp_fd, info_write):
+        for fd in (program_fd, seccomp_fd, info_write, block_read):
             os.close(fd)
-    info = bytearray()
+    first = None
     try:
-        stdout, stderr, timed_out = _communicate(proc, stdin.encode(), info_fd=info_read, info=info,
-                                                 cap=limits.output_bytes, deadline=time.monotonic() + limits.wall_s)
+        first = _first_process(proc, info_read, deadline)
+        if first is not None:  # bwrap's child waits on block_fd until it is in the run's cgroup and checked
+            try:
+                _check_not_host_root(first)
+                if cgroup is not None:
+                    cgroup.join(first.pid)
+            except (ProcessLookupError, FileNotFoundError):  # bwrap's setup failed: its error is on stderr
+                pass
+            else:
+                os.write(block_write, b"x")
+        stdout, stderr, timed_out = _communicate(proc, stdin.encode(), cap=limits.output_bytes, deadline=deadline)
     finally:
-        _end_run(proc, info, cgroup)
+        _end_run(proc, first, cgroup)
+        os.close(block_write)
     returncode = None if timed_out else proc.returncode
     return SandboxResult(returncode, stdout.decode("utf-8", "replace"), stderr.decode("utf-8", "replace"), mode)
+
+
+@functools.cache
+def _interpreter() -> tuple[str, str]:
+    """(python, its prefix) that runs in the sandbox: the trainer's base interpreter, or, for a root trainer
+    (whose runs are nobody's) whose interpreter nobody may read (a prefix under /root), the system's python
+    of the same version. The probe run fails, naming the path, when neither is there."""
+    python, prefix = os.path.realpath(sys._base_executable), os.path.realpath(sys.base_prefix)
+    system = f"/usr/bin/python{sys.version_info[0]}.{sys.version_info[1]}"
+    if os.getuid() == 0 and not (_anyone_can_read(python) and _anyone_can_read(prefix)) and os.path.exists(system):
+        return os.path.realpath(system), "/usr"
+    return python, prefix
+
+
+def _anyone_can_read(path: str) -> bool:
+    """Whether every directory above `path` is searchable and `path` readable by any user."""
+    parts = Path(path).parts
+    dirs_ok = all(os.stat(Path(*parts[:i])).st_mode & stat.S_IXOTH for i in range(1, len(parts)))
+    return dirs_ok and bool(os.stat(path).st_mode & stat.S_IROTH)
+
+
+def _devices() -> list[str]:
+    """A read-only /dev of a few host nodes (null, zero, full, random, urandom) and the fd links: no pty
+    (the machine's ptys are one pool), no /dev/shm, nothing the run can create, chmod or remove."""
+    args = ["--tmpfs", "/dev"]
+    for name in ("null", "zero", "full", "random", "urandom"):
+        args += ["--dev-bind", f"/dev/{name}", f"/dev/{name}"]
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        args += ["--symlink", target, f"/dev/{name}"]
+    return args + ["--remount-ro", "/dev"]
 
 
 def _root_links() -> list[str]:
@@ -276,15 +403,72 @@ def _memfd(name: str, data: bytes) -> int:
     return fd
 
 
-def _communicate(proc: subprocess.Popen, stdin: bytes, *, info_fd: int, info: bytearray, cap: int,
-                 deadline: float) -> tuple[bytes, bytes, bool]:
-    """Feed `stdin`, read stdout and stderr (at most `cap` bytes each: the pipe is closed past that) and
-    bwrap's info (all of it, into `info`) until all are closed and the process exited, or the deadline
-    passed. Returns (stdout, stderr, timed out)."""
-    files = {f.fileno(): f for f in (proc.stdin, proc.stdout, proc.stderr, open(info_fd, "rb", buffering=0))}
+@dataclass(frozen=True)
+class _FirstProcess:
+    """The run's first process (PID 1 of its PID namespace): its host pid and a pidfd that names it for
+    as long as this process holds it, whatever becomes of the pid."""
+
+    pid: int
+    pidfd: int
+
+
+def _first_process(proc: subprocess.Popen, info_fd: int, deadline: float) -> _FirstProcess | None:
+    """bwrap's child, named in the JSON bwrap writes to its info fd (read here, then closed), with a pidfd
+    taken while it is certainly that child; None when bwrap wrote no such JSON (it failed, or timed out)."""
+    info = bytearray()
+    with open(info_fd, "rb", buffering=0) as f:
+        while (left_s := deadline - time.monotonic()) > 0 and _readable(f.fileno(), left_s):
+            chunk = f.read(4096)
+            if not chunk:
+                break
+            info += chunk
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                int(json.loads(info)["child-pid"])
+                break
+        else:
+            return None
+    try:
+        pid = int(json.loads(info)["child-pid"])
+        pidfd = os.pidfd_open(pid)
+    except (ValueError, KeyError, TypeError, ProcessLookupError):
+        return None
+    try:
+        # the pid is bwrap's child, not a process that reused a freed pid: bwrap (not reaped, so its pid is
+        # not reused) is that process's parent, and the child cannot exit on its own before block_fd is written
+        with open(f"/proc/{pid}/stat") as f:
+            parent = int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        parent = None
+    if parent != proc.pid:
+        os.close(pidfd)
+        return None
+    return _FirstProcess(pid, pidfd)
+
+
+def _readable(fd: int, timeout_s: float) -> bool:
+    """Whether `fd` became readable (a pidfd: its process exited) within `timeout_s` (poll, not select: a
+    trainer's fds can be numbered past select's 1024)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(timeout_s * 1000))
+
+
+def _check_not_host_root(first: _FirstProcess) -> None:
+    """SandboxUnavailable unless every uid of the run's first process is another one than host root's."""
+    with open(f"/proc/{first.pid}/status") as f:
+        uids = next(line.split()[1:] for line in f if line.startswith("Uid:"))
+    if "0" in uids:
+        raise SandboxUnavailable("the sandboxed code would run as host root (uid 0): start the trainer as "
+                                 "another user, or as root (megarl then starts the sandbox as nobody)")
+
+
+def _communicate(proc: subprocess.Popen, stdin: bytes, *, cap: int, deadline: float) -> tuple[bytes, bytes, bool]:
+    """Feed `stdin`, read stdout and stderr (at most `cap` bytes each: the pipe is closed past that) until
+    both are closed and the process exited, or the deadline passed. Returns (stdout, stderr, timed out)."""
+    files = {f.fileno(): f for f in (proc.stdin, proc.stdout, proc.stderr)}
     stdin_fd = proc.stdin.fileno()
     stdout, stderr = bytearray(), bytearray()
-    caps = {proc.stdout.fileno(): (stdout, cap), proc.stderr.fileno(): (stderr, cap), info_fd: (info, 2**16)}
+    buffers = {proc.stdout.fileno(): stdout, proc.stderr.fileno(): stderr}
     pending = memoryview(stdin)
     with selectors.DefaultSelector() as selector:
         for fd, f in files.items():
@@ -303,10 +487,10 @@ def _communicate(proc: subprocess.Popen, stdin: bytes, *, info_fd: int, info: by
                             pending = pending[:0]
                         done = not pending
                     else:
-                        buffer, limit = caps[key.fd]
+                        buffer = buffers[key.fd]
                         chunk = os.read(key.fd, 65536)
-                        buffer += chunk[: limit - len(buffer)]
-                        done = not chunk or len(buffer) >= limit
+                        buffer += chunk[: cap - len(buffer)]
+                        done = not chunk or len(buffer) >= cap
                     if done:
                         selector.unregister(key.fd)
                         files[key.fd].close()
@@ -320,42 +504,25 @@ def _communicate(proc: subprocess.Popen, stdin: bytes, *, info_fd: int, info: by
     return bytes(stdout), bytes(stderr), False
 
 
-def _end_run(proc: subprocess.Popen, info: bytes, cgroup: _RunCgroup | None) -> None:
+def _end_run(proc: subprocess.Popen, first: _FirstProcess | None, cgroup: _RunCgroup | None) -> None:
     """Kill every process of the run and return once they are all gone.
 
-    Killing the PID namespace's first process (bwrap's child, its pid from --info-fd) makes the kernel kill
-    every other process of the namespace, and that process is reaped, which lets bwrap exit, only after all
-    of them are gone. So waiting for bwrap waits for the whole run."""
-    if proc.poll() is None and _kill_namespace(proc, info):
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
-    if proc.poll() is None:  # bwrap's child unknown (bwrap failed early) or bwrap hung: kill bwrap, and by
-        with contextlib.suppress(ProcessLookupError):  # --die-with-parent its child
-            os.killpg(proc.pid, signal.SIGKILL)
+    SIGKILL to the run's first process, sent through its pidfd (so never to another process), makes the
+    kernel kill every other process of its PID namespace, and that first process's exit, which the pidfd
+    reports, completes only after all of them are gone. Nothing in the run can prevent it: SIGKILL cannot
+    be caught or ignored, and no process of the run can change the first one (_BOOT). This is done after
+    every run, whether bwrap is still running or not."""
+    if first is not None:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(first.pidfd, signal.SIGKILL)
+        if not _readable(first.pidfd, 60):  # only a process stuck in the kernel takes this long
+            log.error("sandbox: the run's first process (pid %d) did not exit 60 s after SIGKILL", first.pid)
+        os.close(first.pidfd)
+    with contextlib.suppress(ProcessLookupError):  # bwrap, and by --die-with-parent its child if not known here
+        os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     if cgroup is not None:
         cgroup.kill()
-
-
-def _kill_namespace(proc: subprocess.Popen, info: bytes) -> bool:
-    """SIGKILL bwrap's child, the first process of the run's PID namespace; whether it was signalled."""
-    try:
-        child_pid = int(json.loads(info)["child-pid"])
-        pidfd = os.pidfd_open(child_pid)
-    except (ValueError, KeyError, TypeError, ProcessLookupError):
-        return False
-    try:
-        # the pid is bwrap's child, not a process that reused a freed pid: bwrap is alive and has not reaped it
-        with open(f"/proc/{child_pid}/stat") as f:
-            parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        if parent == proc.pid:
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            return True
-        return False
-    except (OSError, IndexError, ValueError):
-        return False
-    finally:
-        os.close(pidfd)
 
 
 # ---- cgroups ---------------------------------------------------------------------------------------------
@@ -397,6 +564,11 @@ class _RunCgroup:
 
     dirs: tuple[Path, ...]
 
+    def join(self, pid: int) -> None:
+        """Move process `pid` into the run's cgroup (in every hierarchy); what it starts later is in it too."""
+        for d in self.dirs:
+            (d / "cgroup.procs").write_text(str(pid))
+
     def kill(self) -> None:
         """SIGKILL whatever is still in the cgroup, then remove it once empty."""
         for d in self.dirs:
@@ -421,6 +593,8 @@ _CGROUP_LIMITS = {  # file -> (what it limits, its value from the run's limits);
     "memory.swap.max": ("memory", lambda limits: 0),
     "memory.limit_in_bytes": ("memory", lambda limits: limits.memory_mb * 2**20),
     "memory.memsw.limit_in_bytes": ("memory", lambda limits: limits.memory_mb * 2**20),
+    # v1 charges socket buffers only to a cgroup with this limit, and to a count of their own
+    "memory.kmem.tcp.limit_in_bytes": ("memory", lambda limits: limits.memory_mb * 2**20),
     "pids.max": ("pids", lambda limits: limits.max_processes),
 }
 
@@ -460,15 +634,14 @@ def _run_insecure(code: str, limits: SandboxConfig, *, stdin: str) -> SandboxRes
     workdir = tempfile.mkdtemp(prefix="megarl-insecure-")
     try:
         Path(workdir, "program.py").write_text(code, encoding="utf-8")
-        args = [sys.executable, "-I", "-c", _BOOT, str(limits.cpu_s), str(limits.memory_mb * 2**20), "0"]
+        args = [sys.executable, "-I", "-c", _BOOT, str(limits.cpu_s), str(limits.memory_mb * 2**20), "0",
+                str(OPEN_FILES)]
         proc = subprocess.Popen(args, cwd=workdir, env={"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8"},
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True)
-        info_read, info_write = os.pipe()
-        os.close(info_write)
         try:
-            stdout, stderr, timed_out = _communicate(proc, stdin.encode(), info_fd=info_read, info=bytearray(),
-                                                     cap=limits.output_bytes, deadline=time.monotonic() + limits.wall_s)
+            stdout, stderr, timed_out = _communicate(proc, stdin.encode(), cap=limits.output_bytes,
+                                                     deadline=time.monotonic() + limits.wall_s)
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
