@@ -159,6 +159,18 @@ def run_layout(model_dir, out_dir, *, nproc: int, extra: tuple[str, ...] = ()) -
             "recorded": [r for p in parts for r in p["recorded"]]}
 
 
+@pytest.fixture(scope="module")
+def single_rank(arch_dir, tmp_path_factory):
+    """The single-rank run of each architecture, made on first use (shared by its layouts)."""
+    out, runs = tmp_path_factory.mktemp("replay_single"), {}
+
+    def get(arch: str) -> dict:
+        if arch not in runs:
+            runs[arch] = run_layout(arch_dir(arch), out / arch, nproc=1)
+        return runs[arch]
+    return get
+
+
 @pytest.mark.timeout(3 * LAYOUT_TIMEOUT_S)
 @pytest.mark.parametrize("arch,nproc,extra", [
     ("qwen2_moe", 2, ("--ep", "2")),                      # EP=2 (DP=2 for the dense weights)
@@ -168,8 +180,8 @@ def run_layout(model_dir, out_dir, *, nproc: int, extra: tuple[str, ...] = ()) -
     ("qwen3_moe", 2, ("--cp", "2")),                      # each CP rank routes its two chunks
     ("qwen3_moe", 1, ("--micro-batch-tokens", "24")),     # packed rows
 ], ids=["qwen2_moe-ep2", "mixtral-pp2", "mixtral-pp2-recompute", "qwen2_moe-tp2sp", "qwen3_moe-cp2", "qwen3_moe-packed"])
-def test_replay_and_recording_match_single_rank_at_every_layout(arch, nproc, extra, arch_dir, tmp_path):
-    single = run_layout(arch_dir(arch), tmp_path / "single", nproc=1)
+def test_replay_and_recording_match_single_rank_at_every_layout(arch, nproc, extra, single_rank, arch_dir, tmp_path):
+    single = single_rank(arch)
     result = run_layout(arch_dir(arch), tmp_path / "layout", nproc=nproc, extra=extra)
     # sharded vs whole matmuls differ in fp32 summation order only (the layout tests' bound)
     assert (result["replayed"] - single["replayed"]).abs().max() <= 1e-4
