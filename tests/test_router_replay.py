@@ -180,7 +180,8 @@ def single_rank(arch_dir, tmp_path_factory):
     ("qwen3_moe", 2, ("--cp", "2")),                      # each CP rank routes its two chunks
     ("qwen3_moe", 1, ("--micro-batch-tokens", "24")),     # packed rows
 ], ids=["qwen2_moe-ep2", "mixtral-pp2", "mixtral-pp2-recompute", "qwen2_moe-tp2sp", "qwen3_moe-cp2", "qwen3_moe-packed"])
-def test_replay_and_recording_match_single_rank_at_every_layout(arch, nproc, extra, single_rank, arch_dir, tmp_path):
+def test_replay_and_recording_match_single_rank_at_every_layout(arch, nproc, extra, single_rank, arch_dir,
+                                                               tmp_path):
     single = single_rank(arch)
     result = run_layout(arch_dir(arch), tmp_path / "layout", nproc=nproc, extra=extra)
     # sharded vs whole matmuls differ in fp32 summation order only (the layout tests' bound)
