@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import warnings
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -176,20 +177,19 @@ def run_case(args: argparse.Namespace) -> None:
     dist.barrier()
 
 
-def main() -> None:
-    """`--cases FILE`: run each argument list of that JSON file in turn, one job for many layouts of one world
-    size (a launch costs every rank its imports); otherwise the arguments are one case."""
+def run_cases(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], None]) -> None:
+    """`--cases FILE`: `run` each argument list of that JSON file in turn, one job for many layouts of one world
+    size (a launch costs every rank its imports); otherwise the command line is one case."""
     from megatron.core import parallel_state as ps
 
     cases = argparse.ArgumentParser(add_help=False)
     cases.add_argument("--cases")
     known, rest = cases.parse_known_args()
-    parser = case_parser()
     for argv in json.loads(Path(known.cases).read_text()) if known.cases else [rest]:
-        run_case(parser.parse_args(argv))
+        run(parser.parse_args(argv))
         ps.destroy_model_parallel()  # the next case initializes its own layout on the same ranks
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    run_cases(case_parser(), run_case)
