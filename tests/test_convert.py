@@ -97,16 +97,28 @@ def test_a_checkpoint_written_at_one_layout_reads_at_another(arch, nproc, layout
     assert_bit_exact(tmp_path / "hf", arch_dir(arch))
 
 
-@pytest.mark.parametrize("arch, layout", [("qwen2", {"tp": 2}), ("llama", {"pp": 2}), ("mixtral", {"ep": 2})],
-                         ids=["qwen2-tp2", "llama-pp2", "mixtral-ep2"])
-def test_a_converted_checkpoint_loads_bit_exact_at_another_layout(arch, layout, arch_dir, converted, tmp_path):
-    """Written by one process (the streaming writer), read by a TrainEngine split two ways."""
-    args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            str(REPO / "tests" / "convert_load_worker.py"), "--ckpt", str(converted(arch)),
-            "--out", str(tmp_path / "loaded.safetensors"), *[f"--{k}={v}" for k, v in layout.items()]]
-    result = run_python(args, timeout_s=TOOL_TIMEOUT_S)
+LOAD_LAYOUTS = {"qwen2": {"tp": 2}, "llama": {"pp": 2}, "mixtral": {"ep": 2}}
+
+
+@pytest.fixture(scope="module")
+def loaded_at_layouts(converted, tmp_path_factory) -> Path:
+    """FOLDER/ARCH.safetensors: what a TrainEngine on two ranks at LOAD_LAYOUTS[ARCH] loaded from converted(ARCH)
+    and handed off; one torchrun job loads them all in turn (each rank pays its imports once)."""
+    folder = tmp_path_factory.mktemp("loaded")
+    cases = [["--ckpt", str(converted(arch)), "--out", str(folder / f"{arch}.safetensors"),
+              *[f"--{k}={v}" for k, v in layout.items()]] for arch, layout in LOAD_LAYOUTS.items()]
+    (folder / "cases.json").write_text(json.dumps(cases))
+    result = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                         str(REPO / "tests" / "convert_load_worker.py"), "--cases", str(folder / "cases.json")],
+                        timeout_s=len(cases) * TOOL_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
-    got, want = load_file(str(tmp_path / "loaded.safetensors")), hf_weights(arch_dir(arch))
+    return folder
+
+
+@pytest.mark.parametrize("arch", LOAD_LAYOUTS, ids=["qwen2-tp2", "llama-pp2", "mixtral-ep2"])
+def test_a_converted_checkpoint_loads_bit_exact_at_another_layout(arch, arch_dir, loaded_at_layouts):
+    """Written by one process (the streaming writer), read by a TrainEngine split two ways."""
+    got, want = load_file(str(loaded_at_layouts / f"{arch}.safetensors")), hf_weights(arch_dir(arch))
     assert set(got) == set(want)
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), name
