@@ -6,7 +6,7 @@ sequences). Rank 0 writes the numbers and the full HF state dict after training 
 test can compare every layout against the single-rank run, and whether the handoff of the untrained
 reference reproduced the checkpoint bit for bit. With --save the actor's distributed checkpoint after the
 two steps goes to that directory; with --resume-from a fresh actor loads such a checkpoint (written at any
-layout) and takes a third step on the same batch.
+layout) and takes a third step on the same batch. With --cases FILE one job runs several layouts in turn.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import warnings
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -75,7 +76,7 @@ def layout_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main() -> None:
+def case_parser() -> argparse.ArgumentParser:
     parser = layout_parser()
     parser.add_argument("--vpp", type=int, default=1, help="virtual pipeline stages per pipeline rank")
     parser.add_argument("--sequence-parallel", action="store_true",
@@ -86,8 +87,11 @@ def main() -> None:
     parser.add_argument("--micro-batch-tokens", type=int, default=0, help="pack sequences (0: padded rows)")
     parser.add_argument("--redistribute", action="store_true",
                         help="balance samples over DP ranks by tokens after the old logprobs, before training")
-    args = parser.parse_args()
+    return parser
 
+
+def run_case(args: argparse.Namespace) -> None:
+    """One layout's run, in Megatron's parallel state for that layout (made here, torn down by the caller)."""
     groups = init_parallel(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, seed=0)
     optim = OptimConfig(lr=1e-3, grad_clip=1.0, distributed=True)
     megatron = {"virtual_pipeline_model_parallel_size": args.vpp} if args.vpp > 1 else {}
@@ -171,8 +175,21 @@ def main() -> None:
         if resumed:
             torch.save({"loaded": resumed["loaded"], "stepped": resumed["stepped"]}, out / "resumed.pt")
     dist.barrier()
+
+
+def run_cases(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], None]) -> None:
+    """`--cases FILE`: `run` each argument list of that JSON file in turn, one job for many layouts of one world
+    size (a launch costs every rank its imports); otherwise the command line is one case."""
+    from megatron.core import parallel_state as ps
+
+    cases = argparse.ArgumentParser(add_help=False)
+    cases.add_argument("--cases")
+    known, rest = cases.parse_known_args()
+    for argv in json.loads(Path(known.cases).read_text()) if known.cases else [rest]:
+        run(parser.parse_args(argv))
+        ps.destroy_model_parallel()  # the next case initializes its own layout on the same ranks
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    run_cases(case_parser(), run_case)

@@ -3,11 +3,12 @@
 Every layout gets the same global batch and the same routes (random top-k experts per token and layer, so they
 differ from the model's own choice). Each data-parallel rank takes its contiguous slice. Rank 0 of each replica
 gathers nothing: the replica's logprobs, recorded routing and agreement are written per DP rank, and the test
-compares their concatenation with the single-rank run.
+compares their concatenation with the single-rank run. With --cases FILE one job runs several layouts in turn.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import warnings
 from pathlib import Path
@@ -22,7 +23,7 @@ from megarl.engine.megatron import TrainEngine  # noqa: E402
 from megarl.engine.parallel import init_parallel  # noqa: E402
 from megarl.packing import sequence_lengths  # noqa: E402
 from megarl.routing import RouteUse  # noqa: E402
-from parallel_worker import layout_parser  # noqa: E402
+from parallel_worker import layout_parser, run_cases  # noqa: E402
 
 GLOBAL_BATCH, SEQ_LEN, PROMPT = 8, 12, 4
 
@@ -40,11 +41,14 @@ def fixed_inputs(vocab: int, *, layers: int, experts: int, top_k: int):
     return tokens, mask, lengths, routes
 
 
-def main() -> None:
+def case_parser() -> argparse.ArgumentParser:
     parser = layout_parser()
     parser.add_argument("--micro-batch-tokens", type=int, default=0, help="pack sequences (0: padded rows of 2)")
     parser.add_argument("--recompute", action="store_true", help="recompute every layer in the backward pass")
-    args = parser.parse_args()
+    return parser
+
+
+def run_case(args: argparse.Namespace) -> None:
     groups = init_parallel(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, seed=0)
     # no load-balancing loss: it is a function of the micro-batches, which packing changes (megarl.engine.compute)
     megatron = {"moe_aux_loss_coeff": 0.0, **({"sequence_parallel": True} if args.tp > 1 else {})}
@@ -82,8 +86,7 @@ def main() -> None:
             (out / "agreement.json").write_text(json.dumps({"agreement": agreement, "dp": groups.dp_size,
                                                            "loss": step["loss"], "grad_norm": step["grad_norm"]}))
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    run_cases(case_parser(), run_case)

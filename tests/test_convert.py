@@ -51,13 +51,38 @@ def assert_bit_exact(got_dir: Path, want_dir: Path) -> None:
     assert (got_dir / "tokenizer.json").read_bytes() == (want_dir / "tokenizer.json").read_bytes()
 
 
+@pytest.fixture(scope="module")
+def converted(arch_dir, tmp_path_factory):
+    """`converted(arch)`: the one-process `to_megatron` checkpoint of that tiny architecture, made on first use
+    and shared by the tests that only read it (each conversion is a fresh interpreter, ~5 s)."""
+    out, made = tmp_path_factory.mktemp("converted"), {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            result = to_megatron(arch_dir(arch), out / arch)
+            assert result.returncode == 0, result.stderr[-3000:]
+            made[arch] = out / arch
+        return made[arch]
+    return get
+
+
+@pytest.fixture(scope="module")
+def round_trip(converted, tmp_path_factory):
+    """`round_trip(arch)`: `converted(arch)` exported back to HF by `to_hf`, made on first use."""
+    out, made = tmp_path_factory.mktemp("round_trip"), {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            result = to_hf(converted(arch), out / arch)
+            assert result.returncode == 0, result.stderr[-3000:]
+            made[arch] = out / arch
+        return made[arch]
+    return get
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_round_trip_is_bit_exact(arch, arch_dir, tmp_path):
-    result = to_megatron(arch_dir(arch), tmp_path / "megatron")
-    assert result.returncode == 0, result.stderr[-3000:]
-    result = to_hf(tmp_path / "megatron", tmp_path / "hf")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert_bit_exact(tmp_path / "hf", arch_dir(arch))
+def test_round_trip_is_bit_exact(arch, arch_dir, round_trip):
+    assert_bit_exact(round_trip(arch), arch_dir(arch))
 
 
 @pytest.mark.parametrize("arch, nproc, layout", [("qwen2", 2, {"tp": 2}), ("mixtral", 2, {"ep": 2})],
@@ -72,40 +97,47 @@ def test_a_checkpoint_written_at_one_layout_reads_at_another(arch, nproc, layout
     assert_bit_exact(tmp_path / "hf", arch_dir(arch))
 
 
-@pytest.mark.parametrize("arch, layout", [("qwen2", {"tp": 2}), ("llama", {"pp": 2}), ("mixtral", {"ep": 2})],
-                         ids=["qwen2-tp2", "llama-pp2", "mixtral-ep2"])
-def test_a_converted_checkpoint_loads_bit_exact_at_another_layout(arch, layout, arch_dir, tmp_path):
-    """Written by one process (the streaming writer), read by a TrainEngine split two ways."""
-    assert to_megatron(arch_dir(arch), tmp_path / "megatron").returncode == 0
-    args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            str(REPO / "tests" / "convert_load_worker.py"), "--ckpt", str(tmp_path / "megatron"),
-            "--out", str(tmp_path / "loaded.safetensors"), *[f"--{k}={v}" for k, v in layout.items()]]
-    result = run_python(args, timeout_s=TOOL_TIMEOUT_S)
+LOAD_LAYOUTS = {"qwen2": {"tp": 2}, "llama": {"pp": 2}, "mixtral": {"ep": 2}}
+
+
+@pytest.fixture(scope="module")
+def loaded_at_layouts(converted, tmp_path_factory) -> Path:
+    """FOLDER/ARCH.safetensors: what a TrainEngine on two ranks at LOAD_LAYOUTS[ARCH] loaded from converted(ARCH)
+    and handed off; one torchrun job loads them all in turn (each rank pays its imports once)."""
+    folder = tmp_path_factory.mktemp("loaded")
+    cases = [["--ckpt", str(converted(arch)), "--out", str(folder / f"{arch}.safetensors"),
+              *[f"--{k}={v}" for k, v in layout.items()]] for arch, layout in LOAD_LAYOUTS.items()]
+    (folder / "cases.json").write_text(json.dumps(cases))
+    result = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                         str(REPO / "tests" / "convert_load_worker.py"), "--cases", str(folder / "cases.json")],
+                        timeout_s=len(cases) * TOOL_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
-    got, want = load_file(str(tmp_path / "loaded.safetensors")), hf_weights(arch_dir(arch))
+    return folder
+
+
+@pytest.mark.parametrize("arch", LOAD_LAYOUTS, ids=["qwen2-tp2", "llama-pp2", "mixtral-ep2"])
+def test_a_converted_checkpoint_loads_bit_exact_at_another_layout(arch, arch_dir, loaded_at_layouts):
+    """Written by one process (the streaming writer), read by a TrainEngine split two ways."""
+    got, want = load_file(str(loaded_at_layouts / f"{arch}.safetensors")), hf_weights(arch_dir(arch))
     assert set(got) == set(want)
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), name
 
 
-def test_an_exported_checkpoint_loads_in_transformers_with_the_same_logits(qwen2_dir, tmp_path):
+def test_an_exported_checkpoint_loads_in_transformers_with_the_same_logits(arch_dir, round_trip):
     from transformers import AutoModelForCausalLM
 
-    assert to_megatron(qwen2_dir, tmp_path / "megatron").returncode == 0
-    assert to_hf(tmp_path / "megatron", tmp_path / "hf").returncode == 0
     tokens = torch.randint(3, 90, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        got = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)(tokens).logits
-        want = AutoModelForCausalLM.from_pretrained(str(qwen2_dir), dtype=torch.float32)(tokens).logits
+        got = AutoModelForCausalLM.from_pretrained(str(round_trip("qwen2")), dtype=torch.float32)(tokens).logits
+        want = AutoModelForCausalLM.from_pretrained(str(arch_dir("qwen2")), dtype=torch.float32)(tokens).logits
     assert torch.equal(got, want)  # the same weights: the same function, exactly
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def llama_megatron(arch_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("llama_megatron") / "ckpt"
-    assert to_megatron(arch_dir("llama"), out).returncode == 0
-    return out
+def llama_megatron(converted) -> Path:
+    return converted("llama")  # read or copied, never changed
 
 
 def test_a_checkpoint_of_another_architecture_lists_the_mismatched_tensors(llama_megatron, arch_dir, tmp_path):

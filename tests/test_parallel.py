@@ -11,112 +11,64 @@ handoff must reproduce the HF checkpoint bit for bit.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import REPO, _tiny_model_tool, run_python
 
-LAYOUT_TIMEOUT_S = 300  # 4 gloo ranks on 2 cores take ~30 s; a hang fails the test instead of stalling CI
+LAYOUT_TIMEOUT_S = 300  # 4 gloo ranks on 2 cores take ~30 s a layout; a hang fails the test instead of stalling CI
+pytestmark = pytest.mark.timeout(7 * LAYOUT_TIMEOUT_S)  # a test may wait for the one-rank job and its own
 
 
-def run_layout(model_dir, out_dir, *, nproc: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
-               extra: tuple[str, ...] = ()) -> dict:
-    args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            str(REPO / "tests" / "parallel_worker.py"), "--model", str(model_dir), "--out", str(out_dir),
-            "--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--cp", str(cp), *extra]
-    proc = run_python(args, timeout_s=LAYOUT_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+def layout(*, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    return ("--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--cp", str(cp), *extra)
+
+
+# Every run of the worker: name -> (model, processes, worker arguments). A checkpoint path is named relative to
+# the runs' folder. One torchrun job per world size runs all its cases in turn (each rank pays its imports
+# once, not once a layout): the single-rank runs first, which the others are compared with and the VPP run
+# resumes from.
+CASES = {
+    **{f"single-{arch}": (arch, 1, ()) for arch in ("qwen2", "llama", "qwen3", "qwen2_moe", "mixtral")},
+    "single-qwen2_4layers": ("qwen2_4layers", 1, ("--save", "{runs}/ckpt_single")),
+    "qwen2-tp2": ("qwen2", 2, layout(tp=2)),
+    "qwen2-pp2": ("qwen2", 2, layout(pp=2)),  # 4 micro-batches through the 1F1B schedule
+    "qwen2-dp2": ("qwen2", 2, layout()),
+    "qwen2-tp2pp2": ("qwen2", 4, layout(tp=2, pp=2)),
+    "qwen2-dp2tp2": ("qwen2", 4, layout(tp=2)),
+    "llama-tp2": ("llama", 2, layout(tp=2)),  # untied output layer split over the vocabulary
+    "llama-pp2": ("llama", 2, layout(pp=2)),  # untied output layer on the last stage only
+    "qwen2_moe-ep2": ("qwen2_moe", 2, layout(ep=2)),  # DP=2 for the dense weights: 2 of 4 experts per rank
+    "mixtral-ep2pp2": ("mixtral", 4, layout(pp=2, ep=2)),  # experts split inside each pipeline stage
+    "qwen3-tp2sp-packed": ("qwen3", 2, layout(tp=2, extra=("--sequence-parallel", "--micro-batch-tokens", "24"))),
+    "qwen2_moe-ep2tp2sp": ("qwen2_moe", 4, layout(tp=2, ep=2, extra=("--sequence-parallel",))),
+    "qwen2-cp2": ("qwen2", 2, layout(cp=2)),
+    "qwen2-dp2cp2": ("qwen2", 4, layout(cp=2)),
+    "qwen2-pp2-packed": ("qwen2", 2, layout(pp=2, extra=("--micro-batch-tokens", "24"))),
+    "qwen2-dp2-balanced-packed": ("qwen2", 2, layout(extra=("--micro-batch-tokens", "24", "--redistribute"))),
+    "qwen2-dp2-balanced": ("qwen2", 2, layout(extra=("--redistribute",))),
+    "qwen2_4layers-pp2vpp2": ("qwen2_4layers", 2, layout(pp=2, extra=(
+        "--vpp", "2", "--save", "{runs}/ckpt_vpp", "--resume-from", "{runs}/ckpt_single"))),
+    "qwen2_4layers-pp2vpp2-packed": ("qwen2_4layers", 2, layout(pp=2, extra=("--vpp", "2", "--micro-batch-tokens",
+                                                                             "24"))),
+}
+
+
+def read_result(out_dir: Path) -> dict:
     result = json.loads((out_dir / "result.json").read_text())
     result["weights"] = torch.load(out_dir / "weights.pt", weights_only=True)
     return result
 
 
-@pytest.fixture(scope="module")
-def single_rank(arch_dir, tmp_path_factory):
-    """The single-rank run of each architecture, made on first use."""
-    out, runs = tmp_path_factory.mktemp("layout_single"), {}
-
-    def get(arch: str) -> dict:
-        if arch not in runs:
-            runs[arch] = run_layout(arch_dir(arch), out / arch, nproc=1)
-        return runs[arch]
-    return get
-
-
-@pytest.mark.timeout(2 * LAYOUT_TIMEOUT_S)
-@pytest.mark.parametrize("arch,nproc,tp,pp,ep", [
-    ("qwen2", 2, 2, 1, 1),      # TP=2
-    ("qwen2", 2, 1, 2, 1),      # PP=2, 4 micro-batches through the 1F1B schedule
-    ("qwen2", 2, 1, 1, 1),      # DP=2
-    ("qwen2", 4, 2, 2, 1),      # TP2 x PP2
-    ("qwen2", 4, 2, 1, 1),      # DP2 x TP2
-    ("llama", 2, 2, 1, 1),      # untied output layer split over the vocabulary
-    ("llama", 2, 1, 2, 1),      # untied output layer on the last stage only
-    ("qwen2_moe", 2, 1, 1, 2),  # EP=2 (DP=2 for the dense weights): 2 of 4 experts per rank, shared expert
-    ("mixtral", 4, 1, 2, 2),    # EP2 x PP2: experts split inside each pipeline stage
-], ids=["qwen2-tp2", "qwen2-pp2", "qwen2-dp2", "qwen2-tp2pp2", "qwen2-dp2tp2", "llama-tp2", "llama-pp2",
-        "qwen2_moe-ep2", "mixtral-ep2pp2"])
-def test_layout_matches_single_rank(arch, nproc, tp, pp, ep, single_rank, arch_dir, tmp_path):
-    result = run_layout(arch_dir(arch), tmp_path, nproc=nproc, tp=tp, pp=pp, ep=ep)
-    assert_same_numbers(result, single_rank(arch))
-
-
-# Sequence parallelism (model.megatron.sequence_parallel): outside attention and the MLPs, each TP rank holds
-# every activation for its slice of the sequence; norm weights, the routers and the critic's value head see
-# only that slice, and their gradients are summed over TP. Qwen3 adds q/k norms over TP-split heads; packed
-# rows of 23 tokens (64 in rows of at most 24 make 18, 23, 23) are padded to split evenly. MoE layers train
-# under TP only with sequence parallelism: EP2 x TP2 gathers each TP rank's routed tokens, as many as its
-# router chose, inside the expert layer.
-@pytest.mark.timeout(2 * LAYOUT_TIMEOUT_S)
-@pytest.mark.parametrize("arch,nproc,ep,extra", [
-    ("qwen3", 2, 1, ("--micro-batch-tokens", "24")),
-    ("qwen2_moe", 4, 2, ()),
-], ids=["qwen3-tp2sp-packed", "qwen2_moe-ep2tp2sp"])
-def test_sequence_parallel_matches_single_rank(arch, nproc, ep, extra, single_rank, arch_dir, tmp_path):
-    from megarl.packing import count_bins, plan_micro_batches
-
-    result = run_layout(arch_dir(arch), tmp_path, nproc=nproc, tp=2, ep=ep, extra=("--sequence-parallel", *extra))
-    assert_same_numbers(result, single_rank(arch), lengths=result["lengths"] if extra else None)
-    if extra:
-        lengths = result["lengths"]
-        rows = plan_micro_batches(lengths, max_tokens=24, n_micro=count_bins(lengths, 24))
-        assert any(sum(lengths[i] for i in row) % 2 for row in rows)  # a row the engine pads for tp = 2
-
-
-# Context parallelism: every sequence cut into 2 * cp chunks (rank r holds r and 2 * cp - 1 - r), keys and
-# values exchanged in the local attention, per-token outputs gathered back; with DP=2, gradients are reduced
-# and the distributed optimizer sharded over DP x CP = 4 ranks while the data is split over DP only.
-@pytest.mark.timeout(2 * LAYOUT_TIMEOUT_S)
-@pytest.mark.parametrize("nproc", [2, 4], ids=["qwen2-cp2", "qwen2-dp2cp2"])
-def test_context_parallel_matches_single_rank(nproc, single_rank, arch_dir, tmp_path):
-    result = run_layout(arch_dir("qwen2"), tmp_path, nproc=nproc, cp=2)
-    assert_same_numbers(result, single_rank("qwen2"))
-
-
-# Packed micro-batches (train.micro_batch_tokens) and token balancing over DP ranks against the padded
-# single-rank run. The fixed batch has 64 real tokens (8 sequences of 6 to 11): a budget of 24 makes 3 to 4
-# packed rows, which pipeline stages pad to one length.
-@pytest.mark.timeout(2 * LAYOUT_TIMEOUT_S)
-@pytest.mark.parametrize("pp,extra", [
-    (2, ("--micro-batch-tokens", "24")),                      # PP=2, one DP rank
-    (1, ("--micro-batch-tokens", "24", "--redistribute")),    # DP=2, samples balanced by tokens, packed
-    (1, ("--redistribute",)),                                 # DP=2, balanced, padded rows of 2
-], ids=["qwen2-pp2-packed", "qwen2-dp2-balanced-packed", "qwen2-dp2-balanced"])
-def test_packing_and_dp_balancing_match_single_rank(pp, extra, single_rank, arch_dir, tmp_path):
-    from megarl.packing import balanced_partition
-
-    reference = single_rank("qwen2")
-    result = run_layout(arch_dir("qwen2"), tmp_path, nproc=2, pp=pp, extra=extra)
-    lengths = result["lengths"]
-    assert_same_numbers(result, reference, lengths=lengths if "--micro-batch-tokens" in extra else None)
-    if "--redistribute" in extra:
-        # each rank trained on its part of the balanced partition of the global batch; unbalanced, rank 0
-        # would hold 6+7+8+9 = 30 tokens and rank 1 34
-        parts = balanced_partition(lengths, 2, equal_size=True)
-        assert result["trained_rows"] == parts
-        loads = [sum(lengths[i] for i in part) for part in parts]
-        assert max(loads) - min(loads) < 34 - 30
+def run_job(nproc: int, cases: list[list[str]], *, cases_file: Path) -> None:
+    """tests/parallel_worker.py on `nproc` ranks, running each argument list of `cases` in turn."""
+    cases_file.write_text(json.dumps(cases))
+    args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            str(REPO / "tests" / "parallel_worker.py"), "--cases", str(cases_file)]
+    proc = run_python(args, timeout_s=LAYOUT_TIMEOUT_S * (1 + len(cases) // 4))
+    assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 @pytest.fixture(scope="module")
@@ -126,28 +78,96 @@ def qwen2_4_layers(tiny_models):
 
 
 @pytest.fixture(scope="module")
-def single_4_layers(qwen2_4_layers, tmp_path_factory):
-    """The single-rank run of the 4-layer model, and the actor checkpoint it saved after its two steps."""
-    out = tmp_path_factory.mktemp("layout_single_4_layers")
-    return run_layout(qwen2_4_layers, out / "run", nproc=1, extra=("--save", str(out / "ckpt"))), out / "ckpt"
+def runs(arch_dir, qwen2_4_layers, tmp_path_factory):
+    """`runs(name)`: the result of that case of CASES (its folder is `runs.folder / name`). The first request of
+    a world size runs that world's job, after the one-rank job."""
+    folder, done = tmp_path_factory.mktemp("layouts"), set()
+
+    def model(name: str) -> Path:
+        return qwen2_4_layers if name == "qwen2_4layers" else arch_dir(name)
+
+    def get(name: str) -> dict:
+        for nproc in sorted({1, CASES[name][1]}):
+            if nproc not in done:
+                cases = [["--model", str(model(arch)), "--out", str(folder / case),
+                          *(a.format(runs=folder) for a in args)]
+                         for case, (arch, n, args) in CASES.items() if n == nproc]
+                run_job(nproc, cases, cases_file=folder / f"cases{nproc}.json")
+                done.add(nproc)
+        return read_result(folder / name)
+    get.folder = folder
+    return get
 
 
-@pytest.mark.timeout(4 * LAYOUT_TIMEOUT_S)
-def test_virtual_pipeline_stages_match_single_rank_and_checkpoints_change_layout(qwen2_4_layers, single_4_layers,
-                                                                                 tmp_path):
+@pytest.mark.parametrize("name", ["qwen2-tp2", "qwen2-pp2", "qwen2-dp2", "qwen2-tp2pp2", "qwen2-dp2tp2", "llama-tp2",
+                                  "llama-pp2", "qwen2_moe-ep2", "mixtral-ep2pp2"])
+def test_layout_matches_single_rank(name, runs):
+    assert_same_numbers(runs(name), runs(f"single-{CASES[name][0]}"))
+
+
+# Sequence parallelism (model.megatron.sequence_parallel): outside attention and the MLPs, each TP rank holds
+# every activation for its slice of the sequence; norm weights, the routers and the critic's value head see
+# only that slice, and their gradients are summed over TP. Qwen3 adds q/k norms over TP-split heads; packed
+# rows of 23 tokens (64 in rows of at most 24 make 18, 23, 23) are padded to split evenly. MoE layers train
+# under TP only with sequence parallelism: EP2 x TP2 gathers each TP rank's routed tokens, as many as its
+# router chose, inside the expert layer.
+@pytest.mark.parametrize("name", ["qwen3-tp2sp-packed", "qwen2_moe-ep2tp2sp"])
+def test_sequence_parallel_matches_single_rank(name, runs):
+    from megarl.packing import count_bins, plan_micro_batches
+
+    result, packed = runs(name), "--micro-batch-tokens" in CASES[name][2]
+    assert_same_numbers(result, runs(f"single-{CASES[name][0]}"), lengths=result["lengths"] if packed else None)
+    if packed:
+        lengths = result["lengths"]
+        rows = plan_micro_batches(lengths, max_tokens=24, n_micro=count_bins(lengths, 24))
+        assert any(sum(lengths[i] for i in row) % 2 for row in rows)  # a row the engine pads for tp = 2
+
+
+# Context parallelism: every sequence cut into 2 * cp chunks (rank r holds r and 2 * cp - 1 - r), keys and
+# values exchanged in the local attention, per-token outputs gathered back; with DP=2, gradients are reduced
+# and the distributed optimizer sharded over DP x CP = 4 ranks while the data is split over DP only.
+@pytest.mark.parametrize("name", ["qwen2-cp2", "qwen2-dp2cp2"])
+def test_context_parallel_matches_single_rank(name, runs):
+    assert_same_numbers(runs(name), runs("single-qwen2"))
+
+
+# Packed micro-batches (train.micro_batch_tokens) and token balancing over DP ranks against the padded
+# single-rank run. The fixed batch has 64 real tokens (8 sequences of 6 to 11): a budget of 24 makes 3 to 4
+# packed rows, which pipeline stages pad to one length.
+@pytest.mark.parametrize("name", [
+    "qwen2-pp2-packed",            # PP=2, one DP rank
+    "qwen2-dp2-balanced-packed",   # DP=2, samples balanced by tokens, packed
+    "qwen2-dp2-balanced",          # DP=2, balanced, padded rows of 2
+])
+def test_packing_and_dp_balancing_match_single_rank(name, runs):
+    from megarl.packing import balanced_partition
+
+    extra = CASES[name][2]
+    result = runs(name)
+    lengths = result["lengths"]
+    assert_same_numbers(result, runs("single-qwen2"), lengths=lengths if "--micro-batch-tokens" in extra else None)
+    if "--redistribute" in extra:
+        # each rank trained on its part of the balanced partition of the global batch; unbalanced, rank 0
+        # would hold 6+7+8+9 = 30 tokens and rank 1 34
+        parts = balanced_partition(lengths, 2, equal_size=True)
+        assert result["trained_rows"] == parts
+        loads = [sum(lengths[i] for i in part) for part in parts]
+        assert max(loads) - min(loads) < 34 - 30
+
+
+def test_virtual_pipeline_stages_match_single_rank_and_checkpoints_change_layout(qwen2_4_layers, runs, tmp_path):
     """PP=2 x VPP=2: each rank holds two chunks of one layer (rank 0 layers 0 and 2, rank 1 layers 1 and 3)
     and 4 micro-batches go through the interleaved 1F1B schedule; the numbers are the single-rank ones.
     The actor checkpoint written at PP2xVPP2 loads at PP=1 and the single-rank one at PP2xVPP2: the loaded
     weights are the saver's bit for bit, and the third step each then takes (restored Adam moments
     included) agrees."""
-    single, single_ckpt = single_4_layers
-    vpp = run_layout(qwen2_4_layers, tmp_path / "vpp", nproc=2, pp=2,
-                     extra=("--vpp", "2", "--save", str(tmp_path / "ckpt_vpp"),
-                            "--resume-from", str(single_ckpt)))
+    single, vpp = runs("single-qwen2_4layers"), runs("qwen2_4layers-pp2vpp2")
     assert_same_numbers(vpp, single)
-    pp1 = run_layout(qwen2_4_layers, tmp_path / "pp1", nproc=1, extra=("--resume-from", str(tmp_path / "ckpt_vpp")))
+    run_job(1, [["--model", str(qwen2_4_layers), "--out", str(tmp_path / "pp1"),
+                 "--resume-from", str(runs.folder / "ckpt_vpp")]], cases_file=tmp_path / "cases.json")
+    pp1 = read_result(tmp_path / "pp1")
 
-    vpp_resumed = torch.load(tmp_path / "vpp" / "resumed.pt", weights_only=True)
+    vpp_resumed = torch.load(runs.folder / "qwen2_4layers-pp2vpp2" / "resumed.pt", weights_only=True)
     pp1_resumed = torch.load(tmp_path / "pp1" / "resumed.pt", weights_only=True)
     for loaded, saved in ((vpp_resumed["loaded"], single["weights"]), (pp1_resumed["loaded"], vpp["weights"])):
         assert set(loaded) == set(saved)
@@ -157,16 +177,14 @@ def test_virtual_pipeline_stages_match_single_rank_and_checkpoints_change_layout
     assert_same_weights(vpp_resumed["stepped"], pp1_resumed["stepped"])
 
 
-@pytest.mark.timeout(2 * LAYOUT_TIMEOUT_S)
-def test_virtual_pipeline_stages_with_packing_match_single_rank(qwen2_4_layers, single_4_layers, tmp_path):
+def test_virtual_pipeline_stages_with_packing_match_single_rank(runs):
     """Packed micro-batches through the interleaved schedule: 64 tokens in rows of at most 24 fit in 3, which
     the engine raises to 4 (the schedule takes a multiple of pp = 2)."""
     from megarl.packing import count_bins
 
-    single, _ = single_4_layers
-    result = run_layout(qwen2_4_layers, tmp_path, nproc=2, pp=2, extra=("--vpp", "2", "--micro-batch-tokens", "24"))
+    result = runs("qwen2_4layers-pp2vpp2-packed")
     assert count_bins(result["lengths"], 24) == 3
-    assert_same_numbers(result, single, lengths=result["lengths"])
+    assert_same_numbers(result, runs("single-qwen2_4layers"), lengths=result["lengths"])
 
 
 def assert_same_numbers(result: dict, reference: dict, *, lengths: list[int] | None = None) -> None:

@@ -147,30 +147,53 @@ def test_r2_records_the_trainers_own_routing(arch_dir, groups):
             assert torch.equal(recorded[i][:n].sort(-1).values, want.sort(-1).values), micro
 
 
-def run_layout(model_dir, out_dir, *, nproc: int, extra: tuple[str, ...] = ()) -> dict:
-    proc = run_python(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                       str(REPO / "tests" / "router_replay_worker.py"), "--model", str(model_dir), "--out",
-                       str(out_dir), *extra], timeout_s=LAYOUT_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+# Every run of the worker: name -> (model, processes, worker arguments). One torchrun job per world size runs
+# all its cases in turn (each rank pays its imports once, not once a layout); the layouts compare with the
+# single-rank run of their model, which takes no layout argument.
+CASES = {
+    **{f"single-{arch}": (arch, 1, ()) for arch in MOE_ARCHS},
+    "qwen2_moe-ep2": ("qwen2_moe", 2, ("--ep", "2")),                  # EP=2 (DP=2 for the dense weights)
+    "mixtral-pp2": ("mixtral", 2, ("--pp", "2")),                      # each stage replays and records its layers
+    "mixtral-pp2-recompute": ("mixtral", 2, ("--pp", "2", "--recompute")),  # recomputed layers route as before
+    "qwen2_moe-tp2sp": ("qwen2_moe", 2, ("--tp", "2")),                # sequence parallel: a TP rank routes its slice
+    "qwen3_moe-cp2": ("qwen3_moe", 2, ("--cp", "2")),                  # each CP rank routes its two chunks
+    "qwen3_moe-packed": ("qwen3_moe", 1, ("--micro-batch-tokens", "24")),  # packed rows
+}
+
+
+def read_result(out_dir) -> dict:
     dp = json.loads((out_dir / "agreement.json").read_text())
     parts = [torch.load(out_dir / f"dp{r}.pt", weights_only=True) for r in range(dp["dp"])]
-    return {"agreement": dp["agreement"], "loss": dp["loss"], "grad_norm": dp["grad_norm"], "own": torch.cat([p["own"] for p in parts]),
-            "replayed": torch.cat([p["replayed"] for p in parts]),
+    return {"agreement": dp["agreement"], "loss": dp["loss"], "grad_norm": dp["grad_norm"],
+            "own": torch.cat([p["own"] for p in parts]), "replayed": torch.cat([p["replayed"] for p in parts]),
             "recorded": [r for p in parts for r in p["recorded"]]}
 
 
-@pytest.mark.timeout(3 * LAYOUT_TIMEOUT_S)
-@pytest.mark.parametrize("arch,nproc,extra", [
-    ("qwen2_moe", 2, ("--ep", "2")),                      # EP=2 (DP=2 for the dense weights)
-    ("mixtral", 2, ("--pp", "2")),                        # each stage replays and records its own layers
-    ("mixtral", 2, ("--pp", "2", "--recompute")),         # recomputed layers route as their forward did
-    ("qwen2_moe", 2, ("--tp", "2")),                      # sequence parallel: each TP rank routes its slice
-    ("qwen3_moe", 2, ("--cp", "2")),                      # each CP rank routes its two chunks
-    ("qwen3_moe", 1, ("--micro-batch-tokens", "24")),     # packed rows
-], ids=["qwen2_moe-ep2", "mixtral-pp2", "mixtral-pp2-recompute", "qwen2_moe-tp2sp", "qwen3_moe-cp2", "qwen3_moe-packed"])
-def test_replay_and_recording_match_single_rank_at_every_layout(arch, nproc, extra, arch_dir, tmp_path):
-    single = run_layout(arch_dir(arch), tmp_path / "single", nproc=1)
-    result = run_layout(arch_dir(arch), tmp_path / "layout", nproc=nproc, extra=extra)
+@pytest.fixture(scope="module")
+def runs(arch_dir, tmp_path_factory):
+    """`runs(name)`: the result of that case of CASES; the first request of a world size runs its job."""
+    folder, done = tmp_path_factory.mktemp("replay_layouts"), set()
+
+    def get(name: str) -> dict:
+        nproc = CASES[name][1]
+        if nproc not in done:
+            cases = [["--model", str(arch_dir(arch)), "--out", str(folder / case), *args]
+                     for case, (arch, n, args) in CASES.items() if n == nproc]
+            (folder / f"cases{nproc}.json").write_text(json.dumps(cases))
+            proc = run_python(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                               str(REPO / "tests" / "router_replay_worker.py"), "--cases",
+                               str(folder / f"cases{nproc}.json")], timeout_s=LAYOUT_TIMEOUT_S * (1 + len(cases) // 4))
+            assert proc.returncode == 0, proc.stderr[-4000:]
+            done.add(nproc)
+        return read_result(folder / name)
+    return get
+
+
+@pytest.mark.timeout(4 * LAYOUT_TIMEOUT_S)  # the first test of a world size waits for its whole job
+@pytest.mark.parametrize("name", ["qwen2_moe-ep2", "mixtral-pp2", "mixtral-pp2-recompute", "qwen2_moe-tp2sp",
+                                  "qwen3_moe-cp2", "qwen3_moe-packed"])
+def test_replay_and_recording_match_single_rank_at_every_layout(name, runs):
+    single, result = runs(f"single-{CASES[name][0]}"), runs(name)
     # sharded vs whole matmuls differ in fp32 summation order only (the layout tests' bound)
     assert (result["replayed"] - single["replayed"]).abs().max() <= 1e-4
     assert (result["own"] - single["own"]).abs().max() <= 1e-4

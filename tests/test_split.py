@@ -280,20 +280,26 @@ def test_split_needs_more_processes_than_rollout_ranks(recipe, tmp_path):
 @pytest.mark.timeout(2 * QUICKSTART_TIMEOUT_S)
 def test_quickstart_learns_with_staleness_one(quickstart_out, tmp_path):
     """The quickstart recipe on one training rank and one rollout rank, every batch generated one version behind
-    and corrected by truncated importance weights: the held-out reward still rises by at least 0.2 (the bar of
-    the synchronous quickstart). Measured: 0.28 -> 0.74 (synchronous: 0.25 -> 0.70). Without the correction the
-    tiny model's large steps (0.1 nats per token between versions) leave it at 0.26 -> 0.30. It starts from the
-    synchronous run's supervised warm start (one training rank made it too), model and data."""
+    and corrected by truncated importance weights: the held-out reward still rises, in the first 100 of the
+    recipe's 200 steps. It starts from the synchronous run's supervised warm start (one training rank made it
+    too), model and data."""
     for part in ("model", "data", "run/warmup"):
         shutil.copytree(quickstart_out / part, tmp_path / part)
     proc = quickstart(tmp_path, "--nproc", "2", *SPLIT, "algo.max_staleness=1", "algo.tis_cap=2.0",
-                      "log.progress=false", timeout_s=2 * QUICKSTART_TIMEOUT_S)
+                      "train.steps=100", "log.progress=false", timeout_s=2 * QUICKSTART_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
     steps = records(tmp_path / "run")
+    assert [m["step"] for m in steps] == list(range(1, 101))
     assert [m["async/staleness_max"] for m in steps[1:]] == [1.0] * (len(steps) - 1)
     heldout = [m["eval/reward_mean"] for m in steps]
     first, last = sum(heldout[:10]) / 10, sum(heldout[-10:]) / 10
-    assert last - first >= 0.2, (first, last)
+    # Measured at one thread on a 2-core Xeon (a warm start of 478 steps), first 10 -> last 10 of 100 steps:
+    # 0.25 -> 0.48 (+0.225); without the correction the tiny model's large steps (0.1 nats per token between
+    # versions) leave it at 0.18 -> 0.17 (-0.003); synchronous, 0.25 -> 0.50. Over all 200 steps the
+    # corrected run rose 0.28 -> 0.74 on another machine (uncorrected 0.26 -> 0.30). Each 10-step held-out
+    # mean (640 samples) has a standard error of about 0.018, so 0.1 is four standard errors of the difference
+    # above zero and 0.125 below the measured rise.
+    assert last - first >= 0.1, (first, last)
 
 
 # Training rank 1 shares replica 0 with the lead (tp = 2), so its gathers feed the push; the rollout worker
