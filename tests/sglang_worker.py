@@ -6,7 +6,6 @@ numbers to --out as JSON; the test reads and asserts them.
     sglang_worker.py cpu --trainer-model A --other-model B --eos-model C --out R.json
     sglang_worker.py gpu --trainer-model A --other-model B --out R.json      (one CUDA device)
     sglang_worker.py readback --trainer-model LLAMA --out R.json          (a model SGLang can read back)
-    sglang_worker.py stall --trainer-model A --out R.json                 (an engine whose processes stop)
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import argparse
 import json
 import os
 import socket
-import time
 import warnings
 
 import torch
@@ -194,48 +192,15 @@ def readback_checks(args) -> dict:
     return result
 
 
-def stall_checks(args) -> dict:
-    """An engine whose processes stop answering (SIGSTOP) fails its generate call once `timeout_s` pass without
-    progress, naming the phase; `abandon` kills its processes; a new engine started in the same process
-    generates (what a restart does)."""
-    import signal
-
-    import psutil
-
-    from megarl.rollout.engine import EngineError
-
-    prompts = [[1, 2, 3, 4]] * 4
-    params = dict(temperature=1.0, top_p=1.0, max_new_tokens=8, eos_id=-1, pad_id=0)
-    engine = SGLangEngine(args.trainer_model, dtype="float32", seed=0, timeout_s=300.0)
-    result = {"before": len(engine.generate(prompts, **params).response_ids)}  # a first call on a busy CPU is slow
-    engine.timeout_s = 5.0
-    children = engine.engine.get_all_child_pids()
-    for pid in children:
-        os.kill(pid, signal.SIGSTOP)
-    start = time.monotonic()
-    try:
-        engine.generate(prompts, **params)
-        result["error"] = None
-    except EngineError as e:
-        result.update(error=str(e), phase=e.phase, elapsed_s=time.monotonic() - start)
-    engine.abandon()
-    result["alive_after_abandon"] = [pid for pid in children if psutil.pid_exists(pid)
-                                     and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-    again = SGLangEngine(args.trainer_model, dtype="float32", seed=0)
-    result["after_restart"] = len(again.generate(prompts, **params).response_ids)
-    again.shutdown()
-    return result
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["cpu", "gpu", "readback", "stall"])
+    parser.add_argument("mode", choices=["cpu", "gpu", "readback"])
     parser.add_argument("--trainer-model", required=True)
     parser.add_argument("--other-model", help="cpu, gpu: same architecture, other weights")
     parser.add_argument("--eos-model", help="cpu: same architecture, emits EOS often")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    result = {"cpu": cpu_checks, "gpu": gpu_checks, "readback": readback_checks, "stall": stall_checks}[args.mode](args)
+    result = {"cpu": cpu_checks, "gpu": gpu_checks, "readback": readback_checks}[args.mode](args)
     with open(args.out, "w") as f:
         json.dump(result, f)
 

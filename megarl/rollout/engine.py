@@ -4,8 +4,8 @@ Two engines implement it: `native` (a transformers model in-process; megarl.roll
 (SGLang's offline engine, co-located with the trainer; megarl.rollout.sglang_engine). The loop calls, per
 step and in this order: `generate`, `release_memory` (the trainer takes the device), then after the update
 `resume_weights`, `update_weights` + `flush_cache` + `read_weights` (megarl.handoff.push_weights, which
-verifies the push), `resume_cache`.
-megarl.rollout.backends picks the recipe's engine.
+verifies the push), `resume_cache`. A call that fails raises EngineError (`abandon` then frees what the
+engine holds, and the loop starts a new one). megarl.rollout.backends picks the recipe's engine.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from torch import Tensor
-
 
 
 @dataclass(frozen=True)
