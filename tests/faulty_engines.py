@@ -129,6 +129,7 @@ def crashes(spec: str):
 
 if __name__ == "__main__":
     import megarl.loops.colocated as colocated
+    import megarl.loops.split as split
     from megarl.cli import main
 
     fault, argv = sys.argv[1], sys.argv[2:]
@@ -136,7 +137,8 @@ if __name__ == "__main__":
     if fault.startswith(("crash:", "kill:")):
         kind, spec = fault.split(":")
         wrapper, which = {"crash": CrashingEngine, "kill": SchedulerKiller}[kind], crashes(spec)
-        colocated.make_rollout_engine = lambda *a, **k: wrapper(make(*a, **k), crashes=which)
+        faulty = lambda *a, **k: wrapper(make(*a, **k), crashes=which)  # noqa: E731
     else:
-        colocated.make_rollout_engine = lambda *a, **k: StuckEngine(make(*a, **k), claims=fault == "claimed")
+        faulty = lambda *a, **k: StuckEngine(make(*a, **k), claims=fault == "claimed")  # noqa: E731
+    colocated.make_rollout_engine = split.make_rollout_engine = faulty  # the engines of either placement
     main(["train", *argv])

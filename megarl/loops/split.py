@@ -46,9 +46,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -68,8 +69,9 @@ from megarl.envs.tool_format import observation_format
 from megarl.handoff import WeightCheck, buckets, fingerprinted, flatten, unflatten, verify_engine
 from megarl.layout import Layout
 from megarl.loops.launch import job_store, job_world, launch_layout
+from megarl.loops.faults import EngineLost
 from megarl.loops.rl_run import RLRun
-from megarl.loops.samples import build_batch, encode_rows, generate_part, pooled_samples, with_rewards
+from megarl.loops.samples import EnginePart, build_batch, encode_rows, pooled_samples, with_rewards
 from megarl.loops.sampling import draw_batch
 from megarl.loops.transport import Link, Mailbox, own_group, receive_header, send_header
 from megarl.metrics import PhaseTimer
@@ -77,8 +79,11 @@ from megarl.models.arch import read_shape
 from megarl.packing import balanced_partition
 from megarl.rewards.scorer import Scorer
 from megarl.rollout.backends import captures_routes, make_rollout_engine
+from megarl.rollout.engine import EngineError, RolloutEngine
 from megarl.rollout.multi_turn import EnvWorkers, Trajectory
 from megarl.rollout.partial import VersionedEngine
+
+log = logging.getLogger(__name__)
 
 # ---- the job ----------------------------------------------------------------------------------------------
 
@@ -148,13 +153,19 @@ def serve_rollout(cfg: Config) -> None:
     links = functools.partial(Links, store, member=layout.dp + index, size=layout.dp + workers, timeout=timeout)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     moe = read_shape(cfg.model.path).is_moe
-    engine = make_rollout_engine(cfg.rollout, cfg.model.path, dtype=cfg.model.dtype, seed=cfg.seed + index,
-                                 capture_routes=moe and captures_routes(cfg.rollout))
+
+    def new_engine(restarts: int) -> RolloutEngine:  # a restarted one samples from a stream of its own
+        return make_rollout_engine(cfg.rollout, cfg.model.path, dtype=cfg.model.dtype,
+                                   seed=cfg.seed + index + restarts * workers,
+                                   capture_routes=moe and captures_routes(cfg.rollout))
+
     new_env = environment_factory(cfg.env)
-    worker = Worker(box, bridge, links, index=index, workers=workers, replicas=layout.dp)
+    worker = Worker(box, bridge, links, index=index, workers=workers, replicas=layout.dp, new_engine=new_engine,
+                    max_restarts=cfg.rollout.max_engine_restarts)
     place = cfg.placement
     # every token's version is recorded; with partial rollouts, pushed weights are taken between chunks
-    worker.engine = VersionedEngine(engine, chunk_tokens=place.chunk_tokens if place.partial_rollouts else None,
+    worker.engine = VersionedEngine(new_engine(0),
+                                    chunk_tokens=place.chunk_tokens if place.partial_rollouts else None,
                                     between_chunks=worker.take_pushed_weights)
     me = RolloutRank(cfg=cfg, tokenizer=tokenizer, rollout=worker.engine, scorer=Scorer(cfg.reward), new_env=new_env,
                      tool_schemas=new_env().tools, observations=observation_format(cfg.env, tokenizer),
@@ -164,15 +175,22 @@ def serve_rollout(cfg: Config) -> None:
     finally:
         me.scorer.close()
         me.env_workers.retire()
-        engine.shutdown()
+        worker.engine.shutdown()
 
 
 class Worker:
     """A rollout rank with an engine: runs the training rank 0's commands in order."""
 
-    def __init__(self, box: Mailbox, bridge, links, *, index: int, workers: int, replicas: int):
+    def __init__(self, box: Mailbox, bridge, links, *, index: int, workers: int, replicas: int,
+                 new_engine: Callable[[int], RolloutEngine], max_restarts: int):
         self.box, self.index, self.workers, self.replicas = box, index, workers, replicas
         self.bridge, self.links = functools.cache(bridge), functools.cache(links)  # made when first used
+        self.new_engine, self.max_restarts = new_engine, max_restarts
+        self.restarts = 0
+        # the last push, on the host, for an engine started again (with restarts allowed): (slots, bytes) per
+        # bucket, and its version (0: the checkpoint the engines start from)
+        self.kept: list[tuple[list, Tensor]] = []
+        self.kept_version = 0
         self.engine: VersionedEngine | None = None
         self.next = 0  # the next command's number
         self.waited = 0.0  # seconds spent waiting for a command since the last batch was posted
@@ -200,12 +218,43 @@ class Worker:
 
     def load_weights(self, version: int) -> None:
         """Load a push, then compare the engine's copy of the tensors the trainer fingerprinted (sent behind the
-        last bucket) with the trainer's: a difference stops this worker, and with it the job."""
+        last bucket) with the trainer's: a difference stops this worker, and with it the job. An engine that
+        fails meanwhile is started again once the push is received (`restart`), and given it."""
         group = self.bridge()
         self.box.put(f"ready/{version}/{self.index}", True)  # the push may start
-        self.engine.update_weights(_received(group), version=version)
-        self.engine.flush_cache()
+        kept: list[tuple[list, Tensor]] | None = [] if self.max_restarts else None
+        received = _received(group, keep=kept)
+        try:
+            self.engine.update_weights(received, version=version)
+            self.engine.flush_cache()
+        except EngineError as e:
+            for _ in received:  # the broadcast goes on to its end, and the fingerprints behind it
+                pass
+            receive_header(group)
+            self.kept, self.kept_version = kept, version
+            self.restart(e)
+            return
+        if kept is not None:
+            self.kept, self.kept_version = kept, version
         verify_engine(self.engine, receive_header(group), version=version, engine_name=f"rollout worker {self.index}")
+
+    def restart(self, error: EngineError) -> None:
+        """Start this worker's engine again and give it the last push (its version); past `max_restarts` in the
+        run, raise EngineLost (the worker stops, and the job with it)."""
+        self.restarts += 1
+        if self.restarts > self.max_restarts:
+            raise EngineLost(f"rollout worker {self.index}: {error}. That is failure {self.restarts} of its engine "
+                             f"in this run, past rollout.max_engine_restarts = {self.max_restarts}", trained=False)
+        log.warning("rollout worker %d: %s; restarting its engine (restart %d of at most %d)", self.index, error,
+                    self.restarts, self.max_restarts)
+        self.engine.engine.abandon()
+        engine = self.new_engine(self.restarts)
+        if self.kept_version:
+            device = current_device()
+            engine.update_weights((unflatten(flat.to(device), slots) for slots, flat in self.kept),
+                                  version=self.kept_version)
+            engine.flush_cache()
+        self.engine.engine = engine
 
     def take_pushed_weights(self) -> None:
         """Between two chunks of a generation (partial rollouts): load the weights pushed meanwhile, if the next
@@ -229,7 +278,10 @@ class Worker:
         part = balanced_partition([len(ids) for _, _, ids in samples], self.workers)[self.index]
         trajectories, rewards, failures, hidden = [], [], 0, 0
         if part:
-            trajectories, scoring = generate_part(me, me.rollout, [samples[i][1:] for i in part])
+            engine_part = EnginePart(me, [samples[i][1:] for i in part])
+            while (error := engine_part.run(me.rollout)) is not None:
+                self.restart(error)  # its samples go on from their last finished turn
+            trajectories, scoring = engine_part.result()
             rewards, failures, hidden = scoring.result()
         for dp in range(self.replicas):
             mine = [j for j, i in enumerate(part) if samples[i][0] == dp]
@@ -240,15 +292,17 @@ class Worker:
                 "rewards": [rewards[j] for j in mine],
                 # failures, scored before generation ended, engines that generated: counted once, on replica 0
                 "counts": [failures, hidden, int(bool(part))] if dp == 0 else [0, 0, 0],
-                "waited_s": self.waited}, to=dp)
+                "restarts": self.restarts, "waited_s": self.waited}, to=dp)
 
 
-def _received(group) -> Iterator[list[tuple[str, Tensor]]]:
+def _received(group, *, keep: list | None = None) -> Iterator[list[tuple[str, Tensor]]]:
     """The buckets of a weight push, as the training rank 0 broadcasts them (each one's slots first; None ends
-    the push)."""
+    the push); each bucket's (slots, bytes) also goes into `keep`, on the host, when given."""
     while (slots := receive_header(group)) is not None:
         flat = torch.empty(slots[-1][4], dtype=torch.uint8, device=current_device())  # the last slot's end
         group.broadcast(flat, 0).wait()
+        if keep is not None:
+            keep.append((slots, flat.cpu() if flat.is_cuda else flat))  # the CPU buffer is not reused
         yield unflatten(flat, slots)
 
 
@@ -285,6 +339,7 @@ class SplitRollouts:
         self.check = WeightCheck(cfg.rollout.verify_weights, period=cfg.rollout.verify_period)
         self.evals = 0
         self.counted = (0, 0)  # store and link bytes of this rank when the metrics were last read
+        self.restarts: dict[int, int] = {}  # worker -> its engine restarts, as its last samples said
 
     # -- commands
     def _command(self, *command) -> None:
@@ -339,6 +394,7 @@ class SplitRollouts:
                 trajectories[i], rewards[i], engine_of[i] = Trajectory(**t), r, w
             counts += torch.tensor(part["counts"], dtype=torch.float64)
             waited = max(waited, part["waited_s"])
+            self.restarts[w] = part["restarts"]  # the worker's engine restarts so far (every rank sees every part)
         if not rows:
             return None, counts, waited
         done = [trajectories[i] for i in range(len(rows) * n_samples)]  # the replica's samples, in order
@@ -405,7 +461,8 @@ class SplitRollouts:
         now = (self.box.written, links)
         store, moved = run.global_sums([float(a - b) for a, b in zip(now, self.counted)])
         self.counted = now
-        return {"async/store_bytes": store, "async/transport_bytes": moved}
+        return {"async/store_bytes": store, "async/transport_bytes": moved,
+                "rollout/engine_restarts": float(sum(self.restarts.values()))}
 
     def resident(self, run: RLRun) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
