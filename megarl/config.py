@@ -124,8 +124,9 @@ class RolloutConfig:
     drift_patience: int = 3  # steps in a row above max_logprob_drift that stop the run (fewer: a warning)
     # The longest an engine call may go without progress before it fails, naming its phase: one bucket of a
     # push, a flush, release or resume, or a generate call in which no response finished (SGLang; the native
-    # engine computes in the trainer's own process)
-    engine_timeout_s: float = 600.0
+    # engine computes in the trainer's own process). Above the longest response's decode time: 32k tokens at
+    # 20 tokens/s take 27 minutes
+    engine_timeout_s: float = 1800.0
     # A rollout engine that dies or fails a call is started again, given the current weights, and what it had
     # not returned is generated again, up to this many times per run (all engines together); one more failure
     # stops the run with a checkpoint of its last step (colocated placement)

@@ -98,7 +98,7 @@ class SGLangEngine:
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0, tp_size: int = 1,
                  mem_fraction: float = 0.5, base_gpu_id: int = 0, cpu_pool_tokens: int | None = CPU_POOL_TOKENS,
-                 capture_routes: bool = False, group: dist.ProcessGroup | None = None, timeout_s: float = 600.0):
+                 capture_routes: bool = False, group: dist.ProcessGroup | None = None, timeout_s: float = 1800.0):
         """`group`: the trainer ranks on the engine's devices, this one first (its SGLang TP ranks, in order),
         each of which serializes its own copy of every pushed bucket (`SGLangPeer` on the others); None: this
         rank serializes its copy for every TP rank. `timeout_s`: how long a call may go without progress."""
