@@ -181,6 +181,22 @@ def quickstart_out(tmp_path_factory) -> Path:
     return out
 
 
+def from_warm_start(quickstart_out: Path, run_dir: Path, *, steps: int) -> list[str]:
+    """`megarl train` arguments: the quickstart recipe's GRPO for `steps` steps from the warm start, model and
+    data of `quickstart_out`, into `run_dir` (the held-out reward at the last step only, no final export)."""
+    return [str(REPO / "recipes" / "quickstart.yaml"), f"run_dir={run_dir}",
+            f"model.path={quickstart_out / 'run' / 'warmup'}", "warmup.sft_steps=0",
+            f"data.train_path={quickstart_out / 'data' / 'train.jsonl'}",
+            f"data.eval_path={quickstart_out / 'data' / 'heldout.jsonl'}", f"data.eval_every={steps}",
+            f"train.steps={steps}", "checkpoint.save_final=false", "log.progress=false"]
+
+
+def reward_first_last(metrics: list[dict]) -> tuple[float, float]:
+    """The mean `reward/mean` of the first 10 and of the last 10 steps."""
+    rewards = [m["reward/mean"] for m in metrics]
+    return sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+
+
 def with_score_head(model_dir, out_dir, *, seed: int = 3):
     """A copy of `model_dir` as a one-label sequence-classification checkpoint (a reward model's layout):
     the trunk's weights plus a random `score.weight` [1, hidden]."""

@@ -51,33 +51,31 @@ def assert_bit_exact(got_dir: Path, want_dir: Path) -> None:
     assert (got_dir / "tokenizer.json").read_bytes() == (want_dir / "tokenizer.json").read_bytes()
 
 
+def made_once(make, out: Path):
+    """`get(arch)`: the directory `out / arch`, written by `make(arch, out / arch)` (a tool's process, which
+    must succeed) the first time it is asked for."""
+    made: set[str] = set()
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            result = make(arch, out / arch)
+            assert result.returncode == 0, result.stderr[-3000:]
+            made.add(arch)
+        return out / arch
+    return get
+
+
 @pytest.fixture(scope="module")
 def converted(arch_dir, tmp_path_factory):
     """`converted(arch)`: the one-process `to_megatron` checkpoint of that tiny architecture, made on first use
     and shared by the tests that only read it (each conversion is a fresh interpreter, ~5 s)."""
-    out, made = tmp_path_factory.mktemp("converted"), {}
-
-    def get(arch: str) -> Path:
-        if arch not in made:
-            result = to_megatron(arch_dir(arch), out / arch)
-            assert result.returncode == 0, result.stderr[-3000:]
-            made[arch] = out / arch
-        return made[arch]
-    return get
+    return made_once(lambda arch, out: to_megatron(arch_dir(arch), out), tmp_path_factory.mktemp("converted"))
 
 
 @pytest.fixture(scope="module")
 def round_trip(converted, tmp_path_factory):
     """`round_trip(arch)`: `converted(arch)` exported back to HF by `to_hf`, made on first use."""
-    out, made = tmp_path_factory.mktemp("round_trip"), {}
-
-    def get(arch: str) -> Path:
-        if arch not in made:
-            result = to_hf(converted(arch), out / arch)
-            assert result.returncode == 0, result.stderr[-3000:]
-            made[arch] = out / arch
-        return made[arch]
-    return get
+    return made_once(lambda arch, out: to_hf(converted(arch), out), tmp_path_factory.mktemp("round_trip"))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

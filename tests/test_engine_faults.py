@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import QUICKSTART_TIMEOUT_S, REPO, run_python
+from conftest import QUICKSTART_TIMEOUT_S, REPO, from_warm_start, reward_first_last, run_python
 from faulty_engines import SkippingEngine
 from megarl.handoff import WeightCheck, WeightMismatch, fingerprint, push_weights
 from megarl.rollout.native import NativeEngine
@@ -254,11 +254,8 @@ def test_the_quickstart_learns_as_well_through_an_engine_failure(quickstart_out,
     (4 standard deviations of the difference)."""
     steps = 40
     run_dir = tmp_path / "run"
-    proc = run_python([str(REPO / "tests" / "faulty_engines.py"), "crash:5", str(REPO / "recipes" / "quickstart.yaml"),
-                       f"run_dir={run_dir}", f"model.path={quickstart_out / 'run' / 'warmup'}", "warmup.sft_steps=0",
-                       f"data.train_path={quickstart_out / 'data' / 'train.jsonl'}",
-                       f"data.eval_path={quickstart_out / 'data' / 'heldout.jsonl'}", f"data.eval_every={steps}",
-                       f"train.steps={steps}", "checkpoint.save_final=false", "log.progress=false"],
+    proc = run_python([str(REPO / "tests" / "faulty_engines.py"), "crash:5",
+                       *from_warm_start(quickstart_out, run_dir, steps=steps)],
                       timeout_s=QUICKSTART_TIMEOUT_S, env={"CRASH_LOG": str(tmp_path / "calls.jsonl")})
     assert proc.returncode == 0, proc.stderr[-4000:]
     faulted = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -266,11 +263,7 @@ def test_the_quickstart_learns_as_well_through_an_engine_failure(quickstart_out,
     assert [m["step"] for m in faulted] == list(range(1, steps + 1))
     assert faulted[-1]["rollout/engine_restarts"] == 1
 
-    def first_last(metrics):
-        rewards = [m["reward/mean"] for m in metrics]
-        return sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-
-    (f_first, f_last), (c_first, c_last) = first_last(faulted), first_last(clean)
+    (f_first, f_last), (c_first, c_last) = reward_first_last(faulted), reward_first_last(clean)
     assert f_last - f_first >= 0.04, (f_first, f_last, c_first, c_last)
     assert abs(f_last - c_last) <= 0.06, (f_first, f_last, c_first, c_last)
 

@@ -16,7 +16,8 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, _tiny_model_tool, needs_cuda, run_python, subprocess_env
+from conftest import (REPO, _tiny_model_tool, from_warm_start, needs_cuda, reward_first_last, run_python,
+                      subprocess_env)
 
 pytest.importorskip("sglang", reason="SGLang environment not installed (README: SGLang tests)")
 
@@ -406,13 +407,9 @@ def test_quickstart_grpo_with_sglang_raises_reward_like_the_native_engine(quicks
     engine is started again, given version 5 again, and generates the step's 256 samples once more."""
     steps = 40
     run_dir = tmp_path / "run"
-    proc = run_python([str(REPO / "tests" / "faulty_engines.py"), "kill:5", str(REPO / "recipes" / "quickstart.yaml"),
-                       f"run_dir={run_dir}", f"model.path={quickstart_out / 'run' / 'warmup'}", "warmup.sft_steps=0",
-                       f"data.train_path={quickstart_out / 'data' / 'train.jsonl'}",
-                       f"data.eval_path={quickstart_out / 'data' / 'heldout.jsonl'}", f"data.eval_every={steps}",
-                       "rollout.engine=sglang", f"train.steps={steps}", "checkpoint.save_final=false",
-                       "log.progress=false"], timeout_s=SGLANG_TIMEOUT_S,
-                      env={"CRASH_LOG": str(tmp_path / "calls.jsonl")})
+    proc = run_python([str(REPO / "tests" / "faulty_engines.py"), "kill:5",
+                       *from_warm_start(quickstart_out, run_dir, steps=steps), "rollout.engine=sglang"],
+                      timeout_s=SGLANG_TIMEOUT_S, env={"CRASH_LOG": str(tmp_path / "calls.jsonl")})
     assert proc.returncode == 0, proc.stderr[-4000:]
     sglang = read_metrics(run_dir)
     native = read_metrics(quickstart_out / "run")[:steps]
@@ -423,11 +420,7 @@ def test_quickstart_grpo_with_sglang_raises_reward_like_the_native_engine(quicks
     assert sorted(calls[5]["prompts"]) == sorted(calls[4]["prompts"]) and len(calls[5]["prompts"]) == 256
     assert "rollout engine 0 failed: generate failed after" in proc.stderr and "an SGLang process exited" in proc.stderr
 
-    def first_last(metrics):
-        rewards = [m["reward/mean"] for m in metrics]
-        return sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-
-    (s_first, s_last), (n_first, n_last) = first_last(sglang), first_last(native)
+    (s_first, s_last), (n_first, n_last) = reward_first_last(sglang), reward_first_last(native)
     # Each step's reward is a mean over 256 samples of 64 prompts: a 10-step mean varies by ~0.015 between
     # runs. The native engine rises by ~0.09 over these steps; SGLang must rise by at least 0.04 (above
     # noise) and end within 0.06 of the native engine (4 standard deviations of the difference).
