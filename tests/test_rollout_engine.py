@@ -21,8 +21,9 @@ def engine_classes():
 
 
 def test_the_protocol_lists_what_the_loop_calls():
-    assert PROTOCOL_METHODS == ["flush_cache", "generate", "read_weights", "release_memory", "resume_cache",
-                                "resume_weights", "rng_state", "set_rng_state", "shutdown", "update_weights"]
+    assert PROTOCOL_METHODS == ["abandon", "flush_cache", "generate", "read_weights", "release_memory",
+                                "resume_cache", "resume_weights", "rng_state", "set_rng_state", "shutdown",
+                                "update_weights"]
 
 
 @pytest.mark.parametrize("cls", engine_classes(), ids=lambda c: c.__name__)
