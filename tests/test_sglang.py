@@ -401,11 +401,11 @@ def test_the_engine_check_passes_on_the_installed_sglang(tmp_path):
 
 @pytest.mark.timeout(SGLANG_TIMEOUT_S)
 def test_quickstart_grpo_with_sglang_raises_reward_like_the_native_engine(quickstart_out, tmp_path):
-    """The quickstart's warm start and data, GRPO for 40 steps with SGLang rollouts; the native engine's run (the
+    """The quickstart's warm start and data, GRPO for 80 steps with SGLang rollouts; the native engine's run (the
     quickstart itself: same seed, same prompts per step) is the reference. In step 5 SGLang's scheduler is
     SIGKILLed once its first response is back (tests/faulty_engines.py): SGLang's watchdog reports it, the
     engine is started again, given version 5 again, and generates the step's 256 samples once more."""
-    steps = 40
+    steps = 80
     run_dir = tmp_path / "run"
     proc = run_python([str(REPO / "tests" / "faulty_engines.py"), "kill:5",
                        *from_warm_start(quickstart_out, run_dir, steps=steps), "rollout.engine=sglang"],
@@ -416,16 +416,20 @@ def test_quickstart_grpo_with_sglang_raises_reward_like_the_native_engine(quicks
     assert [m["step"] for m in sglang] == list(range(1, steps + 1))
     assert [m["rollout/engine_restarts"] for m in sglang[3:6]] == [0.0, 1.0, 1.0]
     calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
-    assert [(c["call"], c["crash"], c["version"]) for c in calls[3:6]] == [(4, False, 4), (5, True, 5), (6, False, 5)]
+    assert [(c["call"], c["crash"], c["version"]) for c in calls[3:6]] == [(4, False, 4), (5, True, 5),
+                                                                            (6, False, 5)]
     assert sorted(calls[5]["prompts"]) == sorted(calls[4]["prompts"]) and len(calls[5]["prompts"]) == 256
-    assert "rollout engine 0 failed: generate failed after" in proc.stderr and "an SGLang process exited" in proc.stderr
+    assert "rollout engine 0 failed: generate failed after" in proc.stderr
+    assert "an SGLang process exited" in proc.stderr
 
     (s_first, s_last), (n_first, n_last) = reward_first_last(sglang), reward_first_last(native)
-    # Each step's reward is a mean over 256 samples of 64 prompts: a 10-step mean varies by ~0.015 between
-    # runs. The native engine rises by ~0.09 over these steps; SGLang must rise by at least 0.04 (above
-    # noise) and end within 0.06 of the native engine (4 standard deviations of the difference).
-    assert s_last - s_first >= 0.04, (s_first, s_last, n_first, n_last)
-    assert abs(s_last - n_last) <= 0.06, (s_first, s_last, n_first, n_last)
+    # Each step's reward is a mean over 256 samples of 64 prompts, and runs part ways: SGLang batches requests
+    # as they arrive, so its samples depend on timing. Measured at one thread (first 10 -> last 10 steps): the
+    # native engine 0.232 -> 0.46; SGLang through the failure 0.236 -> 0.447 (twice), and once 0.242 -> 0.306
+    # at step 40, where runs of 40 steps spread by 0.06. Over 80 steps the rise (0.2) is far above that spread:
+    # SGLang must rise by at least 0.1 and end within 0.1 of the native engine.
+    assert s_last - s_first >= 0.1, (s_first, s_last, n_first, n_last)
+    assert abs(s_last - n_last) <= 0.1, (s_first, s_last, n_first, n_last)
     # Responses end at EOS as often as with the native engine (truncation shows an engine ignoring EOS).
     truncated = [sum(m["response/truncated_frac"] for m in ms) / steps for ms in (sglang, native)]
     assert truncated[0] <= truncated[1] + 0.05, truncated

@@ -68,6 +68,7 @@ class ColocatedRollouts:
         self.failure: EngineError | None = None  # this rank's engine failed since the last recovery
         self.restarts = 0  # engine restarts in this run, every engine counted (the same on every rank)
         self.lost = False  # restarts are spent: nothing is pushed any more (the run saves and stops)
+        self.rng = None  # the engine's sampler state before its last call: a restarted engine starts from it
 
     def start(self, model_dir: str) -> None:
         """The engine of this rank, seeded by its index (so a run resumed at another trainer layout with the same
@@ -100,6 +101,7 @@ class ColocatedRollouts:
         (EngineError, which names its phase) abandons the engine and is kept for `recover`; None then too."""
         if self.engine is None or self.failure is not None:
             return None
+        self.rng = self.engine.rng_state()
         try:
             return fn(self.engine)
         except EngineError as e:
@@ -141,6 +143,10 @@ class ColocatedRollouts:
                 self.engine = self.new_engine()
             except Exception as e:  # noqa: BLE001 - a restart that fails counts as one more failure
                 self.engine, self.failure = None, EngineError(phase="start", cause=f"{type(e).__name__}: {e}")
+            if self.engine is not None and self.rng is not None:
+                # it samples the failed calls as the failed engine would have (where its sampler state is
+                # saved: the native engine), so a single-turn run computes the numbers of one never failed
+                self.engine.set_rng_state(self.rng)
             self.call(lambda engine: engine.release_memory())
         host_barrier()  # every engine has sized its KV cache before the trainer takes the devices back
         with self.resident(run, new_version=False):
@@ -211,6 +217,7 @@ class ColocatedRollouts:
         meets, and after each recovery the restarted engines go on with their parts."""
         while True:
             if part is not None and self.failure is None:
+                self.rng = self.engine.rng_state()
                 if (error := part.run(self.engine)) is not None:
                     self.failed(error)
             if not self.recover(run, trained=False):

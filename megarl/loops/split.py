@@ -191,6 +191,7 @@ class Worker:
         # bucket, and its version (0: the checkpoint the engines start from)
         self.kept: list[tuple[list, Tensor]] = []
         self.kept_version = 0
+        self.rng = None  # the engine's sampler state before its last generation: a restarted engine starts there
         self.engine: VersionedEngine | None = None
         self.next = 0  # the next command's number
         self.waited = 0.0  # seconds spent waiting for a command since the last batch was posted
@@ -249,6 +250,8 @@ class Worker:
                     self.restarts, self.max_restarts)
         self.engine.engine.abandon()
         engine = self.new_engine(self.restarts)
+        if self.rng is not None:  # it samples the failed call as the failed engine would have (native engine)
+            engine.set_rng_state(self.rng)
         if self.kept_version:
             device = current_device()
             engine.update_weights((unflatten(flat.to(device), slots) for slots, flat in self.kept),
@@ -279,8 +282,10 @@ class Worker:
         trajectories, rewards, failures, hidden = [], [], 0, 0
         if part:
             engine_part = EnginePart(me, [samples[i][1:] for i in part])
+            self.rng = me.rollout.rng_state()
             while (error := engine_part.run(me.rollout)) is not None:
                 self.restart(error)  # its samples go on from their last finished turn
+            self.rng = me.rollout.rng_state()  # what a restart before the next generation starts from
             trajectories, scoring = engine_part.result()
             rewards, failures, hidden = scoring.result()
         for dp in range(self.replicas):
