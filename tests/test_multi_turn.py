@@ -106,6 +106,9 @@ class RecordingEngine:
             self.generated[tuple(prompt)] = (ids, logprobs)
         return gen
 
+    def __getattr__(self, name: str):  # the rest of the interface is the engine's
+        return getattr(self.engine, name)
+
 
 def test_trajectory_is_generated_then_observation_tokens_and_the_trainer_scores_them(tool_chat_dir, groups):
     from megarl.algo.advantages import grpo_advantages

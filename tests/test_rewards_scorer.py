@@ -306,6 +306,9 @@ class GatedEngine:
     def abandon(self) -> None:
         pass
 
+    def rng_state(self) -> None:  # what the run keeps for a restart; this engine has no sampler
+        return None
+
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("workers", [2, 0])
