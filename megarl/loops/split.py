@@ -35,6 +35,10 @@ command (megarl.rollout.partial): the push no longer waits for the generation, w
 continue under the new weights. A sample's staleness is its oldest token's; `async/partial_frac` counts the
 samples that span two versions. Such a run is not reproducible bit for bit (when a push lands is a race).
 
+A worker whose engine fails (megarl.rollout.engine.EngineError) starts it again in place (`Worker.restart`) with
+the last push, which it keeps on the host while `rollout.max_engine_restarts` allows restarts, and generates
+what was unfinished again; past that bound it stops, and torchrun ends the job.
+
 Checkpoints lose nothing and regenerate nothing: the N batches requested but not yet trained are waited for
 and saved with the checkpoint by each replica (plain tensors and lists), with the workers' sampler RNG after
 them, and a resumed run hands them to its steps, so it computes the numbers of a run never stopped (without
@@ -84,6 +88,7 @@ from megarl.rollout.multi_turn import EnvWorkers, Trajectory
 from megarl.rollout.partial import VersionedEngine
 
 log = logging.getLogger(__name__)
+
 
 # ---- the job ----------------------------------------------------------------------------------------------
 
