@@ -68,7 +68,7 @@ class ColocatedRollouts:
         self.failure: EngineError | None = None  # this rank's engine failed since the last recovery
         self.restarts = 0  # engine restarts in this run, every engine counted (the same on every rank)
         self.lost = False  # restarts are spent: nothing is pushed any more (the run saves and stops)
-        self.rng = None  # the engine's sampler state before its last call: a restarted engine starts from it
+        self.rng = None  # the engine's sampler state before its last generation: a restarted engine starts there
 
     def start(self, model_dir: str) -> None:
         """The engine of this rank, seeded by its index (so a run resumed at another trainer layout with the same
@@ -101,7 +101,6 @@ class ColocatedRollouts:
         (EngineError, which names its phase) abandons the engine and is kept for `recover`; None then too."""
         if self.engine is None or self.failure is not None:
             return None
-        self.rng = self.engine.rng_state()
         try:
             return fn(self.engine)
         except EngineError as e:
@@ -221,6 +220,8 @@ class ColocatedRollouts:
                 if (error := part.run(self.engine)) is not None:
                     self.failed(error)
             if not self.recover(run, trained=False):
+                if part is not None:
+                    self.rng = self.engine.rng_state()  # what a restart before the next generation starts from
                 return
 
     def versions(self, run: RLRun, step: int) -> tuple[int, int]:

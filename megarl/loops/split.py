@@ -230,19 +230,21 @@ class Worker:
         self.box.put(f"ready/{version}/{self.index}", True)  # the push may start
         kept: list[tuple[list, Tensor]] | None = [] if self.max_restarts else None
         received = _received(group, keep=kept)
+        failure = None
         try:
             self.engine.update_weights(received, version=version)
             self.engine.flush_cache()
         except EngineError as e:
-            for _ in received:  # the broadcast goes on to its end, and the fingerprints behind it
+            failure = e
+            for _ in received:  # the broadcast goes on to its end
                 pass
-            receive_header(group)
-            self.kept, self.kept_version = kept, version
-            self.restart(e)
-            return
         if kept is not None:
             self.kept, self.kept_version = kept, version
-        verify_engine(self.engine, receive_header(group), version=version, engine_name=f"rollout worker {self.index}")
+        expected = receive_header(group)  # the fingerprints behind the last bucket
+        if failure is not None:
+            self.restart(failure)
+            return
+        verify_engine(self.engine, expected, version=version, engine_name=f"rollout worker {self.index}")
 
     def restart(self, error: EngineError) -> None:
         """Start this worker's engine again and give it the last push (its version); past `max_restarts` in the
