@@ -243,6 +243,22 @@ def test_failures_past_max_engine_restarts_stop_the_run_with_a_checkpoint_that_g
     assert sorted(resumed[0]["prompts"]) == sorted(lost[2]["prompts"])  # step 3's prompts, drawn again
 
 
+def test_an_engine_lost_in_the_evaluation_after_the_update_saves_the_step_it_trained(recipe, arithmetic_dir):
+    """Held-out evaluation every 2 steps; every generate call from the third on fails (step 2's evaluation,
+    after step 2's update and push), no restart allowed. The step has trained, so the run saves step 2 (its
+    weights are step 2's) and stops with exit code 1."""
+    code, err, logged = faulty_run(recipe, "crash:3+", "rollout.max_engine_restarts=0",
+                                   f"data.eval_path={arithmetic_dir / 'heldout.jsonl'}",
+                                   "data.eval_every=2", "data.eval_prompts=4", name="lost-in-eval")
+    assert code == 1, err[-3000:]
+    assert [m["step"] for m in logged] == [1]
+    calls = engine_calls(recipe, "lost-in-eval")
+    assert [(c["call"], c["crash"], len(c["prompts"])) for c in calls] == [(1, False, 16), (2, False, 16),
+                                                                           (3, True, 4)]
+    assert "past rollout.max_engine_restarts = 0 (checkpoint " in err and "step00000002); to resume" in err, \
+        err[-3000:]
+
+
 @pytest.mark.timeout(QUICKSTART_TIMEOUT_S)
 def test_the_quickstart_through_an_engine_failure_computes_what_it_computes_without(quickstart_out, tmp_path):
     """The quickstart's GRPO from its warm start, 10 steps with the held-out reward every 2, once as it is and
@@ -283,3 +299,28 @@ def test_a_rollout_worker_starts_its_failed_engine_again_with_the_last_push_it_r
     assert [(c["crash"], c["version"]) for c in calls[2:4]] == [(True, 2), (False, 2)]
     assert sorted(calls[3]["prompts"]) == sorted(calls[2]["prompts"]) and len(calls[3]["prompts"]) == 16
     assert "rollout worker 0: generate failed" in err and "restarting its engine (restart 1 of at most 3)" in err
+
+
+def test_a_rollout_worker_past_max_engine_restarts_stops_the_run_with_a_checkpoint_that_keeps_its_batches(recipe):
+    """Placement split as above, every generate call of the worker from the third on failing, one restart
+    allowed: batch 3's generation fails twice and the worker is lost. It answers batch 3 (and batch 4, requested
+    at step 3) with its error; the training ranks stop at step 3 with exit code 1 after saving step 2 with both
+    batches' prompts. Resumed without the fault, the run requests both again, batch 3 first with the prompts
+    the lost calls had, and finishes every step."""
+    split = ("placement.mode=split", "placement.rollout_ranks=1", "algo.max_staleness=1",
+             "rollout.max_engine_restarts=1")
+    code, err, logged = faulty_run(recipe, "crash:3+", *split, name="split-lost", nproc=2)
+    assert code == 1, err[-3000:]
+    assert [m["step"] for m in logged] == [1, 2]
+    assert ("megarl: rollout engine lost: rollout worker 0: generate failed after" in err
+            and "simulated device failure in generate call 4. That is failure 2 of its engine in this run, past "
+                "rollout.max_engine_restarts = 1 (checkpoint " in err
+            and "step00000002); to resume, run the same command" in err), err[-3000:]
+    lost = engine_calls(recipe, "split-lost")
+    assert [(c["call"], c["crash"]) for c in lost] == [(1, False), (2, False), (3, True), (4, True)]
+    code, err, logged = faulty_run(recipe, "crash:1000", *split, name="split-lost", nproc=2)
+    assert code == 0, err[-3000:]
+    assert [m["step"] for m in logged] == list(range(1, STEPS + 1))
+    resumed = engine_calls(recipe, "split-lost")[len(lost):]
+    assert sorted(resumed[0]["prompts"]) == sorted(lost[2]["prompts"]) and len(resumed[0]["prompts"]) == 16
+    assert len(resumed) == STEPS - 2 + 1  # batches 3, 4 again, then 5 and 6 (max_staleness 1 asks one ahead)

@@ -141,3 +141,20 @@ print("deferred")
     result = run_python(["-c", code], timeout_s=80)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "deferred" in result.stdout
+
+
+MAX_MODULE_LINES = 550  # a module a reader takes in whole; config.py is one declaration per recipe section
+MAX_FUNCTION_LINES = 80  # in the packages the loop runs through (loops, engine, rollout)
+
+
+def test_no_module_or_loop_function_grows_past_what_a_reader_takes_in():
+    long_modules = [f"{path.relative_to(PACKAGE.parent)}: {n} lines"
+                    for path in sorted(PACKAGE.rglob("*.py")) if path.name != "config.py"
+                    and (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES]
+    long_functions = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}: "
+                      f"{node.end_lineno - node.lineno + 1} lines"
+                      for package in ("loops", "engine", "rollout") for path in sorted((PACKAGE / package).glob("*.py"))
+                      for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                      if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                      and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert long_modules == [] and long_functions == []

@@ -79,7 +79,7 @@ import torch.distributed as dist
 from sglang.srt.utils import MultiprocessingSerializer
 from megarl.device import current_device
 from megarl.device import host_barrier
-from megarl.rollout.sglang_engine import SGLangPeer, gather_payloads
+from megarl.rollout.sglang_transfer import SGLangPeer, gather_payloads
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -121,7 +121,7 @@ def test_every_rank_of_an_engines_group_serializes_its_own_copy_for_the_tp_rank_
 def test_a_flattened_bucket_rebuilds_every_tensor_from_one_shared_buffer():
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
-    from megarl.rollout.sglang_engine import flatten_bucket
+    from megarl.rollout.sglang_transfer import flatten_bucket
 
     qkv = torch.randn(12, 5)
     bucket = [("a", torch.randn(3).to(torch.bfloat16)), ("b", qkv[4:8]), ("c", qkv.t()[1:3]),  # views, one
@@ -235,7 +235,7 @@ def encode_routes(ids) -> str:
 
 
 def test_decoded_routes_are_cut_to_the_tokens_fed_in_and_anything_else_is_refused():
-    from megarl.rollout.sglang_engine import decode_routes
+    from megarl.rollout.sglang_transfer import decode_routes
 
     rows = torch.arange(5 * 2 * 2).remainder(4).view(5, 2, 2)  # 5 rows, 2 layers, top-2 of 4 experts
     routes = decode_routes(encode_routes(rows), tokens=4, layers=2, top_k=2, experts=4)

@@ -309,10 +309,10 @@ PUSH_ORDER_WORKER = """
 import json, os, sys, time
 from megarl.cli import main
 from megarl.engine.megatron import TrainEngine
-from megarl.loops import split
+from megarl.loops import split, split_worker
 
 events = {}
-gather, take, load_weights = TrainEngine.pipeline_hf_tensors, split.Mailbox.take, split.Worker.load_weights
+gather, take, load_weights = TrainEngine.pipeline_hf_tensors, split.Mailbox.take, split_worker.Worker.load_weights
 
 def first_gather(self):
     events.setdefault("gathers", time.time())
@@ -328,7 +328,7 @@ def slow(self, version):
     time.sleep(3)
     load_weights(self, version)
 
-TrainEngine.pipeline_hf_tensors, split.Mailbox.take, split.Worker.load_weights = first_gather, ready, slow
+TrainEngine.pipeline_hf_tensors, split.Mailbox.take, split_worker.Worker.load_weights = first_gather, ready, slow
 run_dir = sys.argv[-1].split("=", 1)[1]
 try:
     main(sys.argv[1:])

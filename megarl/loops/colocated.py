@@ -114,12 +114,12 @@ class ColocatedRollouts:
                   self.placement.engine_index, error)
         self.engine.abandon()
 
-    def recover(self, run: RLRun, *, trained: bool) -> bool:
+    def recover(self, run: RLRun) -> bool:
         """Every rank of the job: False when no engine failed since the last call. Otherwise each failed engine
         is started again, every engine is given the current weights (the same version: the failed engine's
         restart took the checkpoint's), and True is returned: the caller goes on with what the failed engines
         had not finished. Past `rollout.max_engine_restarts` every rank raises EngineLost, naming each failed
-        engine and its error; `trained`: whether this step has updated the trainer."""
+        engine and its error."""
         if self.lost:
             return False
         failed, = group_sums([float(self.failure is not None)], group=dist.group.WORLD)
@@ -134,7 +134,7 @@ class ColocatedRollouts:
         if self.restarts > limit:
             self.lost = True
             raise EngineLost(f"{named}. That is failure {self.restarts} of a rollout engine in this run, past "
-                             f"rollout.max_engine_restarts = {limit}", trained=trained)
+                             f"rollout.max_engine_restarts = {limit}")
         log.warning("restarting (restart %d of at most %d): %s", self.restarts, limit, named)
         if self.failure is not None:
             self.failure = None
@@ -176,7 +176,7 @@ class ColocatedRollouts:
         with timer("wake_rollout"):
             offloaded += sum(engine.offload_params() for engine in run.trainer_engines())
             self.call(lambda engine: engine.resume_cache())
-        self.recover(run, trained=True)
+        self.recover(run)
         return push_stats | {"offloaded_bytes": offloaded}
 
     def push(self, run: RLRun, *, new_version: bool = True) -> dict:
@@ -219,7 +219,7 @@ class ColocatedRollouts:
                 self.rng = self.engine.rng_state()
                 if (error := part.run(self.engine)) is not None:
                     self.failed(error)
-            if not self.recover(run, trained=False):
+            if not self.recover(run):
                 if part is not None:
                     self.rng = self.engine.rng_state()  # what a restart before the next generation starts from
                 return

@@ -34,13 +34,16 @@ class EngineFault(RuntimeError):
 
 
 class EngineLost(EngineFault):
-    """A rollout engine failed once more than `rollout.max_engine_restarts` allows. `trained`: whether the
-    step it failed in had updated the trainer (a failed push) or not (a failed generation); the run saves
-    its last complete state (megarl.loops.lifecycle.run_steps) and `checkpoint` is where."""
+    """A rollout engine failed once more than `rollout.max_engine_restarts` allows. The step it stopped saves
+    its last complete state (megarl.loops.lifecycle.run_steps), and `checkpoint` says where: `trained`, whether
+    that step had updated the trainer (megarl.loops.rl.rl_step sets it: the push and the evaluation come after
+    the update); `keeps_prompts`, whether the rollouts keep the prompts they were given for the resumed run
+    (split placement saves every batch requested), so the sampler is not given them back."""
 
-    def __init__(self, message: str, *, trained: bool):
+    def __init__(self, message: str, *, keeps_prompts: bool = False):
         super().__init__(message)
-        self.trained = trained
+        self.trained = False
+        self.keeps_prompts = keeps_prompts
         self.checkpoint = None
 
 

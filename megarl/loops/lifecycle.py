@@ -67,7 +67,7 @@ def run_steps(cfg: Config, state: RunState, *, step: Callable[[int], dict[str, f
                 metrics = step(n)
             except EngineLost as e:  # every rank: save the last complete state, the step's prompts not drawn
                 last = n if e.trained else n - 1
-                if not e.trained:
+                if not e.trained and not e.keeps_prompts:
                     state.sampler.load_state_dict(drawn)
                 if saved_step < last:
                     saved, saved_step = save_checkpoint(cfg, last, state), last

@@ -22,12 +22,13 @@ from megarl.batch import RolloutBatch
 from megarl.config import Config, SandboxConfig, TrainConfig
 from megarl.data.prompts import load_prompts
 from megarl.loops.colocated import ColocatedRollouts
-from megarl.loops.faults import check_versions
+from megarl.loops.faults import EngineLost, check_versions
 from megarl.loops.launch import init_groups
 from megarl.loops.lifecycle import final_dir, run_steps
 from megarl.loops.resume import RunState, already_finished, find_resume
 from megarl.loops.rl_run import RLRun, Rollouts, build_run, check_launch
-from megarl.loops.split import SplitRollouts, is_rollout_rank, serve_rollout
+from megarl.loops.split import SplitRollouts, is_rollout_rank
+from megarl.loops.split_worker import serve_rollout
 from megarl.loops.warmup import sft_warmup
 from megarl.metrics import PhaseTimer, check_finite
 from megarl.objective import explained_variance
@@ -71,9 +72,13 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
         train_metrics |= train_critic(run, trained) if run.critic is not None else {}
     training_moe = routing_metrics(run)  # also clears the counts of the training passes
     moe = moe or training_moe
-    push_stats = run.rollouts.hand_over(run, timer)
-    with timer("eval"):
-        eval_metrics = evaluate(run) if run.eval_rows and step % cfg.data.eval_every == 0 else {}
+    try:
+        push_stats = run.rollouts.hand_over(run, timer)
+        with timer("eval"):
+            eval_metrics = evaluate(run) if run.eval_rows and step % cfg.data.eval_every == 0 else {}
+    except EngineLost as e:  # the step has updated the trainer: the run saves it
+        e.trained = True
+        raise
     metrics = batch_metrics(run, batch, trained) | run.rollouts.metrics(run)
     run.drift.observe(metrics["rollout/logprob_diff_mean"], tokens=metrics["rollout/logprob_diff_tokens"], step=step)
     kl_metrics = update_kl_coef(run, batch)

@@ -35,9 +35,12 @@ command (megarl.rollout.partial): the push no longer waits for the generation, w
 continue under the new weights. A sample's staleness is its oldest token's; `async/partial_frac` counts the
 samples that span two versions. Such a run is not reproducible bit for bit (when a push lands is a race).
 
-A worker whose engine fails (megarl.rollout.engine.EngineError) starts it again in place (`Worker.restart`) with
+A worker whose engine fails (megarl.rollout.engine.EngineError) starts it again in place (megarl.loops.split_worker) with
 the last push, which it keeps on the host while `rollout.max_engine_restarts` allows restarts, and generates
-what was unfinished again; past that bound it stops, and torchrun ends the job.
+what was unfinished again. Past that bound the worker is lost: it answers every request from then on with the
+error instead of samples (and still takes its part in every push), so the training ranks stop together at the
+first batch it did not generate (EngineLost), saving the last step they completed with every batch requested:
+a resumed run requests again those a lost worker answered, with the same prompts.
 
 Checkpoints lose nothing and regenerate nothing: the N batches requested but not yet trained are waited for
 and saved with the checkpoint by each replica (plain tensors and lists), with the workers' sampler RNG after
@@ -48,13 +51,8 @@ partial rollouts).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import logging
-import os
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -68,32 +66,22 @@ from megarl.config import Config
 from megarl.data.prompts import PromptRow
 from megarl.device import current_device, host_barrier, on_gpu
 from megarl.engine.parallel import ParallelGroups
-from megarl.envs.environment import environment_factory
-from megarl.envs.tool_format import observation_format
-from megarl.handoff import WeightCheck, buckets, fingerprinted, flatten, unflatten, verify_engine
+from megarl.handoff import WeightCheck, buckets, fingerprinted, flatten
 from megarl.layout import Layout
-from megarl.loops.launch import job_store, job_world, launch_layout
 from megarl.loops.faults import EngineLost
+from megarl.loops.launch import job_store, job_world, launch_layout
 from megarl.loops.rl_run import RLRun
-from megarl.loops.samples import EnginePart, build_batch, encode_rows, pooled_samples, with_rewards
+from megarl.loops.samples import build_batch, encode_rows, with_rewards
 from megarl.loops.sampling import draw_batch
-from megarl.loops.transport import Link, Mailbox, own_group, receive_header, send_header
+from megarl.loops.transport import Link, Mailbox, own_group, send_header
 from megarl.metrics import PhaseTimer
-from megarl.models.arch import read_shape
-from megarl.packing import balanced_partition
-from megarl.rewards.scorer import Scorer
-from megarl.rollout.backends import captures_routes, make_rollout_engine
-from megarl.rollout.engine import EngineError, RolloutEngine
-from megarl.rollout.multi_turn import EnvWorkers, Trajectory
-from megarl.rollout.partial import VersionedEngine
-
-log = logging.getLogger(__name__)
+from megarl.rollout.multi_turn import Trajectory
 
 
 # ---- the job ----------------------------------------------------------------------------------------------
 
 
-def _job(cfg: Config) -> tuple[dist.Store, int, Layout]:
+def job(cfg: Config) -> tuple[dist.Store, int, Layout]:
     """(store, rank, the training ranks' layout), the layout checked (megarl.loops.launch.launch_layout) on
     every rank of the job, the rollout ranks too."""
     store, rank, _ = job_store(cfg.parallel.timeout_minutes)
@@ -102,7 +90,7 @@ def _job(cfg: Config) -> tuple[dist.Store, int, Layout]:
 
 
 def is_rollout_rank(cfg: Config) -> bool:
-    _, rank, layout = _job(cfg)
+    _, rank, layout = job(cfg)
     return rank >= layout.world
 
 
@@ -120,204 +108,6 @@ class Links:
         return self.prompts.bytes + self.samples.bytes
 
 
-# ---- a rollout rank ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class RolloutRank:
-    """What a worker holds: the fields of an RLRun that generation and scoring read
-    (megarl.loops.samples.SampleContext), and its engine."""
-
-    cfg: Config
-    tokenizer: object
-    rollout: VersionedEngine
-    scorer: Scorer
-    new_env: object
-    tool_schemas: list[dict]
-    observations: object
-    env_workers: EnvWorkers
-
-
-def serve_rollout(cfg: Config) -> None:
-    """A rollout rank's whole run: build the engine, then run the training rank 0's commands in order until it
-    says stop."""
-    from transformers import AutoTokenizer
-
-    store, rank, layout = _job(cfg)
-    timeout = timedelta(minutes=cfg.parallel.timeout_minutes)
-    box = Mailbox(store, timeout)
-    local, workers = rank - layout.world, cfg.placement.rollout_ranks // cfg.rollout.tp
-    if local % cfg.rollout.tp:  # beside a worker: its engine spans this device; nothing to run here
-        box.take("done", keep=True)
-        return
-    index = local // cfg.rollout.tp
-    if on_gpu():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    # the groups meet when first used (a run that turns out to be finished uses none)
-    bridge = functools.partial(own_group, store, "weights", member=1 + index, size=1 + workers, timeout=timeout)
-    links = functools.partial(Links, store, member=layout.dp + index, size=layout.dp + workers, timeout=timeout)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    moe = read_shape(cfg.model.path).is_moe
-
-    def new_engine(restarts: int) -> RolloutEngine:  # a restarted one samples from a stream of its own
-        return make_rollout_engine(cfg.rollout, cfg.model.path, dtype=cfg.model.dtype,
-                                   seed=cfg.seed + index + restarts * workers,
-                                   capture_routes=moe and captures_routes(cfg.rollout))
-
-    new_env = environment_factory(cfg.env)
-    worker = Worker(box, bridge, links, index=index, workers=workers, replicas=layout.dp, new_engine=new_engine,
-                    max_restarts=cfg.rollout.max_engine_restarts)
-    place = cfg.placement
-    # every token's version is recorded; with partial rollouts, pushed weights are taken between chunks
-    worker.engine = VersionedEngine(new_engine(0),
-                                    chunk_tokens=place.chunk_tokens if place.partial_rollouts else None,
-                                    between_chunks=worker.take_pushed_weights)
-    me = RolloutRank(cfg=cfg, tokenizer=tokenizer, rollout=worker.engine, scorer=Scorer(cfg.reward), new_env=new_env,
-                     tool_schemas=new_env().tools, observations=observation_format(cfg.env, tokenizer),
-                     env_workers=EnvWorkers(cfg.env.tool_workers))
-    try:
-        worker.serve(me)
-    finally:
-        me.scorer.close()
-        me.env_workers.retire()
-        worker.engine.shutdown()
-
-
-class Worker:
-    """A rollout rank with an engine: runs the training rank 0's commands in order."""
-
-    def __init__(self, box: Mailbox, bridge, links, *, index: int, workers: int, replicas: int,
-                 new_engine: Callable[[int], RolloutEngine], max_restarts: int):
-        self.box, self.index, self.workers, self.replicas = box, index, workers, replicas
-        self.bridge, self.links = functools.cache(bridge), functools.cache(links)  # made when first used
-        self.new_engine, self.max_restarts = new_engine, max_restarts
-        self.restarts = 0
-        # the last push, on the host, for an engine started again (with restarts allowed): (slots, bytes) per
-        # bucket, and its version (0: the checkpoint the engines start from)
-        self.kept: list[tuple[list, Tensor]] = []
-        self.kept_version = 0
-        self.rng = None  # the engine's sampler state before its last generation: a restarted engine starts there
-        self.engine: VersionedEngine | None = None
-        self.next = 0  # the next command's number
-        self.waited = 0.0  # seconds spent waiting for a command since the last batch was posted
-
-    def serve(self, me: RolloutRank) -> None:
-        while True:
-            start = time.monotonic()
-            command, *args = self.box.take(f"cmd/{self.index}/{self.next}")
-            self.next += 1
-            self.waited += time.monotonic() - start
-            if command == "generate":
-                key, n_samples = args
-                self.generate(me, key, n_samples=n_samples)
-                self.waited = 0.0
-            elif command == "weights":
-                self.load_weights(*args)
-            elif command == "rng":  # to training rank 0, behind every sample sent before
-                self.links().samples.send({"key": f"rng{args[0]}", "rng": self.engine.rng_state()}, to=0)
-            elif command == "set_rng":
-                self.engine.set_rng_state(self.links().prompts.receive(0))
-            elif command == "stop":
-                return
-            else:
-                raise RuntimeError(f"rollout worker {self.index}: unknown command {command!r}")
-
-    def load_weights(self, version: int) -> None:
-        """Load a push, then compare the engine's copy of the tensors the trainer fingerprinted (sent behind the
-        last bucket) with the trainer's: a difference stops this worker, and with it the job. An engine that
-        fails meanwhile is started again once the push is received (`restart`), and given it."""
-        group = self.bridge()
-        self.box.put(f"ready/{version}/{self.index}", True)  # the push may start
-        kept: list[tuple[list, Tensor]] | None = [] if self.max_restarts else None
-        received = _received(group, keep=kept)
-        failure = None
-        try:
-            self.engine.update_weights(received, version=version)
-            self.engine.flush_cache()
-        except EngineError as e:
-            failure = e
-            for _ in received:  # the broadcast goes on to its end
-                pass
-        if kept is not None:
-            self.kept, self.kept_version = kept, version
-        expected = receive_header(group)  # the fingerprints behind the last bucket
-        if failure is not None:
-            self.restart(failure)
-            return
-        verify_engine(self.engine, expected, version=version, engine_name=f"rollout worker {self.index}")
-
-    def restart(self, error: EngineError) -> None:
-        """Start this worker's engine again and give it the last push (its version); past `max_restarts` in the
-        run, raise EngineLost (the worker stops, and the job with it)."""
-        self.restarts += 1
-        if self.restarts > self.max_restarts:
-            raise EngineLost(f"rollout worker {self.index}: {error}. That is failure {self.restarts} of its engine "
-                             f"in this run, past rollout.max_engine_restarts = {self.max_restarts}", trained=False)
-        log.warning("rollout worker %d: %s; restarting its engine (restart %d of at most %d)", self.index, error,
-                    self.restarts, self.max_restarts)
-        self.engine.engine.abandon()
-        engine = self.new_engine(self.restarts)
-        if self.rng is not None:  # it samples the failed call as the failed engine would have (native engine)
-            engine.set_rng_state(self.rng)
-        if self.kept_version:
-            device = current_device()
-            engine.update_weights((unflatten(flat.to(device), slots) for slots, flat in self.kept),
-                                  version=self.kept_version)
-            engine.flush_cache()
-        self.engine.engine = engine
-
-    def take_pushed_weights(self) -> None:
-        """Between two chunks of a generation (partial rollouts): load the weights pushed meanwhile, if the next
-        command is a push; any other command waits for the generation to end."""
-        key = f"cmd/{self.index}/{self.next}"
-        if not self.box.ready(key):
-            return
-        command, *args = self.box.take(key, keep=True)
-        if command == "weights":
-            self.box.drop(key)
-            self.next += 1
-            self.load_weights(*args)
-
-    def generate(self, me: RolloutRank, key: str, *, n_samples: int) -> None:
-        """Generate and score this worker's share of request `key` (the pooled prompts of every replica, split
-        over the workers by prompt tokens as colocated engines split them), and send each replica its samples."""
-        links = self.links()
-        shares = {dp: tuple(links.prompts.receive(dp)) for dp in range(self.replicas)}
-        samples = pooled_samples(shares, n_samples=n_samples)
-        first = {dp: min(i for i, s in enumerate(samples) if s[0] == dp) for dp in shares if shares[dp][0]}
-        part = balanced_partition([len(ids) for _, _, ids in samples], self.workers)[self.index]
-        trajectories, rewards, failures, hidden = [], [], 0, 0
-        if part:
-            engine_part = EnginePart(me, [samples[i][1:] for i in part])
-            self.rng = me.rollout.rng_state()
-            while (error := engine_part.run(me.rollout)) is not None:
-                self.restart(error)  # its samples go on from their last finished turn
-            self.rng = me.rollout.rng_state()  # what a restart before the next generation starts from
-            trajectories, scoring = engine_part.result()
-            rewards, failures, hidden = scoring.result()
-        for dp in range(self.replicas):
-            mine = [j for j, i in enumerate(part) if samples[i][0] == dp]
-            links.samples.send({
-                "key": key,
-                "index": [part[j] - first[dp] for j in mine],
-                "trajectories": [dataclasses.asdict(trajectories[j]) for j in mine],
-                "rewards": [rewards[j] for j in mine],
-                # failures, scored before generation ended, engines that generated: counted once, on replica 0
-                "counts": [failures, hidden, int(bool(part))] if dp == 0 else [0, 0, 0],
-                "restarts": self.restarts, "waited_s": self.waited}, to=dp)
-
-
-def _received(group, *, keep: list | None = None) -> Iterator[list[tuple[str, Tensor]]]:
-    """The buckets of a weight push, as the training rank 0 broadcasts them (each one's slots first; None ends
-    the push); each bucket's (slots, bytes) also goes into `keep`, on the host, when given."""
-    while (slots := receive_header(group)) is not None:
-        flat = torch.empty(slots[-1][4], dtype=torch.uint8, device=current_device())  # the last slot's end
-        group.broadcast(flat, 0).wait()
-        if keep is not None:
-            keep.append((slots, flat.cpu() if flat.is_cuda else flat))  # the CPU buffer is not reused
-        yield unflatten(flat, slots)
-
-
 # ---- the training ranks' side -------------------------------------------------------------------------------
 
 
@@ -329,7 +119,7 @@ class SplitRollouts:
     scores_here = False  # the workers score what they generate
 
     def __init__(self, cfg: Config, groups: ParallelGroups):
-        store, _, _ = _job(cfg)
+        store, _, _ = job(cfg)
         timeout = timedelta(minutes=cfg.parallel.timeout_minutes)
         self.cfg, self.groups, self.box = cfg, groups, Mailbox(store, timeout)
         self.workers = cfg.placement.rollout_ranks // cfg.rollout.tp
@@ -345,6 +135,7 @@ class SplitRollouts:
         self.sent = [0] * self.workers  # commands posted to each worker
         self.requested = 0  # the last batch requested
         self.pending: dict[int, list[int]] = {}  # requested batch -> this replica's prompt rows (indices)
+        self.again: list[int] = []  # pending batches to request again (a checkpoint saved a lost worker's answer)
         self.taken: dict[str, dict[int, dict]] = {}  # request -> worker -> its message, taken ahead of its turn
         self.version = 0  # the last weight version pushed
         # the tensors of each push the workers compare with their engines' copies (rollout.verify_weights)
@@ -397,11 +188,16 @@ class SplitRollouts:
         """This replica's batch of request `key` with its rewards (None when it asked for no prompt), its groups
         numbered from `first_group`, the counts [failures, scored early, engines], the versions and the longest
         worker wait."""
+        parts = self._take(key)
+        if lost := [part["lost"] for part in parts if "lost" in part]:  # every training rank sees the same parts
+            if self.writer:  # kept for the checkpoint the run saves now (`restore` requests the batch again)
+                self.taken[key] = dict(enumerate(parts))
+            raise EngineLost("; ".join(lost), keeps_prompts=True)
         trajectories: dict[int, Trajectory] = {}
         rewards: dict[int, float] = {}
         engine_of: dict[int, int] = {}  # sample -> the worker that generated it
         counts, waited = torch.zeros(3, dtype=torch.float64), 0.0
-        for w, part in enumerate(self._take(key)):
+        for w, part in enumerate(parts):
             for i, t, r in zip(part["index"], part["trajectories"], part["rewards"]):
                 trajectories[i], rewards[i], engine_of[i] = Trajectory(**t), r, w
             counts += torch.tensor(part["counts"], dtype=torch.float64)
@@ -424,9 +220,13 @@ class SplitRollouts:
         them the trainer's weights, warm-started or restored)."""
 
     def next_batch(self, run: RLRun, step: int, timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
-        """Request the batches up to `step` + max_staleness not requested yet, then take batch `step` (with
-        dynamic sampling, further rounds are requested now, behind those: the engines' current weights)."""
+        """Request the batches up to `step` + max_staleness not requested yet (first, those a restored checkpoint
+        holds no samples of), then take batch `step` (with dynamic sampling, further rounds are requested now,
+        behind those: the engines' current weights)."""
         cfg = self.cfg
+        for k in self.again:
+            self._request(run, f"b{k}", [run.train_rows[i] for i in self.pending[k]], n_samples=cfg.rollout.n_samples)
+        self.again = []
         for k in range(self.requested + 1, step + cfg.algo.max_staleness + 1):
             self.pending[k] = run.sampler.next_batch(run.prompts_per_rank)
             self._request(run, f"b{k}", [run.train_rows[i] for i in self.pending[k]], n_samples=cfg.rollout.n_samples)
@@ -546,11 +346,15 @@ class SplitRollouts:
                                   "same algo.max_staleness and placement.rollout_ranks / rollout.tp")
         mine = torch.load(directory / f"split_dp{self.groups.dp_rank:05d}.pt", weights_only=True)
         self.pending = mine["pending"]
+        # a batch some worker answered with its loss is requested again, by every replica (every one of them
+        # saved that answer: a lost worker sends it to all), before any new one
+        self.again = [k for k in sorted(self.pending)
+                      if any("lost" in part for part in mine["taken"][f"b{k}"].values())]
         self.requested = max(self.pending, default=step)
         self.version = step
         self._command("set_rng")  # first: the workers make the links when they run it
         if self.writer:  # every replica's first rank makes them together with the workers
-            self.taken = mine["taken"]
+            self.taken = {key: parts for key, parts in mine["taken"].items() if int(key[1:]) not in self.again}
             links = self.links()
             if self.lead:
                 for w, rng in enumerate(torch.load(directory / "split.pt", weights_only=True)["rng"]):
@@ -570,12 +374,14 @@ class SplitRounds:
         self.round += 1
         key = f"b{self.step}" if self.round == 1 else f"b{self.step}.{self.round}"
         with timer("generate"):
-            if self.round == 1:
-                rows = [run.train_rows[i] for i in split.pending.pop(self.step)]
+            if self.round == 1:  # pending until taken: a checkpoint saved meanwhile (a lost worker) keeps it
+                rows = [run.train_rows[i] for i in split.pending[self.step]]
             else:
                 rows = [run.train_rows[i] for i in run.sampler.next_batch(draw)] if draw else []
                 split._request(run, key, rows, n_samples=n_samples)
             batch, counts, waited = split._collect(run, key, rows, n_samples=n_samples, first_group=first_group)
+            if self.round == 1:
+                del split.pending[self.step]
         self.waited = max(self.waited, waited)
         failures, hidden, engines = (int(c) for c in counts.tolist())
         return batch, failures, hidden, engines

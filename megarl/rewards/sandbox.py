@@ -10,7 +10,7 @@ Isolation, all of it set up by `bwrap` (bubblewrap, a small setuid-free tool the
   of null, zero, full, random and urandom (no pty, no /dev/shm), and one writable directory, /sandbox, a
   tmpfs of `disk_mb` private to the run. No /tmp, /run, /home or host socket is there; the only network
   interface is an unconfigured loopback of the run's own;
-- a seccomp filter (seccomp_program) refusing ptrace, mount, unshare, setns, keyctl, bpf, io_uring, module
+- a seccomp filter (megarl.rewards.sandbox_kernel.seccomp_program) refusing ptrace, mount, unshare, setns, keyctl, bpf, io_uring, module
   loading ... and clone with a namespace flag; memfd, SysV and POSIX IPC, TCP and larger socket or pipe
   buffers (memory outside the address space); sockets other than unix, inet, inet6 and netlink. The filter
   is compiled by libseccomp, the kernel community's filter compiler, through `pyseccomp` (pure-Python
@@ -46,7 +46,6 @@ warning), and `service_url` sends each run to an external sandbox service (`run_
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import json
 import logging
@@ -61,33 +60,17 @@ import sys
 import tempfile
 import time
 import urllib.request
-import uuid
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megarl.config import SandboxConfig
+from megarl.rewards.sandbox_kernel import RunCgroup, cgroup_parents, run_cgroup, seccomp_program
 
 log = logging.getLogger(__name__)
 
 WORKDIR = "/sandbox"  # the run's tmpfs, its working directory, inside the sandbox
 NOBODY = 65534
 OPEN_FILES = 64  # RLIMIT_NOFILE of each process of a run: bounds its sockets, pipes and their kernel buffers
-SECCOMP_DENIED = (
-    "ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2", "pivot_root", "chroot", "unshare",
-    "setns", "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "kexec_load", "kexec_file_load",
-    "init_module", "finit_module", "delete_module", "reboot", "swapon", "swapoff", "acct", "syslog",
-    "open_by_handle_at", "name_to_handle_at", "userfaultfd", "fsopen", "fsconfig", "fsmount", "fspick",
-    "move_mount", "open_tree", "mount_setattr", "io_uring_setup", "io_uring_enter", "io_uring_register",
-    "quotactl", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "iopl", "ioperm",
-    # memory the kernel holds for a process outside its address space, which RLIMIT_AS does not bound
-    "memfd_create", "memfd_secret", "shmget", "msgget", "semget", "mq_open",
-)
-SOCKET_FAMILIES = (1, 2, 10, 16)  # AF_UNIX, AF_INET, AF_INET6, AF_NETLINK: the only sockets a run may create
-# CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
-_CLONE_NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000,
-                          0x00000080)
-
 # Runs first in the sandbox as `python -I -c _BOOT CPU_S MEMORY_BYTES MAX_PROCESSES OPEN_FILES`, as the
 # run's first process (PID 1 of its PID namespace): sets the per-process limits (inherited by everything the
 # program starts, and no process of the run may raise them), makes itself non-dumpable, so that no process
@@ -152,7 +135,7 @@ def run_python(code: str, limits: SandboxConfig, *, stdin: str = "") -> SandboxR
         _warn_insecure()
         return _run_insecure(code, limits, stdin=stdin)
     mode = sandbox_mode()
-    with _run_cgroup(_cgroup_parents(), limits) if mode == "cgroup" else contextlib.nullcontext() as cgroup:
+    with run_cgroup(cgroup_parents(), limits) if mode == "cgroup" else contextlib.nullcontext() as cgroup:
         return _run_bwrap(code, limits, stdin=stdin, mode=mode, cgroup=cgroup)
 
 
@@ -175,7 +158,7 @@ def sandbox_memory_bound_mb(limits: SandboxConfig) -> int:
     net.core.wmem_default + rmem_default, which the run cannot raise) + disk_mb. What RLIMIT_AS would miss
     otherwise (memfd, SysV and POSIX IPC, TCP, larger socket and pipe buffers) is refused in both modes."""
     if sandbox_mode() == "cgroup":
-        return limits.memory_mb * (2 if len(_cgroup_parents()) == 2 else 1)
+        return limits.memory_mb * (2 if len(cgroup_parents()) == 2 else 1)
     socket_bytes = sum(int(Path(f"/proc/sys/net/core/{name}").read_text()) for name in ("wmem_default", "rmem_default"))
     return limits.max_processes * (limits.memory_mb + -(-OPEN_FILES * socket_bytes // 2**20)) + limits.disk_mb
 
@@ -241,10 +224,10 @@ def _probe(mode: str) -> str | None:
     limits = SandboxConfig(cpu_s=5, wall_s=30.0, memory_mb=256)
     try:
         if mode == "cgroup":
-            parents = _cgroup_parents()
+            parents = cgroup_parents()
             if parents is None:
                 return "no writable cgroup (v2 with memory and pids delegated, or v1 memory and pids) for this process"
-            with _run_cgroup(parents, limits) as cgroup:
+            with run_cgroup(parents, limits) as cgroup:
                 result = _run_bwrap(_PROBE, limits, stdin="", mode=mode, cgroup=cgroup)
         else:
             result = _run_bwrap(_PROBE, limits, stdin="", mode=mode, cgroup=None)
@@ -259,49 +242,8 @@ def _probe(mode: str) -> str | None:
     return None
 
 
-@functools.cache
-def seccomp_program() -> bytes:
-    """The compiled BPF filter bwrap installs: SECCOMP_DENIED and namespace-creating clone refused with
-    EPERM, clone3 with ENOSYS (so that the C library falls back to clone, whose flags the filter can read),
-    sockets of a family not in SOCKET_FAMILIES with EAFNOSUPPORT, TCP with EPROTONOSUPPORT, larger socket
-    and pipe buffers with EPERM."""
-    import pyseccomp as seccomp
-
-    f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
-    for name in SECCOMP_DENIED:
-        try:
-            f.add_rule(seccomp.ERRNO(errno.EPERM), name)
-        except (ValueError, OSError):  # not a system call of this architecture
-            continue
-    for flag in _CLONE_NAMESPACE_FLAGS:
-        f.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
-    f.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
-    for call in ("socket", "socketpair"):  # the family is an int: any value with high bits set is >= 17 too
-        f.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), call, seccomp.Arg(0, seccomp.GE, 17))
-        for family in set(range(17)) - set(SOCKET_FAMILIES):
-            f.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), call, seccomp.Arg(0, seccomp.EQ, family))
-    # no TCP (nor SCTP): its buffers grow to net.ipv4.tcp_rmem and tcp_wmem (MiB per connection), outside
-    # RLIMIT_AS and, under cgroup v1, outside the memory cgroup; inet and inet6 datagram sockets remain
-    for family in (2, 10):
-        for kind in (1, 5):  # SOCK_STREAM, SOCK_SEQPACKET, whatever flags are or-ed in
-            f.add_rule(seccomp.ERRNO(errno.EPROTONOSUPPORT), "socket", seccomp.Arg(0, seccomp.EQ, family),
-                       seccomp.Arg(1, seccomp.MASKED_EQ, 0xF, kind))
-    # socket and pipe buffers stay at the host's defaults (net.core.wmem_default, 64 KiB): SO_SNDBUF,
-    # SO_RCVBUF and their FORCE forms at SOL_SOCKET, and F_SETPIPE_SZ, are refused
-    for option in (7, 8, 32, 33):
-        f.add_rule(seccomp.ERRNO(errno.EPERM), "setsockopt", seccomp.Arg(1, seccomp.MASKED_EQ, 0xFFFFFFFF, 1),
-                   seccomp.Arg(2, seccomp.MASKED_EQ, 0xFFFFFFFF, option))
-    f.add_rule(seccomp.ERRNO(errno.EPERM), "fcntl", seccomp.Arg(1, seccomp.MASKED_EQ, 0xFFFFFFFF, 1031))
-    f.add_rule(seccomp.ERRNO(errno.EPERM), "ioctl", seccomp.Arg(1, seccomp.MASKED_EQ, 0xFFFFFFFF, 0x5412))  # TIOCSTI
-    fd = os.memfd_create("megarl-seccomp")
-    with open(fd, "w+b") as file:
-        f.export_bpf(file)
-        file.seek(0)
-        return file.read()
-
-
 # ---- the isolated run -----------------------------------------------------------------------------------
-def _run_bwrap(code: str, limits: SandboxConfig, *, stdin: str, mode: str, cgroup: _RunCgroup | None) -> SandboxResult:
+def _run_bwrap(code: str, limits: SandboxConfig, *, stdin: str, mode: str, cgroup: RunCgroup | None) -> SandboxResult:
     program_fd, seccomp_fd = _memfd("program.py", code.encode()), _memfd("seccomp", seccomp_program())
     info_read, info_write = os.pipe()
     block_read, block_write = os.pipe()
@@ -504,7 +446,7 @@ def _communicate(proc: subprocess.Popen, stdin: bytes, *, cap: int, deadline: fl
     return bytes(stdout), bytes(stderr), False
 
 
-def _end_run(proc: subprocess.Popen, first: _FirstProcess | None, cgroup: _RunCgroup | None) -> None:
+def _end_run(proc: subprocess.Popen, first: _FirstProcess | None, cgroup: RunCgroup | None) -> None:
     """Kill every process of the run and return once they are all gone.
 
     SIGKILL to the run's first process, sent through its pidfd (so never to another process), makes the
@@ -523,102 +465,6 @@ def _end_run(proc: subprocess.Popen, first: _FirstProcess | None, cgroup: _RunCg
     proc.wait()
     if cgroup is not None:
         cgroup.kill()
-
-
-# ---- cgroups ---------------------------------------------------------------------------------------------
-@functools.cache
-def _cgroup_parents() -> tuple[Path, ...] | None:
-    """The cgroups this process may create a run's cgroup under: its own cgroup v2 when the memory and pids
-    controllers are delegated to its children, else its own cgroups of the v1 memory and pids hierarchies
-    when writable; None when neither."""
-    mounts = {}  # fstype or v1 controller -> mount point
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            tail = fields[fields.index("-") + 1:]
-            if tail[0] == "cgroup2":
-                mounts["cgroup2"] = fields[4]
-            elif tail[0] == "cgroup":
-                for option in tail[2].split(","):
-                    mounts.setdefault(option, fields[4])
-    own = {}  # "" (v2) or v1 controller -> this process's cgroup path
-    with open("/proc/self/cgroup") as f:
-        for line in f:
-            _, controllers, path = line.rstrip("\n").split(":", 2)
-            for controller in controllers.split(",") if controllers else [""]:
-                own[controller] = path.lstrip("/")
-    if "cgroup2" in mounts and "" in own:
-        parent = Path(mounts["cgroup2"], own[""])
-        delegated = (parent / "cgroup.subtree_control").read_text().split() if parent.is_dir() else []
-        if {"memory", "pids"} <= set(delegated) and os.access(parent, os.W_OK):
-            return (parent,)
-    parents = tuple(Path(mounts[c], own[c]) for c in ("memory", "pids") if c in mounts and c in own)
-    if len(parents) == 2 and all(os.access(p, os.W_OK) for p in parents):
-        return parents
-    return None
-
-
-@dataclass(frozen=True)
-class _RunCgroup:
-    """One run's cgroup: a directory per hierarchy, limited to the run's memory and processes."""
-
-    dirs: tuple[Path, ...]
-
-    def join(self, pid: int) -> None:
-        """Move process `pid` into the run's cgroup (in every hierarchy); what it starts later is in it too."""
-        for d in self.dirs:
-            (d / "cgroup.procs").write_text(str(pid))
-
-    def kill(self) -> None:
-        """SIGKILL whatever is still in the cgroup, then remove it once empty."""
-        for d in self.dirs:
-            if not d.exists():  # killed and removed already
-                continue
-            for _ in range(1000):  # a few seconds at most; a killed process leaves the cgroup when reaped
-                pids = (d / "cgroup.procs").read_text().split()
-                if not pids:
-                    break
-                for pid in pids:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(int(pid), signal.SIGKILL)
-                time.sleep(0.005)
-            try:
-                d.rmdir()
-            except OSError as e:
-                log.warning("sandbox: cannot remove cgroup %s: %s", d, e)
-
-
-_CGROUP_LIMITS = {  # file -> (what it limits, its value from the run's limits); v2 and v1 names
-    "memory.max": ("memory", lambda limits: limits.memory_mb * 2**20),
-    "memory.swap.max": ("memory", lambda limits: 0),
-    "memory.limit_in_bytes": ("memory", lambda limits: limits.memory_mb * 2**20),
-    "memory.memsw.limit_in_bytes": ("memory", lambda limits: limits.memory_mb * 2**20),
-    # v1 charges socket buffers only to a cgroup with this limit, and to a count of their own
-    "memory.kmem.tcp.limit_in_bytes": ("memory", lambda limits: limits.memory_mb * 2**20),
-    "pids.max": ("pids", lambda limits: limits.max_processes),
-}
-
-
-@contextlib.contextmanager
-def _run_cgroup(parents: tuple[Path, ...], limits: SandboxConfig) -> Iterator[_RunCgroup]:
-    """A new cgroup under each of `parents` with the run's memory and process limits, killed and removed
-    on exit; OSError when either limit cannot be set."""
-    name = f"megarl-sandbox-{uuid.uuid4().hex}"
-    made = []
-    try:
-        limited = set()
-        for parent in parents:
-            (parent / name).mkdir()
-            made.append(parent / name)
-            for file, (what, value) in _CGROUP_LIMITS.items():
-                if (parent / name / file).exists():
-                    (parent / name / file).write_text(str(value(limits)))
-                    limited.add(what)
-        if limited != {"memory", "pids"}:
-            raise OSError(f"cgroup {name}: cannot limit {' and '.join(sorted({'memory', 'pids'} - limited))}")
-        yield _RunCgroup(tuple(made))
-    finally:
-        _RunCgroup(tuple(made)).kill()
 
 
 # ---- without isolation, and on a service -----------------------------------------------------------------

@@ -35,7 +35,7 @@ def make_rollout_peer(cfg: RolloutConfig, group) -> RolloutPeer | None:
         case "native":
             return None
         case "sglang":
-            from megarl.rollout.sglang_engine import SGLangPeer
+            from megarl.rollout.sglang_transfer import SGLangPeer
 
             return SGLangPeer(group)
     raise RecipeError(f"rollout.engine: unknown engine {cfg.engine!r}")
@@ -43,5 +43,5 @@ def make_rollout_peer(cfg: RolloutConfig, group) -> RolloutPeer | None:
 
 def captures_routes(cfg: RolloutConfig) -> bool:
     """Whether the recipe's engine returns MoE routes on this machine: SGLang's CPU mode cannot (it page-locks its
-    routes buffer with a CUDA call; megarl.rollout.sglang_engine._check_cpu_route_capture)."""
+    routes buffer with a CUDA call; megarl.rollout.sglang_transfer.check_cpu_route_capture)."""
     return cfg.engine == "native" or on_gpu()

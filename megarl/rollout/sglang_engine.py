@@ -29,7 +29,6 @@ would kill the process tree, trainer included; megarl takes that signal over and
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 import math
@@ -44,12 +43,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megarl.device import current_device, host_barrier, load_cuda_driver_stand_in, on_gpu
-from megarl.handoff import buckets, flatten
+from megarl.device import host_barrier, load_cuda_driver_stand_in, on_gpu
 from megarl.models.arch import read_shape
 from megarl.models.safetensors_dir import SafetensorsDir
 from megarl.rollout.engine import EngineError, Generation, ResponseCallback
-from megarl.routing import compact
+from megarl.rollout.sglang_transfer import (check_cpu_route_capture, decode_routes, flatten_bucket, gather_payloads,
+                                            ipc_exportable)
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +121,7 @@ class SGLangEngine:
             # hidden layer) are exactly the MoE layers, in order.
             self.route_layers, self.route_top_k, self.route_experts = shape.layers, shape.topk, shape.experts
             if not self.on_gpu:
-                _check_cpu_route_capture()
+                check_cpu_route_capture()
 
         self.tp_size = tp_size
         # SGLang skips tensor names its model does not know; a push is checked against the names of the
@@ -269,7 +268,7 @@ class SGLangEngine:
         try:
             if session:
                 _check(self._bounded("begin_weight_update", self.engine.begin_weight_update), "begin_weight_update")
-            with _ipc_exportable(self.on_gpu):
+            with ipc_exportable(self.on_gpu):
                 for bucket in buckets:
                     unknown = [name for name, _ in bucket if name not in self.expected_names]
                     if unknown:
@@ -391,107 +390,6 @@ class SGLangEngine:
             task.cancel()
 
 
-class SGLangPeer:
-    """A trainer rank beside an SGLang engine's host, on one of the engine's devices (colocated placement): in
-    every push it hands the SGLang TP rank on its device that rank's payload of each bucket."""
-
-    def __init__(self, group: dist.ProcessGroup):
-        self.group = group
-        if on_gpu():
-            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-            monkey_patch_torch_reductions()  # as the host: CUDA IPC handles name the GPU by UUID
-        # A host tensor's default handle is a file descriptor handed over by this process to the processes of
-        # its own job only (same authentication key); the scheduler that opens it is the host's child.
-        torch.multiprocessing.set_sharing_strategy("file_system")
-
-    def push(self, named_tensors: Iterable[tuple[str, Tensor]], *, bucket_bytes: int) -> dict:
-        """This rank's side of `SGLangEngine.update_weights`, bucket by bucket; returns the push's counts."""
-        nbytes, held = 0, None
-        with _ipc_exportable(on_gpu()):
-            for bucket in buckets(named_tensors, bucket_bytes=bucket_bytes):
-                _, held = gather_payloads(bucket, group=self.group)  # the previous bucket's copy is loaded
-                nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            host_barrier(self.group)  # the host loaded the last bucket: the buffers may go
-        del held
-        if on_gpu():
-            torch.cuda.ipc_collect()  # the staging buffers of the buckets the schedulers released
-        return {"bytes": nbytes}
-
-
-def gather_payloads(bucket: list[tuple[str, Tensor]], *,
-                    group: dist.ProcessGroup) -> tuple[list[bytes] | None, Tensor]:
-    """Every rank of an engine's `group` flattens `bucket` on its own device and serializes it for the SGLang
-    TP rank there; returns the payloads, in group order (= TP rank order), on the group's first rank (the
-    host), None elsewhere, and this rank's buffer, to be kept until the host has loaded it: until the next
-    gather, which the host joins once SGLang took the bucket, or the push's closing `host_barrier`. At most
-    two buckets per rank are in flight."""
-    from sglang.srt.utils import MultiprocessingSerializer
-
-    flat, metadata = flatten_bucket(bucket, device=current_device())
-    payload = MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": metadata})
-    gathered = [None] * group.size() if dist.get_rank(group) == 0 else None
-    dist.gather_object(payload, gathered, group=group, group_dst=0)
-    return gathered, flat
-
-
-def flatten_bucket(bucket: list[tuple[str, Tensor]], *,
-                   device: torch.device | None = None) -> tuple[Tensor, list]:
-    """One bucket as a fresh byte buffer on `device` (by default its tensors'; megarl.handoff.flatten: one bucket
-    of extra memory, every slot aligned to its dtype, in shared memory on CPU) and SGLang's
-    `FlattenedTensorMetadata` per tensor, for `load_format="flattened_bucket"` (SGLang rebuilds each tensor as a
-    dtype view of its slice)."""
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
-
-    flat, slots = flatten(bucket, device=device, share_memory=True)
-    return flat, [FlattenedTensorMetadata(name=name, shape=shape, dtype=dtype, start_idx=start, end_idx=end,
-                                          numel=end - start) for name, shape, dtype, start, end in slots]
-
-
-def decode_routes(encoded: str | None, *, tokens: int, layers: int, top_k: int, experts: int) -> Tensor:
-    """SGLang's `meta_info["routed_experts"]` (base64 of int32 [rows, layers, top_k], row t for the t-th
-    token fed in) as the first `tokens` rows, [tokens, layers, top_k] in `route_dtype(experts)`.
-
-    Rows past `tokens` are cut (the contract ends at the last token fed in); fewer rows, a size that is
-    not whole rows, or an id outside 0 .. experts - 1 is an error: a route that is not the engine's own
-    must never reach the trainer.
-    """
-    if encoded is None:
-        raise RuntimeError("SGLang returned no routed_experts: was the engine started with capture_routes?")
-    flat = torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.int32)
-    if flat.numel() % (layers * top_k):
-        raise RuntimeError(f"SGLang returned {flat.numel()} expert ids, not whole rows of {layers} layers x "
-                           f"top-{top_k}")
-    rows = flat.view(-1, layers, top_k)
-    if rows.shape[0] < tokens:
-        raise RuntimeError(f"SGLang returned routes for {rows.shape[0]} tokens; the prompt and response fed "
-                           f"in {tokens}")
-    rows = rows[:tokens]
-    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= experts):
-        raise RuntimeError(f"SGLang returned expert ids in [{int(rows.min())}, {int(rows.max())}], outside the "
-                           f"model's {experts} experts")
-    return compact(rows, experts)
-
-
-def _check_cpu_route_capture() -> None:
-    """Refuse route capture where SGLang's scheduler would die starting it (taking this process with it).
-
-    SGLang (0.5.23) keeps captured routes in a host buffer that it always page-locks with
-    cudaHostRegister (sglang/srt/state_capturer/base.py, BaseHostCache; the "cpu" entry of
-    sglang/srt/mem_cache/pool_host/common.py's ALLOC_MEMORY_FUNCS), which needs a CUDA driver even in
-    its CPU mode. The check looks at that allocator itself, so a process that hands SGLang an unpinned one
-    in both itself and its spawned schedulers (as the route tests do) may capture.
-    """
-    try:
-        from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS, alloc_with_host_register
-    except ImportError:
-        return  # a release that allocates this buffer some other way
-    if ALLOC_MEMORY_FUNCS["cpu"] is alloc_with_host_register:
-        raise RuntimeError("SGLang's CPU mode cannot capture MoE routes: it page-locks its routes buffer with "
-                           "cudaHostRegister (sglang/srt/state_capturer/base.py, BaseHostCache), which needs a "
-                           "CUDA driver. Capture routes on a GPU, or with the native rollout engine.")
-
-
 _logged_skips: set[str] = set()
 
 
@@ -528,20 +426,6 @@ def _launch_env(on_gpu: bool) -> Iterator[None]:
                 os.environ[key] = value
         root.setLevel(root_level)
         root.handlers[:] = root_handlers
-
-
-@contextlib.contextmanager
-def _ipc_exportable(on_gpu: bool) -> Iterator[None]:
-    """Stage buckets in plain caching-allocator blocks: memory from expandable segments cannot be exported
-    through legacy CUDA IPC (pidfd_getfd fails in the receiver)."""
-    expandable = on_gpu and "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower()
-    if expandable:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
-    try:
-        yield
-    finally:
-        if expandable:
-            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
 def _check(result, what: str) -> None:

@@ -1,0 +1,173 @@
+"""What the kernel enforces on a sandboxed run beyond its namespaces (megarl.rewards.sandbox describes the
+whole): the seccomp filter bwrap installs, and the run's own cgroup where this process may create one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import logging
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from megarl.config import SandboxConfig
+
+log = logging.getLogger(__name__)
+
+SECCOMP_DENIED = (
+    "ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2", "pivot_root", "chroot", "unshare",
+    "setns", "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "kexec_load", "kexec_file_load",
+    "init_module", "finit_module", "delete_module", "reboot", "swapon", "swapoff", "acct", "syslog",
+    "open_by_handle_at", "name_to_handle_at", "userfaultfd", "fsopen", "fsconfig", "fsmount", "fspick",
+    "move_mount", "open_tree", "mount_setattr", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "quotactl", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "iopl", "ioperm",
+    # memory the kernel holds for a process outside its address space, which RLIMIT_AS does not bound
+    "memfd_create", "memfd_secret", "shmget", "msgget", "semget", "mq_open",
+)
+SOCKET_FAMILIES = (1, 2, 10, 16)  # AF_UNIX, AF_INET, AF_INET6, AF_NETLINK: the only sockets a run may create
+# CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
+CLONE_NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000,
+                          0x00000080)
+
+
+@functools.cache
+def seccomp_program() -> bytes:
+    """The compiled BPF filter bwrap installs: SECCOMP_DENIED and namespace-creating clone refused with
+    EPERM, clone3 with ENOSYS (so that the C library falls back to clone, whose flags the filter can read),
+    sockets of a family not in SOCKET_FAMILIES with EAFNOSUPPORT, TCP with EPROTONOSUPPORT, larger socket
+    and pipe buffers with EPERM."""
+    import pyseccomp as seccomp
+
+    f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+    for name in SECCOMP_DENIED:
+        try:
+            f.add_rule(seccomp.ERRNO(errno.EPERM), name)
+        except (ValueError, OSError):  # not a system call of this architecture
+            continue
+    for flag in CLONE_NAMESPACE_FLAGS:
+        f.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
+    f.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    for call in ("socket", "socketpair"):  # the family is an int: any value with high bits set is >= 17 too
+        f.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), call, seccomp.Arg(0, seccomp.GE, 17))
+        for family in set(range(17)) - set(SOCKET_FAMILIES):
+            f.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), call, seccomp.Arg(0, seccomp.EQ, family))
+    # no TCP (nor SCTP): its buffers grow to net.ipv4.tcp_rmem and tcp_wmem (MiB per connection), outside
+    # RLIMIT_AS and, under cgroup v1, outside the memory cgroup; inet and inet6 datagram sockets remain
+    for family in (2, 10):
+        for kind in (1, 5):  # SOCK_STREAM, SOCK_SEQPACKET, whatever flags are or-ed in
+            f.add_rule(seccomp.ERRNO(errno.EPROTONOSUPPORT), "socket", seccomp.Arg(0, seccomp.EQ, family),
+                       seccomp.Arg(1, seccomp.MASKED_EQ, 0xF, kind))
+    # socket and pipe buffers stay at the host's defaults (net.core.wmem_default, 64 KiB): SO_SNDBUF,
+    # SO_RCVBUF and their FORCE forms at SOL_SOCKET, and F_SETPIPE_SZ, are refused
+    for option in (7, 8, 32, 33):
+        f.add_rule(seccomp.ERRNO(errno.EPERM), "setsockopt", seccomp.Arg(1, seccomp.MASKED_EQ, 0xFFFFFFFF, 1),
+                   seccomp.Arg(2, seccomp.MASKED_EQ, 0xFFFFFFFF, option))
+    f.add_rule(seccomp.ERRNO(errno.EPERM), "fcntl", seccomp.Arg(1, seccomp.MASKED_EQ, 0xFFFFFFFF, 1031))
+    f.add_rule(seccomp.ERRNO(errno.EPERM), "ioctl", seccomp.Arg(1, seccomp.MASKED_EQ, 0xFFFFFFFF, 0x5412))  # TIOCSTI
+    fd = os.memfd_create("megarl-seccomp")
+    with open(fd, "w+b") as file:
+        f.export_bpf(file)
+        file.seek(0)
+        return file.read()
+
+
+# ---- cgroups ---------------------------------------------------------------------------------------------
+@functools.cache
+def cgroup_parents() -> tuple[Path, ...] | None:
+    """The cgroups this process may create a run's cgroup under: its own cgroup v2 when the memory and pids
+    controllers are delegated to its children, else its own cgroups of the v1 memory and pids hierarchies
+    when writable; None when neither."""
+    mounts = {}  # fstype or v1 controller -> mount point
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            tail = fields[fields.index("-") + 1:]
+            if tail[0] == "cgroup2":
+                mounts["cgroup2"] = fields[4]
+            elif tail[0] == "cgroup":
+                for option in tail[2].split(","):
+                    mounts.setdefault(option, fields[4])
+    own = {}  # "" (v2) or v1 controller -> this process's cgroup path
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for controller in controllers.split(",") if controllers else [""]:
+                own[controller] = path.lstrip("/")
+    if "cgroup2" in mounts and "" in own:
+        parent = Path(mounts["cgroup2"], own[""])
+        delegated = (parent / "cgroup.subtree_control").read_text().split() if parent.is_dir() else []
+        if {"memory", "pids"} <= set(delegated) and os.access(parent, os.W_OK):
+            return (parent,)
+    parents = tuple(Path(mounts[c], own[c]) for c in ("memory", "pids") if c in mounts and c in own)
+    if len(parents) == 2 and all(os.access(p, os.W_OK) for p in parents):
+        return parents
+    return None
+
+
+@dataclass(frozen=True)
+class RunCgroup:
+    """One run's cgroup: a directory per hierarchy, limited to the run's memory and processes."""
+
+    dirs: tuple[Path, ...]
+
+    def join(self, pid: int) -> None:
+        """Move process `pid` into the run's cgroup (in every hierarchy); what it starts later is in it too."""
+        for d in self.dirs:
+            (d / "cgroup.procs").write_text(str(pid))
+
+    def kill(self) -> None:
+        """SIGKILL whatever is still in the cgroup, then remove it once empty."""
+        for d in self.dirs:
+            if not d.exists():  # killed and removed already
+                continue
+            for _ in range(1000):  # a few seconds at most; a killed process leaves the cgroup when reaped
+                pids = (d / "cgroup.procs").read_text().split()
+                if not pids:
+                    break
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(pid), signal.SIGKILL)
+                time.sleep(0.005)
+            try:
+                d.rmdir()
+            except OSError as e:
+                log.warning("sandbox: cannot remove cgroup %s: %s", d, e)
+
+
+_CGROUP_LIMITS = {  # file -> (what it limits, its value from the run's limits); v2 and v1 names
+    "memory.max": ("memory", lambda limits: limits.memory_mb * 2**20),
+    "memory.swap.max": ("memory", lambda limits: 0),
+    "memory.limit_in_bytes": ("memory", lambda limits: limits.memory_mb * 2**20),
+    "memory.memsw.limit_in_bytes": ("memory", lambda limits: limits.memory_mb * 2**20),
+    # v1 charges socket buffers only to a cgroup with this limit, and to a count of their own
+    "memory.kmem.tcp.limit_in_bytes": ("memory", lambda limits: limits.memory_mb * 2**20),
+    "pids.max": ("pids", lambda limits: limits.max_processes),
+}
+
+
+@contextlib.contextmanager
+def run_cgroup(parents: tuple[Path, ...], limits: SandboxConfig) -> Iterator[RunCgroup]:
+    """A new cgroup under each of `parents` with the run's memory and process limits, killed and removed
+    on exit; OSError when either limit cannot be set."""
+    name = f"megarl-sandbox-{uuid.uuid4().hex}"
+    made = []
+    try:
+        limited = set()
+        for parent in parents:
+            (parent / name).mkdir()
+            made.append(parent / name)
+            for file, (what, value) in _CGROUP_LIMITS.items():
+                if (parent / name / file).exists():
+                    (parent / name / file).write_text(str(value(limits)))
+                    limited.add(what)
+        if limited != {"memory", "pids"}:
+            raise OSError(f"cgroup {name}: cannot limit {' and '.join(sorted({'memory', 'pids'} - limited))}")
+        yield RunCgroup(tuple(made))
+    finally:
+        RunCgroup(tuple(made)).kill()
