@@ -29,9 +29,11 @@ variants and attention dropout still go through it.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from torch import Tensor
@@ -39,13 +41,47 @@ from torch import Tensor
 from megarl.engine.context_parallel import all_gather_keys_values, cp_positions
 
 
-def block_causal_mask(cu_seqlens: Tensor, total: int, *, device) -> Tensor:
-    """[1, 1, t, t] bool, True where attention is masked: across segments, or to a later position."""
+def block_causal_mask(cu_seqlens: Tensor, total: int, *, device, prefix_of: Tensor | None = None) -> Tensor:
+    """[1, 1, t, t] bool, True where attention is masked: across segments, or to a later position. With
+    `prefix_of` [segments] (a shared-prompt row, megarl.packing.shared_row), a segment's tokens also see every
+    token of segment prefix_of[s] (its group's prompt, earlier in the row; -1: none)."""
     bounds = cu_seqlens.to(device=device, dtype=torch.long)
     segment = torch.bucketize(torch.arange(total, device=device), bounds[1:], right=True)  # [t]
     pos = torch.arange(total, device=device)
     allowed = (segment[:, None] == segment[None, :]) & (pos[None, :] <= pos[:, None])
+    if prefix_of is not None:
+        allowed |= prefix_of.to(device)[segment][:, None] == segment[None, :]
     return ~allowed[None, None]
+
+
+@dataclass
+class SharedPromptParams(PackedSeqParams):
+    """A shared-prompt packed row as attention takes it: the segments of `PackedSeqParams`, and for each the
+    segment its tokens also see whole (`SharedPrompts.prefix_of`)."""
+
+    prefix_of: Tensor | None = None  # [segments] long
+
+
+def rope_at_position_ids(model) -> None:
+    """Make GPTModel `model` rotate the queries and keys of a shared-prompt row by the position ids it is
+    given (own tokens continue after their prompt), not by each segment's offset from its start.
+
+    Megatron's packed RoPE takes per-token frequencies as they are when it gets one per token of the row (its
+    "exact mapping"): a hook hands it the frequency table's rows at the position ids. The table covers
+    max_seqlen_q positions, which a shared row sets to its longest sequence."""
+    rotary = model.rotary_pos_emb
+
+    def remember(_module, args, kwargs):
+        params = kwargs.get("packed_seq_params")
+        positions = args[1] if len(args) > 1 else kwargs.get("position_ids")
+        rotary.row_positions = positions[0] if isinstance(params, SharedPromptParams) else None
+
+    def select(_module, _args, freqs):
+        positions = getattr(rotary, "row_positions", None)
+        return freqs if positions is None else freqs[positions.to(freqs.device)]
+
+    model.register_forward_pre_hook(remember, with_kwargs=True)
+    rotary.register_forward_hook(select)
 
 
 def segment_bounds(packed_seq_params) -> Tensor:
@@ -127,6 +163,11 @@ class PackedLocalAttention(DotProductAttention):
             raise ValueError("packed attention takes qkv_format 'thd' and no attention mask of its own")
         total = query.shape[0]
         bounds = segment_bounds(packed_seq_params).to(query.device)
+        prefix_of = getattr(packed_seq_params, "prefix_of", None)
+        if prefix_of is not None:  # a shared-prompt row
+            mask = block_causal_mask(bounds, total, device=query.device, prefix_of=prefix_of)
+            return self.attend(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask,
+                               attn_mask_type=attn_mask_type, attention_bias=attention_bias)
         rows = segment_rows(bounds, total) if self.fused and attention_bias is None else None
         if rows is not None:
             index, valid = rows

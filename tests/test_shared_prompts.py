@@ -1,0 +1,106 @@
+"""Prompts held once per group (train.share_prompts): a group's prompt once in a packed row, then each sample's
+own tokens at the positions that follow it, attending to the prompt and to themselves only. Every output and
+gradient must be the one of each sample run alone.
+
+Tolerance 1e-6 (fp32): a shared row runs each sample's attention over the same keys as the sample alone, with
+the same masked softmax, but in a longer row and other matmul shapes, so sums may run in another order:
+observed differences are 0 to ~5e-7 on logprobs of magnitude ~5.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+from megarl.packing import PromptGroups, prompt_units, shared_row, unit_tokens, unpack_shared
+
+pytestmark = pytest.mark.timeout(180)
+
+TOL = 1e-6
+N_TOKENS = 98  # real tokens of the tiny tokenizer
+
+
+def grouped_batch(seed: int = 5):
+    """[B, T] tokens of three groups (prompts of 5, 3 and 6 tokens; 4, 3 and 1 samples) with ragged responses
+    (one empty), response masks, advantages of both signs, prompt groups and sample lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [(5, [6, 1, 9, 4]), (3, [7, 2, 5]), (6, [8])]
+    rows, group_ids, prompt_lens, lengths = [], [], [], []
+    for g, (p, responses) in enumerate(prompts):
+        prompt = torch.randint(3, N_TOKENS, (p,), generator=gen)
+        for r in responses:
+            rows.append(torch.cat([prompt, torch.randint(3, N_TOKENS, (r,), generator=gen)]))
+            group_ids.append(g), prompt_lens.append(p), lengths.append(p + r)
+    width = max(lengths) + 2
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        tokens[i, :len(row)] = row
+    cols = torch.arange(width)[None]
+    lengths, prompt_lens = torch.tensor(lengths), torch.tensor(prompt_lens)
+    mask = ((cols >= prompt_lens[:, None]) & (cols < lengths[:, None])).float()
+    advantages = torch.linspace(-1.0, 1.0, len(rows))[:, None] * mask
+    return tokens, mask, advantages, PromptGroups(torch.tensor(group_ids), prompt_lens), lengths
+
+
+# ---- the layout -------------------------------------------------------------------------------------------------
+def test_units_hold_a_groups_equal_prompts_and_fit_the_budget():
+    tokens, _, _, groups, lengths = grouped_batch()
+    units = prompt_units(tokens, lengths, groups, max_tokens=64)
+    assert units == [[0, 1, 2, 3], [4, 5, 6], [7]]
+    assert [unit_tokens(u, lengths, groups.prompt_lens) for u in units] == [5 + 20, 3 + 14, 14]
+    # a budget of 15: 5 + 6 + 1 fits, + 9 does not; 5 + 9, + 4 does not; 3 + 7 + 2 fits, + 5 does not
+    assert prompt_units(tokens, lengths, groups, max_tokens=15) == [[0, 1], [2], [3], [4, 5], [6], [7]]
+    # a sample whose prompt differs from its group's shares nothing
+    tokens[1, 0] += 1
+    assert prompt_units(tokens, lengths, groups, max_tokens=64)[:2] == [[0, 2, 3], [1]]
+
+
+def test_shared_row_mask_and_outputs_by_hand():
+    from megarl.engine.local_attention import block_causal_mask
+
+    # one group: prompt of 2, responses of 2 and 1 tokens; a sequence alone of 2 tokens; padding to 9
+    lengths, prompt_lens = torch.tensor([4, 3, 2]), torch.tensor([2, 2, 1])
+    row = shared_row([[0, 1], [2]], lengths, prompt_lens, row_len=9)
+    assert row.cu_seqlens.tolist() == [0, 2, 4, 5, 7, 9]
+    assert row.shared.prefix_of.tolist() == [-1, 0, 0, -1, -1]
+    allowed = (~block_causal_mask(row.cu_seqlens, 9, device="cpu", prefix_of=row.shared.prefix_of)[0, 0]).int()
+    assert allowed[:5, :5].tolist() == [[1, 0, 0, 0, 0],
+                                        [1, 1, 0, 0, 0],
+                                        [1, 1, 1, 0, 0],   # response 1 sees the prompt and itself
+                                        [1, 1, 1, 1, 0],
+                                        [1, 1, 0, 0, 1]]   # response 2 sees the prompt, not response 1
+    assert allowed[5:7, :7].tolist() == [[0, 0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 1, 1]]
+    # predictions: row positions 0..8, then each sequence's first own token from the prompt's end (10 + k)
+    predictions = torch.arange(12.0) + 10
+    out = unpack_shared(predictions, row, width=5)
+    assert out.tolist() == [[0, 10, 19, 12, 0],    # token 2 (first own) from slot 9 + 0, token 3 from position 2
+                            [0, 10, 20, 0, 0],     # first own token from slot 9 + 1
+                            [0, 15, 0, 0, 0]]      # alone: token 1 from its position 5
+
+
+# ---- the engine -----------------------------------------------------------------------------------------------------
+def make_engine(model_dir, groups, *, train: bool, value_head: bool = False):
+    from megarl.config import OptimConfig
+    from megarl.engine.megatron import TrainEngine
+
+    optim = OptimConfig(lr=1e-3, weight_decay=0.0, grad_clip=1.0, distributed=True) if train else None
+    return TrainEngine(model_dir=str(model_dir), dtype="float32", megatron={}, groups=groups, optim=optim,
+                       value_head=value_head)
+
+
+def valid(lengths, width):
+    return torch.arange(width)[None] < lengths[:, None]
+
+
+def test_shared_logprobs_and_entropy_equal_each_sample_alone(qwen2_dir, groups):
+    engine = make_engine(qwen2_dir, groups, train=False)
+    tokens, _, _, prompt_groups, lengths = grouped_batch()
+    ok = valid(lengths, tokens.shape[1])
+    padded = engine.logprobs(tokens, temperature=0.7, micro_batch_size=8)
+    for budget in (64, 20):  # all in one row; several rows, the first group cut in two
+        shared = engine.logprobs(tokens, temperature=0.7, micro_batch_size=8, lengths=lengths,
+                                 micro_batch_tokens=budget, prompt_groups=prompt_groups)
+        assert (shared - padded)[ok].abs().max() <= TOL, budget
+        assert torch.equal(shared[~ok], torch.zeros(int((~ok).sum())))
