@@ -104,3 +104,102 @@ def test_shared_logprobs_and_entropy_equal_each_sample_alone(qwen2_dir, groups):
                                  micro_batch_tokens=budget, prompt_groups=prompt_groups)
         assert (shared - padded)[ok].abs().max() <= TOL, budget
         assert torch.equal(shared[~ok], torch.zeros(int((~ok).sum())))
+
+
+def pass_outputs(engine, tokens, extras, loss_fn, **micro):
+    """One forward and backward of `loss_fn` (no update): (outputs [B, T] the loss saw, its statistics, the
+    gradient of every parameter by name); the gradients are cleared after."""
+    out, stats = engine.schedule.run(tokens, extras, loss_fn, temperature=1.0, forward_only=False,
+                                     entropy=not engine.value_head, keep_outputs=True, **micro)
+    grads = {name: p.main_grad.detach().clone() for name, p in engine.stage.named_parameters()}
+    for model in engine.models:
+        model.zero_grad_buffer()
+    return out, stats, grads
+
+
+def recording(loss_fn, seen: dict):
+    """A loss function that also keeps the entropy it saw, by row id."""
+    def wrapped(logprobs, mb, **kwargs):
+        for k, row in enumerate(mb["row_id"][:, 0].long().tolist()):
+            seen[row] = kwargs["entropy"][k].detach().clone()
+        return loss_fn(logprobs, mb, **kwargs)
+    return wrapped
+
+
+LAYOUTS = {"padded": dict(micro_batch_size=3),
+           "packed": dict(micro_batch_size=8, micro_batch_tokens=40),
+           "shared in one row": dict(micro_batch_size=8, micro_batch_tokens=64, share=True),
+           "shared over rows": dict(micro_batch_size=8, micro_batch_tokens=20, share=True)}
+
+
+def layout_kwargs(name, lengths, prompt_groups):
+    micro = dict(LAYOUTS[name])
+    share = micro.pop("share", False)
+    if "micro_batch_tokens" in micro:
+        micro["lengths"] = lengths
+    return micro | ({"prompt_groups": prompt_groups} if share else {})
+
+
+@pytest.mark.parametrize("algo", [dict(name="grpo", kl_coef=0.1, entropy_coef=0.05),
+                                  dict(name="dr_grpo", loss_agg="seq-mean-token-sum-norm"),
+                                  dict(name="gspo", clip_low=3e-4, clip_high=4e-4)])
+def test_shared_loss_entropy_and_gradients_equal_unshared(qwen2_dir, groups, algo):
+    """GRPO (with KL and entropy terms), Dr. GRPO (a constant divisor) and GSPO (sequence-level ratios): the
+    loss, its statistics, the entropy per token and every parameter's gradient, padded, packed and shared."""
+    from megarl.algo.aggregate import global_loss_norm
+    from megarl.config import AlgoConfig
+    from megarl.objective import policy_objective
+
+    engine = make_engine(qwen2_dir, groups, train=True)
+    tokens, mask, advantages, prompt_groups, lengths = grouped_batch()
+    ok = valid(lengths, tokens.shape[1])
+    base = engine.logprobs(tokens, temperature=1.0, micro_batch_size=8)
+    gen = torch.Generator().manual_seed(7)
+    old, ref = (base + 0.3 * torch.randn(tokens.shape, generator=gen) for _ in range(2))
+    extras = {"response_mask": mask, "old_logprobs": old * mask, "ref_logprobs": ref * mask,
+              "advantages": advantages, "row_id": torch.arange(float(len(tokens)))[:, None].expand_as(mask)}
+    norm = global_loss_norm(mask)
+    loss_fn = partial(policy_objective(AlgoConfig(**algo)), norm=norm.__class__(**{**vars(norm), "max_len": 16}))
+    runs = {}
+    for name in LAYOUTS:
+        seen = {}
+        out, stats, grads = pass_outputs(engine, tokens, extras, recording(loss_fn, seen),
+                                         **layout_kwargs(name, lengths, prompt_groups))
+        runs[name] = out, stats, grads, torch.stack([seen[r] for r in range(len(tokens))])
+    out_p, stats_p, grads_p, entropy_p = runs["padded"]
+    assert stats_p["clipfrac"] > 0  # the clip is exercised
+    for name, (out, stats, grads, entropy) in runs.items():
+        assert (out - out_p)[ok].abs().max() <= TOL, name
+        assert (entropy - entropy_p)[ok].abs().max() <= TOL, name
+        for key, want in stats_p.items():
+            assert float(stats[key]) == pytest.approx(float(want), abs=TOL), (name, key)
+        for param, want in grads_p.items():
+            assert (grads[param] - want).abs().max() <= TOL, (name, param)
+    assert max(g.abs().max() for g in grads_p.values()) > 1e-2  # gradients that are not all ~0
+
+
+def test_shared_critic_values_and_gradients_equal_unshared(qwen2_dir, groups):
+    """A critic's values per token (the prompt's last position gives every sample's first response value) and
+    the value loss's gradients."""
+    from megarl.algo.aggregate import global_loss_norm
+    from megarl.objective import CriticObjective
+
+    critic = make_engine(qwen2_dir, groups, train=True, value_head=True)
+    # a nonzero head, so values differ between positions; small, so values are O(1) like the logprobs and fp32
+    # order noise is ~1e-7 of them
+    critic.module.output_layer.weight.data.normal_(std=0.05, generator=torch.Generator().manual_seed(0))
+    tokens, mask, advantages, prompt_groups, lengths = grouped_batch()
+    ok = valid(lengths, tokens.shape[1])
+    padded = critic.values(tokens, micro_batch_size=8)
+    shared = critic.values(tokens, micro_batch_size=8, lengths=lengths, micro_batch_tokens=20,
+                           prompt_groups=prompt_groups)
+    assert padded[ok].abs().max() > 0.1 and (shared - padded)[ok].abs().max() <= TOL
+    extras = {"response_mask": mask, "values": padded * mask, "returns": advantages}
+    loss_fn = partial(CriticObjective(value_clip=0.5), norm=global_loss_norm(mask))
+    _, stats_p, grads_p = pass_outputs(critic, tokens, extras, loss_fn, micro_batch_size=8)
+    _, stats_s, grads_s = pass_outputs(critic, tokens, extras, loss_fn,
+                                       **layout_kwargs("shared over rows", lengths, prompt_groups))
+    assert float(stats_s["critic/loss"]) == pytest.approx(float(stats_p["critic/loss"]), abs=TOL)
+    assert max(g.abs().max() for g in grads_p.values()) > 1e-2
+    for param, want in grads_p.items():
+        assert (grads_s[param] - want).abs().max() <= TOL, param
