@@ -94,7 +94,9 @@ def valid(lengths, width):
     return torch.arange(width)[None] < lengths[:, None]
 
 
-def test_shared_logprobs_and_entropy_equal_each_sample_alone(qwen2_dir, groups):
+def test_shared_logprobs_equal_each_sample_alone(qwen2_dir, groups):
+    import megarl.engine.local_attention as local_attention
+
     engine = make_engine(qwen2_dir, groups, train=False)
     tokens, _, _, prompt_groups, lengths = grouped_batch()
     ok = valid(lengths, tokens.shape[1])
@@ -104,6 +106,16 @@ def test_shared_logprobs_and_entropy_equal_each_sample_alone(qwen2_dir, groups):
                                  micro_batch_tokens=budget, prompt_groups=prompt_groups)
         assert (shared - padded)[ok].abs().max() <= TOL, budget
         assert torch.equal(shared[~ok], torch.zeros(int((~ok).sum())))
+    # the same through one t x t block mask over the row, the attention the split into prompt and response
+    # batches (`shared_rows`) stands for
+    split = local_attention.shared_rows
+    try:
+        local_attention.shared_rows = lambda *args: None
+        masked = engine.logprobs(tokens, temperature=0.7, micro_batch_size=8, lengths=lengths,
+                                 micro_batch_tokens=64, prompt_groups=prompt_groups)
+    finally:
+        local_attention.shared_rows = split
+    assert (masked - padded)[ok].abs().max() <= TOL
 
 
 def pass_outputs(engine, tokens, extras, loss_fn, **micro):

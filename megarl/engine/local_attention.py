@@ -103,6 +103,37 @@ def segment_rows(bounds: Tensor, total: int) -> tuple[Tensor, Tensor] | None:
     return index, offsets[None, :] < lengths[:, None]
 
 
+def shared_rows(bounds: Tensor, prefix_of: Tensor, total: int) -> tuple | None:
+    """A shared-prompt row's attention in two batches of rows (`PackedLocalAttention.shared_prompt_attention`),
+    or None when they compute no fewer scores than one t x t masked row (or no segment has a prefix):
+
+    - the segments that see no prefix (prompts, sequences alone, padding), one per row as in `segment_rows`:
+      index [a, L] of their tokens, valid [a, L];
+    - the segments with a prefix (own tokens after a shared prompt): index [b, R] of their tokens (the
+      queries), keys [b, Q + R] (their prompt's tokens, then their own), masked [b, 1, R, Q + R] (a prompt
+      column past the prompt's end, an own column after the query) and valid [b, R]."""
+    lengths = bounds[1:] - bounds[:-1]
+    has = prefix_of >= 0
+    if not bool(has.any()):
+        return None
+
+    def rows(starts: Tensor, n: Tensor) -> tuple[Tensor, Tensor]:
+        cols = torch.arange(int(n.max()) if len(n) else 0, device=bounds.device)
+        return (starts[:, None] + cols).clamp(max=total - 1), cols[None, :] < n[:, None]
+
+    plain = rows(bounds[:-1][~has], lengths[~has])
+    q_index, q_valid = rows(bounds[:-1][has], lengths[has])
+    p_index, p_valid = rows(bounds[:-1][prefix_of[has]], lengths[prefix_of[has]])
+    own = q_index.shape[1]
+    causal = torch.arange(own, device=bounds.device)
+    masked = torch.cat([(~p_valid)[:, None, :].expand(-1, own, -1),
+                        (causal[None, :] > causal[:, None]).expand(len(q_index), -1, -1)], dim=2)
+    scores = plain[0].numel() * plain[0].shape[1] + q_index.numel() * (p_index.shape[1] + own)
+    if scores >= total * total:
+        return None
+    return plain, (q_index, torch.cat([p_index, q_index], dim=1), masked[:, None], q_valid)
+
+
 class PackedLocalAttention(DotProductAttention):
     """`DotProductAttention` that also takes packed sequences (PackedSeqParams with qkv_format "thd") and
     context parallelism (config.context_parallel_size > 1, over the `cp` group of `pg_collection`)."""
@@ -144,6 +175,20 @@ class PackedLocalAttention(DotProductAttention):
         sq, b = query.shape[:2]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
+    def shared_prompt_attention(self, query: Tensor, key: Tensor, value: Tensor, plain: tuple, prefixed: tuple
+                                ) -> Tensor:
+        """Attention of a shared-prompt row (query, key, value [t, heads or groups, dim]) from `shared_rows`:
+        the segments without a prefix each causal over itself, the others over their prompt and their own
+        earlier tokens; the two batches' outputs back in row order, [t, 1, heads * dim]."""
+        index, valid = plain
+        gather = lambda t, i: t[i].transpose(0, 1)  # noqa: E731  [t, h, d] -> [columns, rows, h, d]
+        out_plain = self.attend(gather(query, index), gather(key, index), gather(value, index), None)
+        q_index, k_index, masked, q_valid = prefixed
+        out_prefixed = self.attend(gather(query, q_index), gather(key, k_index), gather(value, k_index), masked)
+        positions = torch.cat([index[valid], q_index[q_valid]])
+        out = torch.cat([out_plain.transpose(0, 1)[valid], out_prefixed.transpose(0, 1)[q_valid]])
+        return out[torch.argsort(positions)].unsqueeze(1)
+
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                 attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> Tensor:
         if self.cp_group is not None:
@@ -165,6 +210,10 @@ class PackedLocalAttention(DotProductAttention):
         bounds = segment_bounds(packed_seq_params).to(query.device)
         prefix_of = getattr(packed_seq_params, "prefix_of", None)
         if prefix_of is not None:  # a shared-prompt row
+            prefix_of = prefix_of.to(query.device)
+            split = shared_rows(bounds, prefix_of, total) if self.fused and attention_bias is None else None
+            if split is not None:
+                return self.shared_prompt_attention(query, key, value, *split)
             mask = block_causal_mask(bounds, total, device=query.device, prefix_of=prefix_of)
             return self.attend(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask,
                                attn_mask_type=attn_mask_type, attention_bias=attention_bias)
