@@ -253,3 +253,34 @@ def test_the_quickstart_with_shared_prompts_computes_what_it_computes_without(qu
             rel, abs_ = noisy.get(key, (0.0, 0.0))
             assert m[key] == pytest.approx(want, rel=rel, abs=abs_), (m["step"], key)
     assert "eval/reward_mean" in on[-1]
+
+
+# ---- what is refused ---------------------------------------------------------------------------------------------
+def test_share_prompts_is_refused_where_it_cannot_share_or_is_not_exact(tmp_path, monkeypatch, qwen2_dir, groups,
+                                                                         arch_dir):
+    from megarl.config import ConfigError, RecipeError, load_config
+    from megarl.loops.rl_run import check_share_prompts
+    from megarl.models.arch import read_shape
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    recipe = tmp_path / "q.yaml"
+    recipe.write_text("model:\n  path: model\ndata:\n  train_path: train.jsonl\n")
+    on = ["train.share_prompts=true", "train.micro_batch_tokens=512"]
+    cases = {"needs sequence packing": ["train.share_prompts=true"],
+             "rollout.n_samples = 1 draws one sample per prompt": [*on, "rollout.n_samples=1", "algo.name=reinforce_pp"],
+             "cannot be combined with parallel.cp = 2": [*on, "parallel.cp=2"]}
+    for message, overrides in cases.items():
+        with pytest.raises(ConfigError, match=message) as info:
+            load_config(recipe, overrides)
+        assert "share_prompts" in str(info.value)
+    load_config(recipe, on)  # GRPO, 4 samples a prompt: fine
+    with pytest.raises(RecipeError, match="train.share_prompts is not supported for mixture-of-experts models"):
+        check_share_prompts(read_shape(arch_dir("mixtral")))
+    check_share_prompts(read_shape(qwen2_dir))
+    # the engine refuses a shared layout without packing, naming the key
+    engine = make_engine(qwen2_dir, groups, train=False)
+    tokens, _, _, prompt_groups, lengths = grouped_batch()
+    with pytest.raises(ValueError, match=r"needs sequence packing \(set train.micro_batch_tokens\)"):
+        engine.logprobs(tokens, temperature=1.0, micro_batch_size=8, prompt_groups=prompt_groups)
