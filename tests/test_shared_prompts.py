@@ -284,3 +284,22 @@ def test_share_prompts_is_refused_where_it_cannot_share_or_is_not_exact(tmp_path
     tokens, _, _, prompt_groups, lengths = grouped_batch()
     with pytest.raises(ValueError, match=r"needs sequence packing \(set train.micro_batch_tokens\)"):
         engine.logprobs(tokens, temperature=1.0, micro_batch_size=8, prompt_groups=prompt_groups)
+
+
+def test_plan_counts_each_prompt_once_with_shared_prompts(capsys):
+    """`megarl plan` of the 7B GRPO recipe (64 prompts x 8 samples, DP 4 on one node): at --prompt-tokens 1000
+    and rollout.max_new_tokens 500, 64 * 8 * 1500 / 4 = 192000 tokens a rank without sharing and
+    64 * (1000 + 8 * 500) / 4 = 80000 with it: the issue's 2.4x."""
+    import json
+
+    from test_plan import megarl, plan_args
+
+    lines = {}
+    for share in ("false", "true"):
+        code, out, err = megarl(plan_args("qwen2.5-7b-grpo-gsm8k", "qwen2.5-7b", 1, "rollout.max_new_tokens=500",
+                                          "train.micro_batch_tokens=16384", f"train.share_prompts={share}",
+                                          "--prompt-tokens", "1000", "--json"), capsys)
+        assert code == 0, err
+        [lines[share]] = [a for a in json.loads(out)["assumptions"] if a.startswith("trained tokens per step")]
+    assert "192000 (data.prompts_per_step x rollout.n_samples x 1500 / dp)" in lines["false"]
+    assert "80000 with train.share_prompts" in lines["true"] and "2.40x fewer than 192000" in lines["true"]
