@@ -507,12 +507,19 @@ class TrainConfig:
     # RL: the policy trains only on samples with a non-zero advantage when the others add exactly nothing
     # to its loss and gradients (no KL or entropy term, no critic); they still count in the loss's denominators
     skip_zero_advantage: bool = True
+    # RL, with micro_batch_tokens: a group's samples hold their prompt once in a packed row, each response
+    # after it at the positions that follow the prompt and attending to it and to itself only: the same
+    # outputs and gradients for fewer tokens (prompt + n responses instead of n * (prompt + response))
+    share_prompts: bool = False
 
     def check(self) -> None:
         _at_least(self, 1, "steps", "micro_batch_size")
         _at_least(self, 0, "epochs")
         if self.micro_batch_tokens is not None:
             _at_least(self, 0, "micro_batch_tokens")
+        if self.share_prompts and not self.micro_batch_tokens:
+            raise FieldError("share_prompts", "lays a group out as one packed row: it needs sequence packing "
+                                              "(set train.micro_batch_tokens)")
 
 
 @dataclass(frozen=True)
@@ -588,6 +595,8 @@ class Config:
                                  f"{self.algo.name!r} uses train.micro_batch_size")
             return
         self.check_placement()
+        if self.train.share_prompts:
+            self.check_share_prompts()
         if self.train.micro_batch_tokens and self.parallel.cp > 1:
             # context parallelism cuts each padded row into 2 * cp chunks; packed rows are not split
             raise ValueError(f"train.micro_batch_tokens (sequence packing) cannot be combined with parallel.cp = "
@@ -602,6 +611,17 @@ class Config:
                 f"algo.name = {self.algo.name!r} compares samples within a group and needs"
                 f" rollout.n_samples >= 2, got {n}"
             )
+
+    def check_share_prompts(self) -> None:
+        if self.rollout.n_samples < 2:
+            raise ValueError("train.share_prompts holds a group's prompt once for its samples, but "
+                             "rollout.n_samples = 1 draws one sample per prompt: there is nothing to share")
+        if self.parallel.cp > 1:
+            # context parallelism splits each padded row into 2 * cp chunks; a shared row would need the
+            # prompt's keys on every rank that holds one of its responses
+            raise ValueError(f"train.share_prompts cannot be combined with parallel.cp = {self.parallel.cp} "
+                             "(context parallelism): a shared row is a packed row, which is not split over "
+                             "context-parallel ranks")
 
     def check_placement(self) -> None:
         split = self.placement.mode == "split"

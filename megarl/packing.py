@@ -15,6 +15,7 @@ outputs of the row back into the [b, T] layout of right-padded sequences that lo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -100,10 +101,15 @@ class PackedRow:
     lengths: Tensor      # [b] long: real tokens of each of those sequences
     cu_seqlens: Tensor   # [segments + 1] int32: segment boundaries in the row, from 0 to row_len
     row_len: int
+    shared: SharedPrompts | None = None  # the prompts held once per group (`shared_row`); None: none are
 
     @property
     def max_seqlen(self) -> int:
-        return int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
+        """The longest segment, and with shared prompts the longest sequence (its last position id + 1)."""
+        longest = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
+        if self.shared is not None and len(self.lengths):
+            longest = max(longest, int(self.lengths.max()))
+        return longest
 
 
 def packed_row(index: list[int], lengths: Tensor, *, row_len: int) -> PackedRow:
@@ -147,6 +153,132 @@ def unpack(row_values: Tensor, row: PackedRow, *, width: int) -> Tensor:
     valid = (cols[None, :] >= 1) & (cols[None, :] < row.lengths.to(row_values.device)[:, None])
     gathered = row_values[where.clamp(max=row.row_len - 1)]
     return torch.where(valid, gathered, torch.zeros((), dtype=row_values.dtype, device=row_values.device))
+
+
+# ---- prompts held once per group ---------------------------------------------------------------------------
+# A group's samples share their prompt: a shared row holds it once, then each sample's own tokens (its
+# response, and in a multi-turn trajectory the turns after the prompt). Own tokens take the position ids
+# that follow the prompt (P, P + 1, ...) and attend to the prompt and to their own earlier tokens only, so
+# every sample's outputs are those of the sample alone. The prompt's last position predicts the first own
+# token of every sample: one extra prediction per sample, read after the row's own (see `unpack`).
+@dataclass(frozen=True)
+class PromptGroups:
+    """Which samples of a [B, T] batch may share a prompt: those of one group whose prompt tokens are equal."""
+
+    group_ids: Tensor    # [B] long: samples of the same prompt share an id
+    prompt_lens: Tensor  # [B] long: prompt tokens of each sample
+
+
+@dataclass(frozen=True)
+class SharedPrompts:
+    """Where the sequences of a shared row sit: sequence k's tokens 0 .. prompt_len[k] - 1 are the prompt at
+    prompt_start[k] (the same for every sequence of its group), its tokens from prompt_len[k] on are its own,
+    at own_start[k]. A sequence alone in its group shares nothing: prompt_len 0, all its tokens its own."""
+
+    prompt_start: Tensor  # [b] long
+    prompt_len: Tensor    # [b] long
+    own_start: Tensor     # [b] long
+    prefix_of: Tensor     # [segments] long: the segment every token of a segment also sees whole, -1 for none
+
+
+def prompt_units(tokens: Tensor, lengths: Tensor, groups: PromptGroups, *, max_tokens: int) -> list[list[int]]:
+    """The samples of `tokens` [B, T] (`lengths` [B] real tokens) in units that hold one prompt: a group's
+    samples with equal prompt tokens, in batch order, cut where prompt + own tokens would pass `max_tokens`;
+    every sample in exactly one unit (alone when it shares with no one)."""
+    units: dict[tuple, list[list[int]]] = {}
+    for i in range(len(tokens)):
+        p = int(groups.prompt_lens[i])
+        key = (int(groups.group_ids[i]), p, tuple(tokens[i, :p].tolist()) if p > 0 else i)
+        chunks = units.setdefault(key, [[]])
+        if chunks[-1] and p + sum(int(lengths[j]) - p for j in chunks[-1]) + int(lengths[i]) - p > max_tokens:
+            chunks.append([])
+        chunks[-1].append(i)
+    return sorted((u for chunks in units.values() for u in chunks), key=lambda u: u[0])
+
+
+def unit_tokens(unit: list[int], lengths: Tensor, prompt_lens: Tensor) -> int:
+    """Tokens of a unit in a shared row: its prompt once, then every sample's own tokens."""
+    if len(unit) == 1:
+        return int(lengths[unit[0]])
+    p = int(prompt_lens[unit[0]])
+    return p + sum(int(lengths[i]) - p for i in unit)
+
+
+def shared_row(units: list[list[int]], lengths: Tensor, prompt_lens: Tensor, *, row_len: int) -> PackedRow:
+    """The layout of `units` (`prompt_units`) in a row of `row_len` tokens: per unit its prompt, then each
+    sample's own tokens, one segment each (an empty one is left out); padding, if any, a segment of its own."""
+    index, prompt_start, prompt_len, own_start, bounds, prefix_of = [], [], [], [], [0], []
+    for unit in units:
+        p = int(prompt_lens[unit[0]]) if len(unit) > 1 else 0
+        start, prompt_segment = bounds[-1], -1
+        if p > 0:
+            prompt_segment = len(prefix_of)
+            bounds.append(start + p)
+            prefix_of.append(-1)
+        for i in unit:
+            own = int(lengths[i]) - p
+            index.append(i), prompt_start.append(start), prompt_len.append(p), own_start.append(bounds[-1])
+            if own > 0:
+                bounds.append(bounds[-1] + own)
+                prefix_of.append(prompt_segment)
+    if bounds[-1] > row_len:
+        raise ValueError(f"{bounds[-1]} tokens do not fit in a packed row of {row_len}")
+    if bounds[-1] < row_len or not index:
+        bounds.append(row_len)
+        prefix_of.append(-1)
+    longs = partial(torch.tensor, dtype=torch.long)
+    shared = SharedPrompts(prompt_start=longs(prompt_start), prompt_len=longs(prompt_len), own_start=longs(own_start),
+                           prefix_of=longs(prefix_of))
+    return PackedRow(index=longs(index), lengths=lengths[longs(index)].long(),
+                     cu_seqlens=torch.tensor(bounds, dtype=torch.int32), row_len=row_len, shared=shared)
+
+
+def pack_shared(values: Tensor, row: PackedRow, *, fill: int | float = 0) -> tuple[Tensor, Tensor]:
+    """values [B, T] (token ids) -> (the shared row [1, row_len], position ids [1, row_len]: a sequence's
+    position in its own sequence, own tokens after the prompt's; padding from 0)."""
+    out = values.new_full((row.row_len,), fill)
+    positions = torch.zeros(row.row_len, dtype=torch.long)
+    sh, used = row.shared, 0
+    for i, n, p0, p, o0 in zip(row.index.tolist(), row.lengths.tolist(), sh.prompt_start.tolist(),
+                               sh.prompt_len.tolist(), sh.own_start.tolist()):
+        out[p0: p0 + p] = values[i, :p]
+        positions[p0: p0 + p] = torch.arange(p)
+        out[o0: o0 + n - p] = values[i, p:n]
+        positions[o0: o0 + n - p] = torch.arange(p, n)
+        used = max(used, o0 + n - p)
+    positions[used:] = torch.arange(row.row_len - used)
+    return out[None], positions[None]
+
+
+def first_own_predictions(row: PackedRow, ids: Tensor) -> tuple[Tensor, Tensor]:
+    """For each sequence k of a shared row (ids [row_len]): (the row position that predicts its first own
+    token, the prompt's last, [b] long; that token [b]). A sequence that shares nothing or has no own
+    token gets position 0 (its prediction is never read)."""
+    sh = row.shared
+    has = (sh.prompt_len > 0) & (row.lengths > sh.prompt_len)
+    where = torch.where(has, sh.prompt_start + sh.prompt_len - 1, 0)
+    return where, ids[torch.where(has, sh.own_start, 0).to(ids.device)]
+
+
+def unpack_shared(predictions: Tensor, row: PackedRow, *, width: int) -> Tensor:
+    """Outputs of a shared row -> [b, width] in the right-padded layout. `predictions` [row_len + b]: what
+    each row position predicts (logprob of the row's next token, entropy, or the value there), then each
+    sequence's first-own-token prediction (`first_own_predictions`).
+
+    Column t of sequence k (1 <= t < length_k) is the prediction made at the row position of its token t - 1,
+    except the first own token (t = prompt_len_k), predicted by the prompt's last position for that sequence
+    alone. Column 0 and the columns past the end are 0. Differentiable (a gather)."""
+    device = predictions.device
+    sh = row.shared
+    cols = torch.arange(width, device=device)[None, :]                                   # [1, width]
+    p, prompt_start, own_start = (t.to(device)[:, None] for t in (sh.prompt_len, sh.prompt_start, sh.own_start))
+    before = cols - 1                                                                   # token t - 1
+    where = torch.where(before < p, prompt_start + before, own_start + before - p)      # [b, width]
+    first = torch.arange(len(row.index), device=device)[:, None] + row.row_len
+    where = torch.where((cols == p) & (p > 0), first, where)
+    valid = (cols >= 1) & (cols < row.lengths.to(device)[:, None])
+    gathered = predictions[where.clamp(min=0, max=predictions.shape[0] - 1)]
+    return torch.where(valid, gathered, torch.zeros((), dtype=predictions.dtype, device=device))
 
 
 # ---- rollout samples over data-parallel ranks -----------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -30,7 +31,7 @@ from megarl.config import AlgoConfig, OptimConfig  # noqa: E402
 from megarl.engine.megatron import TrainEngine  # noqa: E402
 from megarl.engine.parallel import init_parallel  # noqa: E402
 from megarl.objective import CriticObjective, policy_objective  # noqa: E402
-from megarl.packing import redistribute, sequence_lengths  # noqa: E402
+from megarl.packing import PromptGroups, redistribute, sequence_lengths  # noqa: E402
 
 GLOBAL_BATCH, SEQ_LEN = 8, 12
 
@@ -51,17 +52,21 @@ def lengths_of(mask: torch.Tensor) -> torch.Tensor:
     return sequence_lengths(mask, torch.full((len(mask),), 4))
 
 
-def redistributed(tokens: torch.Tensor, mine: dict, *, group) -> tuple[torch.Tensor, dict]:
-    """This rank's samples after the RL loop's token balancing over the DP group."""
+def redistributed(tokens: torch.Tensor, mine: dict, *, group, group_ids: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, dict]:
+    """This rank's samples after the RL loop's token balancing over the DP group (each sample its own group
+    unless `group_ids` says otherwise; they come back as `group_ids`, made distinct over the ranks)."""
     n, mask = len(tokens), mine["response_mask"]
-    batch = RolloutBatch(tokens=tokens, response_mask=mask, prompt_lens=torch.full((n,), 4), group_ids=torch.arange(n),
+    group_ids = torch.arange(n) if group_ids is None else group_ids
+    batch = RolloutBatch(tokens=tokens, response_mask=mask, prompt_lens=torch.full((n,), 4), group_ids=group_ids,
                          rollout_logprobs=torch.zeros_like(mask), responses=[""] * n, answers=[""] * n,
                          finish_reasons=["stop"] * n, prompt_texts=[""] * n, metadata=[{}] * n,
                          old_logprobs=mine["old_logprobs"], ref_logprobs=mine["ref_logprobs"],
                          advantages=mine["advantages"])
     batch, _ = redistribute(batch, group=group, pad_id=0)
     return batch.tokens, {"response_mask": batch.response_mask, "advantages": batch.advantages,
-                          "old_logprobs": batch.old_logprobs, "ref_logprobs": batch.ref_logprobs}
+                          "old_logprobs": batch.old_logprobs, "ref_logprobs": batch.ref_logprobs,
+                          "group_ids": batch.group_ids}
 
 
 def layout_parser() -> argparse.ArgumentParser:
@@ -87,7 +92,96 @@ def case_parser() -> argparse.ArgumentParser:
     parser.add_argument("--micro-batch-tokens", type=int, default=0, help="pack sequences (0: padded rows)")
     parser.add_argument("--redistribute", action="store_true",
                         help="balance samples over DP ranks by tokens after the old logprobs, before training")
+    parser.add_argument("--share-prompts", action="store_true",
+                        help="also compare GRPO groups with their prompts held once (train.share_prompts) and not")
     return parser
+
+
+# ---- shared prompts -------------------------------------------------------------------------------------------
+# The fixed batch made into GRPO groups of 3, 2 and 3 samples: each group's prompt (4 tokens) is its first
+# row's. With DP=2 the middle group is cut between the ranks (rows 0-3 and 4-7), each rank sharing its part.
+GROUP_IDS = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])
+
+
+def grouped_batch(vocab: int) -> dict[str, torch.Tensor]:
+    batch = global_batch(vocab)
+    tokens = batch["tokens"].clone()
+    for i, g in enumerate(GROUP_IDS.tolist()):
+        tokens[i, :4] = tokens[int((GROUP_IDS == g).nonzero()[0]), :4]
+    return batch | {"tokens": tokens, "group_ids": GROUP_IDS}
+
+
+def shared_prompt_check(actor, critic, groups, args) -> dict:
+    """On this layout, one forward and backward of the GRPO loss (clipped ratio, KL, entropy bonus) over the
+    grouped batch with train.share_prompts on and off, packed (no update; the gradients are read after the
+    schedule's reduction over DP, the TP reduction of sequence-parallel weights and the tied embedding's
+    over pipeline stages, then cleared), and the critic's values. Returns the largest differences over all
+    ranks and the global statistics of both passes."""
+    batch = grouped_batch(actor.shape.vocab_size)
+    gen = torch.Generator().manual_seed(99)
+    noise = {k: 0.3 * torch.randn(batch["tokens"].shape, generator=gen) for k in ("old", "ref")}
+    per_rank = GLOBAL_BATCH // groups.dp_size
+    mine = {k: v[groups.dp_rank * per_rank: (groups.dp_rank + 1) * per_rank] for k, v in (batch | noise).items()}
+    if args.redistribute:  # as the RL loop balances tokens over DP: a group's samples may move to other ranks
+        tokens, moved = redistributed(mine["tokens"], {"response_mask": mine["response_mask"],
+                                                       "advantages": mine["advantages"], "old_logprobs": mine["old"],
+                                                       "ref_logprobs": mine["ref"]},
+                                      group=groups.dp, group_ids=mine["group_ids"])
+        mine = {"tokens": tokens, "response_mask": moved["response_mask"], "advantages": moved["advantages"],
+                "old": moved["old_logprobs"], "ref": moved["ref_logprobs"], "group_ids": moved["group_ids"]}
+    tokens, mask = mine["tokens"], mine["response_mask"]
+    lengths = lengths_of(mask)
+    ok = torch.arange(tokens.shape[1])[None] < lengths[:, None]
+    packed = dict(micro_batch_size=args.micro_batch_size, micro_batch_tokens=args.micro_batch_tokens or 24,
+                  lengths=lengths)
+    shared = {"prompt_groups": PromptGroups(mine["group_ids"], torch.full((len(tokens),), 4))}
+    diffs = {}
+
+    def worst(key: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        diffs[key] = max(diffs.get(key, 0.0), float((a - b).abs().max()) if a.numel() else 0.0)
+
+    # the tokens of this rank's packed rows, padding included: fewer with the prompts held once
+    row_tokens = {name: sum(row.row_len for row in actor.schedule.packed_rows(
+        tokens, lengths, packed["micro_batch_tokens"], **kw)) for name, kw in (("off", {}), ("on", shared))}
+    base = actor.logprobs(tokens, temperature=1.0, **packed)
+    worst("logprobs", actor.logprobs(tokens, temperature=1.0, **packed, **shared)[ok], base[ok])
+    extras = {"response_mask": mask, "advantages": mine["advantages"], "old_logprobs": (base + mine["old"]) * mask,
+              "ref_logprobs": (base + mine["ref"]) * mask,
+              "row_id": torch.arange(float(len(tokens)))[:, None].expand_as(mask).contiguous()}
+    algo = AlgoConfig(name="grpo", kl_coef=0.1, clip_low=0.2, clip_high=0.28, entropy_coef=0.05)
+    loss_fn = partial(policy_objective(algo), norm=global_loss_norm(mask, group=groups.dp))
+    passes = {}
+    for name, kwargs in (("off", packed), ("on", packed | shared)):
+        seen = {}
+
+        def recording(logprobs, mb, seen=seen, **kw):  # keeps the entropy per token it saw, by row
+            for k, row in enumerate(mb["row_id"][:, 0].long().tolist()):
+                seen[row] = kw["entropy"][k].detach().cpu()
+            return loss_fn(logprobs, mb, **kw)
+
+        out, stats = actor.schedule.run(tokens, extras, recording, temperature=1.0, forward_only=False, entropy=True,
+                                        keep_outputs=True, **kwargs)
+        grads = {n: p.main_grad.detach().clone() for n, p in actor.stage.named_parameters()}
+        for model in actor.models:
+            model.zero_grad_buffer()
+        passes[name] = (out, actor.schedule.reduce_stats(stats), grads,
+                        torch.stack([seen[r] for r in range(len(tokens))]) if seen else None)
+    (out_off, stats_off, grads_off, ent_off), (out_on, stats_on, grads_on, ent_on) = passes["off"], passes["on"]
+    if groups.is_pp_last:  # the loss and its outputs live on the last stage
+        worst("train_logprobs", out_on.cpu()[ok], out_off.cpu()[ok])
+        worst("entropy", ent_on[ok], ent_off[ok])
+    for n, g in grads_off.items():
+        worst("grads", grads_on[n], g)
+    grad_max = max(float(g.abs().max()) for g in grads_off.values())
+    values = critic.values(tokens, **packed)
+    worst("values", critic.values(tokens, **packed, **shared)[ok], values[ok])
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (diffs, grad_max, row_tokens))
+    keys = {k for d, _, _ in gathered for k in d}
+    return {"max_diff": {k: max(d.get(k, 0.0) for d, _, _ in gathered) for k in keys},
+            "grad_max": max(m for _, m, _ in gathered), "row_tokens": [r for _, _, r in gathered],
+            "stats_off": stats_off, "stats_on": stats_on,
+            "values_max": float(values[ok].abs().max())}
 
 
 def run_case(args: argparse.Namespace) -> None:
@@ -149,6 +243,11 @@ def run_case(args: argparse.Namespace) -> None:
     dist.all_gather_object(gathered, (groups.dp_rank, groups.tp_rank, groups.pp_rank, logprobs0.tolist(),
                                       trained_rows))
     tensors = dict(actor.pipeline_hf_tensors()) if groups.dp_rank == 0 or groups.ep_size > 1 else {}
+    tensors = {k: v.clone() for k, v in tensors.items()}
+    started = time.perf_counter()
+    shared = shared_prompt_check(actor, critic, groups, args) if args.share_prompts else None
+    if shared is not None:
+        shared["seconds"] = time.perf_counter() - started
     resumed = {}
     if args.resume_from:
         resumed_actor = engine(optim=optim, load_weights=False)
@@ -170,7 +269,8 @@ def run_case(args: argparse.Namespace) -> None:
                                                      "lengths": lengths_of(batch["response_mask"]).tolist(),
                                                      "trained_rows": [rows_by_dp[dp] for dp in sorted(rows_by_dp)],
                                                      "handoff_exact_on_every_rank": all(all_exact),
-                                                     "resumed_step": resumed.get("step")}))
+                                                     "resumed_step": resumed.get("step"),
+                                                     "shared_prompts": shared}))
         torch.save({k: v.clone() for k, v in tensors.items()}, out / "weights.pt")
         if resumed:
             torch.save({"loaded": resumed["loaded"], "stepped": resumed["stepped"]}, out / "resumed.pt")

@@ -1,6 +1,8 @@
 """Every parallel layout gives the numbers of one rank: TP=2, PP=2, DP=2, TP2xPP2, DP2xTP2, virtual pipeline
 stages PP2xVPP2, context parallel CP=2 and DP2xCP2, sequence parallel TP=2, and expert parallel EP=2, EP2xPP2
-and EP2xTP2 (with sequence parallelism) on MoE models, on gloo ranks.
+and EP2xTP2 (with sequence parallelism) on MoE models, on gloo ranks; and prompts held once per group
+(train.share_prompts) against the unshared computation at TP=2 (with and without sequence parallelism),
+PP=2, PP2xVPP2, DP=2, TP2xPP2 and DP2xTP2.
 
 Each layout runs tests/parallel_worker.py under torchrun (two optimizer steps of the PPO + KL + entropy
 policy loss on one fixed global batch; MoE models add their load-balancing loss; then three steps of a
@@ -33,26 +35,28 @@ def layout(*, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, extra: tuple[s
 CASES = {
     **{f"single-{arch}": (arch, 1, ()) for arch in ("qwen2", "llama", "qwen3", "qwen2_moe", "mixtral")},
     "single-qwen2_4layers": ("qwen2_4layers", 1, ("--save", "{runs}/ckpt_single")),
-    "qwen2-tp2": ("qwen2", 2, layout(tp=2)),
+    "qwen2-tp2": ("qwen2", 2, layout(tp=2, extra=("--share-prompts",))),
     "qwen2-pp2": ("qwen2", 2, layout(pp=2)),  # 4 micro-batches through the 1F1B schedule
     "qwen2-dp2": ("qwen2", 2, layout()),
-    "qwen2-tp2pp2": ("qwen2", 4, layout(tp=2, pp=2)),
-    "qwen2-dp2tp2": ("qwen2", 4, layout(tp=2)),
+    "qwen2-tp2pp2": ("qwen2", 4, layout(tp=2, pp=2, extra=("--share-prompts",))),
+    "qwen2-dp2tp2": ("qwen2", 4, layout(tp=2, extra=("--share-prompts",))),
     "llama-tp2": ("llama", 2, layout(tp=2)),  # untied output layer split over the vocabulary
     "llama-pp2": ("llama", 2, layout(pp=2)),  # untied output layer on the last stage only
     "qwen2_moe-ep2": ("qwen2_moe", 2, layout(ep=2)),  # DP=2 for the dense weights: 2 of 4 experts per rank
     "mixtral-ep2pp2": ("mixtral", 4, layout(pp=2, ep=2)),  # experts split inside each pipeline stage
-    "qwen3-tp2sp-packed": ("qwen3", 2, layout(tp=2, extra=("--sequence-parallel", "--micro-batch-tokens", "24"))),
+    "qwen3-tp2sp-packed": ("qwen3", 2, layout(tp=2, extra=("--sequence-parallel", "--micro-batch-tokens", "24",
+                                                                 "--share-prompts"))),
     "qwen2_moe-ep2tp2sp": ("qwen2_moe", 4, layout(tp=2, ep=2, extra=("--sequence-parallel",))),
     "qwen2-cp2": ("qwen2", 2, layout(cp=2)),
     "qwen2-dp2cp2": ("qwen2", 4, layout(cp=2)),
-    "qwen2-pp2-packed": ("qwen2", 2, layout(pp=2, extra=("--micro-batch-tokens", "24"))),
-    "qwen2-dp2-balanced-packed": ("qwen2", 2, layout(extra=("--micro-batch-tokens", "24", "--redistribute"))),
+    "qwen2-pp2-packed": ("qwen2", 2, layout(pp=2, extra=("--micro-batch-tokens", "24", "--share-prompts"))),
+    "qwen2-dp2-balanced-packed": ("qwen2", 2, layout(extra=("--micro-batch-tokens", "24", "--redistribute",
+                                                                     "--share-prompts"))),
     "qwen2-dp2-balanced": ("qwen2", 2, layout(extra=("--redistribute",))),
     "qwen2_4layers-pp2vpp2": ("qwen2_4layers", 2, layout(pp=2, extra=(
         "--vpp", "2", "--save", "{runs}/ckpt_vpp", "--resume-from", "{runs}/ckpt_single"))),
     "qwen2_4layers-pp2vpp2-packed": ("qwen2_4layers", 2, layout(pp=2, extra=("--vpp", "2", "--micro-batch-tokens",
-                                                                             "24"))),
+                                                                             "24", "--share-prompts"))),
 }
 
 
@@ -185,6 +189,38 @@ def test_virtual_pipeline_stages_with_packing_match_single_rank(runs):
     result = runs("qwen2_4layers-pp2vpp2-packed")
     assert count_bins(result["lengths"], 24) == 3
     assert_same_numbers(result, runs("single-qwen2_4layers"), lengths=result["lengths"])
+
+
+# Shared prompts (train.share_prompts) at every layout of model and data parallelism: the worker's cases with
+# --share-prompts also run GRPO groups of 3, 2 and 3 samples (the DP=2 split cuts the middle one between
+# ranks; with --redistribute the RL loop's token balancing moves samples of a group between ranks too)
+# through one forward and backward of the clipped-ratio + KL + entropy loss with the prompts held once and
+# not, packed in rows of at most 24 tokens, on the same weights, and the critic's values (see
+# parallel_worker.shared_prompt_check).
+#
+# Tolerance, fp32, the single-rank tests' 1e-6 absolute: both passes run the same sharded weights through
+# the same collectives; a shared row only changes the row's length and where each sequence sits in it, so
+# each token's sums may run in another order. Observed: per-token logprobs and entropy equal (0), but for
+# 4.8e-7 (one ulp at ~5) at PP2xVPP2; gradients (after the schedule's reduction over DP, the TP sum of
+# sequence-parallel weights and the tied embedding's over stages; largest |g| ~0.2) up to 7.5e-8, critic
+# values up to 7.5e-9. The global loss statistics are fp32 sums of order-1 terms, each a few ulps apart
+# (the entropy, 4.8, by 4.8e-7 = 1 ulp): compared at 1e-6 relative.
+SHARED = [name for name, (_, _, args) in CASES.items() if "--share-prompts" in args]
+
+
+@pytest.mark.parametrize("name", SHARED)
+def test_shared_prompts_match_unshared_under_model_and_data_parallelism(name, runs):
+    shared = runs(name)["shared_prompts"]
+    diff = shared["max_diff"]
+    assert set(diff) == {"logprobs", "train_logprobs", "entropy", "grads", "values"}
+    for key, worst in diff.items():
+        assert worst <= 1e-6, (key, worst)
+    assert shared["grad_max"] > 1e-2 and shared["values_max"] > 1e-2  # not all ~0
+    for key, want in shared["stats_off"].items():
+        assert shared["stats_on"][key] == pytest.approx(want, rel=1e-6, abs=1e-7), key
+    assert shared["stats_off"]["clipfrac"] > 0 and shared["stats_off"]["kl"] > 0  # the clip and KL are exercised
+    # every rank trained fewer tokens, each group's prompt once per row
+    assert all(rank["on"] < rank["off"] for rank in shared["row_tokens"])
 
 
 def assert_same_numbers(result: dict, reference: dict, *, lengths: list[int] | None = None) -> None:

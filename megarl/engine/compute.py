@@ -22,7 +22,9 @@ from megarl.device import current_device, on_gpu
 from megarl.engine.context_parallel import gather_sequence, split_sequence
 from megarl.engine.model import StageModel
 from megarl.engine.router_replay import ModelRouting
-from megarl.packing import PackedRow, count_bins, pack, packed_row, plan_micro_batches, unpack
+from megarl.packing import (PackedRow, PromptGroups, count_bins, first_own_predictions, pack, pack_shared,
+                            packed_row, plan_micro_batches, prompt_units, shared_row, unit_tokens, unpack,
+                            unpack_shared)
 from megarl.routing import RouteUse
 
 if TYPE_CHECKING:
@@ -67,11 +69,15 @@ class MicroBatch:
                        positions=positions.expand(len(index), -1), rows=rows)
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        ids, positions = pack(tokens, packed)
+        from megarl.engine.local_attention import SharedPromptParams
+
+        ids, positions = pack(tokens, packed) if packed.shared is None else pack_shared(tokens, packed)
         labels = F.pad(ids[:, 1:], (0, 1))  # the token after each position of the row
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=packed.cu_seqlens.to(device),
-                                 cu_seqlens_kv=packed.cu_seqlens.to(device), max_seqlen_q=packed.max_seqlen,
-                                 max_seqlen_kv=packed.max_seqlen)
+        layout = dict(qkv_format="thd", cu_seqlens_q=packed.cu_seqlens.to(device),
+                      cu_seqlens_kv=packed.cu_seqlens.to(device), max_seqlen_q=packed.max_seqlen,
+                      max_seqlen_kv=packed.max_seqlen)
+        params = PackedSeqParams(**layout) if packed.shared is None else \
+            SharedPromptParams(**layout, prefix_of=packed.shared.prefix_of.to(device))
         return cls(index=index, ids=ids.to(device), labels=labels.to(device), positions=positions.to(device),
                    rows=rows, packed=packed, packed_params=params)
 
@@ -87,8 +93,8 @@ class PipelineSchedule:
 
     def run(self, tokens: Tensor, extras: dict[str, Tensor], loss_fn: LossFn | None, *, temperature: float,
              micro_batch_size: int, forward_only: bool, entropy: bool = False, lengths: Tensor | None = None,
-             micro_batch_tokens: int | None = None, keep_outputs: bool = False, routes: RouteUse | None = None
-             ) -> tuple[Tensor | None, dict[str, Tensor]]:
+             micro_batch_tokens: int | None = None, keep_outputs: bool = False, routes: RouteUse | None = None,
+             prompt_groups: PromptGroups | None = None) -> tuple[Tensor | None, dict[str, Tensor]]:
         """Run the pipeline schedule over micro-batches.
 
         The head's output per token, [b, T] (logprobs of an LM, values of a critic), goes to `loss_fn`
@@ -104,14 +110,17 @@ class PipelineSchedule:
 
         `routes` (MoE models) gives the routers each sample's experts to compare with, or to replay; with
         `routes.record` the trainer's own routing is kept per sample (`ModelRouting.recorded`).
+
+        `prompt_groups` (packed rows only): a group's samples with equal prompts hold the prompt once in their
+        row (megarl.packing.shared_row); the outputs are those of the samples run alone.
         """
         routes = routes or RouteUse()
         batch, seq_len = tokens.shape
-        self._check_inputs(tokens, routes, micro_batch_tokens=micro_batch_tokens)
+        self._check_inputs(tokens, routes, micro_batch_tokens=micro_batch_tokens, prompt_groups=prompt_groups)
         if not micro_batch_tokens:
             tokens, extras = self._pad_columns(tokens, extras)
         micro = self.micro_batches(tokens, extras, lengths=lengths, micro_batch_size=micro_batch_size,
-                                   micro_batch_tokens=micro_batch_tokens)
+                                   micro_batch_tokens=micro_batch_tokens, prompt_groups=prompt_groups)
         self._check_micro_batch_count(len(micro), batch=batch, micro_batch_size=micro_batch_size)
         one_pass = SchedulePass(self, loss_fn, temperature=temperature, entropy=entropy, seq_len=seq_len,
                                 width=tokens.shape[1], loss_scale=self.loss_scale(len(micro)),
@@ -127,10 +136,13 @@ class PipelineSchedule:
             self.routing.recorded = self._recorded_routes(micro, batch, seq_len)
         return one_pass.outputs(batch), one_pass.stat_sums
 
-    def _check_inputs(self, tokens: Tensor, routes: RouteUse, *, micro_batch_tokens: int | None) -> None:
+    def _check_inputs(self, tokens: Tensor, routes: RouteUse, *, micro_batch_tokens: int | None,
+                      prompt_groups: PromptGroups | None = None) -> None:
         """Refuse what the schedule cannot run, naming the setting to change."""
         batch, seq_len = tokens.shape
         cp = self.stage.groups.cp_size
+        if prompt_groups is not None:
+            check_shared_prompts(micro_batch_tokens=micro_batch_tokens, moe=self.routing is not None)
         if cp > 1 and micro_batch_tokens:
             raise ValueError(f"sequence packing (train.micro_batch_tokens = {micro_batch_tokens}) cannot be combined "
                              f"with context parallelism (parallel.cp = {cp}); turn one of them off")
@@ -162,14 +174,15 @@ class PipelineSchedule:
         return grow(tokens), {k: grow(v) for k, v in extras.items()}
 
     def micro_batches(self, tokens: Tensor, extras: dict[str, Tensor], *, lengths: Tensor | None,
-                      micro_batch_size: int, micro_batch_tokens: int | None) -> list[MicroBatch]:
+                      micro_batch_size: int, micro_batch_tokens: int | None,
+                      prompt_groups: PromptGroups | None = None) -> list[MicroBatch]:
         """The batch's rows in micro-batches: packed rows of at most `micro_batch_tokens` tokens (`packed_rows`),
         or `micro_batch_size` padded rows each."""
         groups = self.stage.groups
         if micro_batch_tokens:
             return [MicroBatch.of_rows(tokens, extras, row.index, row, cp=groups.cp_size, cp_rank=groups.cp_rank,
                                        device=current_device())
-                    for row in self.packed_rows(tokens, lengths, micro_batch_tokens)]
+                    for row in self.packed_rows(tokens, lengths, micro_batch_tokens, prompt_groups=prompt_groups)]
         batch = tokens.shape[0]
         # Pipeline stages exchange activations of one fixed shape, so with pp > 1 every micro-batch holds
         # micro_batch_size rows; one stage takes a smaller last one (a step on part of a batch).
@@ -249,9 +262,11 @@ class PipelineSchedule:
                     recorded[i] = rows[0, start: start + n]
         return self.routing.combine_stages(recorded)
 
-    def packed_rows(self, tokens: Tensor, lengths: Tensor | None, max_tokens: int) -> list[PackedRow]:
+    def packed_rows(self, tokens: Tensor, lengths: Tensor | None, max_tokens: int, *,
+                    prompt_groups: PromptGroups | None = None) -> list[PackedRow]:
         """The rows of `tokens` [B, T] (`lengths` [B] real tokens each) packed into micro-batches of at most
-        `max_tokens` tokens, as many on every data-parallel rank.
+        `max_tokens` tokens, as many on every data-parallel rank. With `prompt_groups`, the units packed are
+        `prompt_units` (a group's prompt once, then its samples' own tokens) instead of single sequences.
 
         The count is the largest first-fit-decreasing bin count over DP ranks (Megatron's DDP and pipeline
         schedules need one count everywhere), raised until the token-balanced split fits the budget on
@@ -263,6 +278,10 @@ class PipelineSchedule:
         lens = [int(n) for n in lengths]
         if max(lens) > tokens.shape[1]:
             raise ValueError(f"a length {max(lens)} exceeds the {tokens.shape[1]} columns of the batch")
+        units = None
+        if prompt_groups is not None:
+            units = prompt_units(tokens, lengths, prompt_groups, max_tokens=max_tokens)
+            lens = [unit_tokens(unit, lengths, prompt_groups.prompt_lens) for unit in units]
         n_micro = self.schedulable(self._dp_reduce(count_bins(lens, max_tokens), dist.ReduceOp.MAX))
         while True:
             plan = plan_micro_batches(lens, max_tokens=max_tokens, n_micro=n_micro)
@@ -277,6 +296,9 @@ class PipelineSchedule:
             # sequence parallelism splits the row evenly over TP ranks
             tp = self.stage.groups.tp_size
             row_lens = [-(-n // tp) * tp for n in row_lens]
+        if units is not None:
+            return [shared_row([units[u] for u in part], lengths, prompt_groups.prompt_lens, row_len=row_len)
+                    for part, row_len in zip(plan, row_lens)]
         return [packed_row(part, lengths, row_len=row_len) for part, row_len in zip(plan, row_lens)]
 
     def schedulable(self, n_micro: int) -> int:
@@ -426,6 +448,8 @@ class SchedulePass:
     def _head_outputs(self, micro: MicroBatch, output: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """The head's output per token [b, T] aligned with the tokens (logprobs, or values of a critic), and
         {"entropy": [b, T]} when asked; packed rows back in the right-padded layout."""
+        if micro.packed is not None and micro.packed.shared is not None:
+            return self._shared_outputs(micro, output)
         if self.schedule.stage.value_head:
             out, kwargs = self._aligned(output[..., 0].float()), {}
         else:
@@ -436,6 +460,24 @@ class SchedulePass:
             out = unpack(out[0], micro.packed, width=self.seq_len)
             kwargs = {k: unpack(v[0], micro.packed, width=self.seq_len) for k, v in kwargs.items()}
         return out, kwargs
+
+    def _shared_outputs(self, micro: MicroBatch, output: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """`_head_outputs` of a shared-prompt row: what each position predicts, plus each sequence's first
+        own token as predicted by its prompt's last position (which predicts a different token for every
+        sequence of its group), unpacked to [b, T]."""
+        row = micro.packed
+        where, first_tokens = first_own_predictions(row, micro.ids[0])
+        where = where.to(output.device)
+        if self.schedule.stage.value_head:
+            values = output[0, :, 0].float()
+            return unpack_shared(torch.cat([values, values[where]]), row, width=self.seq_len), {}
+        per_position, kwargs = self.schedule.token_logprobs(output, micro.labels, temperature=self.temperature,
+                                                             entropy=self.entropy)
+        first, _ = self.schedule.token_logprobs(output[:, where], first_tokens[None], temperature=self.temperature,
+                                                entropy=False)
+        out = unpack_shared(torch.cat([per_position[0], first[0]]), row, width=self.seq_len)
+        return out, {k: unpack_shared(torch.cat([v[0], v[0, where]]), row, width=self.seq_len)
+                     for k, v in kwargs.items()}
 
     def _aligned(self, per_position: Tensor) -> Tensor:
         """[b, s / cp] per position of this rank -> [b, s] whole sequences, shifted right by one: column t
@@ -451,3 +493,20 @@ class SchedulePass:
         out = torch.zeros(batch, self.width, dtype=self.kept[0][1].dtype, device=current_device())
         out[torch.cat([index for index, _ in self.kept])] = torch.cat([values for _, values in self.kept])
         return out[:, :self.seq_len]
+
+
+def check_shared_prompts(*, micro_batch_tokens: int | None, moe: bool) -> None:
+    """Refuse a shared-prompt layout (train.share_prompts) that the engine cannot compute exactly."""
+    from megarl.engine.model import uses_transformer_engine
+
+    if not micro_batch_tokens:
+        raise ValueError("train.share_prompts lays a group out as one packed row: it needs sequence packing "
+                         "(set train.micro_batch_tokens)")
+    if moe:
+        raise ValueError("train.share_prompts is not supported for mixture-of-experts models: the routes of a "
+                         "shared prompt would be replayed and recorded per sample, and the load-balancing loss "
+                         "would count each prompt once instead of once per sample")
+    if uses_transformer_engine():
+        raise ValueError("train.share_prompts runs on Megatron's local layer spec only (megarl.engine."
+                         "local_attention masks prompt and responses); Transformer Engine's packed attention "
+                         "and fused RoPE are not given the shared-prompt mask and position ids")

@@ -29,9 +29,11 @@ variants and attention dropout still go through it.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from torch import Tensor
@@ -39,13 +41,47 @@ from torch import Tensor
 from megarl.engine.context_parallel import all_gather_keys_values, cp_positions
 
 
-def block_causal_mask(cu_seqlens: Tensor, total: int, *, device) -> Tensor:
-    """[1, 1, t, t] bool, True where attention is masked: across segments, or to a later position."""
+def block_causal_mask(cu_seqlens: Tensor, total: int, *, device, prefix_of: Tensor | None = None) -> Tensor:
+    """[1, 1, t, t] bool, True where attention is masked: across segments, or to a later position. With
+    `prefix_of` [segments] (a shared-prompt row, megarl.packing.shared_row), a segment's tokens also see every
+    token of segment prefix_of[s] (its group's prompt, earlier in the row; -1: none)."""
     bounds = cu_seqlens.to(device=device, dtype=torch.long)
     segment = torch.bucketize(torch.arange(total, device=device), bounds[1:], right=True)  # [t]
     pos = torch.arange(total, device=device)
     allowed = (segment[:, None] == segment[None, :]) & (pos[None, :] <= pos[:, None])
+    if prefix_of is not None:
+        allowed |= prefix_of.to(device)[segment][:, None] == segment[None, :]
     return ~allowed[None, None]
+
+
+@dataclass
+class SharedPromptParams(PackedSeqParams):
+    """A shared-prompt packed row as attention takes it: the segments of `PackedSeqParams`, and for each the
+    segment its tokens also see whole (`SharedPrompts.prefix_of`)."""
+
+    prefix_of: Tensor | None = None  # [segments] long
+
+
+def rope_at_position_ids(model) -> None:
+    """Make GPTModel `model` rotate the queries and keys of a shared-prompt row by the position ids it is
+    given (own tokens continue after their prompt), not by each segment's offset from its start.
+
+    Megatron's packed RoPE takes per-token frequencies as they are when it gets one per token of the row (its
+    "exact mapping"): a hook hands it the frequency table's rows at the position ids. The table covers
+    max_seqlen_q positions, which a shared row sets to its longest sequence."""
+    rotary = model.rotary_pos_emb
+
+    def remember(_module, args, kwargs):
+        params = kwargs.get("packed_seq_params")
+        positions = args[1] if len(args) > 1 else kwargs.get("position_ids")
+        rotary.row_positions = positions[0] if isinstance(params, SharedPromptParams) else None
+
+    def select(_module, _args, freqs):
+        positions = getattr(rotary, "row_positions", None)
+        return freqs if positions is None else freqs[positions.to(freqs.device)]
+
+    model.register_forward_pre_hook(remember, with_kwargs=True)
+    rotary.register_forward_hook(select)
 
 
 def segment_bounds(packed_seq_params) -> Tensor:
@@ -65,6 +101,37 @@ def segment_rows(bounds: Tensor, total: int) -> tuple[Tensor, Tensor] | None:
     offsets = torch.arange(longest, device=bounds.device)
     index = (bounds[:-1, None] + offsets[None, :]).clamp(max=total - 1)
     return index, offsets[None, :] < lengths[:, None]
+
+
+def shared_rows(bounds: Tensor, prefix_of: Tensor, total: int) -> tuple | None:
+    """A shared-prompt row's attention in two batches of rows (`PackedLocalAttention.shared_prompt_attention`),
+    or None when they compute no fewer scores than one t x t masked row (or no segment has a prefix):
+
+    - the segments that see no prefix (prompts, sequences alone, padding), one per row as in `segment_rows`:
+      index [a, L] of their tokens, valid [a, L];
+    - the segments with a prefix (own tokens after a shared prompt): index [b, R] of their tokens (the
+      queries), keys [b, Q + R] (their prompt's tokens, then their own), masked [b, 1, R, Q + R] (a prompt
+      column past the prompt's end, an own column after the query) and valid [b, R]."""
+    lengths = bounds[1:] - bounds[:-1]
+    has = prefix_of >= 0
+    if not bool(has.any()):
+        return None
+
+    def rows(starts: Tensor, n: Tensor) -> tuple[Tensor, Tensor]:
+        cols = torch.arange(int(n.max()) if len(n) else 0, device=bounds.device)
+        return (starts[:, None] + cols).clamp(max=total - 1), cols[None, :] < n[:, None]
+
+    plain = rows(bounds[:-1][~has], lengths[~has])
+    q_index, q_valid = rows(bounds[:-1][has], lengths[has])
+    p_index, p_valid = rows(bounds[:-1][prefix_of[has]], lengths[prefix_of[has]])
+    own = q_index.shape[1]
+    causal = torch.arange(own, device=bounds.device)
+    masked = torch.cat([(~p_valid)[:, None, :].expand(-1, own, -1),
+                        (causal[None, :] > causal[:, None]).expand(len(q_index), -1, -1)], dim=2)
+    scores = plain[0].numel() * plain[0].shape[1] + q_index.numel() * (p_index.shape[1] + own)
+    if scores >= total * total:
+        return None
+    return plain, (q_index, torch.cat([p_index, q_index], dim=1), masked[:, None], q_valid)
 
 
 class PackedLocalAttention(DotProductAttention):
@@ -108,6 +175,20 @@ class PackedLocalAttention(DotProductAttention):
         sq, b = query.shape[:2]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
+    def shared_prompt_attention(self, query: Tensor, key: Tensor, value: Tensor, plain: tuple, prefixed: tuple
+                                ) -> Tensor:
+        """Attention of a shared-prompt row (query, key, value [t, heads or groups, dim]) from `shared_rows`:
+        the segments without a prefix each causal over itself, the others over their prompt and their own
+        earlier tokens; the two batches' outputs back in row order, [t, 1, heads * dim]."""
+        index, valid = plain
+        gather = lambda t, i: t[i].transpose(0, 1)  # noqa: E731  [t, h, d] -> [columns, rows, h, d]
+        out_plain = self.attend(gather(query, index), gather(key, index), gather(value, index), None)
+        q_index, k_index, masked, q_valid = prefixed
+        out_prefixed = self.attend(gather(query, q_index), gather(key, k_index), gather(value, k_index), masked)
+        positions = torch.cat([index[valid], q_index[q_valid]])
+        out = torch.cat([out_plain.transpose(0, 1)[valid], out_prefixed.transpose(0, 1)[q_valid]])
+        return out[torch.argsort(positions)].unsqueeze(1)
+
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                 attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> Tensor:
         if self.cp_group is not None:
@@ -127,6 +208,15 @@ class PackedLocalAttention(DotProductAttention):
             raise ValueError("packed attention takes qkv_format 'thd' and no attention mask of its own")
         total = query.shape[0]
         bounds = segment_bounds(packed_seq_params).to(query.device)
+        prefix_of = getattr(packed_seq_params, "prefix_of", None)
+        if prefix_of is not None:  # a shared-prompt row
+            prefix_of = prefix_of.to(query.device)
+            split = shared_rows(bounds, prefix_of, total) if self.fused and attention_bias is None else None
+            if split is not None:
+                return self.shared_prompt_attention(query, key, value, *split)
+            mask = block_causal_mask(bounds, total, device=query.device, prefix_of=prefix_of)
+            return self.attend(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask,
+                               attn_mask_type=attn_mask_type, attention_bias=attention_bias)
         rows = segment_rows(bounds, total) if self.fused and attention_bias is None else None
         if rows is not None:
             index, valid = rows

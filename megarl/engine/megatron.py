@@ -30,6 +30,7 @@ from megarl.engine.parallel import ParallelGroups, init_parallel
 from megarl.engine.router_replay import ModelRouting
 from megarl.layout import check_layout
 from megarl.models.arch import read_shape
+from megarl.packing import PromptGroups
 from megarl.routing import RouteUse
 
 
@@ -199,15 +200,15 @@ class TrainEngine:
     @torch.no_grad()
     def logprobs(self, tokens: Tensor, *, temperature: float, micro_batch_size: int,
                  lengths: Tensor | None = None, micro_batch_tokens: int | None = None,
-                 routes: RouteUse | None = None) -> Tensor:
+                 routes: RouteUse | None = None, prompt_groups: PromptGroups | None = None) -> Tensor:
         """Token logprobs [B, T] of `tokens` [B, T] on every rank of the pipeline (micro-batching as in
         `PipelineSchedule.run`: `micro_batch_tokens` packs sequences of `lengths` [B] tokens; `routes`: MoE
-        routes to compare with, replay or record)."""
+        routes to compare with, replay or record; `prompt_groups`: prompts held once per group)."""
         if self.value_head:
             raise ValueError("a critic has no token logprobs; use values()")
         out, _ = self.schedule.run(tokens, {}, None, temperature=temperature, micro_batch_size=micro_batch_size,
                                    forward_only=True, lengths=lengths, micro_batch_tokens=micro_batch_tokens,
-                                   routes=routes)
+                                   routes=routes, prompt_groups=prompt_groups)
         return self.schedule.from_last_stage(out, tokens.shape).cpu()
 
     # ---- MoE routing -----------------------------------------------------------------------------------
@@ -226,24 +227,27 @@ class TrainEngine:
 
     @torch.no_grad()
     def values(self, tokens: Tensor, *, micro_batch_size: int, lengths: Tensor | None = None,
-               micro_batch_tokens: int | None = None) -> Tensor:
+               micro_batch_tokens: int | None = None, prompt_groups: PromptGroups | None = None) -> Tensor:
         """A critic's values [B, T]: column t is V(tokens[:t]), the state in which token t was chosen."""
         if not self.value_head:
             raise ValueError("values() needs a critic (TrainEngine(value_head=True))")
         out, _ = self.schedule.run(tokens, {}, None, temperature=1.0, micro_batch_size=micro_batch_size,
-                                   forward_only=True, lengths=lengths, micro_batch_tokens=micro_batch_tokens)
+                                   forward_only=True, lengths=lengths, micro_batch_tokens=micro_batch_tokens,
+                                   prompt_groups=prompt_groups)
         return self.schedule.from_last_stage(out, tokens.shape).cpu()
 
     def train_step(self, tokens: Tensor, extras: dict[str, Tensor], loss_fn: LossFn, *, temperature: float,
                    micro_batch_size: int, entropy: bool = False, lengths: Tensor | None = None,
                    micro_batch_tokens: int | None = None, return_outputs: bool = False,
-                   routes: RouteUse | None = None) -> dict[str, float] | tuple[dict[str, float], Tensor]:
+                   routes: RouteUse | None = None, prompt_groups: PromptGroups | None = None
+                   ) -> dict[str, float] | tuple[dict[str, float], Tensor]:
         """One optimizer step on this rank's share [B, T] of the global batch, at learning rate
         `optim.lr_at(step)`.
 
         `loss_fn(outputs [b, T], micro-batch dict)` sees logprobs (values for a critic), plus
         `entropy=` [b, T] when `entropy` is True; `micro_batch_tokens` packs sequences of `lengths` [B]
-        tokens into micro-batches; `routes`: MoE routes to compare with or replay. Returns its statistics summed
+        tokens into micro-batches (`prompt_groups`: prompts held once per group); `routes`: MoE routes to compare
+        with or replay. Returns its statistics summed
         over micro-batches and DP ranks (each one a contribution normalized by global counts, so the sums are global means), plus `grad_norm` and `lr`;
         with `return_outputs`, also the outputs [B, T] the loss saw (before the update, detached), on every
         rank of the pipeline, as `logprobs` / `values` return them.
@@ -254,7 +258,7 @@ class TrainEngine:
         out, stats = self.schedule.run(tokens, extras, loss_fn, temperature=temperature,
                                        micro_batch_size=micro_batch_size, forward_only=False, entropy=entropy,
                                        lengths=lengths, micro_batch_tokens=micro_batch_tokens,
-                                       keep_outputs=return_outputs, routes=routes)
+                                       keep_outputs=return_outputs, routes=routes, prompt_groups=prompt_groups)
         ok, grad_norm, _ = self.optimizer.step()
         for model in self.models:
             model.zero_grad_buffer()

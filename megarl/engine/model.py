@@ -186,7 +186,7 @@ def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: in
         from megatron.core.transformer.spec_utils import ModuleSpec
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-        from megarl.engine.local_attention import PackedLocalAttention
+        from megarl.engine.local_attention import PackedLocalAttention, rope_at_position_ids
         from megarl.engine.rms_norm import RMSNorm
 
         layer = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=shape.qk_norm,
@@ -213,6 +213,8 @@ def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: in
         rope_scaling=shape.llama3_rope_factor is not None,
         rope_scaling_factor=shape.llama3_rope_factor or 8.0, vp_stage=vp_stage,
     )
+    if not uses_transformer_engine():
+        rope_at_position_ids(model)  # shared-prompt rows (megarl.packing.shared_row)
     if on_gpu():
         model.cuda(current_device())
     return model

@@ -32,7 +32,7 @@ from megarl.loops.split_worker import serve_rollout
 from megarl.loops.warmup import sft_warmup
 from megarl.metrics import PhaseTimer, check_finite
 from megarl.objective import explained_variance
-from megarl.packing import redistribute, sequence_lengths, zero_advantage_split
+from megarl.packing import PromptGroups, redistribute, sequence_lengths, zero_advantage_split
 from megarl.rewards.code import check_test_specs
 from megarl.rewards.scorer import RewardFailure
 from megarl.rollout.multi_turn import FINISH_REASONS
@@ -235,11 +235,13 @@ def routing_metrics(run: RLRun) -> dict[str, float]:
 # ---- helpers ----------------------------------------------------------------------------------------
 def micro_batching(train: TrainConfig, batch: RolloutBatch) -> dict:
     """The engines' micro-batch arguments: `train.micro_batch_size` padded sequences, or packed rows of at
-    most `train.micro_batch_tokens` tokens (which need each sample's length)."""
+    most `train.micro_batch_tokens` tokens (which need each sample's length), with `train.share_prompts` a
+    group's prompt once in its row."""
     if not train.micro_batch_tokens:
         return {"micro_batch_size": train.micro_batch_size}
+    shared = {"prompt_groups": PromptGroups(batch.group_ids, batch.prompt_lens)} if train.share_prompts else {}
     return {"micro_batch_size": train.micro_batch_size, "micro_batch_tokens": train.micro_batch_tokens,
-            "lengths": sequence_lengths(batch.response_mask, batch.prompt_lens)}
+            "lengths": sequence_lengths(batch.response_mask, batch.prompt_lens), **shared}
 
 
 # ---- the run ---------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from megarl.batch import RolloutBatch
 from megarl.config import Config, RecipeError
 from megarl.data.prompts import PromptRow, PromptSampler
 from megarl.engine.megatron import TrainEngine
+from megarl.engine.model import uses_transformer_engine
 from megarl.engine.parallel import ParallelGroups
 from megarl.engine.roles import make_engine
 from megarl.envs.environment import Environment, SingleTurn, environment_factory
@@ -160,9 +161,23 @@ def check_launch(cfg: Config) -> None:
         raise RecipeError(f"algo.router_replay = 'r3' replays the rollout engine's routes, which rollout.engine = "
                           f"{cfg.rollout.engine!r} cannot return on this machine (SGLang captures them on GPU only); "
                           "use the native engine, or r2")
+    if cfg.train.share_prompts:
+        check_share_prompts(shape)
     if cfg.algo.router_replay != "none" and cfg.model.megatron.get("moe_router_fusion"):
         raise RecipeError("algo.router_replay needs Megatron's unfused router: the fused top-k kernel "
                           "(model.megatron.moe_router_fusion: true) has no replay hook")
+
+
+def check_share_prompts(shape) -> None:
+    """train.share_prompts on what the engine computes exactly: dense models on Megatron's local layer spec."""
+    if shape.is_moe:
+        raise RecipeError(f"train.share_prompts is not supported for mixture-of-experts models (model.path: "
+                          f"{shape.arch}): a shared prompt's routes would be replayed and recorded per sample, and "
+                          "the load-balancing loss would count each prompt once instead of once per sample")
+    if uses_transformer_engine():
+        raise RecipeError("train.share_prompts runs on Megatron's local layer spec only (the shared-prompt mask and "
+                          "position ids are applied by megarl.engine.local_attention); with Transformer Engine "
+                          "installed on a GPU, turn train.share_prompts off")
 
 
 def build_run(cfg: Config, groups: ParallelGroups, *, rollouts: Rollouts, tokenizer, train_rows: list[PromptRow],

@@ -221,7 +221,24 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
                 host=host_memory(cfg, cluster, layout, stages, buffers,
                                  routes=routing.host_per_rank if routing is not None else 0),
                 assumptions=assumptions(cfg, layout, seq_source=seq_source, experts=shape.is_moe,
-                                        routing=routing))
+                                        routing=routing)
+                + ([] if cfg.algo.name in OFFLINE_ALGOS else [trained_tokens(cfg, layout, prompt_tokens=prompt_tokens,
+                                                                             seq_len=seq_len)]))
+
+
+def trained_tokens(cfg: Config, layout: Layout, *, prompt_tokens: int, seq_len: int) -> str:
+    """The tokens each data-parallel rank trains per step at full length: n * (P + R) per prompt, or with
+    train.share_prompts P + n * R (the prompt once per group, megarl.packing.shared_row)."""
+    n, prompts = cfg.rollout.n_samples, cfg.data.prompts_per_step
+    response = seq_len - prompt_tokens
+    unshared = prompts * n * seq_len // layout.dp
+    if not cfg.train.share_prompts:
+        return (f"trained tokens per step and data-parallel rank: {unshared} (data.prompts_per_step x "
+                f"rollout.n_samples x {seq_len} / dp)")
+    shared = prompts * (prompt_tokens + n * response) // layout.dp
+    return (f"trained tokens per step and data-parallel rank: {shared} with train.share_prompts (each prompt "
+            f"once: data.prompts_per_step x ({prompt_tokens} + rollout.n_samples x {response}) / dp), "
+            f"{unshared / shared:.2f}x fewer than {unshared}")
 
 
 def assumptions(cfg: Config, layout: Layout, *, seq_source: str, experts: bool,

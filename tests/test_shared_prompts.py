@@ -1,0 +1,305 @@
+"""Prompts held once per group (train.share_prompts): a group's prompt once in a packed row, then each sample's
+own tokens at the positions that follow it, attending to the prompt and to themselves only. Every output and
+gradient must be the one of each sample run alone.
+
+Tolerance 1e-6 (fp32): a shared row runs each sample's attention over the same keys as the sample alone, with
+the same masked softmax, but in a longer row and other matmul shapes, so sums may run in another order:
+observed differences are 0 to ~5e-7 on logprobs of magnitude ~5.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+from megarl.packing import PromptGroups, prompt_units, shared_row, unit_tokens, unpack_shared
+
+pytestmark = pytest.mark.timeout(180)
+
+TOL = 1e-6
+N_TOKENS = 98  # real tokens of the tiny tokenizer
+
+
+def grouped_batch(seed: int = 5):
+    """[B, T] tokens of three groups (prompts of 5, 3 and 6 tokens; 4, 3 and 1 samples) with ragged responses
+    (one empty), response masks, advantages of both signs, prompt groups and sample lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [(5, [6, 1, 9, 4]), (3, [7, 2, 5]), (6, [8])]
+    rows, group_ids, prompt_lens, lengths = [], [], [], []
+    for g, (p, responses) in enumerate(prompts):
+        prompt = torch.randint(3, N_TOKENS, (p,), generator=gen)
+        for r in responses:
+            rows.append(torch.cat([prompt, torch.randint(3, N_TOKENS, (r,), generator=gen)]))
+            group_ids.append(g), prompt_lens.append(p), lengths.append(p + r)
+    width = max(lengths) + 2
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        tokens[i, :len(row)] = row
+    cols = torch.arange(width)[None]
+    lengths, prompt_lens = torch.tensor(lengths), torch.tensor(prompt_lens)
+    mask = ((cols >= prompt_lens[:, None]) & (cols < lengths[:, None])).float()
+    advantages = torch.linspace(-1.0, 1.0, len(rows))[:, None] * mask
+    return tokens, mask, advantages, PromptGroups(torch.tensor(group_ids), prompt_lens), lengths
+
+
+# ---- the layout -------------------------------------------------------------------------------------------------
+def test_units_hold_a_groups_equal_prompts_and_fit_the_budget():
+    tokens, _, _, groups, lengths = grouped_batch()
+    units = prompt_units(tokens, lengths, groups, max_tokens=64)
+    assert units == [[0, 1, 2, 3], [4, 5, 6], [7]]
+    assert [unit_tokens(u, lengths, groups.prompt_lens) for u in units] == [5 + 20, 3 + 14, 14]
+    # a budget of 15: 5 + 6 + 1 fits, + 9 does not; 5 + 9, + 4 does not; 3 + 7 + 2 fits, + 5 does not
+    assert prompt_units(tokens, lengths, groups, max_tokens=15) == [[0, 1], [2], [3], [4, 5], [6], [7]]
+    # a sample whose prompt differs from its group's shares nothing
+    tokens[1, 0] += 1
+    assert prompt_units(tokens, lengths, groups, max_tokens=64)[:2] == [[0, 2, 3], [1]]
+
+
+def test_shared_row_mask_and_outputs_by_hand():
+    from megarl.engine.local_attention import block_causal_mask
+
+    # one group: prompt of 2, responses of 2 and 1 tokens; a sequence alone of 2 tokens; padding to 9
+    lengths, prompt_lens = torch.tensor([4, 3, 2]), torch.tensor([2, 2, 1])
+    row = shared_row([[0, 1], [2]], lengths, prompt_lens, row_len=9)
+    assert row.cu_seqlens.tolist() == [0, 2, 4, 5, 7, 9]
+    assert row.shared.prefix_of.tolist() == [-1, 0, 0, -1, -1]
+    allowed = (~block_causal_mask(row.cu_seqlens, 9, device="cpu", prefix_of=row.shared.prefix_of)[0, 0]).int()
+    assert allowed[:5, :5].tolist() == [[1, 0, 0, 0, 0],
+                                        [1, 1, 0, 0, 0],
+                                        [1, 1, 1, 0, 0],   # response 1 sees the prompt and itself
+                                        [1, 1, 1, 1, 0],
+                                        [1, 1, 0, 0, 1]]   # response 2 sees the prompt, not response 1
+    assert allowed[5:7, :7].tolist() == [[0, 0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 1, 1]]
+    # predictions: row positions 0..8, then each sequence's first own token from the prompt's end (10 + k)
+    predictions = torch.arange(12.0) + 10
+    out = unpack_shared(predictions, row, width=5)
+    assert out.tolist() == [[0, 10, 19, 12, 0],    # token 2 (first own) from slot 9 + 0, token 3 from position 2
+                            [0, 10, 20, 0, 0],     # first own token from slot 9 + 1
+                            [0, 15, 0, 0, 0]]      # alone: token 1 from its position 5
+
+
+# ---- the engine -----------------------------------------------------------------------------------------------------
+def make_engine(model_dir, groups, *, train: bool, value_head: bool = False):
+    from megarl.config import OptimConfig
+    from megarl.engine.megatron import TrainEngine
+
+    optim = OptimConfig(lr=1e-3, weight_decay=0.0, grad_clip=1.0, distributed=True) if train else None
+    return TrainEngine(model_dir=str(model_dir), dtype="float32", megatron={}, groups=groups, optim=optim,
+                       value_head=value_head)
+
+
+def valid(lengths, width):
+    return torch.arange(width)[None] < lengths[:, None]
+
+
+def test_shared_logprobs_equal_each_sample_alone(qwen2_dir, groups):
+    import megarl.engine.local_attention as local_attention
+
+    engine = make_engine(qwen2_dir, groups, train=False)
+    tokens, _, _, prompt_groups, lengths = grouped_batch()
+    ok = valid(lengths, tokens.shape[1])
+    padded = engine.logprobs(tokens, temperature=0.7, micro_batch_size=8)
+    for budget in (64, 20):  # all in one row; several rows, the first group cut in two
+        shared = engine.logprobs(tokens, temperature=0.7, micro_batch_size=8, lengths=lengths,
+                                 micro_batch_tokens=budget, prompt_groups=prompt_groups)
+        assert (shared - padded)[ok].abs().max() <= TOL, budget
+        assert torch.equal(shared[~ok], torch.zeros(int((~ok).sum())))
+    # the same through one t x t block mask over the row, the attention the split into prompt and response
+    # batches (`shared_rows`) stands for
+    split = local_attention.shared_rows
+    try:
+        local_attention.shared_rows = lambda *args: None
+        masked = engine.logprobs(tokens, temperature=0.7, micro_batch_size=8, lengths=lengths,
+                                 micro_batch_tokens=64, prompt_groups=prompt_groups)
+    finally:
+        local_attention.shared_rows = split
+    assert (masked - padded)[ok].abs().max() <= TOL
+
+
+def pass_outputs(engine, tokens, extras, loss_fn, **micro):
+    """One forward and backward of `loss_fn` (no update): (outputs [B, T] the loss saw, its statistics, the
+    gradient of every parameter by name); the gradients are cleared after."""
+    out, stats = engine.schedule.run(tokens, extras, loss_fn, temperature=1.0, forward_only=False,
+                                     entropy=not engine.value_head, keep_outputs=True, **micro)
+    grads = {name: p.main_grad.detach().clone() for name, p in engine.stage.named_parameters()}
+    for model in engine.models:
+        model.zero_grad_buffer()
+    return out, stats, grads
+
+
+def recording(loss_fn, seen: dict):
+    """A loss function that also keeps the entropy it saw, by row id."""
+    def wrapped(logprobs, mb, **kwargs):
+        for k, row in enumerate(mb["row_id"][:, 0].long().tolist()):
+            seen[row] = kwargs["entropy"][k].detach().clone()
+        return loss_fn(logprobs, mb, **kwargs)
+    return wrapped
+
+
+LAYOUTS = {"padded": dict(micro_batch_size=3),
+           "packed": dict(micro_batch_size=8, micro_batch_tokens=40),
+           "shared in one row": dict(micro_batch_size=8, micro_batch_tokens=64, share=True),
+           "shared over rows": dict(micro_batch_size=8, micro_batch_tokens=20, share=True)}
+
+
+def layout_kwargs(name, lengths, prompt_groups):
+    micro = dict(LAYOUTS[name])
+    share = micro.pop("share", False)
+    if "micro_batch_tokens" in micro:
+        micro["lengths"] = lengths
+    return micro | ({"prompt_groups": prompt_groups} if share else {})
+
+
+@pytest.mark.parametrize("algo", [dict(name="grpo", kl_coef=0.1, entropy_coef=0.05),
+                                  dict(name="dr_grpo", loss_agg="seq-mean-token-sum-norm"),
+                                  dict(name="gspo", clip_low=3e-4, clip_high=4e-4)])
+def test_shared_loss_entropy_and_gradients_equal_unshared(qwen2_dir, groups, algo):
+    """GRPO (with KL and entropy terms), Dr. GRPO (a constant divisor) and GSPO (sequence-level ratios): the
+    loss, its statistics, the entropy per token and every parameter's gradient, padded, packed and shared."""
+    from megarl.algo.aggregate import global_loss_norm
+    from megarl.config import AlgoConfig
+    from megarl.objective import policy_objective
+
+    engine = make_engine(qwen2_dir, groups, train=True)
+    tokens, mask, advantages, prompt_groups, lengths = grouped_batch()
+    ok = valid(lengths, tokens.shape[1])
+    base = engine.logprobs(tokens, temperature=1.0, micro_batch_size=8)
+    gen = torch.Generator().manual_seed(7)
+    old, ref = (base + 0.3 * torch.randn(tokens.shape, generator=gen) for _ in range(2))
+    extras = {"response_mask": mask, "old_logprobs": old * mask, "ref_logprobs": ref * mask,
+              "advantages": advantages, "row_id": torch.arange(float(len(tokens)))[:, None].expand_as(mask)}
+    norm = global_loss_norm(mask)
+    loss_fn = partial(policy_objective(AlgoConfig(**algo)), norm=norm.__class__(**{**vars(norm), "max_len": 16}))
+    runs = {}
+    for name in LAYOUTS:
+        seen = {}
+        out, stats, grads = pass_outputs(engine, tokens, extras, recording(loss_fn, seen),
+                                         **layout_kwargs(name, lengths, prompt_groups))
+        runs[name] = out, stats, grads, torch.stack([seen[r] for r in range(len(tokens))])
+    out_p, stats_p, grads_p, entropy_p = runs["padded"]
+    assert stats_p["clipfrac"] > 0  # the clip is exercised
+    for name, (out, stats, grads, entropy) in runs.items():
+        assert (out - out_p)[ok].abs().max() <= TOL, name
+        assert (entropy - entropy_p)[ok].abs().max() <= TOL, name
+        for key, want in stats_p.items():
+            assert float(stats[key]) == pytest.approx(float(want), abs=TOL), (name, key)
+        for param, want in grads_p.items():
+            assert (grads[param] - want).abs().max() <= TOL, (name, param)
+    assert max(g.abs().max() for g in grads_p.values()) > 1e-2  # gradients that are not all ~0
+
+
+def test_shared_critic_values_and_gradients_equal_unshared(qwen2_dir, groups):
+    """A critic's values per token (the prompt's last position gives every sample's first response value) and
+    the value loss's gradients."""
+    from megarl.algo.aggregate import global_loss_norm
+    from megarl.objective import CriticObjective
+
+    critic = make_engine(qwen2_dir, groups, train=True, value_head=True)
+    # a nonzero head, so values differ between positions; small, so values are O(1) like the logprobs and fp32
+    # order noise is ~1e-7 of them
+    critic.module.output_layer.weight.data.normal_(std=0.05, generator=torch.Generator().manual_seed(0))
+    tokens, mask, advantages, prompt_groups, lengths = grouped_batch()
+    ok = valid(lengths, tokens.shape[1])
+    padded = critic.values(tokens, micro_batch_size=8)
+    shared = critic.values(tokens, micro_batch_size=8, lengths=lengths, micro_batch_tokens=20,
+                           prompt_groups=prompt_groups)
+    assert padded[ok].abs().max() > 0.1 and (shared - padded)[ok].abs().max() <= TOL
+    extras = {"response_mask": mask, "values": padded * mask, "returns": advantages}
+    loss_fn = partial(CriticObjective(value_clip=0.5), norm=global_loss_norm(mask))
+    _, stats_p, grads_p = pass_outputs(critic, tokens, extras, loss_fn, micro_batch_size=8)
+    _, stats_s, grads_s = pass_outputs(critic, tokens, extras, loss_fn,
+                                       **layout_kwargs("shared over rows", lengths, prompt_groups))
+    assert float(stats_s["critic/loss"]) == pytest.approx(float(stats_p["critic/loss"]), abs=TOL)
+    assert max(g.abs().max() for g in grads_p.values()) > 1e-2
+    for param, want in grads_p.items():
+        assert (grads_s[param] - want).abs().max() <= TOL, param
+
+
+# ---- the RL loop --------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(900)
+def test_the_quickstart_with_shared_prompts_computes_what_it_computes_without(quickstart_out, tmp_path):
+    """The quickstart's GRPO from its warm start, 10 packed steps with train.share_prompts off and on.
+
+    Sharing changes only the order of fp32 sums in the trainer's passes (logprobs ~1e-7 apart, as above), so
+    each update differs by that much, which never flipped a sampled token in 10 steps here: rewards, lengths,
+    clip fractions, the held-out reward, every count are the same numbers. What is computed from the trainer's
+    float sums may differ by its noise: loss and pg_loss (means of ~1e-3) by 1e-7 absolute (observed 4.5e-9),
+    grad_norm by 1e-5 relative (observed 3.8e-7), and rollout/logprob_diff_*, which measure that noise itself
+    (trainer vs rollout engine, ~1e-6), by 1e-5 absolute (observed 3.2e-6). The shared run trains fewer tokens
+    (timing/train_s: 0.10 s against 0.21 s a step, measured; not asserted, timings depend on the machine's load).
+    """
+    import json
+
+    from conftest import REPO, from_warm_start, run_python
+
+    runs = {}
+    for share in ("false", "true"):
+        run_dir = tmp_path / f"share_{share}"
+        proc = run_python(["-m", "megarl", "train", *from_warm_start(quickstart_out, run_dir, steps=10),
+                           "train.micro_batch_tokens=1024", f"train.share_prompts={share}"], cwd=REPO, timeout_s=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[share] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    off, on = runs["false"], runs["true"]
+    assert len(off) == len(on) == 10
+    noisy = {"loss": (0.0, 1e-7), "pg_loss": (0.0, 1e-7), "grad_norm": (1e-5, 0.0),
+             "rollout/logprob_diff_mean": (0.0, 1e-5), "rollout/logprob_diff_max": (0.0, 1e-5)}
+    for m, n in zip(on, off):
+        assert m.keys() == n.keys()
+        for key, want in n.items():
+            if key.startswith(("timing/", "throughput/")):
+                continue
+            rel, abs_ = noisy.get(key, (0.0, 0.0))
+            assert m[key] == pytest.approx(want, rel=rel, abs=abs_), (m["step"], key)
+    assert "eval/reward_mean" in on[-1]
+
+
+# ---- what is refused ---------------------------------------------------------------------------------------------
+def test_share_prompts_is_refused_where_it_cannot_share_or_is_not_exact(tmp_path, monkeypatch, qwen2_dir, groups,
+                                                                         arch_dir):
+    from megarl.config import ConfigError, RecipeError, load_config
+    from megarl.loops.rl_run import check_share_prompts
+    from megarl.models.arch import read_shape
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    recipe = tmp_path / "q.yaml"
+    recipe.write_text("model:\n  path: model\ndata:\n  train_path: train.jsonl\n")
+    on = ["train.share_prompts=true", "train.micro_batch_tokens=512"]
+    cases = {"needs sequence packing": ["train.share_prompts=true"],
+             "rollout.n_samples = 1 draws one sample per prompt": [*on, "rollout.n_samples=1", "algo.name=reinforce_pp"],
+             "cannot be combined with parallel.cp = 2": [*on, "parallel.cp=2"]}
+    for message, overrides in cases.items():
+        with pytest.raises(ConfigError, match=message) as info:
+            load_config(recipe, overrides)
+        assert "share_prompts" in str(info.value)
+    load_config(recipe, on)  # GRPO, 4 samples a prompt: fine
+    with pytest.raises(RecipeError, match="train.share_prompts is not supported for mixture-of-experts models"):
+        check_share_prompts(read_shape(arch_dir("mixtral")))
+    check_share_prompts(read_shape(qwen2_dir))
+    # the engine refuses a shared layout without packing, naming the key
+    engine = make_engine(qwen2_dir, groups, train=False)
+    tokens, _, _, prompt_groups, lengths = grouped_batch()
+    with pytest.raises(ValueError, match=r"needs sequence packing \(set train.micro_batch_tokens\)"):
+        engine.logprobs(tokens, temperature=1.0, micro_batch_size=8, prompt_groups=prompt_groups)
+
+
+def test_plan_counts_each_prompt_once_with_shared_prompts(capsys):
+    """`megarl plan` of the 7B GRPO recipe (64 prompts x 8 samples, DP 4 on one node): at --prompt-tokens 1000
+    and rollout.max_new_tokens 500, 64 * 8 * 1500 / 4 = 192000 tokens a rank without sharing and
+    64 * (1000 + 8 * 500) / 4 = 80000 with it: the issue's 2.4x."""
+    import json
+
+    from test_plan import megarl, plan_args
+
+    lines = {}
+    for share in ("false", "true"):
+        code, out, err = megarl(plan_args("qwen2.5-7b-grpo-gsm8k", "qwen2.5-7b", 1, "rollout.max_new_tokens=500",
+                                          "train.micro_batch_tokens=16384", f"train.share_prompts={share}",
+                                          "--prompt-tokens", "1000", "--json"), capsys)
+        assert code == 0, err
+        [lines[share]] = [a for a in json.loads(out)["assumptions"] if a.startswith("trained tokens per step")]
+    assert "192000 (data.prompts_per_step x rollout.n_samples x 1500 / dp)" in lines["false"]
+    assert "80000 with train.share_prompts" in lines["true"] and "2.40x fewer than 192000" in lines["true"]
