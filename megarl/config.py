@@ -548,6 +548,7 @@ class LogConfig:
     progress: bool = True  # console progress: a bar on a terminal, else one summary line per logged step
     tensorboard: bool = False  # also write TensorBoard events to run_dir
     every_steps: int = 1  # print and record metrics every this many steps
+    trace: bool = False  # a step timeline per rank in run_dir/trace/ (Chrome trace; merge: megarl trace RUN_DIR)
 
     def check(self) -> None:
         _at_least(self, 1, "every_steps")

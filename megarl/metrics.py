@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from megarl.timeline import TIMELINE
+
 log = logging.getLogger(__name__)
 
 
@@ -33,14 +35,15 @@ def check_finite(metrics: dict[str, float], *, step: int, what: str, keep: Calla
 
 class PhaseTimer:
     """`with timer("generate"): ...` records `timing/generate_s`; phases keep their first-use order. An error
-    raised inside a phase (a collective that timed out, say) carries a note naming the phase."""
+    raised inside a phase (a collective that timed out, say) carries a note naming the phase. With `log.trace`
+    each phase is also an event of the step timeline (megarl.timeline)."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
-        start = time.perf_counter()
+        start, start_s = time.perf_counter(), time.time()
         try:
             yield
         except Exception as e:
@@ -48,7 +51,9 @@ class PhaseTimer:
                        f"{time.perf_counter() - start:.1f} s after it began")
             raise
         finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+            TIMELINE.add(phase, start_s=start_s, seconds=seconds)
 
     def metrics(self) -> dict[str, float]:
         return {f"timing/{phase}_s": s for phase, s in self.seconds.items()}
