@@ -1,5 +1,5 @@
 """Where a step's time goes, per rank: a step timeline (`log.trace`) and a torch.profiler window
-(`log.profile_steps`).
+(`log.profile_steps`, class ProfileWindow).
 
 The timeline is a Chrome-trace file (the Trace Event Format that Perfetto and chrome://tracing load) per
 process, `RUN_DIR/trace/rank<R>-from-step<N>.json`: an "X" (complete) event for every step and for every
@@ -85,6 +85,45 @@ class Timeline:
 
 
 TIMELINE = Timeline()  # one per process, like its rank: PhaseTimer writes to it wherever a loop times a phase
+
+
+class ProfileWindow:
+    """torch.profiler over steps `first`..`last` (inclusive) of this rank, each step marked `megarl step N`;
+    the trace of the window goes to `out_dir/rank<R>.steps<first>-<last>.json` (Chrome trace, which Perfetto
+    and TensorBoard's profiler plugin open) when its last step ends, or when the run stops inside it. CPU
+    activity, and CUDA's where there is a GPU. No steps (`window` None): every call a no-op."""
+
+    def __init__(self, window: list[int] | None, out_dir: Path, *, rank: int):
+        self.first, self.last = window or (0, -1)
+        self.path = out_dir / f"rank{rank}.steps{self.first}-{self.last}.json"
+        self._profiler = None
+
+    @contextlib.contextmanager
+    def step(self, n: int):
+        if not self.first <= n <= self.last:
+            yield
+            return
+        import torch
+
+        if self._profiler is None:  # the window's first step, or the first after a resume inside it
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=activities)
+            self._profiler.start()
+        with torch.profiler.record_function(f"megarl step {n}"):
+            yield
+        if n == self.last:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the profiler and write its trace, if it runs."""
+        if self._profiler is None:
+            return
+        profiler, self._profiler = self._profiler, None
+        profiler.stop()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(self.path))
 
 
 def global_rank() -> int:

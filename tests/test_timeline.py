@@ -1,5 +1,6 @@
 """The step timeline (log.trace) of a tiny run: one Chrome-trace event per phase per step per rank, each
-step enclosing its phases; `megarl trace` merges the ranks' files and reads one a killed run cut short."""
+step enclosing its phases; `megarl trace` merges the ranks' files and reads one a killed run cut short. The
+profiler window (log.profile_steps) of the same run traces its steps only."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def traced_run(tmp_path_factory, qwen2_dir, arithmetic_dir) -> Path:
-    """RUN_DIR of a 3-step tiny run (no warm start, no final checkpoint) with log.trace on."""
+    """RUN_DIR of a 3-step tiny run (no warm start, no final checkpoint) with log.trace on and the profiler
+    over step 2."""
     root = tmp_path_factory.mktemp("traced")
     run_dir = root / "run"
     recipe = write_recipe(root / "tiny.yaml", model_dir=qwen2_dir, data_dir=arithmetic_dir, run_dir=run_dir,
-                          extra="  trace: true\n")
+                          extra="  trace: true\n  profile_steps: [2, 2]\n")
     result = megarl_train(recipe, "warmup.sft_steps=0", "checkpoint.save_final=false", cwd=root)
     assert result.returncode == 0, result.stderr[-4000:]
     return run_dir
@@ -47,6 +49,23 @@ def test_trace_has_one_event_per_phase_per_step_inside_its_step(traced_run):
             if e is not step:  # the timeline's durations are the phase times the metrics report
                 assert e["dur"] / 1e6 == pytest.approx(record[f"timing/{e['name']}_s"], abs=1e-5)
     assert [r["step"] for r in records] == [1, 2, 3]
+
+
+def test_the_profiler_window_traces_its_steps_only(traced_run):
+    assert [p.name for p in (traced_run / "profile").iterdir()] == ["rank0.steps2-2.json"]
+    events = json.loads((traced_run / "profile" / "rank0.steps2-2.json").read_text())["traceEvents"]
+    marks = {e["name"] for e in events if e.get("name", "").startswith("megarl step ")}
+    assert marks == {"megarl step 2"}
+    assert len(events) > 100  # the step's operators, not the mark alone
+
+
+@pytest.mark.parametrize("window", ["[3, 2]", "[0, 1]", "[2]"])
+def test_a_bad_profile_window_is_an_error_naming_the_key(window, tmp_path, qwen2_dir, arithmetic_dir):
+    from megarl.config import ConfigError, load_config
+
+    recipe = write_recipe(tmp_path / "tiny.yaml", model_dir=qwen2_dir, data_dir=arithmetic_dir, run_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"tiny.yaml.*log.profile_steps: must be \[first, last\] steps"):
+        load_config(str(recipe), [f"log.profile_steps={window}"])
 
 
 def write_rank(path: Path, rank: int, *, steps: int) -> None:

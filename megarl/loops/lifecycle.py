@@ -29,7 +29,7 @@ from megarl.loops.faults import EngineLost
 from megarl.loops.resume import RunState, restore_checkpoint, save_checkpoint
 from megarl.loops.stop import STOP, Stopped
 from megarl.metrics import MetricsWriter
-from megarl.timeline import TIMELINE, global_rank
+from megarl.timeline import TIMELINE, ProfileWindow, global_rank
 
 
 def final_dir(cfg: Config) -> Path:
@@ -48,7 +48,8 @@ def run_steps(cfg: Config, state: RunState, *, step: Callable[[int], dict[str, f
     good (EngineLost, raised again with its `checkpoint`): a step it stopped before the update gives back
     the prompts it drew. The first record written by this
     process has `timing/startup_seconds`: seconds from the process's start to its first step. With
-    `log.trace` every rank writes its step timeline (megarl.timeline) from here on."""
+    `log.trace` every rank writes its step timeline (megarl.timeline) from here on, and with
+    `log.profile_steps` runs torch.profiler over those steps."""
     start = restore_checkpoint(resume_from, state) if resume_from is not None else 0
     if dist.get_rank() == 0:
         dump_config(cfg, Path(cfg.run_dir) / "recipe.yaml")
@@ -56,6 +57,7 @@ def run_steps(cfg: Config, state: RunState, *, step: Callable[[int], dict[str, f
                            tensorboard=cfg.log.tensorboard, desc=desc, resume_step=start)
     if cfg.log.trace:
         start_trace(Path(cfg.run_dir) / "trace", resume_step=start)
+    profile = ProfileWindow(cfg.log.profile_steps, Path(cfg.run_dir) / "profile", rank=global_rank())
     try:
         if on_start is not None:
             on_start()
@@ -68,7 +70,7 @@ def run_steps(cfg: Config, state: RunState, *, step: Callable[[int], dict[str, f
                 raise Stopped(step=n - 1, checkpoint=saved, exit_code=exit_code, signal_name=STOP.signal_name)
             drawn = state.sampler.state_dict()
             try:
-                with TIMELINE.step(n):
+                with TIMELINE.step(n), profile.step(n):
                     metrics = step(n)
             except EngineLost as e:  # every rank: save the last complete state, the step's prompts not drawn
                 last = n if e.trained else n - 1
@@ -86,6 +88,7 @@ def run_steps(cfg: Config, state: RunState, *, step: Callable[[int], dict[str, f
     finally:
         writer.close()
         TIMELINE.close()
+        profile.close()
     final = final_dir(cfg)
     if cfg.checkpoint.save_final:
         save_checkpoint(cfg, steps, state)
