@@ -4,6 +4,7 @@
     megarl plan RECIPE.yaml [key.path=value ...] --nodes N --gpus-per-node G [--gpu-mem-gb 80]
         [--host-mem-gb 2048] [--prompt-tokens 1024 | --seq-tokens 4096] [--json]
     megarl trace RUN_DIR [--out FILE]
+    megarl report RUN_DIR [--out DIR]
 
 Overrides may come before, between or after the flags.
 
@@ -69,6 +70,10 @@ def main(argv: list[str] | None = None) -> None:
     trace_p.add_argument("run_dir", help="the run's run_dir")
     trace_p.add_argument("--out", help="the merged Chrome-trace JSON (default RUN_DIR/trace.json)")
     trace_p.add_argument("--log-level", default="WARNING", help=argparse.SUPPRESS)
+    report_p = sub.add_parser("report", help="PNG charts and a Markdown summary of a run's metrics.jsonl")
+    report_p.add_argument("run_dir", help="the run's run_dir")
+    report_p.add_argument("--out", help="folder of the charts and report.md (default RUN_DIR/report)")
+    report_p.add_argument("--log-level", default="WARNING", help=argparse.SUPPRESS)
     args = parse_args(parser, argv)
     if args.command is None or (args.command == "train" and args.recipe is None):
         # without this, argparse says only which positional argument is missing
@@ -86,6 +91,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(run_train(args))
         case "trace":
             sys.exit(run_trace(args))
+        case "report":
+            sys.exit(run_report(args))
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -232,6 +239,27 @@ def run_trace(args: argparse.Namespace) -> int:
         return 2
     print(f"megarl: {events} events of {files} trace files in {out} (open it in https://ui.perfetto.dev or "
           "chrome://tracing)")
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """`megarl report`: 0 with the charts and report.md written, 2 without metrics or without matplotlib."""
+    from megarl.report import ReportError, write_report
+
+    run_dir = Path(args.run_dir)
+    out = Path(args.out) if args.out else run_dir / "report"
+    try:
+        written = write_report(run_dir, out_dir=out)
+    except ReportError as e:
+        print(f"megarl: report error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:  # matplotlib is an optional extra
+        if not (e.name or "").startswith("matplotlib"):
+            raise
+        print(f"megarl: report needs matplotlib ({e}): pip install -e '.[report]' -c constraints.txt in the "
+              "megarl checkout", file=sys.stderr)
+        return 2
+    print(f"megarl: {len(written) - 1} charts and the summary in {written[-1]}")
     return 0
 
 

@@ -84,7 +84,7 @@ class MetricsWriter:
         path = run_dir / "metrics.jsonl"
         kept = []
         if resume_step and path.exists():
-            kept = [line for line, record in _complete_records(path) if record["step"] <= resume_step]
+            kept = [line for line, record in complete_records(path) if record["step"] <= resume_step]
         path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         self._file = path.open("a", encoding="utf-8")
         if progress and not self._lines:
@@ -188,7 +188,7 @@ def _label(key: str) -> str:
     return "reward" if key == "reward/mean" else "eval" if key.startswith("eval/") else key.split("/")[-1]
 
 
-def _complete_records(path: Path) -> list[tuple[str, dict]]:
+def complete_records(path: Path) -> list[tuple[str, dict]]:
     """(line, its record) for the lines of metrics file `path` that hold a whole JSON record; others are
     dropped with a warning."""
     kept = []
