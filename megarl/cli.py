@@ -3,6 +3,8 @@
     megarl train RECIPE.yaml [key.path=value ...]
     megarl plan RECIPE.yaml [key.path=value ...] --nodes N --gpus-per-node G [--gpu-mem-gb 80]
         [--host-mem-gb 2048] [--prompt-tokens 1024 | --seq-tokens 4096] [--json]
+    megarl trace RUN_DIR [--out FILE]
+    megarl report RUN_DIR [--out DIR]
 
 Overrides may come before, between or after the flags.
 
@@ -64,11 +66,21 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"SFT and DPO: the longest tokenized row (default {DEFAULT_SEQ_TOKENS})")
     plan_p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     plan_p.add_argument("--log-level", default="WARNING", help=argparse.SUPPRESS)
+    trace_p = sub.add_parser("trace", help="merge a run's per-rank step timelines (log.trace) into one file")
+    trace_p.add_argument("run_dir", help="the run's run_dir")
+    trace_p.add_argument("--out", help="the merged Chrome-trace JSON (default RUN_DIR/trace.json)")
+    trace_p.add_argument("--log-level", default="WARNING", help=argparse.SUPPRESS)
+    report_p = sub.add_parser("report", help="PNG charts and a Markdown summary of a run's metrics.jsonl")
+    report_p.add_argument("run_dir", help="the run's run_dir")
+    report_p.add_argument("--out", help="folder of the charts and report.md (default RUN_DIR/report)")
+    report_p.add_argument("--log-level", default="WARNING", help=argparse.SUPPRESS)
     args = parse_args(parser, argv)
     if args.command is None or (args.command == "train" and args.recipe is None):
         # without this, argparse says only which positional argument is missing
         (parser if args.command is None else train_p).print_help(sys.stderr)
         sys.exit(2)
+    if args.command not in ("train", "plan") and args.overrides:
+        parser.error(f"unrecognized arguments: {' '.join(args.overrides)}")
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _quiet_expected_warnings()
@@ -77,6 +89,10 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(run_plan(args))
         case "train":
             sys.exit(run_train(args))
+        case "trace":
+            sys.exit(run_trace(args))
+        case "report":
+            sys.exit(run_report(args))
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -208,6 +224,43 @@ def run_plan(args: argparse.Namespace) -> int:
         return 2
     print(to_json(result) if args.json else render_table(result))
     return 0 if result.fits else 1
+
+
+def run_trace(args: argparse.Namespace) -> int:
+    """`megarl trace`: 0 with the merged file written, 2 when the run has no readable trace files."""
+    from megarl.timeline import TraceError, merge_traces
+
+    run_dir = Path(args.run_dir)
+    out = Path(args.out) if args.out else run_dir / "trace.json"
+    try:
+        files, events = merge_traces(run_dir, out)
+    except TraceError as e:
+        print(f"megarl: trace error: {e}", file=sys.stderr)
+        return 2
+    print(f"megarl: {events} events of {files} trace files in {out} (open it in https://ui.perfetto.dev or "
+          "chrome://tracing)")
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """`megarl report`: 0 with the charts and report.md written, 2 without metrics or without matplotlib."""
+    from megarl.report import ReportError, write_report
+
+    run_dir = Path(args.run_dir)
+    out = Path(args.out) if args.out else run_dir / "report"
+    try:
+        written = write_report(run_dir, out_dir=out)
+    except ReportError as e:
+        print(f"megarl: report error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:  # matplotlib is an optional extra
+        if not (e.name or "").startswith("matplotlib"):
+            raise
+        print(f"megarl: report needs matplotlib ({e}): pip install -e '.[report]' -c constraints.txt in the "
+              "megarl checkout", file=sys.stderr)
+        return 2
+    print(f"megarl: {len(written) - 1} charts and the summary in {written[-1]}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -555,9 +555,15 @@ class LogConfig:
     progress: bool = True  # console progress: a bar on a terminal, else one summary line per logged step
     tensorboard: bool = False  # also write TensorBoard events to run_dir
     every_steps: int = 1  # print and record metrics every this many steps
+    trace: bool = False  # a step timeline per rank in run_dir/trace/ (Chrome trace; merge: megarl trace RUN_DIR)
+    profile_steps: list[int] | None = None  # [a, b]: torch.profiler over steps a..b, traces in run_dir/profile/
 
     def check(self) -> None:
         _at_least(self, 1, "every_steps")
+        if self.profile_steps is not None:
+            window = self.profile_steps
+            if len(window) != 2 or not 1 <= window[0] <= window[1]:
+                raise FieldError("profile_steps", f"must be [first, last] steps with 1 <= first <= last, got {window}")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from megarl.timeline import TIMELINE
+
 log = logging.getLogger(__name__)
 
 
@@ -33,14 +35,15 @@ def check_finite(metrics: dict[str, float], *, step: int, what: str, keep: Calla
 
 class PhaseTimer:
     """`with timer("generate"): ...` records `timing/generate_s`; phases keep their first-use order. An error
-    raised inside a phase (a collective that timed out, say) carries a note naming the phase."""
+    raised inside a phase (a collective that timed out, say) carries a note naming the phase. With `log.trace`
+    each phase is also an event of the step timeline (megarl.timeline)."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
-        start = time.perf_counter()
+        start, start_s = time.perf_counter(), time.time()
         try:
             yield
         except Exception as e:
@@ -48,7 +51,9 @@ class PhaseTimer:
                        f"{time.perf_counter() - start:.1f} s after it began")
             raise
         finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+            TIMELINE.add(phase, start_s=start_s, seconds=seconds)
 
     def metrics(self) -> dict[str, float]:
         return {f"timing/{phase}_s": s for phase, s in self.seconds.items()}
@@ -79,7 +84,7 @@ class MetricsWriter:
         path = run_dir / "metrics.jsonl"
         kept = []
         if resume_step and path.exists():
-            kept = [line for line, record in _complete_records(path) if record["step"] <= resume_step]
+            kept = [line for line, record in complete_records(path) if record["step"] <= resume_step]
         path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
         self._file = path.open("a", encoding="utf-8")
         if progress and not self._lines:
@@ -183,7 +188,7 @@ def _label(key: str) -> str:
     return "reward" if key == "reward/mean" else "eval" if key.startswith("eval/") else key.split("/")[-1]
 
 
-def _complete_records(path: Path) -> list[tuple[str, dict]]:
+def complete_records(path: Path) -> list[tuple[str, dict]]:
     """(line, its record) for the lines of metrics file `path` that hold a whole JSON record; others are
     dropped with a warning."""
     kept = []

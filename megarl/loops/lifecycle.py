@@ -29,6 +29,7 @@ from megarl.loops.faults import EngineLost
 from megarl.loops.resume import RunState, restore_checkpoint, save_checkpoint
 from megarl.loops.stop import STOP, Stopped
 from megarl.metrics import MetricsWriter
+from megarl.timeline import TIMELINE, ProfileWindow, global_rank
 
 
 def final_dir(cfg: Config) -> Path:
@@ -46,12 +47,17 @@ def run_steps(cfg: Config, state: RunState, *, step: Callable[[int], dict[str, f
     finished step is saved unless it already was, and Stopped is raised. So does a rollout engine lost for
     good (EngineLost, raised again with its `checkpoint`): a step it stopped before the update gives back
     the prompts it drew. The first record written by this
-    process has `timing/startup_seconds`: seconds from the process's start to its first step."""
+    process has `timing/startup_seconds`: seconds from the process's start to its first step. With
+    `log.trace` every rank writes its step timeline (megarl.timeline) from here on, and with
+    `log.profile_steps` runs torch.profiler over those steps."""
     start = restore_checkpoint(resume_from, state) if resume_from is not None else 0
     if dist.get_rank() == 0:
         dump_config(cfg, Path(cfg.run_dir) / "recipe.yaml")
     writer = MetricsWriter(cfg.run_dir, total_steps=steps, enabled=dist.get_rank() == 0, progress=cfg.log.progress,
                            tensorboard=cfg.log.tensorboard, desc=desc, resume_step=start)
+    if cfg.log.trace:
+        start_trace(Path(cfg.run_dir) / "trace", resume_step=start)
+    profile = ProfileWindow(cfg.log.profile_steps, Path(cfg.run_dir) / "profile", rank=global_rank())
     try:
         if on_start is not None:
             on_start()
@@ -64,7 +70,8 @@ def run_steps(cfg: Config, state: RunState, *, step: Callable[[int], dict[str, f
                 raise Stopped(step=n - 1, checkpoint=saved, exit_code=exit_code, signal_name=STOP.signal_name)
             drawn = state.sampler.state_dict()
             try:
-                metrics = step(n)
+                with TIMELINE.step(n), profile.step(n):
+                    metrics = step(n)
             except EngineLost as e:  # every rank: save the last complete state, the step's prompts not drawn
                 last = n if e.trained else n - 1
                 if not e.trained and not e.keeps_prompts:
@@ -80,12 +87,24 @@ def run_steps(cfg: Config, state: RunState, *, step: Callable[[int], dict[str, f
                 saved, saved_step = save_checkpoint(cfg, n, state), n
     finally:
         writer.close()
+        TIMELINE.close()
+        profile.close()
     final = final_dir(cfg)
     if cfg.checkpoint.save_final:
         save_checkpoint(cfg, steps, state)
         export_policy(state.engines["actor"], state.groups, source_dir=cfg.model.path, out_dir=final,
                       meta={"stage": desc, "step": steps})
     return final
+
+
+def start_trace(trace_dir: Path, *, resume_step: int) -> None:
+    """This rank's timeline file of the steps after `resume_step`; a fresh run (0) first drops the rank's
+    files of an earlier run in the same run_dir, as metrics.jsonl starts over."""
+    rank = global_rank()
+    if resume_step == 0:
+        for old in trace_dir.glob(f"rank{rank}-from-step*.json"):
+            old.unlink()
+    TIMELINE.start(trace_dir / f"rank{rank}-from-step{resume_step + 1}.json", rank=rank)
 
 
 def export_policy(engine: TrainEngine, groups: ParallelGroups, *, source_dir: str, out_dir: Path,
