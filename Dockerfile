@@ -34,7 +34,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap libs
 WORKDIR /workspace/megarl
 COPY . .
 RUN pip install -e '.[test]' -c constraints.txt
-CMD ["pytest", "-q", "tests"]
+CMD ["pytest", "-q", "-n", "2", "--dist", "loadfile", "tests"]
 
 # ---- GPU: SGLang's CUDA image (CUDA, torch, sglang) + Transformer Engine + apex + megatron-core + megarl ----
 FROM ${SGLANG_IMAGE} AS gpu

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -174,10 +175,22 @@ def quickstart(out: Path, *args: str, timeout_s: float = QUICKSTART_TIMEOUT_S) -
 
 @pytest.fixture(scope="session")
 def quickstart_out(tmp_path_factory) -> Path:
-    """OUT of one full quickstart run: OUT/model, OUT/data, and OUT/run with its warm start and metrics."""
-    out = tmp_path_factory.mktemp("quickstart")
-    proc = quickstart(out, "log.progress=false")
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    """OUT of one full quickstart run: OUT/model, OUT/data, and OUT/run with its warm start and metrics. Made
+    once per pytest run: the first process of the run (pytest-xdist) that needs it makes it in the run's shared
+    temporary directory, the others wait for it and read it. Tests only read it (those that train on copy it)."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the directory every worker's own is in
+    out = shared / "quickstart"
+    with FileLock(f"{out}.lock"):
+        if not (out / "made").is_file():
+            shutil.rmtree(out, ignore_errors=True)  # a run that failed midway
+            out.mkdir()
+            proc = quickstart(out, "log.progress=false")
+            assert proc.returncode == 0, proc.stderr[-4000:]
+            (out / "made").touch()
     return out
 
 
