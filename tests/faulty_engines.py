@@ -129,7 +129,7 @@ def crashes(spec: str):
 
 if __name__ == "__main__":
     import megarl.loops.colocated as colocated
-    import megarl.loops.split as split
+    import megarl.loops.split_worker as split_worker
     from megarl.cli import main
 
     fault, argv = sys.argv[1], sys.argv[2:]
@@ -140,5 +140,8 @@ if __name__ == "__main__":
         faulty = lambda *a, **k: wrapper(make(*a, **k), crashes=which)  # noqa: E731
     else:
         faulty = lambda *a, **k: StuckEngine(make(*a, **k), claims=fault == "claimed")  # noqa: E731
-    colocated.make_rollout_engine = split.make_rollout_engine = faulty  # the engines of either placement
+    for module in (colocated, split_worker):  # where each placement makes its engines
+        if not hasattr(module, "make_rollout_engine"):
+            sys.exit(f"faulty_engines.py: {module.__name__} makes no rollout engines any more; patch where it does")
+        module.make_rollout_engine = faulty
     main(["train", *argv])
