@@ -551,9 +551,41 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class WandbConfig:
+    """A Weights & Biases run of the job (the `wandb` extra); the section being present turns it on."""
+
+    project: str = "megarl"  # the W&B project
+    entity: str | None = None  # team or user the run belongs to; null: the logged-in account's default
+    name: str | None = None  # the run's display name; null: the name of run_dir
+    group: str | None = None  # groups related runs in the W&B UI
+    tags: list[str] = field(default_factory=list)  # labels of the run
+    mode: Literal["online", "offline"] = "online"  # offline: kept under run_dir/wandb, uploaded by `wandb sync`
+
+    def check(self) -> None:
+        if not self.project:
+            raise FieldError("project", "must not be empty")
+
+
+@dataclass(frozen=True)
+class MlflowConfig:
+    """An MLflow run of the job (the `mlflow` extra); the section being present turns it on."""
+
+    tracking_uri: str | None = None  # http(s)://server, file:/dir, sqlite:///file.db; null: MLflow's default
+    experiment: str = "megarl"  # created when missing
+    name: str | None = None  # the run's name; null: the name of run_dir
+    tags: dict[str, str] = field(default_factory=dict)  # extra tags of the run
+
+    def check(self) -> None:
+        if not self.experiment:
+            raise FieldError("experiment", "must not be empty")
+
+
+@dataclass(frozen=True)
 class LogConfig:
     progress: bool = True  # console progress: a bar on a terminal, else one summary line per logged step
     tensorboard: bool = False  # also write TensorBoard events to run_dir
+    wandb: WandbConfig | None = None  # also log to a Weights & Biases run, e.g. {project: math-rl}
+    mlflow: MlflowConfig | None = None  # also log to an MLflow run, e.g. {tracking_uri: http://mlflow:5000}
     every_steps: int = 1  # print and record metrics every this many steps
     trace: bool = False  # a step timeline per rank in run_dir/trace/ (Chrome trace; merge: megarl trace RUN_DIR)
     profile_steps: list[int] | None = None  # [a, b]: torch.profiler over steps a..b, traces in run_dir/profile/

@@ -1,4 +1,5 @@
-"""Run observability: per-phase timers, `RUN_DIR/metrics.jsonl`, console progress, TensorBoard.
+"""Run observability: per-phase timers, `RUN_DIR/metrics.jsonl`, console progress, TensorBoard, and the
+trackers of megarl.trackers (W&B, MLflow).
 
 Console progress is a bar on a terminal and one summary line per logged step elsewhere (a log file, a
 pipe), where a bar would be carriage returns; each line ends with the run's ETA, and the warm start, which logs
@@ -14,7 +15,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from megarl.timeline import TIMELINE
@@ -61,12 +62,13 @@ class PhaseTimer:
 
 class MetricsWriter:
     """Appends one JSON object per step to metrics.jsonl; shows the key numbers on the console (a progress
-    bar on a terminal, else a `summary_line` per logged step)."""
+    bar on a terminal, else a `summary_line` per logged step) and passes each record to the `trackers`
+    (megarl.trackers), which it closes."""
 
     CONSOLE_KEYS = ("reward/mean", "eval/reward_mean", "loss", "reward_accuracy", "eval/loss", "kl", "grad_norm")
 
     def __init__(self, run_dir: str | Path, *, total_steps: int, enabled: bool, progress: bool,
-                 tensorboard: bool, desc: str = "rl", resume_step: int = 0):
+                 tensorboard: bool, desc: str = "rl", resume_step: int = 0, trackers: Sequence = ()):
         """A fresh run (`resume_step` 0) starts metrics.jsonl over; a resumed one keeps the records of the
         steps up to `resume_step` and drops the ones a crash left after it, which are recomputed, and a
         partial record (a run killed while writing it), with a warning."""
@@ -77,6 +79,7 @@ class MetricsWriter:
         self._bar = None
         self._tb = None
         self._file = None
+        self._trackers = list(trackers)
         if not enabled:
             return
         run_dir = Path(run_dir)
@@ -109,6 +112,8 @@ class MetricsWriter:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)):
                     self._tb.add_scalar(key, value, step)
+        for tracker in self._trackers:
+            tracker.log(step, metrics)
         if self._bar is not None:
             shown = {_label(k): f"{metrics[k]:.3g}" for k in self.CONSOLE_KEYS if k in metrics}
             self._bar.set_postfix(shown, refresh=False)
@@ -117,7 +122,10 @@ class MetricsWriter:
             line = summary_line(self.desc, step, self.total_steps, metrics, keys=self.CONSOLE_KEYS)
             print(f"{line} | {self._pace.eta(step)}", file=sys.stderr, flush=True)
 
-    def close(self) -> None:
+    def close(self, *, finished: bool = True) -> None:
+        """`finished` False: the run stopped on an error or a signal, which its trackers record."""
+        for tracker in self._trackers:
+            tracker.close(finished=finished)
         if self._bar is not None:
             self._bar.close()
         if self._tb is not None:

@@ -30,6 +30,7 @@ from megarl.loops.resume import RunState, restore_checkpoint, save_checkpoint
 from megarl.loops.stop import STOP, Stopped
 from megarl.metrics import MetricsWriter
 from megarl.timeline import TIMELINE, ProfileWindow, global_rank
+from megarl.trackers import open_trackers
 
 
 def final_dir(cfg: Config) -> Path:
@@ -49,15 +50,19 @@ def run_steps(cfg: Config, state: RunState, *, step: Callable[[int], dict[str, f
     the prompts it drew. The first record written by this
     process has `timing/startup_seconds`: seconds from the process's start to its first step. With
     `log.trace` every rank writes its step timeline (megarl.timeline) from here on, and with
-    `log.profile_steps` runs torch.profiler over those steps."""
+    `log.profile_steps` runs torch.profiler over those steps. Rank 0 logs each record to the trackers of
+    `log.wandb` and `log.mlflow` too (megarl.trackers), in the tracker runs of the run it resumes."""
     start = restore_checkpoint(resume_from, state) if resume_from is not None else 0
+    trackers = []
     if dist.get_rank() == 0:
         dump_config(cfg, Path(cfg.run_dir) / "recipe.yaml")
+        trackers = open_trackers(cfg, resume_step=start)
     writer = MetricsWriter(cfg.run_dir, total_steps=steps, enabled=dist.get_rank() == 0, progress=cfg.log.progress,
-                           tensorboard=cfg.log.tensorboard, desc=desc, resume_step=start)
+                           tensorboard=cfg.log.tensorboard, desc=desc, resume_step=start, trackers=trackers)
     if cfg.log.trace:
         start_trace(Path(cfg.run_dir) / "trace", resume_step=start)
     profile = ProfileWindow(cfg.log.profile_steps, Path(cfg.run_dir) / "profile", rank=global_rank())
+    finished = False
     try:
         if on_start is not None:
             on_start()
@@ -85,8 +90,9 @@ def run_steps(cfg: Config, state: RunState, *, step: Callable[[int], dict[str, f
                 startup = {}
             if cfg.checkpoint.every_steps and n % cfg.checkpoint.every_steps == 0 and n < steps:
                 saved, saved_step = save_checkpoint(cfg, n, state), n
+        finished = True
     finally:
-        writer.close()
+        writer.close(finished=finished)
         TIMELINE.close()
         profile.close()
     final = final_dir(cfg)
