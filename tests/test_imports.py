@@ -12,7 +12,7 @@ import pytest
 
 from conftest import run_python
 
-HEAVY = ("megatron", "sglang", "transformer_engine", "apex", "ray")
+HEAVY = ("megatron", "sglang", "transformer_engine", "apex", "ray", "wandb", "mlflow")
 PACKAGE = Path(__file__).resolve().parents[1] / "megarl"
 
 
