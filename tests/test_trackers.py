@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_python
+from conftest import REPO
 from megarl.config import ConfigError, load_config
 from megarl.trackers import open_trackers
-from test_cli import read_metrics, write_recipe
+from test_cli import megarl_train, read_metrics, write_recipe
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -183,6 +183,7 @@ def test_trackers_are_off_unless_their_section_is_given(tmp_path):
     assert (cfg.log.wandb.project, cfg.log.wandb.name, cfg.log.mlflow.experiment) == ("megarl", None, "megarl")
 
 
+@pytest.mark.timeout(300)  # the tiny models, then a train run with room for a loaded machine
 def test_megarl_train_logs_each_step_of_metrics_jsonl_to_both_trackers(tmp_path, qwen2_dir, arithmetic_dir):
     pytest.importorskip("wandb", reason="the test extra installs wandb")
     pytest.importorskip("mlflow", reason="the test extra installs mlflow-skinny")
@@ -192,8 +193,7 @@ def test_megarl_train_logs_each_step_of_metrics_jsonl_to_both_trackers(tmp_path,
     trackers = f"  wandb: {{mode: offline}}\n  mlflow: {{tracking_uri: 'file:{mlruns}'}}\n"
     path = write_recipe(tmp_path / "tiny.yaml", model_dir=qwen2_dir, data_dir=arithmetic_dir, run_dir=run_dir,
                         extra=trackers)
-    result = run_python(["-m", "megarl", "train", str(path), "warmup.sft_steps=0", "train.steps=2",
-                         "checkpoint.save_final=false"], cwd=tmp_path)
+    result = megarl_train(path, "warmup.sft_steps=0", "train.steps=2", "checkpoint.save_final=false", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     records = read_metrics(run_dir)
     ids = json.loads((run_dir / "trackers.json").read_text())
