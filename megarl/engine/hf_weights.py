@@ -78,7 +78,7 @@ def hf_tensors(stage: StageModel, params: Iterator[tuple[str, Tensor, Tensor]] |
     receive the other stages' tensors (`pipeline_hf_tensors`).
 
     `params` yields (name with the global layer index, parameter, its value on this rank); by default the
-    parameters' own values. The conversion tools pass values read from a distributed checkpoint instead
+    parameters' own values, a LoRA-adapted weight merged with its adapter on this rank's shard first. The conversion tools pass values read from a distributed checkpoint instead
     (megarl.engine.dist_checkpoint.checkpoint_params), the parameters then living on the meta device.
     """
     if stage.value_head:
@@ -86,7 +86,7 @@ def hf_tensors(stage: StageModel, params: Iterator[tuple[str, Tensor, Tensor]] |
     ep_ranks = dist.get_process_group_ranks(stage.groups.ep)
     experts_per_rank = stage.shape.experts // stage.groups.ep_size
     if params is None:
-        params = ((n, p, p.detach()) for n, p in stage.named_parameters())
+        params = _own_values(stage)
     for name, param, data in params:
         if name == "output_layer.weight" and stage.shape.tied_embeddings:
             continue
@@ -110,6 +110,12 @@ def hf_tensors(stage: StageModel, params: Iterator[tuple[str, Tensor, Tensor]] |
                 dist.broadcast(copy, src=src, group=stage.groups.ep)
             yield from zip(stage.names.hf_names(name, expert_offset=ep_rank * experts_per_rank),
                            _split(stage.shape, copy, rule.fuse))
+
+
+def _own_values(stage: StageModel) -> Iterator[tuple[str, Tensor, Tensor]]:
+    merged = {f"{name}.weight": layer for name, layer in stage.adapted_layers()}
+    for name, param in stage.named_parameters():
+        yield name, param, merged[name].merged_weight() if name in merged else param.detach()
 
 
 def _split(shape: ModelShape, full: Tensor, fuse: str | None) -> tuple[Tensor, ...]:
