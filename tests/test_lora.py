@@ -217,3 +217,33 @@ def test_what_cannot_take_adapters_is_refused_naming_the_key(arch_dir):
         check_lora(LORA, dense, te=True)
     with pytest.raises(RecipeError, match=r"model\.lora.*critic"):
         check_lora(LORA, dense, te=False, value_head=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_plan_counts_a_lora_actors_memory_as_the_engine_holds_it(dtype, qwen2_dir, groups, tmp_path):
+    """`megarl plan` with model.lora: the frozen base and the adapters as parameters, gradients and Adam state
+    for the adapters alone (measured on a real engine, as tests/test_plan.py does for full training), and no
+    reference model beside the actor even with a KL term."""
+    from test_plan import measured_state
+
+    from megarl.config import load_config
+    from megarl.engine.megatron import TrainEngine
+    from megarl.plan import Cluster, plan, read_model
+
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(f"model:\n  path: {qwen2_dir}\n  dtype: {dtype}\n  lora: {{rank: 4, targets: [qkv, proj, fc1, "
+                      "fc2]}\ndata:\n  train_path: unused.jsonl\n  prompts_per_step: 1\nrollout:\n  n_samples: 2\n"
+                      "algo:\n  kl_coef: 0.1\ntrain:\n  micro_batch_size: 2\n")
+    cfg = load_config(recipe, check_paths=False)
+    models = plan(cfg, read_model(qwen2_dir / "config.json"), Cluster(nodes=1, gpus_per_node=1)).models
+    assert [m.name for m in models] == ["actor"]
+    engine = TrainEngine(model_dir=str(qwen2_dir), dtype=dtype, megatron={}, groups=groups,
+                         optim=OptimConfig(lr=1e-3, distributed=cfg.optim.distributed), lora=cfg.model.lora)
+    train(engine, *tokens_and_mask(2, 8), steps=1)
+    real, actor = measured_state(engine), models[0]
+    # Megatron's CPU norms stay fp32 in a bf16 model (see tests/test_plan.py): 2 more bytes each, all frozen.
+    fp32_norms = sum(p.numel() for p in engine.module.parameters() if dtype != "float32" and p.dtype.itemsize == 4)
+    assert real["params"] == actor.params + 2 * fp32_norms
+    assert real["optim"] == actor.optim  # adapters only: moments (+ fp32 master copies in bf16)
+    assert 0 <= real["grads"] - actor.grads <= 4 * (63 * real["tensors"] + 127 * real["buckets"])
+    assert actor.grads == 4 * sum(p.numel() for n, p in engine.module.named_parameters() if "lora_" in n)
