@@ -247,3 +247,47 @@ def test_plan_counts_a_lora_actors_memory_as_the_engine_holds_it(dtype, qwen2_di
     assert real["optim"] == actor.optim  # adapters only: moments (+ fp32 master copies in bf16)
     assert 0 <= real["grads"] - actor.grads <= 4 * (63 * real["tensors"] + 127 * real["buckets"])
     assert actor.grads == 4 * sum(p.numel() for n, p in engine.module.named_parameters() if "lora_" in n)
+
+
+def test_peft_adapter_directory_applied_to_the_base_model_gives_the_merged_export(qwen2_dir, groups, tmp_path):
+    """The adapter directory, applied as PEFT applies a LoRA (W + lora_alpha / r * lora_B @ lora_A on every module
+    of target_modules), gives transformers the logits of the merged HF export (1e-5: two fp32 models), and with
+    `peft` installed PeftModel loads it to the same logits."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from megarl.checkpoint import save_hf, save_peft_adapter
+
+    tokens, mask = tokens_and_mask()
+    policy = make_engine(qwen2_dir, groups)
+    train(policy, tokens, mask, steps=3)
+    save_hf(policy.pipeline_hf_tensors(), source_dir=qwen2_dir, out_dir=tmp_path / "merged")
+    save_peft_adapter(policy.pipeline_adapter_tensors(), rank=LORA.rank, alpha=LORA.alpha, base_model=str(qwen2_dir),
+                      out_dir=tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    adapter = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert len(adapter) == 2 * 7 * 2  # A and B of 7 projections in each of 2 layers
+
+    def load(path):
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+    base, merged = load(qwen2_dir), load(tmp_path / "merged")
+    with torch.no_grad():
+        for module_name, module in base.named_modules():
+            key = f"base_model.model.{module_name}"
+            if f"{key}.lora_A.weight" in adapter:
+                delta = adapter[f"{key}.lora_B.weight"] @ adapter[f"{key}.lora_A.weight"]
+                module.weight += config["lora_alpha"] / config["r"] * delta
+        want = merged(tokens).logits
+        assert (base(tokens).logits - want).abs().max() <= 1e-5
+        assert (load(qwen2_dir)(tokens).logits - want).abs().max() > 1e-3  # the adapters are not a no-op
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return  # peft is not a dependency: the format is checked above
+    with torch.no_grad():
+        peft_model = PeftModel.from_pretrained(load(qwen2_dir), str(tmp_path / "adapter")).eval()
+        assert (peft_model(tokens).logits - want).abs().max() <= 1e-5

@@ -173,6 +173,11 @@ class TrainEngine:
         """`hf_tensors` of every pipeline stage, delivered in stage order to every rank of the pipeline."""
         return hf_weights.pipeline_hf_tensors(self.stage)
 
+    def pipeline_adapter_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """A LoRA policy's adapters under PEFT's names (megarl.engine.hf_weights.hf_adapter_tensors), every
+        pipeline stage's, delivered in stage order to every rank of the pipeline."""
+        return hf_weights.pipeline_hf_tensors(self.stage, hf_weights.hf_adapter_tensors)
+
     # ---- device memory choreography (co-located rollout) ------------------------------------------------
     # The trainer gives its device memory to the rollout engine between updates (megarl.engine.offload), on
     # the CPU too, in the same order and with the storage really freed.
