@@ -184,6 +184,8 @@ def test_adapter_gradients_equal_a_plain_pytorch_lora_on_transformers(qwen2_dir,
 def test_checkpoint_holds_the_adapters_and_resumes_exactly(qwen2_dir, groups, tmp_path):
     from megatron.core.dist_checkpointing import load_tensors_metadata
 
+    from megarl.checkpoint import CheckpointError
+
     tokens, mask = tokens_and_mask()
     policy = make_engine(qwen2_dir, groups)
     train(policy, tokens, mask, steps=2)
@@ -196,6 +198,8 @@ def test_checkpoint_holds_the_adapters_and_resumes_exactly(qwen2_dir, groups, tm
     assert torch.equal(logprobs(resumed, tokens), logprobs(policy, tokens))
     model_keys = [k for k in load_tensors_metadata(str(tmp_path / "ckpt")) if not k.startswith("optimizer.")]
     assert model_keys and all(k.rsplit(".", 1)[-1] in ("lora_a", "lora_b") for k in model_keys), model_keys
+    with pytest.raises(CheckpointError, match="LoRA run's checkpoint"):  # e.g. the conversion tool's full model
+        make_engine(qwen2_dir, groups, lora=None).load_checkpoint(tmp_path / "ckpt")
 
 
 def test_adapters_are_drawn_from_the_seed(qwen2_dir, groups):
@@ -287,7 +291,7 @@ def test_peft_adapter_directory_applied_to_the_base_model_gives_the_merged_expor
     try:
         from peft import PeftModel
     except ImportError:
-        return  # peft is not a dependency: the format is checked above
+        return  # peft is optional (the `peft` extra): the format is checked above
     with torch.no_grad():
         peft_model = PeftModel.from_pretrained(load(qwen2_dir), str(tmp_path / "adapter")).eval()
         assert (peft_model(tokens).logits - want).abs().max() <= 1e-5
