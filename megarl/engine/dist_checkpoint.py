@@ -174,11 +174,11 @@ def _check_checkpoint(path: Path, model_state: dict) -> None:
         elif tuple(saved[sharded.key].global_shape) != tuple(sharded.global_shape):
             problems.append(f"{sharded.key}: shape {tuple(saved[sharded.key].global_shape)} in the "
                             f"checkpoint, {tuple(sharded.global_shape)} in this model")
-    if problems and any(is_adapter(key) for key in saved) and not any(is_adapter(s.key) for s in nested_values(
-            model_state) if isinstance(s, ShardedTensor)):
+    wanted = [s.key for s in nested_values(model_state) if isinstance(s, ShardedTensor)]
+    if problems and any(is_adapter(key) for key in saved) and not any(is_adapter(key) for key in wanted):
         raise CheckpointError(f"{path}: a LoRA run's checkpoint (model.lora) holds its adapters, not the frozen base "
                               "weights, which are the run's model.path: resume the run with its recipe, or take the "
-                              "merged HF export of its end (checkpoints/final; its adapters in checkpoints/final/adapter)")
+                              "merged HF export of its end (checkpoints/final, adapters in checkpoints/final/adapter)")
     if problems:
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         shown = "\n  ".join(problems[:20]) + more

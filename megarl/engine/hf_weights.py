@@ -78,7 +78,8 @@ def hf_tensors(stage: StageModel, params: Iterator[tuple[str, Tensor, Tensor]] |
     receive the other stages' tensors (`pipeline_hf_tensors`).
 
     `params` yields (name with the global layer index, parameter, its value on this rank); by default the
-    parameters' own values, a LoRA-adapted weight merged with its adapter on this rank's shard first. The conversion tools pass values read from a distributed checkpoint instead
+    parameters' own values, a LoRA-adapted weight merged with its adapter on this rank's shard first. The
+    conversion tools pass values read from a distributed checkpoint instead
     (megarl.engine.dist_checkpoint.checkpoint_params), the parameters then living on the meta device.
     """
     if stage.value_head:

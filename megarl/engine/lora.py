@@ -73,7 +73,8 @@ def adapt_layer_spec(layer_spec, lora: LoraConfig) -> None:
             case "proj":
                 attention.linear_proj = ModuleSpec(**row)
             case "fc1":
-                mlp.linear_fc1 = ModuleSpec(module=LoraColumnParallelLinear, params={"adapter": adapter, "gate_up": True})
+                mlp.linear_fc1 = ModuleSpec(module=LoraColumnParallelLinear,
+                                            params={"adapter": adapter, "gate_up": True})
             case "fc2":
                 mlp.linear_fc2 = ModuleSpec(**row)
 

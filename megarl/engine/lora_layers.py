@@ -85,7 +85,8 @@ class LoraColumnParallelLinear(_Adapted, ColumnParallelLinear):
         if self.explicit_expert_comm:
             raise ValueError("model.lora: expert linear layers take no adapters")
         self.adapter, self.adapter_on, self.gate_up = adapter, True, gate_up
-        _adapter_params(self, a_shape=(adapter.rank, input_size), b_shape=(self.output_size_per_partition, adapter.rank))
+        _adapter_params(self, a_shape=(adapter.rank, input_size),
+                        b_shape=(self.output_size_per_partition, adapter.rank))
         set_tensor_model_parallel_attributes(self.lora_b, True, 0, 1)
         self.lora_a.sequence_parallel = self.sequence_parallel
 
@@ -125,7 +126,8 @@ class LoraRowParallelLinear(_Adapted, RowParallelLinear):
         if self.explicit_expert_comm or not self.input_is_parallel:
             raise ValueError("model.lora: only row-parallel layers whose input is already split take adapters")
         self.adapter, self.adapter_on = adapter, True
-        _adapter_params(self, a_shape=(adapter.rank, self.input_size_per_partition), b_shape=(output_size, adapter.rank))
+        _adapter_params(self, a_shape=(adapter.rank, self.input_size_per_partition),
+                        b_shape=(output_size, adapter.rank))
         set_tensor_model_parallel_attributes(self.lora_a, True, 1, 1)
         self.lora_b.sequence_parallel = self.sequence_parallel
 
