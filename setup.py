@@ -37,6 +37,8 @@ setup(
         "parquet": ["pyarrow>=15"],  # .parquet prompt sets
         "tensorboard": ["tensorboard>=2.16"],
         "report": ["matplotlib>=3.8"],  # megarl report: a run's charts
+        # loads a LoRA run's adapter directory (checkpoints/final/adapter); 0.17 does not import with transformers 5
+        "peft": ["peft>=0.21"],
         # No GPU extra: Transformer Engine and NVIDIA apex compile against the installed torch and apex is not
         # on PyPI (the `apex` there is another project); the Dockerfile builds both. SGLang pins its own torch:
         # requirements-sglang.txt is its route.

@@ -78,11 +78,41 @@ def _positive(section: Any, *names: str) -> None:
 # ---------------------------------------------------------------------------------------------- schema
 
 
+LoraTarget = Literal["qkv", "proj", "fc1", "fc2"]
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters on the policy's linear layers (Hu et al. 2021): each wrapped W [out, in] computes
+    W x + (alpha / rank) B A dropout(x), A [rank, in], B [out, rank] zero at the start, and only A and B train
+    (megarl.engine.lora)."""
+
+    rank: int = 8  # r, the adapters' inner dimension
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapters' input, in [0, 1)
+    # module kinds wrapped in every layer: qkv (fused query/key/value), proj (attention output), fc1 (MLP
+    # gate and up, fused), fc2 (MLP down)
+    targets: list[LoraTarget] = field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])
+
+    def check(self) -> None:
+        _at_least(self, 1, "rank")
+        _positive(self, "alpha")
+        if not 0 <= self.dropout < 1:
+            raise FieldError("dropout", f"must be in [0, 1), got {self.dropout}")
+        if not self.targets:
+            raise FieldError("targets", "must name at least one module kind (qkv, proj, fc1, fc2)")
+        if len(set(self.targets)) != len(self.targets):
+            raise FieldError("targets", f"names a module kind twice: {self.targets}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = field(metadata={"path": "dir"})  # local HuggingFace checkpoint directory
     dtype: Dtype = "float32"  # parameter and compute dtype of trainer and rollout engine
     megatron: dict[str, Any] = field(default_factory=dict)  # extra TransformerConfig fields, checked by the engine
+    # train low-rank adapters of the policy instead of its weights (frozen); the reference policy is then the
+    # policy with its adapters off. null: full training
+    lora: LoraConfig | None = None
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import dataclasses
 from typing import Literal
 
 from megarl.config import Config
+from megarl.engine.lora import BasePolicy
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
 
@@ -22,7 +23,7 @@ def make_engine(cfg: Config, groups: ParallelGroups, *, role: Role, model_dir: s
     common = dict(model_dir=model_dir, dtype=cfg.model.dtype, megatron=cfg.model.megatron, groups=groups)
     match role:
         case "actor":
-            return TrainEngine(**common, optim=cfg.optim)
+            return TrainEngine(**common, optim=cfg.optim, lora=cfg.model.lora, seed=cfg.seed)
         case "reference":
             return TrainEngine(**common)
         case "critic":
@@ -32,3 +33,12 @@ def make_engine(cfg: Config, groups: ParallelGroups, *, role: Role, model_dir: s
         case "warmup":
             return TrainEngine(**common, optim=dataclasses.replace(cfg.optim, lr=cfg.warmup.lr, warmup_steps=0))
     raise ValueError(f"unknown engine role {role!r}")
+
+
+def reference_policy(cfg: Config, groups: ParallelGroups, actor: TrainEngine, *,
+                     model_dir: str) -> TrainEngine | BasePolicy:
+    """The frozen policy a KL term or DPO compares with: a model of its own, or with model.lora the actor with
+    its adapters off, which is the base model exactly and costs no memory."""
+    if cfg.model.lora is not None:
+        return BasePolicy(actor)
+    return make_engine(cfg, groups, role="reference", model_dir=model_dir)

@@ -24,7 +24,8 @@ from megarl.data.prompts import PromptRow, PromptSampler
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.model import uses_transformer_engine
 from megarl.engine.parallel import ParallelGroups
-from megarl.engine.roles import make_engine
+from megarl.engine.lora import BasePolicy
+from megarl.engine.roles import make_engine, reference_policy
 from megarl.envs.environment import Environment, SingleTurn, environment_factory
 from megarl.envs.tool_format import ObservationFormat, observation_format
 from megarl.loops.faults import DriftGate
@@ -115,7 +116,7 @@ class RLRun:
     eval_rows: list[PromptRow]
     sampler: PromptSampler
     actor: TrainEngine
-    reference: TrainEngine | None     # when algo.kl_coef > 0
+    reference: TrainEngine | BasePolicy | None  # when algo.kl_coef > 0 (with model.lora: the actor, adapters off)
     critic: TrainEngine | None        # when algo.name is ppo
     rollouts: Rollouts                # the rollout engines' side of the run (colocated or split placement)
     prompts_per_rank: int
@@ -136,7 +137,8 @@ class RLRun:
     env_workers: EnvWorkers | None = None  # the threads of the environment steps, kept from step to step
 
     def trainer_engines(self) -> list[TrainEngine]:
-        return [e for e in (self.actor, self.reference, self.critic) if e is not None]
+        """The engines that hold models (and memory): a LoRA run's reference is the actor's."""
+        return [e for e in (self.actor, self.reference, self.critic) if isinstance(e, TrainEngine)]
 
     def trained_engines(self) -> dict[str, TrainEngine]:
         """The models a checkpoint saves, by name (frozen ones are rebuilt from their checkpoints)."""
@@ -183,12 +185,13 @@ def check_share_prompts(shape) -> None:
 def build_run(cfg: Config, groups: ParallelGroups, *, rollouts: Rollouts, tokenizer, train_rows: list[PromptRow],
               eval_rows: list[PromptRow], model_dir: str) -> RLRun:
     """The rollout engines first (`rollouts.start`: SGLang sizes its KV cache from the device memory free when it
-    starts), then the train engines: actor; reference when algo.kl_coef > 0; critic for PPO; the reward
+    starts), then the train engines: actor; reference when algo.kl_coef > 0 (with model.lora, the actor with
+    its adapters off); critic for PPO; the reward
     models, which stay on the device the whole step because their scores are needed as generation ends."""
     algo = cfg.algo
     rollouts.start(model_dir)
     actor = make_engine(cfg, groups, role="actor", model_dir=model_dir)
-    reference = make_engine(cfg, groups, role="reference", model_dir=model_dir) if algo.kl_coef > 0 else None
+    reference = reference_policy(cfg, groups, actor, model_dir=model_dir) if algo.kl_coef > 0 else None
     critic = None
     if algo.name == "ppo":
         critic = make_engine(cfg, groups, role="critic", model_dir=cfg.critic.path or model_dir)

@@ -14,7 +14,8 @@ from megarl.models.arch import ModelShape, padded_vocab_size, read_shape
 from megarl.plan.memory import (DTYPE_BYTES, ENGINE_START_USED_GIB, ENTROPY_BYTES, GIB, HOST_RESERVE_GIB,
                                 HOST_USABLE_FRACTION, LOGITS_BYTES, RESERVE_GIB, USABLE_FRACTION, Cluster,
                                 HostMemory, ModelMemory, Rollout, Routing, activation_bytes, host_memory,
-                                largest_tensor, model_state, rollout_memory, routing_memory, stage_params)
+                                largest_tensor, lora_params, model_state, rollout_memory, routing_memory,
+                                stage_params)
 
 DEFAULT_SEQ_TOKENS = 4096  # SFT and DPO: the longest row when --seq-tokens is not given
 
@@ -118,13 +119,14 @@ class Plan:
 
 def trainer_roles(cfg: Config) -> list[tuple[str, bool, bool]]:
     """(name, trainable, value_head) of every model the recipe's loop builds on each GPU (megarl.loops)."""
+    own_reference = cfg.model.lora is None  # with LoRA the reference is the actor with its adapters off
     match cfg.algo.name:
         case "sft":
             return [("actor", True, False)]
         case "dpo":
-            return [("actor", True, False), ("reference", False, False)]
+            return [("actor", True, False)] + ([("reference", False, False)] if own_reference else [])
     roles = [("actor", True, False)]
-    if cfg.algo.kl_coef > 0:
+    if cfg.algo.kl_coef > 0 and own_reference:
         roles.append(("reference", False, False))
     if cfg.algo.name == "ppo":
         roles.append(("critic", True, True))
@@ -174,13 +176,18 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
         for name, trainable, value_head in trainer_roles(cfg):
             counts = stage_params(shape, tp=layout.tp, pp=layout.pp, ep=layout.ep, stage=stage,
                                   value_head=value_head)
-            params, grads, opt = model_state(counts, trainable=trainable, **state_args)
+            adapters = 0
+            if name == "actor" and cfg.model.lora is not None:
+                adapters = lora_params(shape, cfg.model.lora, tp=layout.tp, pp=layout.pp)
+            params, grads, opt = model_state(counts, trainable=trainable, adapters=adapters, **state_args)
             acts = activation_bytes(shape, layout, stage=stage, seq_len=seq_len, megatron=megatron,
                                     micro_batch_size=cfg.train.micro_batch_size, act_bytes=dtype_bytes,
                                     head_bytes_per_token=0 if value_head else logits * vocab_slice) \
                 if trainable else 0
             models.append(ModelMemory(name, params, grads, opt, acts))
-            if trainable:  # a DDP buffer per model for dense and one for expert parameters
+            if adapters:  # DDP's buffers hold what trains
+                largest_buffer = max(largest_buffer, adapters * dtype_bytes)
+            elif trainable:  # a DDP buffer per model for dense and one for expert parameters
                 largest_buffer = max(largest_buffer, counts.dense * dtype_bytes, counts.expert * dtype_bytes)
         stages.append(models)  # what the offload moves to the host
         buffers.append(largest_buffer)
