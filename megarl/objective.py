@@ -223,7 +223,6 @@ def advantage_fn(algo: AlgoConfig, *, group) -> AdvantageFn:
         return lambda batch, kl_coef: (
             broadcast_to_tokens(estimator(rewards(batch), batch.group_ids), batch.response_mask), None)
 
-    estimate: AdvantageFn
     match algo.name:
         case "ppo":
             def ppo(batch: RolloutBatch, kl_coef: float) -> tuple[Tensor, Tensor]:
