@@ -1,5 +1,5 @@
-"""The one place a recipe's models become train engines: actor, reference, critic, reward model and the
-supervised warm start's model, each with the optimizer (or none) its role needs."""
+"""The one place a recipe's models become train engines: actor, reference, critic, reward model, distillation
+teacher and the supervised warm start's model, each with the optimizer (or none) its role needs."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from megarl.engine.parallel import ParallelGroups
 
 # actor: the trained policy; reference: frozen policy for the KL; critic: PPO's value model (scalar head,
 # its own learning rate); reward_model: a frozen scalar head scoring whole sequences; warmup: the policy of
-# the supervised warm start (its own learning rate, no learning-rate warmup).
-Role = Literal["actor", "reference", "critic", "reward_model", "warmup"]
+# the supervised warm start (its own learning rate, no learning-rate warmup); teacher: the frozen model of
+# on-policy distillation (its own checkpoint, built like the reference).
+Role = Literal["actor", "reference", "critic", "reward_model", "warmup", "teacher"]
 
 
 def make_engine(cfg: Config, groups: ParallelGroups, *, role: Role, model_dir: str) -> TrainEngine:
@@ -24,7 +25,7 @@ def make_engine(cfg: Config, groups: ParallelGroups, *, role: Role, model_dir: s
     match role:
         case "actor":
             return TrainEngine(**common, optim=cfg.optim, lora=cfg.model.lora, seed=cfg.seed)
-        case "reference":
+        case "reference" | "teacher":
             return TrainEngine(**common)
         case "critic":
             return TrainEngine(**common, optim=dataclasses.replace(cfg.optim, lr=cfg.critic.lr), value_head=True)

@@ -28,7 +28,8 @@ The estimate follows the code it models, so its assumptions are those of megarl'
   env.max_tokens for a multi-turn environment (generated and observation tokens of all turns); for SFT and
   DPO, whose loops pad a batch to its longest row and truncate nothing, the longest row (`--seq-tokens`).
   The prompt length is an input, `--prompt-tokens`.
-- Models, as the loops build them: RL: the actor, the frozen reference when algo.kl_coef > 0, PPO's critic,
+- Models, as the loops build them: RL: the actor, the frozen reference when algo.kl_coef > 0, the frozen
+  distillation teacher (its own shape, offloaded like the reference) when teacher.path is set, PPO's critic,
   and the frozen reward model of every `reward_model` reward term, which stays on the device in every phase;
   SFT: the actor; DPO: the actor and its frozen reference (no gradients, no optimizer).
 - Phases, as `megarl.loops.rl` orders them on GPU: train = every trainer model's parameters, gradients and
@@ -160,7 +161,7 @@ class Cluster:
 class ModelMemory:
     """Bytes one trainer model holds on one GPU of the planned stage."""
 
-    name: str  # actor, reference, critic or a reward model
+    name: str  # actor, reference, teacher, critic or a reward model
     params: int
     grads: int
     optim: int
