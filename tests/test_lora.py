@@ -288,10 +288,8 @@ def test_peft_adapter_directory_applied_to_the_base_model_gives_the_merged_expor
         want = merged(tokens).logits
         assert (base(tokens).logits - want).abs().max() <= 1e-5
         assert (load(qwen2_dir)(tokens).logits - want).abs().max() > 1e-3  # the adapters are not a no-op
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return  # peft is optional (the `peft` extra): the format is checked above
+    from peft import PeftModel  # the `peft` extra, part of the `test` extra
+
     with torch.no_grad():
         peft_model = PeftModel.from_pretrained(load(qwen2_dir), str(tmp_path / "adapter")).eval()
         assert (peft_model(tokens).logits - want).abs().max() <= 1e-5
