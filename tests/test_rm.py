@@ -156,7 +156,8 @@ def test_export_is_a_sequence_classifier_with_the_trained_scores(rm_run, tiny_da
     tokens = torch.tensor([e.ids + [tokenizer.pad_token_id] * (width - len(e.ids)) for e in examples])
     mask = torch.tensor([e.loss_mask + [0] * (width - len(e.ids)) for e in examples], dtype=torch.float32)
     n = len(examples)
-    batch = RolloutBatch(tokens=tokens, response_mask=mask, prompt_lens=torch.tensor([e.loss_mask.index(1) for e in examples]),
+    prompt_lens = torch.tensor([e.loss_mask.index(1) for e in examples])
+    batch = RolloutBatch(tokens=tokens, response_mask=mask, prompt_lens=prompt_lens,
                          group_ids=torch.arange(n), rollout_logprobs=torch.zeros_like(mask), responses=[""] * n,
                          answers=[""] * n, finish_reasons=["stop"] * n, prompt_texts=[""] * n, metadata=[{}] * n)
     term_scores = reward_model_scores(term, batch, pad_id=tokenizer.pad_token_id, micro_batch_size=8)
