@@ -113,12 +113,14 @@ def test_tiny_recipe_learns_to_prefer_correct_sums(rm_run):
     assert steps[0]["accuracy"] == 0.5 and steps[0]["loss"] == pytest.approx(math.log(2.0), rel=1e-7)
     heldout = [(m["step"], m["eval/accuracy"], m["eval/margin"]) for m in steps if "eval/accuracy" in m]
     assert [s for s, _, _ in heldout] == [1, 10, 20, 30, 40, 50, 60]
-    # Measured on 128 held-out pairs: accuracy 0.68 after the first step (0.5 before it), 0.80 at step 10,
-    # 0.92 at 60; margin 0.001 -> 4.5. 0.85 is the bar the issue sets; 4 pairs of 128 is ~3 points of noise.
+    # Measured on 128 held-out pairs: accuracy 0.69 after the first step (0.5 before it: all ties), 0.80 at
+    # step 10, 0.84 at 20, 0.96 at 60 (0.89-0.91 from step 30 on); margin 0.001 -> 4.2. 0.85 is the bar the
+    # issue sets; one pair of 128 is 0.8 points. Train loss: 0.66 -> 0.17 (means of the first and last 10
+    # steps, 32 fresh pairs each).
     assert heldout[-1][1] >= 0.85, heldout
     assert heldout[-1][2] >= heldout[0][2] + 1.0, heldout
-    last = steps[-10:]
-    assert sum(m["accuracy"] for m in last) / 10 >= 0.85  # train pairs, 32 fresh ones a step
+    first, last = (sum(m["loss"] for m in part) / 10 for part in (steps[:10], steps[-10:]))
+    assert last <= first - 0.3, (first, last)
 
 
 def test_export_is_a_sequence_classifier_with_the_trained_scores(rm_run, tiny_data, groups, tmp_path):
