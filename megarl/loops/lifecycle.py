@@ -1,4 +1,4 @@
-"""One run lifecycle for every loop (RL, SFT, DPO): resume, the steps with their metrics and periodic
+"""One run lifecycle for every loop (RL, SFT, DPO, RM): resume, the steps with their metrics and periodic
 checkpoints, then the final checkpoint and HF export.
 
     resume_from, done = find_resume(cfg)            # before any work, so a finished run does none
