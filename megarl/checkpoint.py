@@ -216,3 +216,27 @@ def _fsync_tree(path: Path) -> None:
         if child.is_file():
             with open(child, "rb") as f:
                 os.fsync(f.fileno())
+
+
+def save_peft_adapter(named_tensors: Iterable[tuple[str, Tensor]], *, rank: int, alpha: float, base_model: str,
+                      out_dir: str | Path) -> Path:
+    """Write LoRA adapters in PEFT's adapter-directory format: `adapter_model.safetensors` (`base_model.model.
+    {module}.lora_A.weight` [r, in], `.lora_B.weight` [out, r]) and `adapter_config.json` (a LoRA of rank `rank`
+    and `alpha` on the modules the tensors name, for the HF model in `base_model`), published atomically."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in named_tensors}
+    modules = sorted({name.split(".")[-3] for name in tensors})  # ...layers.0.self_attn.q_proj.lora_A.weight
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model), "r": rank,
+              "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": modules, "bias": "none",
+              "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True, "init_lora_weights": True,
+              "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}}
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.rename(tmp, out_dir)
+    return out_dir

@@ -92,6 +92,20 @@ def _tiny_model_tool():
 
 
 @pytest.fixture(scope="session")
+def isolated() -> str:
+    """The code sandbox's isolation mode here (megarl.rewards.sandbox): a test that runs generated code asks for
+    it. Without isolation such a test is skipped, except under CI=true, where it fails (README "Tests")."""
+    from megarl.rewards.sandbox import SandboxUnavailable, sandbox_mode
+
+    try:
+        return sandbox_mode()
+    except SandboxUnavailable as e:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the sandbox isolated: {e}")
+        pytest.skip(f"the sandbox cannot isolate code here: {e}")
+
+
+@pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tiny_models")
 

@@ -210,6 +210,7 @@ def test_an_interrupted_run_resumed_equals_one_never_interrupted(groups, qwen2_d
                         r"'center_coef'\?\)"),
     (["rm.center_coef=-0.1"], r"rm.center_coef: must be >= 0, got -0.1"),
     (["train.micro_batch_tokens=256"], "train.micro_batch_tokens \\(sequence packing\\) is for the RL loops"),
+    (["model.lora.rank=8"], "model.lora: adapters go on the policy; algo.name = 'rm' trains a scalar-head model"),
 ])
 def test_rm_recipe_errors_name_file_and_key(qwen2_dir, tiny_data, tmp_path, overrides, message):
     from megarl.config import ConfigError

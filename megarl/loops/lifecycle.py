@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import torch.distributed as dist
 
-from megarl.checkpoint import classifier_config, save_hf
+from megarl.checkpoint import classifier_config, save_hf, save_peft_adapter
 from megarl.config import Config, dump_config
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
@@ -113,7 +113,8 @@ def export_policy(engine: TrainEngine, groups: ParallelGroups, *, source_dir: st
                   meta: dict) -> None:
     """Write the model as an HF checkpoint from global rank 0 (a scalar-head model as a one-label sequence
     classifier); its model-parallel peers join the gathers (with expert parallelism that is every rank: the
-    expert-parallel peers sit in other data-parallel ranks)."""
+    expert-parallel peers sit in other data-parallel ranks). A LoRA policy's are its merged weights, and its
+    adapters go to `out_dir/adapter` in PEFT's format, for the base model `source_dir`."""
     engine.onload()  # on GPU the parameters wait on the host from the weight push to the next step
     if groups.dp_rank == 0 or groups.ep_size > 1:
         tensors = engine.pipeline_hf_tensors(classifier=engine.value_head)
@@ -122,5 +123,14 @@ def export_policy(engine: TrainEngine, groups: ParallelGroups, *, source_dir: st
             save_hf(tensors, source_dir=source_dir, out_dir=out_dir, meta=meta, config=config)
         else:
             for _ in tensors:
+                pass
+    lora = engine.stage.lora
+    if lora is not None and groups.dp_rank == 0:
+        adapters = engine.pipeline_adapter_tensors()
+        if dist.get_rank() == 0:
+            save_peft_adapter(adapters, rank=lora.rank, alpha=lora.alpha, base_model=source_dir,
+                              out_dir=out_dir / "adapter")
+        else:
+            for _ in adapters:
                 pass
     dist.barrier()

@@ -116,10 +116,13 @@ def _require(module: str, *, key: str, install: str) -> None:
 
 
 # ---- scoring and the failure policy ---------------------------------------------------------------------
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def score_sample(terms: Sequence[Term], sample: Sample, *, timeout_s: float) -> Outcome:
     """The weighted sum of the terms on one sample, or (nan, why) when a term raises or returns something
-    that is not a real number (a string such as "1.0" included; a bool counts as 0 or 1), the sample takes
-    longer than `timeout_s` or the sum is not finite. `why` starts with the failing term's key."""
+    that is not a finite real number (a string such as "1.0" included; a bool counts as 0 or 1), the sample
+    takes longer than `timeout_s` or the sum is beyond float32's range. `why` starts with the failing term's key."""
     total, name = 0.0, ""
     try:
         with time_limit(timeout_s):
@@ -127,13 +130,15 @@ def score_sample(terms: Sequence[Term], sample: Sample, *, timeout_s: float) -> 
                 value = fn(sample)
                 if not isinstance(value, numbers.Real):
                     return math.nan, f"{name}: returned {value!r:.80} ({type(value).__name__}), not a number"
+                if not math.isfinite(value):
+                    return math.nan, f"{name}: returned {float(value)}, not a finite number"
                 total += weight * float(value)
     except SampleTimeout as e:
         return math.nan, f"{name}: {e}"
     except Exception as e:  # noqa: BLE001 - a reward must never end the run
         return math.nan, f"{name}: {type(e).__name__}: {e}"
-    if not math.isfinite(total):
-        return math.nan, f"reward is {total}"
+    if not abs(total) <= FLOAT32_MAX:  # the batch holds rewards in float32, where a larger one is inf
+        return math.nan, f"reward is {total:g}, beyond float32's range (the rewards are float32 in the batch)"
     return total, None
 
 
