@@ -22,6 +22,7 @@ import dataclasses
 import difflib
 import os
 import re
+import string
 import types
 import typing
 from collections.abc import Sequence
@@ -33,14 +34,16 @@ import yaml
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 AlgoName = Literal["ppo", "grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
-                   "distill", "dpo", "sft"]
+                   "distill", "dpo", "sft", "rm"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 # Algorithms whose baseline is computed within a group of samples of the same prompt.
 GROUP_BASELINE_ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp_baseline")
 # Algorithms whose advantages are per token, so a KL penalty can be folded into the token rewards.
 TOKEN_REWARD_ALGOS = ("ppo", "reinforce_pp")
 # Algorithms trained on a fixed data set: no rollout engine, `rollout:` is unused.
-OFFLINE_ALGOS = ("dpo", "sft")
+OFFLINE_ALGOS = ("dpo", "sft", "rm")
+# Offline algorithms that train on preference pairs, each pair's two sequences side by side in a micro-batch.
+PAIR_ALGOS = ("dpo", "rm")
 PROMPT_FILE_SUFFIXES = (".jsonl", ".parquet")
 
 
@@ -339,6 +342,19 @@ class DPOConfig:
 
 
 @dataclass(frozen=True)
+class RMConfig:
+    """Reward-model training (used when algo.name is "rm"): a Bradley-Terry loss on the scalar head's score
+    of each pair's chosen and rejected sequence, -log sigmoid(r_chosen - r_rejected) (Ouyang et al. 2022)."""
+
+    # weight of (r_chosen + r_rejected)^2 added to each pair's loss: keeps the scores centred on 0, which
+    # the Bradley-Terry loss alone leaves free (Eisenstein et al. 2023); 0 = off
+    center_coef: float = 0.0
+
+    def check(self) -> None:
+        _at_least(self, 0, "center_coef")
+
+
+@dataclass(frozen=True)
 class OptimConfig:
     lr: float = 1e-6  # Adam learning rate after warmup
     weight_decay: float = 0.0  # decoupled (AdamW) weight decay
@@ -373,13 +389,13 @@ class DataConfig:
     skip_bad_rows: bool = False  # skip malformed rows (counted, with a warning) instead of stopping at the first
     response_key: str = "response"  # field of the target response of an SFT row (sft)
     messages_key: str = "messages"  # field of an SFT row's chat turns [{role, content}]; loss on assistant turns
-    chosen_key: str = "chosen"  # field of the preferred response of a pair (dpo)
-    rejected_key: str = "rejected"  # field of the dispreferred response of a pair (dpo)
-    prompts_per_step: int = 8  # global batch: prompts per RL step (before n_samples), SFT rows or DPO pairs
+    chosen_key: str = "chosen"  # field of the preferred response of a pair (dpo, rm)
+    rejected_key: str = "rejected"  # field of the dispreferred response of a pair (dpo, rm)
+    prompts_per_step: int = 8  # global batch: prompts per RL step (before n_samples), SFT rows or pairs (dpo, rm)
     shuffle: bool = True  # reshuffle the prompt order every epoch (seeded)
     chat_template: bool = False  # wrap prompts in the tokenizer's chat template (sft/dpo: as a user turn)
     eval_every: int = 1  # evaluate every this many steps
-    eval_prompts: int = 64  # prompts (SFT rows, DPO pairs) taken from the eval set per evaluation
+    eval_prompts: int = 64  # prompts (SFT rows, pairs) taken from the eval set per evaluation
 
     def check(self) -> None:
         _at_least(self, 1, "prompts_per_step", "eval_every", "eval_prompts")
@@ -389,7 +405,7 @@ class DataConfig:
                 raise FieldError(name, f"expected a {' or '.join(PROMPT_FILE_SUFFIXES)} file, got {path}")
 
 
-RewardKind = Literal["exact_answer", "math", "format", "length_penalty", "code", "custom", "reward_model"]
+RewardKind = Literal["exact_answer", "math", "format", "length_penalty", "code", "custom", "reward_model", "judge"]
 # The options each reward kind reads; any other option set on a term is a mistake the loader reports.
 REWARD_TERM_OPTIONS = {
     "exact_answer": (),
@@ -399,7 +415,12 @@ REWARD_TERM_OPTIONS = {
     "code": ("sandbox",),
     "custom": ("function",),
     "reward_model": ("path",),
+    "judge": ("judge",),
 }
+JUDGE_TEMPLATE_FIELDS = ("question", "response", "reference")
+DEFAULT_JUDGE_TEMPLATE = (
+    "Grade the response to the question on a scale from 0 to 10.\n\nQuestion:\n{question}\n\n"
+    "Reference answer:\n{reference}\n\nResponse:\n{response}\n\nEnd your reply with a line 'Score: N'.")
 
 
 @dataclass(frozen=True)
@@ -425,11 +446,58 @@ class SandboxConfig:
 
 
 @dataclass(frozen=True)
+class JudgeConfig:
+    """A generative model that grades each response (megarl/rewards/judge.py), served behind an
+    OpenAI-compatible HTTP endpoint. The reward is its score mapped linearly from [min_score, max_score] to
+    [0, 1]; a reply without a score in that range fails the sample."""
+
+    url: str  # the endpoint's base URL, e.g. http://localhost:30000/v1 (/chat/completions or /completions follow)
+    api: Literal["chat", "completions"] = "chat"  # chat: the prompt as one user message; completions: raw text
+    model: str = "default"  # the `model` field of each request
+    # the prompt; {question}, {response} and {reference} (the row's answer, "" without one) are filled in
+    template: str = DEFAULT_JUDGE_TEMPLATE
+    # regex searched in the reply (the last match counts); its group `score` is the number
+    score_pattern: str = r"(?i)score\s*[:=]\s*\**\s*(?P<score>[-+]?\d+(?:\.\d+)?)"
+    min_score: float = 0.0  # the lowest score the template asks for: reward 0
+    max_score: float = 10.0  # the highest: reward 1
+    max_tokens: int = 256  # most tokens of a reply
+    temperature: float = 0.0  # sampling temperature of the reply
+    timeout_s: float = 60.0  # each request: connecting, and every read of the reply; past it the sample fails
+    max_concurrency: int = 8  # most requests in flight at once from one scoring process
+    api_key_env: str | None = None  # environment variable holding a bearer token for the endpoint; null = none
+
+    def check(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise FieldError("url", f"expected an http:// or https:// URL, got {self.url!r}")
+        try:
+            fields = {name for _, name, _, _ in string.Formatter().parse(self.template) if name is not None}
+        except ValueError as e:
+            raise FieldError("template", f"not a valid template: {e}") from None
+        unknown = sorted(fields - set(JUDGE_TEMPLATE_FIELDS))
+        if unknown:
+            raise FieldError("template", f"unknown field {{{unknown[0]}}} (fields: "
+                                         f"{', '.join('{' + f + '}' for f in JUDGE_TEMPLATE_FIELDS)})")
+        if "response" not in fields:
+            raise FieldError("template", "has no {response} field: the judge would never see the response")
+        try:
+            pattern = re.compile(self.score_pattern)
+        except re.error as e:
+            raise FieldError("score_pattern", f"invalid regex: {e}") from None
+        if "score" not in pattern.groupindex:
+            raise FieldError("score_pattern", "needs a named group (?P<score>...) holding the number")
+        if not self.max_score > self.min_score:
+            raise FieldError("max_score", f"must be > min_score = {self.min_score}, got {self.max_score}")
+        _positive(self, "timeout_s")
+        _at_least(self, 1, "max_tokens", "max_concurrency")
+        _at_least(self, 0, "temperature")
+
+
+@dataclass(frozen=True)
 class RewardTermConfig:
     """One weighted term of the reward. The options below `weight` belong to one kind each (the comment
     says which, REWARD_TERM_OPTIONS is the table); setting one for another kind is an error."""
 
-    kind: RewardKind  # exact_answer | math | format | length_penalty | code | custom | reward_model
+    kind: RewardKind  # exact_answer | math | format | length_penalty | code | custom | reward_model | judge
     weight: float = 1.0  # the term's factor in the summed reward
     pattern: str | None = None  # format: regex searched in the response (re.DOTALL); 1 when found, else 0
     max_tokens: int | None = None  # length_penalty: response length, in tokens, where the penalty reaches -1
@@ -438,10 +506,11 @@ class RewardTermConfig:
     function: str | None = None  # custom: `module:function`, called with prompt, response, answer, metadata
     path: str | None = field(default=None, metadata={"path": "dir"})  # reward_model: HF sequence-classification
     # checkpoint (one label) of the policy's architecture and tokenizer, scored by a Megatron model
+    judge: JudgeConfig | None = None  # judge: the grading model's endpoint, prompt template and score parser
 
     def check(self) -> None:
         used = REWARD_TERM_OPTIONS[self.kind]
-        for name in ("pattern", "max_tokens", "cache_tokens", "sandbox", "function", "path"):
+        for name in ("pattern", "max_tokens", "cache_tokens", "sandbox", "function", "path", "judge"):
             if getattr(self, name) is not None and name not in used:
                 raise FieldError(name, f"is not an option of kind {self.kind!r} "
                                        f"(its options: {', '.join(('weight', *used))})")
@@ -554,7 +623,7 @@ class TrainConfig:
     # at most this many tokens (so at least the longest prompt + response), balanced by tokens; 0/None =
     # off, micro_batch_size padded sequences instead
     micro_batch_tokens: int | None = None
-    epochs: int = 0  # sft/dpo: when > 0, train this many passes over the train set instead of `steps`
+    epochs: int = 0  # sft/dpo/rm: when > 0, train this many passes over the train set instead of `steps`
     # RL: the policy trains only on samples with a non-zero advantage when the others add exactly nothing
     # to its loss and gradients (no KL or entropy term, no critic); they still count in the loss's denominators
     skip_zero_advantage: bool = True
@@ -631,6 +700,7 @@ class Config:
     critic: CriticConfig = field(default_factory=CriticConfig)  # value model (algo.name: ppo)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)  # distillation teacher (algo.name: distill)
     dpo: DPOConfig = field(default_factory=DPOConfig)  # preference loss (algo.name: dpo)
+    rm: RMConfig = field(default_factory=RMConfig)  # reward-model loss (algo.name: rm)
     optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer
     reward: RewardConfig = field(default_factory=RewardConfig)  # scoring
     train: TrainConfig = field(default_factory=TrainConfig)  # training schedule
@@ -640,11 +710,14 @@ class Config:
 
     def check(self) -> None:
         n, prompts, micro = self.rollout.n_samples, self.data.prompts_per_step, self.train.micro_batch_size
-        if self.algo.name == "dpo" and micro % 2:
+        if self.algo.name in PAIR_ALGOS and micro % 2:
             # pairs are interleaved (chosen, rejected) in the batch; an odd micro-batch would split one
-            raise ValueError(f"algo.name = 'dpo' needs an even train.micro_batch_size (a pair is two "
+            raise ValueError(f"algo.name = {self.algo.name!r} needs an even train.micro_batch_size (a pair is two "
                              f"sequences kept in one micro-batch), got {micro}")
         self.check_teacher()
+        if self.model.lora is not None and self.algo.name == "rm":
+            raise ValueError("model.lora: adapters go on the policy; algo.name = 'rm' trains a scalar-head model, "
+                             "all of it (remove model.lora)")
         if self.algo.name in OFFLINE_ALGOS:
             if self.placement.mode == "split":
                 raise ValueError(f"placement.mode = 'split' gives generation ranks of their own; algo.name = "

@@ -101,11 +101,11 @@ class Layout:
 
         prompts, micro = cfg.data.prompts_per_step, cfg.train.micro_batch_size
         _divides(prompts, dp, f"data.prompts_per_step {prompts}", f"the data-parallel size {dp} ({dp_from})")
-        # sequences per prompt: RL's samples, SFT's row, DPO's chosen and rejected
+        # sequences per prompt: RL's samples, SFT's row, a pair's chosen and rejected (DPO, RM)
         match cfg.algo.name:
             case "sft":
                 per_prompt, what, times = 1, "sequences", ""
-            case "dpo":
+            case "dpo" | "rm":
                 per_prompt, what, times = 2, "sequences", " * 2 (chosen and rejected)"
             case _:
                 per_prompt, what, times = cfg.rollout.n_samples, "samples", " * rollout.n_samples"

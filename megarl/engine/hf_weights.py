@@ -68,8 +68,8 @@ def _fuse(shape: ModelShape, parts: list[Tensor], fuse: str | None) -> Tensor:
     raise ValueError(f"unknown fused layout {fuse!r}")
 
 
-def hf_tensors(stage: StageModel, params: Iterator[tuple[str, Tensor, Tensor]] | None = None
-               ) -> Iterator[tuple[str, Tensor]]:
+def hf_tensors(stage: StageModel, params: Iterator[tuple[str, Tensor, Tensor]] | None = None, *,
+               classifier: bool = False) -> Iterator[tuple[str, Tensor]]:
     """Full HF-named tensors of this model, one at a time (TP shards all-gathered, experts gathered
     over the expert-parallel group with their global indices).
 
@@ -81,14 +81,22 @@ def hf_tensors(stage: StageModel, params: Iterator[tuple[str, Tensor, Tensor]] |
     parameters' own values, a LoRA-adapted weight merged with its adapter on this rank's shard first. The
     conversion tools pass values read from a distributed checkpoint instead
     (megarl.engine.dist_checkpoint.checkpoint_params), the parameters then living on the meta device.
+
+    `classifier` (a scalar-head model only): the HF sequence-classification layout instead, the trunk's
+    tensors and the head as `score.weight` [1, hidden] (replicated over TP, so nothing is gathered). A
+    scalar-head model is never exported as a causal LM, nor an LM as a classifier.
     """
-    if stage.value_head:
-        raise ValueError("a critic is not a causal LM: its weights have no HF causal-LM export")
+    if stage.value_head != classifier:
+        raise ValueError("a critic is not a causal LM: its weights have no HF causal-LM export"
+                         if stage.value_head else "only a scalar-head model exports as a sequence classifier")
     ep_ranks = dist.get_process_group_ranks(stage.groups.ep)
     experts_per_rank = stage.shape.experts // stage.groups.ep_size
     if params is None:
         params = _own_values(stage)
     for name, param, data in params:
+        if name == "output_layer.weight" and classifier:
+            yield _HF_SCORE, data
+            continue
         if name == "output_layer.weight" and stage.shape.tied_embeddings:
             continue
         rule, _, expert = stage.names.lookup(name)
@@ -151,19 +159,24 @@ def _split(shape: ModelShape, full: Tensor, fuse: str | None) -> tuple[Tensor, .
     raise ValueError(f"unknown fused layout {fuse!r}")
 
 
-def pipeline_hf_tensors(stage: StageModel, tensors=hf_tensors) -> Iterator[tuple[str, Tensor]]:
-    """`tensors(stage)` (`hf_tensors`, or `hf_adapter_tensors`) of every pipeline stage, delivered in stage order
-    to every rank of the pipeline.
+def _stage_tensors(stage: StageModel, tensors, classifier: bool):
+    return tensors(stage, classifier=classifier) if classifier else tensors(stage)
+
+
+def pipeline_hf_tensors(stage: StageModel, tensors=hf_tensors, *, classifier: bool = False
+                        ) -> Iterator[tuple[str, Tensor]]:
+    """`tensors(stage)` (`hf_tensors`, with `classifier` passed on, or `hf_adapter_tensors`) of every pipeline
+    stage, delivered in stage order to every rank of the pipeline.
 
     Each stage in turn sends its tensors one at a time over the pipeline group (a name broadcast,
     then the tensor), so no rank ever holds more than one extra full tensor.
     """
     if stage.groups.pp_size == 1:
-        yield from tensors(stage)
+        yield from _stage_tensors(stage, tensors, classifier)
         return
     pp_ranks = dist.get_process_group_ranks(stage.groups.pp)
     for index, src in enumerate(pp_ranks):
-        mine = tensors(stage) if index == stage.groups.pp_rank else None
+        mine = _stage_tensors(stage, tensors, classifier) if index == stage.groups.pp_rank else None
         while True:
             item = next(mine, None) if mine is not None else None
             header = [None if item is None else (item[0], tuple(item[1].shape), item[1].dtype)]

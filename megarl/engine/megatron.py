@@ -156,9 +156,10 @@ class TrainEngine:
         """Copy an HF checkpoint into this rank's shards. Every Megatron parameter must be covered."""
         hf_weights.load_hf(self.stage, model_dir)
 
-    def hf_tensors(self, *, checkpoint: str | Path | None = None,
-                   bucket_bytes: int = 2**30) -> Iterator[tuple[str, Tensor]]:
-        """Full HF-named tensors of this pipeline stage, one at a time (megarl.engine.hf_weights.hf_tensors).
+    def hf_tensors(self, *, checkpoint: str | Path | None = None, bucket_bytes: int = 2**30,
+                   classifier: bool = False) -> Iterator[tuple[str, Tensor]]:
+        """Full HF-named tensors of this pipeline stage, one at a time (megarl.engine.hf_weights.hf_tensors;
+        `classifier`: a scalar-head model's, as a sequence classifier).
 
         With `checkpoint`, the weights are read from that distributed checkpoint about `bucket_bytes` at a
         time instead of from the module, which may then live on the meta device (`meta_engine`): memory
@@ -167,11 +168,11 @@ class TrainEngine:
         params = None
         if checkpoint is not None:
             params = dist_checkpoint.checkpoint_params(self.stage, Path(checkpoint), bucket_bytes=bucket_bytes)
-        return hf_weights.hf_tensors(self.stage, params)
+        return hf_weights.hf_tensors(self.stage, params, classifier=classifier)
 
-    def pipeline_hf_tensors(self) -> Iterator[tuple[str, Tensor]]:
+    def pipeline_hf_tensors(self, *, classifier: bool = False) -> Iterator[tuple[str, Tensor]]:
         """`hf_tensors` of every pipeline stage, delivered in stage order to every rank of the pipeline."""
-        return hf_weights.pipeline_hf_tensors(self.stage)
+        return hf_weights.pipeline_hf_tensors(self.stage, classifier=classifier)
 
     def pipeline_adapter_tensors(self) -> Iterator[tuple[str, Tensor]]:
         """A LoRA policy's adapters under PEFT's names (megarl.engine.hf_weights.hf_adapter_tensors), every

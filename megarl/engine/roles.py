@@ -1,5 +1,6 @@
-"""The one place a recipe's models become train engines: actor, reference, critic, reward model, distillation
-teacher and the supervised warm start's model, each with the optimizer (or none) its role needs."""
+"""The one place a recipe's models become train engines: actor, reference, critic, reward model (frozen, or
+trained by the reward-model loop), distillation teacher and the supervised warm start's model, each with the
+optimizer (or none) its role needs."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
 
 # actor: the trained policy; reference: frozen policy for the KL; critic: PPO's value model (scalar head,
-# its own learning rate); reward_model: a frozen scalar head scoring whole sequences; warmup: the policy of
-# the supervised warm start (its own learning rate, no learning-rate warmup); teacher: the frozen model of
-# on-policy distillation (its own checkpoint, built like the reference).
-Role = Literal["actor", "reference", "critic", "reward_model", "warmup", "teacher"]
+# its own learning rate); reward_model: a frozen scalar head scoring whole sequences; rm: the scalar-head
+# model the reward-model loop trains (the recipe's optimizer); warmup: the policy of the supervised warm start
+# (its own learning rate, no learning-rate warmup); teacher: the frozen model of on-policy distillation (its own
+# checkpoint, built like the reference).
+Role = Literal["actor", "reference", "critic", "reward_model", "rm", "warmup", "teacher"]
 
 
 def make_engine(cfg: Config, groups: ParallelGroups, *, role: Role, model_dir: str) -> TrainEngine:
@@ -31,6 +33,8 @@ def make_engine(cfg: Config, groups: ParallelGroups, *, role: Role, model_dir: s
             return TrainEngine(**common, optim=dataclasses.replace(cfg.optim, lr=cfg.critic.lr), value_head=True)
         case "reward_model":
             return TrainEngine(**common, value_head=True)
+        case "rm":
+            return TrainEngine(**common, optim=cfg.optim, value_head=True)
         case "warmup":
             return TrainEngine(**common, optim=dataclasses.replace(cfg.optim, lr=cfg.warmup.lr, warmup_steps=0))
     raise ValueError(f"unknown engine role {role!r}")

@@ -125,6 +125,8 @@ def trainer_roles(cfg: Config) -> list[tuple[str, bool, bool]]:
             return [("actor", True, False)]
         case "dpo":
             return [("actor", True, False)] + ([("reference", False, False)] if own_reference else [])
+        case "rm":
+            return [("reward_model", True, True)]
     roles = [("actor", True, False)]
     if cfg.algo.kl_coef > 0 and own_reference:
         roles.append(("reference", False, False))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from megarl.config import RecipeError, RewardConfig, RewardTermConfig, SandboxConfig
 from megarl.rewards.exact import exact_answer_reward
+from megarl.rewards.judge import Judge
 from megarl.rewards.math_answer import math_reward
 from megarl.rewards.code import code_reward
 from megarl.rewards.sandbox import SandboxUnavailable, check_sandbox
@@ -82,6 +83,8 @@ def term_function(term: RewardTermConfig, *, key: str) -> RewardFn:
         case "custom":
             fn = import_function(term.function, key=f"{key}.function")
             return lambda s: fn(prompt=s.prompt, response=s.response, answer=s.answer, metadata=s.metadata)
+        case "judge":
+            return Judge(term.judge, key=key)
     raise RecipeError(f"{key}.kind: unknown reward kind {term.kind!r}")
 
 
@@ -141,7 +144,11 @@ def score_sample(terms: Sequence[Term], sample: Sample, *, timeout_s: float) -> 
 
 def score_samples(terms: Sequence[Term], samples: Sequence[Sample], *,
                   timeout_s: float) -> list[Outcome]:
-    """Outcomes of `samples` scored one after another in this process; what each Ray task runs too."""
+    """Outcomes of `samples` scored one after another in this process; what each Ray task runs too. A judge
+    term first grades the whole batch, its requests in flight together (megarl.rewards.judge)."""
+    for _, fn, _ in terms:
+        if isinstance(fn, Judge):
+            fn.prefetch(samples)
     return [score_sample(terms, s, timeout_s=timeout_s) for s in samples]
 
 
