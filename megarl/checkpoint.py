@@ -27,11 +27,12 @@ _SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
 
 
 def save_hf(named_tensors: Iterable[tuple[str, Tensor]], *, source_dir: str | Path, out_dir: str | Path,
-            shard_bytes: int = 2 * 2**30, meta: dict | None = None) -> Path:
+            shard_bytes: int = 2 * 2**30, meta: dict | None = None, config: dict | None = None) -> Path:
     """Write `named_tensors` as sharded safetensors with an index, plus `source_dir`'s side files.
 
     Tensors are streamed into shards of at most `shard_bytes`; only one shard is held in memory.
-    `out_dir` is replaced atomically; `meta` goes to `megarl_checkpoint.json`.
+    `out_dir` is replaced atomically; `meta` goes to `megarl_checkpoint.json`; `config`, when given, is
+    written as config.json instead of the source's (`classifier_config`).
     """
     from safetensors.torch import save_file
 
@@ -71,6 +72,8 @@ def save_hf(named_tensors: Iterable[tuple[str, Tensor]], *, source_dir: str | Pa
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     copy_side_files(source_dir, tmp)
+    if config is not None:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (tmp / "megarl_checkpoint.json").write_text(json.dumps(meta or {}, indent=2) + "\n")
     _fsync_dir(tmp)
     if out_dir.exists():
@@ -81,6 +84,31 @@ def save_hf(named_tensors: Iterable[tuple[str, Tensor]], *, source_dir: str | Pa
     else:
         os.rename(tmp, out_dir)
     return out_dir
+
+
+def classifier_config(source_dir: str | Path) -> dict:
+    """The config.json of causal-LM checkpoint `source_dir` as a one-label sequence classifier's (a reward
+    model's: `XForSequenceClassification`, num_labels 1), which transformers and the `reward_model` term load.
+
+    HF's classifier scores the last token that is not padding. A reward model is trained to score the last
+    token of the sequence, its EOS included; when the tokenizer pads with its EOS token that token would be
+    taken for padding and the one before it scored, so pad_token_id is left out: transformers then scores
+    the last token of one sequence per call, and refuses a padded batch rather than scoring the wrong token.
+    """
+    path = Path(source_dir) / "config.json"
+    config = json.loads(path.read_text())
+    # a causal LM's class, or a classifier's (a reward model trained further)
+    names = [a.removesuffix("ForCausalLM").removesuffix("ForSequenceClassification")
+             for a in config.get("architectures") or [] if a.endswith(("ForCausalLM", "ForSequenceClassification"))]
+    if not names:
+        raise ValueError(f"{path}: architectures {config.get('architectures')} names no ...ForCausalLM class "
+                         f"to derive the sequence classifier's from")
+    eos = config.get("eos_token_id")
+    pad_is_eos = config.get("pad_token_id") is not None and config["pad_token_id"] in (
+        eos if isinstance(eos, list) else [eos])
+    return {**{k: v for k, v in config.items() if not (k == "pad_token_id" and pad_is_eos)},
+            "architectures": [names[0] + "ForSequenceClassification"],
+            "num_labels": 1, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
 
 
 def copy_side_files(source_dir: str | Path, out_dir: str | Path) -> None:
@@ -188,3 +216,27 @@ def _fsync_tree(path: Path) -> None:
         if child.is_file():
             with open(child, "rb") as f:
                 os.fsync(f.fileno())
+
+
+def save_peft_adapter(named_tensors: Iterable[tuple[str, Tensor]], *, rank: int, alpha: float, base_model: str,
+                      out_dir: str | Path) -> Path:
+    """Write LoRA adapters in PEFT's adapter-directory format: `adapter_model.safetensors` (`base_model.model.
+    {module}.lora_A.weight` [r, in], `.lora_B.weight` [out, r]) and `adapter_config.json` (a LoRA of rank `rank`
+    and `alpha` on the modules the tensors name, for the HF model in `base_model`), published atomically."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in named_tensors}
+    modules = sorted({name.split(".")[-3] for name in tensors})  # ...layers.0.self_attn.q_proj.lora_A.weight
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model), "r": rank,
+              "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": modules, "bias": "none",
+              "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True, "init_lora_weights": True,
+              "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}}
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.rename(tmp, out_dir)
+    return out_dir

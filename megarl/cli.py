@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     from megarl import __version__
 
     parser = argparse.ArgumentParser(prog="megarl",
-                                     description="RL, DPO and SFT post-training of LLMs on Megatron-core")
+                                     description="RL, DPO, SFT and reward-model post-training of LLMs on Megatron-core")
     parser.add_argument("--version", action="version", version=f"megarl {__version__}")
     sub = parser.add_subparsers(dest="command")
     train_p = sub.add_parser("train", help="run a recipe")
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="longest prompt in tokens; sequences are this + rollout.max_new_tokens, or + "
                              "env.max_tokens for a multi-turn env (default 1024)")
     plan_p.add_argument("--seq-tokens", type=int,
-                        help=f"SFT and DPO: the longest tokenized row (default {DEFAULT_SEQ_TOKENS})")
+                        help=f"SFT, DPO and RM: the longest tokenized row (default {DEFAULT_SEQ_TOKENS})")
     plan_p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     plan_p.add_argument("--log-level", default="WARNING", help=argparse.SUPPRESS)
     trace_p = sub.add_parser("trace", help="merge a run's per-rank step timelines (log.trace) into one file")
@@ -121,6 +121,8 @@ def run_train(args: argparse.Namespace) -> int:
             from megarl.loops.sft import train
         case "dpo":
             from megarl.loops.dpo import train
+        case "rm":
+            from megarl.loops.rm import train
         case _:  # every policy-gradient algorithm
             from megarl.loops.rl import train
 

@@ -9,7 +9,8 @@ launches, with the same error. The rules, in the order they are checked:
 1. Placement split: the job's last `placement.rollout_ranks` ranks only generate, so at least one rank must
    be left to train; Megatron's world is the rest (the training world), and everything below divides it.
 2. The model splits: the world by tp*pp*cp, heads, query groups and MLP widths by tp, layers by pp (and by
-   pp * virtual stages), experts by ep and the expert grid tp*ep*pp by the world (`check_layout`).
+   pp * virtual stages), experts by ep and the expert grid tp*ep*pp by the world (`check_layout`). A
+   distillation teacher (`teacher.path`) is built at the same layout, so its own shape must split the same way.
 3. The batch splits: `data.prompts_per_step` by the data-parallel size, each rank's sequences (RL's samples,
    SFT's rows, DPO's chosen and rejected) by `train.micro_batch_size` (not with sequence packing, whose
    micro-batches are cut by tokens), and with virtual stages the micro-batch count fits Megatron's
@@ -69,9 +70,11 @@ class Layout:
         return list(range(first, self.job_world, self.rollout_tp))
 
     @classmethod
-    def of(cls, cfg: Config, shape: ModelShape, *, world: int, ranks_per_node: int) -> Layout:
-        """The layout of recipe `cfg` for model `shape` on a job of `world` ranks, `ranks_per_node` to a
-        node; LayoutError when one of the rules of this module's docstring fails."""
+    def of(cls, cfg: Config, shape: ModelShape, *, world: int, ranks_per_node: int,
+           teacher: ModelShape | None = None) -> Layout:
+        """The layout of recipe `cfg` for model `shape` (and the distillation teacher's `teacher`, when the
+        recipe has one) on a job of `world` ranks, `ranks_per_node` to a node; LayoutError when one of the
+        rules of this module's docstring fails."""
         par, megatron = cfg.parallel, cfg.model.megatron
         rollout_ranks = cfg.placement.rollout_ranks if cfg.placement.mode == "split" else 0
         if rollout_ranks >= world:
@@ -91,16 +94,18 @@ class Layout:
                 raise
             raise LayoutError(f"{e} (training world size = {world} ranks - placement.rollout_ranks "
                               f"{rollout_ranks})") from None
+        if teacher is not None:
+            check_teacher_layout(teacher, cfg, world=trainers, vpp=vpp)
         dp = trainers // (par.tp * par.pp * par.cp)
         dp_from = f"{size} / (parallel.tp * parallel.pp * parallel.cp){why}"
 
         prompts, micro = cfg.data.prompts_per_step, cfg.train.micro_batch_size
         _divides(prompts, dp, f"data.prompts_per_step {prompts}", f"the data-parallel size {dp} ({dp_from})")
-        # sequences per prompt: RL's samples, SFT's row, DPO's chosen and rejected
+        # sequences per prompt: RL's samples, SFT's row, a pair's chosen and rejected (DPO, RM)
         match cfg.algo.name:
             case "sft":
                 per_prompt, what, times = 1, "sequences", ""
-            case "dpo":
+            case "dpo" | "rm":
                 per_prompt, what, times = 2, "sequences", " * 2 (chosen and rejected)"
             case _:
                 per_prompt, what, times = cfg.rollout.n_samples, "samples", " * rollout.n_samples"
@@ -125,6 +130,20 @@ class Layout:
         return cls(world=trainers, rollout_ranks=rollout_ranks, ranks_per_node=ranks_per_node, tp=par.tp,
                    pp=par.pp, cp=par.cp, ep=par.ep, dp=dp, expert_dp=trainers // (par.tp * par.ep * par.pp),
                    vpp=vpp, micro_batches=micro_batches, rollout_tp=cfg.rollout.tp)
+
+
+def check_teacher_layout(teacher: ModelShape, cfg: Config, *, world: int, vpp: int) -> None:
+    """Rule 2 for the distillation teacher: it runs in the trainer's parallel state, so its heads, query
+    groups, MLP width and layers split by the same tp, pp and virtual stages (its experts by ep, when it
+    has experts; a dense teacher beside a mixture-of-experts student ignores ep)."""
+    par = cfg.parallel
+    try:
+        check_layout(teacher, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep if teacher.is_moe else 1,
+                     world_size=world, vpp=vpp,
+                     sequence_parallel=bool(cfg.model.megatron.get("sequence_parallel")))
+    except LayoutError as e:
+        raise LayoutError(f"teacher.path ({teacher.arch}, the distillation teacher, built at the trainer's layout): "
+                          f"{e}") from None
 
 
 def _divides(number: int, divisor: int, what: str, by: str) -> None:

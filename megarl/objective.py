@@ -24,7 +24,7 @@ from megarl.algo.advantages import (AdaptiveKLController, FixedKLController, bro
                                      grpo_advantages, kl_penalized_token_rewards, reinforce_pp_advantages,
                                      reinforce_pp_baseline_advantages, rloo_advantages, whiten)
 from megarl.algo.aggregate import LossNorm, aggregate, masked_mean
-from megarl.algo.kl import kl_estimate
+from megarl.algo.kl import kl_estimate, reverse_kl
 from megarl.algo.losses import gspo_loss, ppo_clip_loss, rollout_rejection_mask, value_loss
 from megarl.batch import RolloutBatch
 from megarl.config import AlgoConfig, RecipeError
@@ -199,16 +199,25 @@ def advantage_fn(algo: AlgoConfig, *, group) -> AdvantageFn:
     Sequence rewards are the recipe's reward terms. PPO and REINFORCE++ work on per-token rewards, where a
     KL penalty in the reward (algo.kl_in_reward) is added; `group` is the DP group over which token
     advantages are whitened.
+
+    Distillation (the batch's teacher_logprobs, with old_logprobs the student's): `distill` takes
+    -reverse_kl per token as the advantage, no baseline, no critic, no group. With `algo.distill_coef` > 0 any
+    other algorithm adds -distill_coef * reverse_kl per token: to the token rewards of PPO and REINFORCE++ (so
+    GAE and the reward-to-go carry it), to the estimator's advantages for the others.
     """
     def rewards(batch: RolloutBatch) -> Tensor:
         return batch.rewards
+
+    def distill_term(batch: RolloutBatch) -> Tensor:  # [B, T]
+        return -reverse_kl(batch.old_logprobs, batch.teacher_logprobs, batch.response_mask)
 
     def token_rewards(batch: RolloutBatch, kl_coef: float) -> Tensor:
         kl = torch.zeros_like(batch.response_mask, dtype=torch.float32)
         if algo.kl_in_reward and batch.ref_logprobs is not None:
             kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, kind=algo.kl_estimator,
                              mask=batch.response_mask)
-        return kl_penalized_token_rewards(rewards(batch), kl, batch.response_mask, kl_coef=kl_coef)
+        out = kl_penalized_token_rewards(rewards(batch), kl, batch.response_mask, kl_coef=kl_coef)
+        return out + algo.distill_coef * distill_term(batch) if algo.distill_coef else out
 
     def per_sequence(estimator) -> AdvantageFn:
         return lambda batch, kl_coef: (
@@ -221,21 +230,31 @@ def advantage_fn(algo: AlgoConfig, *, group) -> AdvantageFn:
                                    gamma=algo.gamma, lam=algo.lam)
                 return whiten(adv, batch.response_mask, group=group), returns
             return ppo
-        case "grpo" | "dapo" | "gspo":
-            return per_sequence(partial(grpo_advantages, std_norm=algo.std_norm))
-        case "dr_grpo":
-            return per_sequence(partial(grpo_advantages, std_norm=False))
-        case "rloo":
-            return per_sequence(rloo_advantages)
         case "reinforce_pp":
             return lambda batch, kl_coef: (reinforce_pp_advantages(token_rewards(batch, kl_coef),
                                                                    batch.response_mask, gamma=algo.gamma,
                                                                    group=group), None)
+        case "distill":
+            return lambda batch, kl_coef: (distill_term(batch), None)
+        case "grpo" | "dapo" | "gspo":
+            estimate = per_sequence(partial(grpo_advantages, std_norm=algo.std_norm))
+        case "dr_grpo":
+            estimate = per_sequence(partial(grpo_advantages, std_norm=False))
+        case "rloo":
+            estimate = per_sequence(rloo_advantages)
         case "reinforce_pp_baseline":
-            return lambda batch, kl_coef: (reinforce_pp_baseline_advantages(rewards(batch), batch.group_ids,
-                                                                            batch.response_mask, group=group),
-                                           None)
-    raise RecipeError(f"algo.name: unknown estimator {algo.name!r}")
+            def estimate(batch: RolloutBatch, kl_coef: float) -> tuple[Tensor, None]:
+                return reinforce_pp_baseline_advantages(rewards(batch), batch.group_ids, batch.response_mask,
+                                                        group=group), None
+        case _:
+            raise RecipeError(f"algo.name: unknown estimator {algo.name!r}")
+    if not algo.distill_coef:
+        return estimate
+
+    def with_teacher(batch: RolloutBatch, kl_coef: float) -> tuple[Tensor, None]:
+        advantages, _ = estimate(batch, kl_coef)
+        return advantages + algo.distill_coef * distill_term(batch), None
+    return with_teacher
 
 
 def kl_controller(algo: AlgoConfig) -> FixedKLController | AdaptiveKLController:

@@ -51,6 +51,15 @@ def pytest_configure(config):
         config.option.durations = 20
 
 
+def pytest_collection_modifyitems(config, items):
+    """A test that asks for `quickstart_out` may make it, or wait for another process making it, within the
+    time pytest-timeout gives the test: a limit below the quickstart's own gets the quickstart's added."""
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        if "quickstart_out" in item.fixturenames and marker and marker.args and marker.args[0] < QUICKSTART_TIMEOUT_S:
+            item.add_marker(pytest.mark.timeout(QUICKSTART_TIMEOUT_S + marker.args[0]), append=False)
+
+
 def setup_requirements() -> tuple[list[str], dict[str, list[str]]]:
     """install_requires and extras_require of setup.py, read from its source (both are literals)."""
     call = next(node for node in ast.walk(ast.parse((REPO / "setup.py").read_text()))
@@ -89,6 +98,20 @@ def _tiny_model_tool():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="session")
+def isolated() -> str:
+    """The code sandbox's isolation mode here (megarl.rewards.sandbox): a test that runs generated code asks for
+    it. Without isolation such a test is skipped, except under CI=true, where it fails (README "Tests")."""
+    from megarl.rewards.sandbox import SandboxUnavailable, sandbox_mode
+
+    try:
+        return sandbox_mode()
+    except SandboxUnavailable as e:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the sandbox isolated: {e}")
+        pytest.skip(f"the sandbox cannot isolate code here: {e}")
 
 
 @pytest.fixture(scope="session")

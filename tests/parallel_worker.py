@@ -27,7 +27,7 @@ warnings.filterwarnings("ignore")
 
 from megarl.algo.aggregate import global_loss_norm  # noqa: E402
 from megarl.batch import RolloutBatch  # noqa: E402
-from megarl.config import AlgoConfig, OptimConfig  # noqa: E402
+from megarl.config import AlgoConfig, LoraConfig, OptimConfig  # noqa: E402
 from megarl.engine.megatron import TrainEngine  # noqa: E402
 from megarl.engine.parallel import init_parallel  # noqa: E402
 from megarl.objective import CriticObjective, policy_objective  # noqa: E402
@@ -92,6 +92,7 @@ def case_parser() -> argparse.ArgumentParser:
     parser.add_argument("--micro-batch-tokens", type=int, default=0, help="pack sequences (0: padded rows)")
     parser.add_argument("--redistribute", action="store_true",
                         help="balance samples over DP ranks by tokens after the old logprobs, before training")
+    parser.add_argument("--lora", action="store_true", help="the actor trains rank-4 adapters on every linear")
     parser.add_argument("--share-prompts", action="store_true",
                         help="also compare GRPO groups with their prompts held once (train.share_prompts) and not")
     return parser
@@ -192,7 +193,7 @@ def run_case(args: argparse.Namespace) -> None:
     if args.sequence_parallel:
         megatron["sequence_parallel"] = True
     engine = partial(TrainEngine, model_dir=args.model, dtype="float32", megatron=megatron, groups=groups)
-    actor = engine(optim=optim)
+    actor = engine(optim=optim, lora=LoraConfig(rank=4, alpha=8.0) if args.lora else None)
     reference = engine()
     batch = global_batch(actor.shape.vocab_size)
     per_rank = GLOBAL_BATCH // groups.dp_size

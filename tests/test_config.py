@@ -221,7 +221,7 @@ def test_default_reward_is_one_exact_answer_term(recipe):
 @pytest.mark.parametrize("body, message", [
     ("    - {kind: mth}\n",
      "reward.terms[0].kind: expected one of 'exact_answer', 'math', 'format', 'length_penalty', 'code', 'custom',"
-     " 'reward_model', got 'mth' (str) (did you mean 'math'?)"),
+     " 'reward_model', 'judge', got 'mth' (str) (did you mean 'math'?)"),
     ("    - {kind: math, wieght: 2}\n", "reward.terms[0].wieght: unknown key (did you mean 'weight'?)"),
     ("    - {kind: math}\n    - {kind: math, pattern: x}\n",
      "reward.terms[1].pattern: is not an option of kind 'math' (its options: weight)"),

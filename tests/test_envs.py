@@ -84,7 +84,7 @@ def test_calculator_does_arithmetic_and_nothing_else(expression, result):
         assert out == result
 
 
-def test_python_tool_runs_code_in_the_sandbox():
+def test_python_tool_runs_code_in_the_sandbox(isolated):
     from megarl.config import SandboxConfig
 
     tool = python_tool(SandboxConfig(wall_s=1.0, cpu_s=5))

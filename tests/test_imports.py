@@ -26,7 +26,8 @@ def module_names() -> list[str]:
 
 
 # Modules that subclass Megatron's classes; only the functions that build a Megatron model import them.
-MEGATRON_EXTENSIONS = ("megarl.engine.local_attention", "megarl.engine.lazy_checkpoint")
+MEGATRON_EXTENSIONS = ("megarl.engine.local_attention", "megarl.engine.lazy_checkpoint",
+                       "megarl.engine.lora_layers")
 # `python -m megarl` runs the command line when imported
 LIGHT_MODULES = tuple(m for m in module_names() if m not in MEGATRON_EXTENSIONS and m != "megarl.__main__")
 

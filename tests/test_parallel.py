@@ -57,6 +57,11 @@ CASES = {
         "--vpp", "2", "--save", "{runs}/ckpt_vpp", "--resume-from", "{runs}/ckpt_single"))),
     "qwen2_4layers-pp2vpp2-packed": ("qwen2_4layers", 2, layout(pp=2, extra=("--vpp", "2", "--micro-batch-tokens",
                                                                              "24", "--share-prompts"))),
+    # LoRA (model.lora): adapters split like their layers, and under sequence parallelism
+    "single-qwen2-lora": ("qwen2", 1, ("--lora",)),
+    "qwen2-lora-tp2": ("qwen2", 2, layout(tp=2, extra=("--lora",))),
+    "qwen2-lora-tp2sp": ("qwen2", 2, layout(tp=2, extra=("--lora", "--sequence-parallel"))),
+    "qwen2-lora-pp2": ("qwen2", 2, layout(pp=2, extra=("--lora",))),
 }
 
 
@@ -125,6 +130,25 @@ def test_sequence_parallel_matches_single_rank(name, runs):
         lengths = result["lengths"]
         rows = plan_micro_batches(lengths, max_tokens=24, n_micro=count_bins(lengths, 24))
         assert any(sum(lengths[i] for i in row) % 2 for row in rows)  # a row the engine pads for tp = 2
+
+
+# LoRA: A replicated and B split on a column-parallel linear's output, A split and B replicated on a row-parallel
+# one's input, the replicated factor's gradient summed over TP under sequence parallelism. Two steps (A gets a
+# gradient from the second, once B has left zero); the trained weights compared are the merged ones the push sends.
+@pytest.mark.parametrize("name", ["qwen2-lora-tp2", "qwen2-lora-tp2sp", "qwen2-lora-pp2"])
+def test_lora_layout_matches_single_rank(name, runs, arch_dir):
+    from safetensors.torch import load_file
+
+    result, reference = runs(name), runs("single-qwen2-lora")
+    assert (torch.tensor(result["logprobs"]) - torch.tensor(reference["logprobs"])).abs().max() <= 1e-4
+    for got, want in zip(result["steps"], reference["steps"], strict=True):
+        for key in ("loss", "grad_norm", "kl", "entropy"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    assert_same_weights(result["weights"], reference["weights"])
+    base = load_file(str(arch_dir("qwen2") / "model.safetensors"))
+    moved = [n for n, w in reference["weights"].items() if not torch.equal(w, base[n])]
+    assert {n.split(".")[-2] for n in moved} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj"}
 
 
 # Context parallelism: every sequence cut into 2 * cp chunks (rank r holds r and 2 * cp - 1 - r), keys and

@@ -75,7 +75,7 @@ def test_score_sample_names_each_kind_of_failure():
     terms = build_terms(RewardConfig(terms=[term("custom", function="reward_fns:fails_on_bad")], timeout_s=0.3))
     reasons = [score_sample(terms, Sample("", r, ""), timeout_s=0.3)[1] for r in ("bad", "nan", "slow")]
     name = "reward.terms[0] (reward_fns:fails_on_bad)"
-    assert reasons == [f"{name}: RuntimeError: cannot score this one", "reward is nan",
+    assert reasons == [f"{name}: RuntimeError: cannot score this one", f"{name}: returned nan, not a finite number",
                        f"{name}: scoring took longer than 0.3 s"]
     assert math.isnan(score_sample(terms, Sample("", "bad", ""), timeout_s=1)[0])  # settle() makes it 0
 
@@ -86,6 +86,19 @@ def test_a_reward_that_is_not_a_number_fails_its_sample(returned, shown):
     terms = [(1.0, lambda s: 0.5, "reward.terms[0] (format)"), (1.0, lambda s: returned, "reward.terms[1] (f:g)")]
     value, why = score_sample(terms, Sample("", "x", ""), timeout_s=1)
     assert math.isnan(value) and why == f"reward.terms[1] (f:g): returned {shown}, not a number"
+
+
+def test_a_reward_beyond_float32_fails_its_sample_and_float32_max_does_not():
+    """The batch holds rewards in float32: a sum above its largest value would train as inf."""
+    import torch
+
+    big = float(torch.finfo(torch.float32).max)
+    for weights, ok in (((1.0, 0.0), True), ((1.0, 1.0), False), ((-1.0, -1.0), False)):
+        terms = [(weights[0], lambda s: big, "a"), (weights[1], lambda s: big, "b")]
+        value, why = score_sample(terms, Sample("", "x", ""), timeout_s=1)
+        assert (value, why) == (weights[0] * big, None) if ok else (math.isnan(value) and "beyond float32" in why)
+    value, why = score_sample([(1.0, lambda s: -math.inf, "a")], Sample("", "x", ""), timeout_s=1)
+    assert math.isnan(value) and why == "a: returned -inf, not a finite number"
 
 
 def test_bools_and_numpy_numbers_are_numbers():
@@ -129,7 +142,7 @@ def test_a_custom_function_that_does_not_import_is_a_recipe_error_naming_the_key
     assert message.startswith("reward.terms[1].function: ") and repr(spec) in message and what in message
 
 
-def test_a_code_term_scores_the_response_against_the_answer_tests():
+def test_a_code_term_scores_the_response_against_the_answer_tests(isolated):
     cfg = RewardConfig(terms=[term("code")])
     tests = '{"calls": [{"call": "square(3)", "expected": "9"}]}'
     samples = [Sample("", "```python\ndef square(x):\n    return x * x\n```", tests),

@@ -577,6 +577,7 @@ from sglang.srt.utils.common import get_available_gpu_memory
 from transformers import AutoTokenizer
 from megarl.config import load_config
 from megarl.data.prompts import load_prompts
+from megarl.engine import roles
 from megarl.loops import colocated, rl_run
 from megarl.loops.launch import init_groups
 from megarl.models.arch import read_shape
@@ -614,8 +615,9 @@ def build_engine(cfg, groups, *, role, model_dir):
     result["built"].append(role)
     return make_engine(cfg, groups, role=role, model_dir=model_dir)
 
-make_engine = rl_run.make_engine
-colocated.make_rollout_engine, rl_run.make_engine = start_engine, build_engine
+make_engine = roles.make_engine
+# build_run makes the engines itself and through roles.reference_policy (the reference of a run without LoRA)
+colocated.make_rollout_engine, rl_run.make_engine, roles.make_engine = start_engine, build_engine, build_engine
 groups = init_groups(cfg)
 rows = load_prompts(cfg.data.train_path)
 run = rl_run.build_run(cfg, groups, rollouts=colocated.ColocatedRollouts(cfg, groups),

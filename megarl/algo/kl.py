@@ -35,6 +35,14 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, *, kind: str, mask: Tens
     return torch.expm1(log_ratio) - log_ratio
 
 
+def reverse_kl(logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """Per-token reverse KL of on-policy distillation, log p_student(y_t) - log p_teacher(y_t), on tokens y_t
+    sampled from the student: a single-sample (k1) estimate of KL(student || teacher) at each position
+    (Agarwal et al. 2024, GKD; Gu et al. 2024, MiniLLM). logprobs, teacher_logprobs, mask: `[B, T]`.
+    Returns `[B, T]`, 0 where mask is 0, no reduction."""
+    return torch.where(mask.bool(), logprobs - teacher_logprobs, 0.0)
+
+
 def entropy_from_logits(logits: Tensor) -> Tensor:
     """Entropy -sum_v p_v log p_v of softmax(logits) over the last dim.
 

@@ -1,4 +1,4 @@
-"""Policy, value, preference and SFT losses.
+"""Policy, value, preference, reward-model and SFT losses.
 
 Token losses are returned per token, `[B, T]`, 0 on masked tokens; the caller reduces them with
 `megarl.algo.aggregate.aggregate`, which owns every denominator. Stats are detached, per token (or per pair),
@@ -228,6 +228,25 @@ def dpo_loss(
         "reward_accuracy": (chosen_rewards > rejected_rewards).to(chosen_rewards.dtype),
     }
     return loss, stats
+
+
+def bradley_terry_loss(chosen_scores: Tensor, rejected_scores: Tensor, *,
+                       center_coef: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-pair reward-model loss. Inputs `[B]`: the scalar head's score of each pair's chosen and rejected
+    sequence.
+
+    loss = -logsigmoid(chosen - rejected) (Bradley-Terry, as in Ouyang et al. 2022)
+           + center_coef * (chosen + rejected)^2 (keeps scores centred on 0, Eisenstein et al. 2023).
+    Returns (loss `[B]`, stats `[B]`, detached): "accuracy" = 1.0 where chosen > rejected, 0.5 on a tie (so
+    an untrained head that scores everything alike sits at chance, 0.5), "margin" = chosen - rejected.
+    """
+    margin = chosen_scores - rejected_scores
+    loss = -F.logsigmoid(margin)
+    if center_coef:
+        loss = loss + center_coef * (chosen_scores + rejected_scores).square()
+    margin = margin.detach()
+    accuracy = (margin > 0).to(margin.dtype) + 0.5 * (margin == 0).to(margin.dtype)
+    return loss, {"accuracy": accuracy, "margin": margin}
 
 
 def sft_loss(logprobs: Tensor, mask: Tensor) -> Tensor:

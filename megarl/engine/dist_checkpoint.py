@@ -14,6 +14,7 @@ from torch import Tensor
 from megarl.checkpoint import CheckpointError
 from megarl.device import on_gpu
 from megarl.engine.hf_weights import hf_shard
+from megarl.engine.lora import is_adapter
 from megarl.engine.model import StageModel, global_name
 from megarl.models.safetensors_dir import SafetensorsDir
 
@@ -85,9 +86,20 @@ def load(stage: StageModel, optimizer, path: str | Path) -> None:
     strict = StrictHandling.RAISE_ALL if optimizer is not None else StrictHandling.RAISE_UNEXPECTED
     loaded = dist_checkpointing.load(state, str(path), strict=strict)
     for chunk, chunk_state in zip(stage.chunks, loaded["model"], strict=True):
-        chunk.load_state_dict(chunk_state)
+        _load_chunk(chunk, chunk_state, adapters_only=stage.lora is not None)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
+
+
+def _load_chunk(chunk, state: dict, *, adapters_only: bool) -> None:
+    """Copy a loaded state into a model chunk: every tensor, or with LoRA every adapter (the base stays)."""
+    if not adapters_only:
+        chunk.load_state_dict(state)
+        return
+    missing, unexpected = chunk.load_state_dict(state, strict=False)
+    missing = [name for name in missing if is_adapter(name)]
+    if missing or unexpected:
+        raise CheckpointError(f"LoRA checkpoint: missing adapters {missing[:5]}, unexpected tensors {unexpected[:5]}")
 
 
 def checkpoint_params(stage: StageModel, path: Path, *, bucket_bytes: int) -> Iterator[tuple[str, Tensor, Tensor]]:
@@ -134,6 +146,8 @@ def _sharded_state(stage: StageModel, optimizer, *, is_loading: bool) -> dict:
     # One state dict per chunk. The tensors' keys in the checkpoint carry global layer indices (the dict
     # keys inside each chunk's state do not), so any number of chunks per rank loads any other.
     model_state = [chunk.sharded_state_dict() for chunk in stage.chunks]
+    if stage.lora is not None:  # the frozen base is model.path's: a checkpoint holds what trains
+        model_state = [{k: v for k, v in chunk.items() if is_adapter(k)} for chunk in model_state]
     state = {"model": model_state}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading,
@@ -160,6 +174,11 @@ def _check_checkpoint(path: Path, model_state: dict) -> None:
         elif tuple(saved[sharded.key].global_shape) != tuple(sharded.global_shape):
             problems.append(f"{sharded.key}: shape {tuple(saved[sharded.key].global_shape)} in the "
                             f"checkpoint, {tuple(sharded.global_shape)} in this model")
+    wanted = [s.key for s in nested_values(model_state) if isinstance(s, ShardedTensor)]
+    if problems and any(is_adapter(key) for key in saved) and not any(is_adapter(key) for key in wanted):
+        raise CheckpointError(f"{path}: a LoRA run's checkpoint (model.lora) holds its adapters, not the frozen base "
+                              "weights, which are the run's model.path: resume the run with its recipe, or take the "
+                              "merged HF export of its end (checkpoints/final, adapters in checkpoints/final/adapter)")
     if problems:
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         shown = "\n  ".join(problems[:20]) + more

@@ -68,8 +68,8 @@ def _fuse(shape: ModelShape, parts: list[Tensor], fuse: str | None) -> Tensor:
     raise ValueError(f"unknown fused layout {fuse!r}")
 
 
-def hf_tensors(stage: StageModel, params: Iterator[tuple[str, Tensor, Tensor]] | None = None
-               ) -> Iterator[tuple[str, Tensor]]:
+def hf_tensors(stage: StageModel, params: Iterator[tuple[str, Tensor, Tensor]] | None = None, *,
+               classifier: bool = False) -> Iterator[tuple[str, Tensor]]:
     """Full HF-named tensors of this model, one at a time (TP shards all-gathered, experts gathered
     over the expert-parallel group with their global indices).
 
@@ -78,24 +78,29 @@ def hf_tensors(stage: StageModel, params: Iterator[tuple[str, Tensor, Tensor]] |
     receive the other stages' tensors (`pipeline_hf_tensors`).
 
     `params` yields (name with the global layer index, parameter, its value on this rank); by default the
-    parameters' own values. The conversion tools pass values read from a distributed checkpoint instead
+    parameters' own values, a LoRA-adapted weight merged with its adapter on this rank's shard first. The
+    conversion tools pass values read from a distributed checkpoint instead
     (megarl.engine.dist_checkpoint.checkpoint_params), the parameters then living on the meta device.
+
+    `classifier` (a scalar-head model only): the HF sequence-classification layout instead, the trunk's
+    tensors and the head as `score.weight` [1, hidden] (replicated over TP, so nothing is gathered). A
+    scalar-head model is never exported as a causal LM, nor an LM as a classifier.
     """
-    if stage.value_head:
-        raise ValueError("a critic is not a causal LM: its weights have no HF causal-LM export")
+    if stage.value_head != classifier:
+        raise ValueError("a critic is not a causal LM: its weights have no HF causal-LM export"
+                         if stage.value_head else "only a scalar-head model exports as a sequence classifier")
     ep_ranks = dist.get_process_group_ranks(stage.groups.ep)
     experts_per_rank = stage.shape.experts // stage.groups.ep_size
     if params is None:
-        params = ((n, p, p.detach()) for n, p in stage.named_parameters())
+        params = _own_values(stage)
     for name, param, data in params:
+        if name == "output_layer.weight" and classifier:
+            yield _HF_SCORE, data
+            continue
         if name == "output_layer.weight" and stage.shape.tied_embeddings:
             continue
         rule, _, expert = stage.names.lookup(name)
-        dim = tp_split(name, param)
-        if dim is not None and stage.groups.tp_size > 1:
-            shards = [torch.empty_like(data) for _ in range(stage.groups.tp_size)]
-            dist.all_gather(shards, data.contiguous(), group=stage.groups.tp)
-            data = layout.unshard(shards, dim=dim, gate_up=rule.fuse == "gate_up")
+        data = _gather_tp(stage, data, dim=tp_split(name, param), gate_up=rule.fuse == "gate_up")
         if name in VOCAB_PARAMS:
             data = data[: stage.shape.vocab_size]
         if expert is None:
@@ -112,6 +117,37 @@ def hf_tensors(stage: StageModel, params: Iterator[tuple[str, Tensor, Tensor]] |
                            _split(stage.shape, copy, rule.fuse))
 
 
+def _gather_tp(stage: StageModel, data: Tensor, *, dim: int | None, gate_up: bool) -> Tensor:
+    """The full tensor of this rank's shard `data`, split over TP on `dim` (None: every rank holds it whole)."""
+    if dim is None or stage.groups.tp_size == 1:
+        return data
+    shards = [torch.empty_like(data) for _ in range(stage.groups.tp_size)]
+    dist.all_gather(shards, data.contiguous(), group=stage.groups.tp)
+    return layout.unshard(shards, dim=dim, gate_up=gate_up)
+
+
+def hf_adapter_tensors(stage: StageModel) -> Iterator[tuple[str, Tensor]]:
+    """This stage's LoRA adapters as PEFT names them on the HF model: `base_model.model.{hf module}.lora_A.weight`
+    [r, in] and `.lora_B.weight` [out, r], TP shards gathered. A fused Megatron linear (QKV, gate/up) has one A
+    for its HF projections: each gets a copy, and its rows of B, which is the same update (B_q A, B_k A, ...)."""
+    for layer_name, layer in stage.adapted_layers():
+        name = f"{layer_name}.weight"
+        rule, _, _ = stage.names.lookup(name)
+        gate_up = rule.fuse == "gate_up"
+        a = _gather_tp(stage, layer.lora_a.detach(), dim=tp_split(name, layer.lora_a), gate_up=False)
+        b = _gather_tp(stage, layer.lora_b.detach(), dim=tp_split(name, layer.lora_b), gate_up=gate_up)
+        for hf_name, b_rows in zip(stage.names.hf_names(name), _split(stage.shape, b, rule.fuse), strict=True):
+            module = "base_model.model." + hf_name.removesuffix(".weight")
+            yield f"{module}.lora_A.weight", a
+            yield f"{module}.lora_B.weight", b_rows
+
+
+def _own_values(stage: StageModel) -> Iterator[tuple[str, Tensor, Tensor]]:
+    merged = {f"{name}.weight": layer for name, layer in stage.adapted_layers()}
+    for name, param in stage.named_parameters():
+        yield name, param, merged[name].merged_weight() if name in merged else param.detach()
+
+
 def _split(shape: ModelShape, full: Tensor, fuse: str | None) -> tuple[Tensor, ...]:
     match fuse:
         case None:
@@ -123,18 +159,24 @@ def _split(shape: ModelShape, full: Tensor, fuse: str | None) -> tuple[Tensor, .
     raise ValueError(f"unknown fused layout {fuse!r}")
 
 
-def pipeline_hf_tensors(stage: StageModel) -> Iterator[tuple[str, Tensor]]:
-    """`hf_tensors` of every pipeline stage, delivered in stage order to every rank of the pipeline.
+def _stage_tensors(stage: StageModel, tensors, classifier: bool):
+    return tensors(stage, classifier=classifier) if classifier else tensors(stage)
+
+
+def pipeline_hf_tensors(stage: StageModel, tensors=hf_tensors, *, classifier: bool = False
+                        ) -> Iterator[tuple[str, Tensor]]:
+    """`tensors(stage)` (`hf_tensors`, with `classifier` passed on, or `hf_adapter_tensors`) of every pipeline
+    stage, delivered in stage order to every rank of the pipeline.
 
     Each stage in turn sends its tensors one at a time over the pipeline group (a name broadcast,
     then the tensor), so no rank ever holds more than one extra full tensor.
     """
     if stage.groups.pp_size == 1:
-        yield from hf_tensors(stage)
+        yield from _stage_tensors(stage, tensors, classifier)
         return
     pp_ranks = dist.get_process_group_ranks(stage.groups.pp)
     for index, src in enumerate(pp_ranks):
-        mine = hf_tensors(stage) if index == stage.groups.pp_rank else None
+        mine = _stage_tensors(stage, tensors, classifier) if index == stage.groups.pp_rank else None
         while True:
             item = next(mine, None) if mine is not None else None
             header = [None if item is None else (item[0], tuple(item[1].shape), item[1].dtype)]

@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from megarl.config import LoraConfig
 from megarl.engine import dist_checkpoint, hf_weights
+from megarl.engine import lora as adapters
 from megarl.engine.compute import LossFn, PipelineSchedule
 from megarl.engine.model import StageModel, build_stage_model, only_chunk
 from megarl.engine.offload import TrainerMemory
@@ -44,17 +46,27 @@ class TrainEngine:
     the checkpoint's `score.weight` when it has one (a reward model) and zero otherwise, so every value
     starts at 0.
 
+    With `lora` (a megarl.config.LoraConfig, trained engines only) the base weights are frozen and only the
+    adapters train (megarl.engine.lora; `seed` draws them); `hf_tensors` then gives the merged weights.
+
     With virtual pipeline stages (`model.megatron.virtual_pipeline_model_parallel_size`) this rank holds
     one model chunk per virtual stage (`chunks`, `models`) and runs Megatron's interleaved schedule;
     weights, handoff and checkpoints name every layer by its global index either way.
     """
 
     def __init__(self, *, model_dir: str, dtype: str, megatron: dict, groups: ParallelGroups, optim=None,
-                 value_head: bool = False, load_weights: bool = True):
+                 value_head: bool = False, load_weights: bool = True, lora: LoraConfig | None = None,
+                 seed: int = 0):
         self.stage: StageModel = build_stage_model(model_dir, dtype=dtype, megatron=megatron, groups=groups,
-                                                   value_head=value_head)
+                                                   value_head=value_head, lora=lora)
         if load_weights:  # False: the weights come from a distributed checkpoint (`load_checkpoint`)
             hf_weights.load_hf(self.stage, model_dir)
+        if lora is not None:
+            if optim is None:
+                raise ValueError("LoRA adapters are trained: a TrainEngine with `lora` needs `optim`")
+            adapters.init_adapters(self.stage.adapted_layers(), seed=seed, tp_rank=groups.tp_rank,
+                                   tp_size=groups.tp_size)
+            adapters.freeze_base(self.chunks)
         self.optim = optim
         if optim is None:
             for chunk in self.chunks:
@@ -144,9 +156,10 @@ class TrainEngine:
         """Copy an HF checkpoint into this rank's shards. Every Megatron parameter must be covered."""
         hf_weights.load_hf(self.stage, model_dir)
 
-    def hf_tensors(self, *, checkpoint: str | Path | None = None,
-                   bucket_bytes: int = 2**30) -> Iterator[tuple[str, Tensor]]:
-        """Full HF-named tensors of this pipeline stage, one at a time (megarl.engine.hf_weights.hf_tensors).
+    def hf_tensors(self, *, checkpoint: str | Path | None = None, bucket_bytes: int = 2**30,
+                   classifier: bool = False) -> Iterator[tuple[str, Tensor]]:
+        """Full HF-named tensors of this pipeline stage, one at a time (megarl.engine.hf_weights.hf_tensors;
+        `classifier`: a scalar-head model's, as a sequence classifier).
 
         With `checkpoint`, the weights are read from that distributed checkpoint about `bucket_bytes` at a
         time instead of from the module, which may then live on the meta device (`meta_engine`): memory
@@ -155,11 +168,16 @@ class TrainEngine:
         params = None
         if checkpoint is not None:
             params = dist_checkpoint.checkpoint_params(self.stage, Path(checkpoint), bucket_bytes=bucket_bytes)
-        return hf_weights.hf_tensors(self.stage, params)
+        return hf_weights.hf_tensors(self.stage, params, classifier=classifier)
 
-    def pipeline_hf_tensors(self) -> Iterator[tuple[str, Tensor]]:
+    def pipeline_hf_tensors(self, *, classifier: bool = False) -> Iterator[tuple[str, Tensor]]:
         """`hf_tensors` of every pipeline stage, delivered in stage order to every rank of the pipeline."""
-        return hf_weights.pipeline_hf_tensors(self.stage)
+        return hf_weights.pipeline_hf_tensors(self.stage, classifier=classifier)
+
+    def pipeline_adapter_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """A LoRA policy's adapters under PEFT's names (megarl.engine.hf_weights.hf_adapter_tensors), every
+        pipeline stage's, delivered in stage order to every rank of the pipeline."""
+        return hf_weights.pipeline_hf_tensors(self.stage, hf_weights.hf_adapter_tensors)
 
     # ---- device memory choreography (co-located rollout) ------------------------------------------------
     # The trainer gives its device memory to the rollout engine between updates (megarl.engine.offload), on

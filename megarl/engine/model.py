@@ -15,9 +15,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from megarl.config import RecipeError
+from megarl.config import LoraConfig, RecipeError
 from megarl.device import current_device, on_gpu
-from megarl.engine import cpu_compat
+from megarl.engine import cpu_compat, lora as adapters
 from megarl.engine.parallel import ParallelGroups
 from megarl.layout import check_virtual_stages, virtual_stage_count
 from megarl.models.arch import ModelShape, padded_vocab_size, read_shape
@@ -170,9 +170,11 @@ def uses_transformer_engine() -> bool:
     return True
 
 
-def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: int | None = None):
+def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: int | None = None,
+              lora: LoraConfig | None = None):
     """One GPTModel chunk of this pipeline stage (weights uninitialized): the whole stage, or with virtual
-    pipeline stages the chunk of virtual stage `vp_stage`, whose layers Megatron picks from the config."""
+    pipeline stages the chunk of virtual stage `vp_stage`, whose layers Megatron picks from the config;
+    with `lora`, adapters on the targeted linears (megarl.engine.lora, local spec only)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
@@ -200,6 +202,8 @@ def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: in
         if shape.qk_norm:
             attention.q_layernorm = attention.k_layernorm = ModuleSpec(module=RMSNorm,
                                                                        params={"sequence_split": False})
+        if lora is not None:
+            adapters.adapt_layer_spec(layer, lora)
         layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=groups.pp_rank)
         spec = TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=RMSNorm)
     model = GPTModel(
@@ -284,6 +288,7 @@ class StageModel:
     layer_offsets: list[int]       # global index of each chunk's first layer
     names: NameTable               # Megatron <-> HF names
     value_head: bool               # a scalar head instead of the vocabulary projection (critic, reward model)
+    lora: LoraConfig | None = None  # low-rank adapters on the linears (megarl.engine.lora); None: none
 
     @property
     def expert_offset(self) -> int:
@@ -296,10 +301,19 @@ class StageModel:
         return only_chunk(self.chunks)
 
     def named_parameters(self) -> Iterator[tuple[str, Tensor]]:
-        """(name with the global layer index, parameter) of every chunk on this rank."""
+        """(name with the global layer index, parameter) of every chunk on this rank: the model's own, which
+        HF checkpoints hold, without the LoRA adapters (`adapted_layers`)."""
         for chunk, offset in zip(self.chunks, self.layer_offsets):
             for local_name, param in chunk.named_parameters():
-                yield global_name(local_name, offset), param
+                if not adapters.is_adapter(local_name):
+                    yield global_name(local_name, offset), param
+
+    def adapted_layers(self) -> Iterator[tuple[str, torch.nn.Module]]:
+        """(module name with the global layer index, layer) of every linear with a LoRA adapter on this rank."""
+        for chunk, offset in zip(self.chunks, self.layer_offsets):
+            for local_name, module in chunk.named_modules():
+                if hasattr(module, "adapter_on"):
+                    yield global_name(local_name, offset), module
 
 
 def only_chunk(chunks: list):
@@ -311,9 +325,10 @@ def only_chunk(chunks: list):
 
 
 def build_stage_model(model_dir: str, *, dtype: str, megatron: dict, groups: ParallelGroups,
-                      value_head: bool) -> StageModel:
+                      value_head: bool, lora: LoraConfig | None = None) -> StageModel:
     """This rank's chunks of the model in HF checkpoint directory `model_dir`, weights uninitialized
-    (megarl.engine.hf_weights.load_hf fills them). A critic's (`value_head`) embeddings are never tied."""
+    (megarl.engine.hf_weights.load_hf fills them). A critic's (`value_head`) embeddings are never tied.
+    `lora`: adapters on the policy's linears, RecipeError where they cannot be built."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     shape = read_shape(model_dir)
@@ -323,10 +338,13 @@ def build_stage_model(model_dir: str, *, dtype: str, megatron: dict, groups: Par
                                 cp=groups.cp_size, megatron=megatron)
     vpp = config.virtual_pipeline_model_parallel_size
     stages = [None] if vpp is None else list(range(vpp))
-    chunks = [build_gpt(shape, config, groups=groups, vp_stage=v) for v in stages]
+    if lora is not None:
+        adapters.check_lora(lora, shape, te=uses_transformer_engine(), value_head=value_head)
+    chunks = [build_gpt(shape, config, groups=groups, vp_stage=v, lora=lora) for v in stages]
     if value_head and groups.is_pp_last:
         sp_group = groups.tp if config.sequence_parallel else None
         chunks[-1].output_layer = ValueHead(shape.hidden, config.params_dtype, sequence_parallel_group=sp_group)
     return StageModel(shape=shape, config=config, groups=groups, chunks=chunks,
                       layer_offsets=[get_transformer_layer_offset(config, vp_stage=v) for v in stages],
-                      names=NameTable(name_rules(shape, te_spec=uses_transformer_engine())), value_head=value_head)
+                      names=NameTable(name_rules(shape, te_spec=uses_transformer_engine())), value_head=value_head,
+                      lora=lora)

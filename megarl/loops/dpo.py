@@ -29,7 +29,8 @@ from megarl.data.prompts import PromptSampler
 from megarl.data.supervised import Example, encode_pair, load_preference_pairs, pad_examples
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
-from megarl.engine.roles import make_engine
+from megarl.engine.lora import BasePolicy
+from megarl.engine.roles import make_engine, reference_policy
 from megarl.loops.launch import init_groups
 from megarl.loops.lifecycle import final_dir, run_steps
 from megarl.loops.resume import RunState, already_finished, find_resume
@@ -45,7 +46,7 @@ class DPORun:
     cfg: Config
     groups: ParallelGroups
     actor: TrainEngine
-    reference: TrainEngine            # frozen: no optimizer, no gradients
+    reference: TrainEngine | BasePolicy  # frozen: no optimizer, no gradients (model.lora: the actor, adapters off)
     train_pairs: list[Pair]
     eval_pairs: list[Pair]            # this rank's share of the held-out pairs
     sampler: PromptSampler
@@ -70,7 +71,7 @@ def interleave(pairs: list[Pair], *, pad_id: int) -> tuple[Tensor, Tensor]:
     return pad_examples([example for pair in pairs for example in pair], pad_id=pad_id)
 
 
-def sequence_logprobs(engine: TrainEngine, tokens: Tensor, mask: Tensor, *, micro_batch_size: int) -> Tensor:
+def sequence_logprobs(engine: TrainEngine | BasePolicy, tokens: Tensor, mask: Tensor, *, micro_batch_size: int) -> Tensor:
     """Summed response logprobs [B] of `tokens` [B, T] under `engine`, forward only, at temperature 1."""
     return masked_sum(engine.logprobs(tokens, temperature=1.0, micro_batch_size=micro_batch_size), mask, dim=-1)
 
@@ -124,8 +125,9 @@ def build_run(cfg: Config, groups: ParallelGroups) -> DPORun:
     encode = partial(encode_pair, tokenizer, chat_template=data.chat_template)
     train_pairs = [encode(pair) for pair in load(data.train_path)]
     eval_pairs = [encode(pair) for pair in load(data.eval_path)[:data.eval_prompts]] if data.eval_path else []
-    engine = partial(make_engine, cfg, groups, model_dir=cfg.model.path)
-    return DPORun(cfg=cfg, groups=groups, actor=engine(role="actor"), reference=engine(role="reference"),
+    actor = make_engine(cfg, groups, role="actor", model_dir=cfg.model.path)
+    return DPORun(cfg=cfg, groups=groups, actor=actor, reference=reference_policy(cfg, groups, actor,
+                                                                                 model_dir=cfg.model.path),
                   train_pairs=train_pairs, eval_pairs=eval_pairs[groups.dp_rank::groups.dp_size],
                   sampler=PromptSampler(len(train_pairs), seed=cfg.seed, shuffle=data.shuffle,
                                         dp_rank=groups.dp_rank, dp_size=groups.dp_size),

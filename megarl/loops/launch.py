@@ -44,12 +44,15 @@ def job_world(cfg: Config) -> tuple[int, int]:
 def launch_layout(cfg: Config, *, world: int, ranks_per_node: int) -> Layout:
     """The recipe's layout on a job of `world` ranks, `ranks_per_node` to a node (megarl.layout.Layout.of, the
     check `megarl plan` makes too): a LayoutError (a RecipeError) names the keys and both numbers, and a model
-    whose config.json cannot be read is a RecipeError naming model.path."""
-    try:
-        shape = read_shape(cfg.model.path)
-    except ValueError as e:
-        raise RecipeError(f"model.path: {e}") from None
-    return Layout.of(cfg, shape, world=world, ranks_per_node=ranks_per_node)
+    whose config.json cannot be read is a RecipeError naming model.path (teacher.path for the teacher's)."""
+    shapes = {}
+    for key, path in (("model.path", cfg.model.path), ("teacher.path", cfg.teacher.path)):
+        try:
+            shapes[key] = read_shape(path) if path is not None else None
+        except ValueError as e:
+            raise RecipeError(f"{key}: {e}") from None
+    return Layout.of(cfg, shapes["model.path"], world=world, ranks_per_node=ranks_per_node,
+                     teacher=shapes["teacher.path"])
 
 
 def init_groups(cfg: Config) -> ParallelGroups:

@@ -1,4 +1,4 @@
-"""One run lifecycle for every loop (RL, SFT, DPO): resume, the steps with their metrics and periodic
+"""One run lifecycle for every loop (RL, SFT, DPO, RM): resume, the steps with their metrics and periodic
 checkpoints, then the final checkpoint and HF export.
 
     resume_from, done = find_resume(cfg)            # before any work, so a finished run does none
@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import torch.distributed as dist
 
-from megarl.checkpoint import save_hf
+from megarl.checkpoint import classifier_config, save_hf, save_peft_adapter
 from megarl.config import Config, dump_config
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
@@ -39,11 +39,13 @@ def final_dir(cfg: Config) -> Path:
 
 
 def run_steps(cfg: Config, state: RunState, *, step: Callable[[int], dict[str, float]], steps: int,
-              resume_from: Path | None, desc: str, on_start: Callable[[], object] | None = None) -> Path:
+              resume_from: Path | None, desc: str, on_start: Callable[[], object] | None = None,
+              exported: str = "actor") -> Path:
     """Restore `state` from `resume_from` (when given), call `on_start()` (RL: the first weight push, of the
     restored weights), then run steps up to `steps`: metrics every
     `log.every_steps` (and the last), a checkpoint every `checkpoint.every_steps`, and with
-    `checkpoint.save_final` a last checkpoint plus the actor exported as an HF checkpoint. Returns the
+    `checkpoint.save_final` a last checkpoint plus the model `state.engines[exported]` exported as an HF
+    checkpoint (a scalar-head model as a sequence classifier). Returns the
     directory of that export. A signal (megarl.loops.stop) ends the run before its next step: the last
     finished step is saved unless it already was, and Stopped is raised. So does a rollout engine lost for
     good (EngineLost, raised again with its `checkpoint`): a step it stopped before the update gives back
@@ -98,7 +100,7 @@ def run_steps(cfg: Config, state: RunState, *, step: Callable[[int], dict[str, f
     final = final_dir(cfg)
     if cfg.checkpoint.save_final:
         save_checkpoint(cfg, steps, state)
-        export_policy(state.engines["actor"], state.groups, source_dir=cfg.model.path, out_dir=final,
+        export_policy(state.engines[exported], state.groups, source_dir=cfg.model.path, out_dir=final,
                       meta={"stage": desc, "step": steps})
     return final
 
@@ -115,14 +117,26 @@ def start_trace(trace_dir: Path, *, resume_step: int) -> None:
 
 def export_policy(engine: TrainEngine, groups: ParallelGroups, *, source_dir: str, out_dir: Path,
                   meta: dict) -> None:
-    """Write the model as an HF checkpoint from global rank 0; its model-parallel peers join the gathers
-    (with expert parallelism that is every rank: the expert-parallel peers sit in other data-parallel ranks)."""
+    """Write the model as an HF checkpoint from global rank 0 (a scalar-head model as a one-label sequence
+    classifier); its model-parallel peers join the gathers (with expert parallelism that is every rank: the
+    expert-parallel peers sit in other data-parallel ranks). A LoRA policy's are its merged weights, and its
+    adapters go to `out_dir/adapter` in PEFT's format, for the base model `source_dir`."""
     engine.onload()  # on GPU the parameters wait on the host from the weight push to the next step
     if groups.dp_rank == 0 or groups.ep_size > 1:
-        tensors = engine.pipeline_hf_tensors()
+        tensors = engine.pipeline_hf_tensors(classifier=engine.value_head)
         if dist.get_rank() == 0:
-            save_hf(tensors, source_dir=source_dir, out_dir=out_dir, meta=meta)
+            config = classifier_config(source_dir) if engine.value_head else None
+            save_hf(tensors, source_dir=source_dir, out_dir=out_dir, meta=meta, config=config)
         else:
             for _ in tensors:
+                pass
+    lora = engine.stage.lora
+    if lora is not None and groups.dp_rank == 0:
+        adapters = engine.pipeline_adapter_tensors()
+        if dist.get_rank() == 0:
+            save_peft_adapter(adapters, rank=lora.rank, alpha=lora.alpha, base_model=source_dir,
+                              out_dir=out_dir / "adapter")
+        else:
+            for _ in adapters:
                 pass
     dist.barrier()

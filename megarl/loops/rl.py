@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.algo.aggregate import LossNorm, global_loss_norm, masked_sum
-from megarl.algo.kl import kl_estimate
+from megarl.algo.kl import kl_estimate, reverse_kl
 from megarl.batch import RolloutBatch
 from megarl.config import Config, SandboxConfig, TrainConfig
 from megarl.data.prompts import load_prompts
@@ -79,7 +79,7 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
     except EngineLost as e:  # the step has updated the trainer: the run saves it
         e.trained = True
         raise
-    metrics = batch_metrics(run, batch, trained) | run.rollouts.metrics(run)
+    metrics = batch_metrics(run, batch, trained) | distill_metrics(run, batch) | run.rollouts.metrics(run)
     run.drift.observe(metrics["rollout/logprob_diff_mean"], tokens=metrics["rollout/logprob_diff_tokens"], step=step)
     kl_metrics = update_kl_coef(run, batch)
     seconds = sum(timer.seconds.values())
@@ -96,8 +96,10 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
 
 # ---- phases -------------------------------------------------------------------------------------------
 def compute_logprobs(run: RLRun, batch: RolloutBatch) -> RolloutBatch:
-    """Old (actor), reference and critic outputs [B, T] on the response tokens, before any update. An
-    on-policy update takes the actor's from its training forward instead (`train_policy`)."""
+    """Old (actor), reference, teacher and critic outputs [B, T] on the response tokens, before any update. An
+    on-policy update takes the actor's from its training forward instead (`train_policy`); distillation is
+    never on-policy (AlgoConfig.distills: its advantages need the student's logprobs). The teacher scores at
+    the sampling temperature, as the student does, so both are the distributions of the same temperature."""
     micro = micro_batching(run.cfg.train, batch)
     kwargs = dict(temperature=run.cfg.rollout.temperature, **micro)
     mask = batch.response_mask
@@ -109,8 +111,10 @@ def compute_logprobs(run: RLRun, batch: RolloutBatch) -> RolloutBatch:
             lengths = sequence_lengths(batch.response_mask, batch.prompt_lens).tolist()
             recorded = [compact(r[:n], run.actor.shape.experts) for r, n in zip(run.actor.recorded_routes(), lengths)]
     ref = run.reference.logprobs(batch.tokens, **kwargs) * mask if run.reference else None
+    teacher = run.teacher.logprobs(batch.tokens, **kwargs) * mask if run.teacher else None
     values = run.critic.values(batch.tokens, **micro) * mask if run.critic else None
-    return batch.replace(old_logprobs=old, ref_logprobs=ref, values=values, trainer_routes=recorded)
+    return batch.replace(old_logprobs=old, ref_logprobs=ref, teacher_logprobs=teacher, values=values,
+                         trainer_routes=recorded)
 
 
 def train_policy(run: RLRun, batch: RolloutBatch, *, norm: LossNorm, stats_norm: LossNorm | None,
@@ -211,6 +215,19 @@ def batch_metrics(run: RLRun, batch: RolloutBatch, trained: RolloutBatch) -> dic
         "env/tool_calls_mean": calls / n,
         **{f"env/ended_by/{reason}": count / n for reason, count in zip(FINISH_REASONS, ended)},
     }
+
+
+def distill_metrics(run: RLRun, batch: RolloutBatch) -> dict[str, float]:
+    """distill/reverse_kl (log p_student - log p_teacher, the student's before the update) and
+    distill/teacher_logprob: token means over the response tokens of the global batch; none without a teacher."""
+    if batch.teacher_logprobs is None:
+        return {}
+    mask = batch.response_mask
+    kl_sum, teacher_sum, tokens = run.global_sums([
+        float(reverse_kl(batch.old_logprobs, batch.teacher_logprobs, mask).sum()),
+        float((batch.teacher_logprobs * mask).sum()), float(mask.sum())])
+    tokens = max(tokens, 1.0)
+    return {"distill/reverse_kl": kl_sum / tokens, "distill/teacher_logprob": teacher_sum / tokens}
 
 
 def update_kl_coef(run: RLRun, batch: RolloutBatch) -> dict[str, float]:

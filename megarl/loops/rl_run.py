@@ -24,7 +24,8 @@ from megarl.data.prompts import PromptRow, PromptSampler
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.model import uses_transformer_engine
 from megarl.engine.parallel import ParallelGroups
-from megarl.engine.roles import make_engine
+from megarl.engine.lora import BasePolicy
+from megarl.engine.roles import make_engine, reference_policy
 from megarl.envs.environment import Environment, SingleTurn, environment_factory
 from megarl.envs.tool_format import ObservationFormat, observation_format
 from megarl.loops.faults import DriftGate
@@ -115,7 +116,7 @@ class RLRun:
     eval_rows: list[PromptRow]
     sampler: PromptSampler
     actor: TrainEngine
-    reference: TrainEngine | None     # when algo.kl_coef > 0
+    reference: TrainEngine | BasePolicy | None  # when algo.kl_coef > 0 (with model.lora: the actor, adapters off)
     critic: TrainEngine | None        # when algo.name is ppo
     rollouts: Rollouts                # the rollout engines' side of the run (colocated or split placement)
     prompts_per_rank: int
@@ -134,9 +135,12 @@ class RLRun:
     tool_schemas: list[dict] = dataclasses.field(default_factory=list)  # the environment's tools, for the prompt
     observations: ObservationFormat | None = None  # renders tool messages; None when the env sends none
     env_workers: EnvWorkers | None = None  # the threads of the environment steps, kept from step to step
+    teacher: TrainEngine | None = None  # frozen, when algo.name is distill or algo.distill_coef > 0
 
     def trainer_engines(self) -> list[TrainEngine]:
-        return [e for e in (self.actor, self.reference, self.critic) if e is not None]
+        """The models the trainer wakes for a step and parks while the engines generate (a LoRA run's reference
+        is the actor's, not a model of its own)."""
+        return [e for e in (self.actor, self.reference, self.teacher, self.critic) if isinstance(e, TrainEngine)]
 
     def trained_engines(self) -> dict[str, TrainEngine]:
         """The models a checkpoint saves, by name (frozen ones are rebuilt from their checkpoints)."""
@@ -153,6 +157,8 @@ def check_launch(cfg: Config) -> None:
     keys."""
     build_terms(cfg.reward)  # a custom reward that does not import stops here, before any work
     environment_factory(cfg.env)  # and so does an environment
+    if cfg.teacher.path is not None:
+        check_same_tokenizer(cfg.model.path, cfg.teacher.path)
     shape = read_shape(cfg.model.path)
     if cfg.algo.router_replay != "none" and not shape.is_moe:
         raise RecipeError(f"algo.router_replay = {cfg.algo.router_replay!r} replays mixture-of-experts routing; the "
@@ -166,6 +172,30 @@ def check_launch(cfg: Config) -> None:
     if cfg.algo.router_replay != "none" and cfg.model.megatron.get("moe_router_fusion"):
         raise RecipeError("algo.router_replay needs Megatron's unfused router: the fused top-k kernel "
                           "(model.megatron.moe_router_fusion: true) has no replay hook")
+
+
+def check_same_tokenizer(model_path: str, teacher_path: str) -> None:
+    """The teacher scores the student's token ids: both checkpoints must map every token to the same id and
+    agree on the special tokens; RecipeError names teacher.path and the first difference."""
+    from transformers import AutoTokenizer
+
+    student, teacher = AutoTokenizer.from_pretrained(model_path), AutoTokenizer.from_pretrained(teacher_path)
+    ours, theirs = student.get_vocab(), teacher.get_vocab()
+    differs = None
+    if len(ours) != len(theirs):
+        differs = f"a vocabulary of {len(theirs)} tokens, the student's {len(ours)}"
+    elif ours != theirs:
+        token = min(t for t in ours if ours[t] != theirs.get(t))
+        differs = (f"token {token!r} is id {theirs[token]}, the student's {ours[token]}" if token in theirs
+                   else f"token {token!r} (the student's id {ours[token]}) is not in its vocabulary")
+    else:
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if getattr(student, name) != getattr(teacher, name):
+                differs = f"{name} {getattr(teacher, name)}, the student's {getattr(student, name)}"
+                break
+    if differs:
+        raise RecipeError(f"teacher.path: the teacher's tokenizer ({teacher_path}) is not the student's (model.path: "
+                          f"{model_path}): {differs}; distillation scores the student's token ids with the teacher")
 
 
 def check_share_prompts(shape) -> None:
@@ -183,12 +213,14 @@ def check_share_prompts(shape) -> None:
 def build_run(cfg: Config, groups: ParallelGroups, *, rollouts: Rollouts, tokenizer, train_rows: list[PromptRow],
               eval_rows: list[PromptRow], model_dir: str) -> RLRun:
     """The rollout engines first (`rollouts.start`: SGLang sizes its KV cache from the device memory free when it
-    starts), then the train engines: actor; reference when algo.kl_coef > 0; critic for PPO; the reward
-    models, which stay on the device the whole step because their scores are needed as generation ends."""
+    starts), then the train engines: actor; reference when algo.kl_coef > 0 (with model.lora, the actor with
+    its adapters off); the distillation teacher; critic for PPO; the reward models, which stay on the device
+    the whole step because their scores are needed as generation ends."""
     algo = cfg.algo
     rollouts.start(model_dir)
     actor = make_engine(cfg, groups, role="actor", model_dir=model_dir)
-    reference = make_engine(cfg, groups, role="reference", model_dir=model_dir) if algo.kl_coef > 0 else None
+    reference = reference_policy(cfg, groups, actor, model_dir=model_dir) if algo.kl_coef > 0 else None
+    teacher = make_engine(cfg, groups, role="teacher", model_dir=cfg.teacher.path) if cfg.teacher.path else None
     critic = None
     if algo.name == "ppo":
         critic = make_engine(cfg, groups, role="critic", model_dir=cfg.critic.path or model_dir)
@@ -204,7 +236,7 @@ def build_run(cfg: Config, groups: ParallelGroups, *, rollouts: Rollouts, tokeni
         cfg=cfg, groups=groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
         sampler=PromptSampler(len(train_rows), seed=cfg.seed, shuffle=cfg.data.shuffle, dp_rank=groups.dp_rank,
                               dp_size=groups.dp_size),
-        actor=actor, reference=reference, critic=critic, rollouts=rollouts,
+        actor=actor, reference=reference, teacher=teacher, critic=critic, rollouts=rollouts,
         prompts_per_rank=cfg.data.prompts_per_step // groups.dp_size,
         objective=policy_objective(algo, on_policy=algo.on_policy),
         critic_objective=CriticObjective(value_clip=cfg.critic.value_clip) if critic is not None else None,

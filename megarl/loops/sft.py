@@ -92,9 +92,9 @@ def train(cfg: Config) -> Path:
 
 def offline_step(cfg: Config, update: Callable[[], dict[str, float]], *,
                  evaluate: Callable[[], dict[str, float]] | None, steps: int, desc: str) -> Callable[[int], dict]:
-    """One step of the SFT and DPO loops: `update()`, timed and stopped on a non-finite number, then the
-    held-out evaluation every `data.eval_every` steps, after the first step too (so the curve starts near
-    the untrained model) and after the last."""
+    """One step of the SFT, DPO and reward-model loops: `update()`, timed and stopped on a non-finite
+    number, then the held-out evaluation every `data.eval_every` steps, after the first step too (so the
+    curve starts near the untrained model) and after the last."""
     def step(n: int) -> dict[str, float]:
         began = time.perf_counter()
         metrics = update()

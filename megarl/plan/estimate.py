@@ -14,7 +14,8 @@ from megarl.models.arch import ModelShape, padded_vocab_size, read_shape
 from megarl.plan.memory import (DTYPE_BYTES, ENGINE_START_USED_GIB, ENTROPY_BYTES, GIB, HOST_RESERVE_GIB,
                                 HOST_USABLE_FRACTION, LOGITS_BYTES, RESERVE_GIB, USABLE_FRACTION, Cluster,
                                 HostMemory, ModelMemory, Rollout, Routing, activation_bytes, host_memory,
-                                largest_tensor, model_state, rollout_memory, routing_memory, stage_params)
+                                largest_tensor, lora_params, model_state, rollout_memory, routing_memory,
+                                stage_params)
 
 DEFAULT_SEQ_TOKENS = 4096  # SFT and DPO: the longest row when --seq-tokens is not given
 
@@ -118,14 +119,19 @@ class Plan:
 
 def trainer_roles(cfg: Config) -> list[tuple[str, bool, bool]]:
     """(name, trainable, value_head) of every model the recipe's loop builds on each GPU (megarl.loops)."""
+    own_reference = cfg.model.lora is None  # with LoRA the reference is the actor with its adapters off
     match cfg.algo.name:
         case "sft":
             return [("actor", True, False)]
         case "dpo":
-            return [("actor", True, False), ("reference", False, False)]
+            return [("actor", True, False)] + ([("reference", False, False)] if own_reference else [])
+        case "rm":
+            return [("reward_model", True, True)]
     roles = [("actor", True, False)]
-    if cfg.algo.kl_coef > 0:
+    if cfg.algo.kl_coef > 0 and own_reference:
         roles.append(("reference", False, False))
+    if cfg.teacher.path is not None:
+        roles.append(("teacher", False, False))
     if cfg.algo.name == "ppo":
         roles.append(("critic", True, True))
     return roles
@@ -142,6 +148,15 @@ def reward_model_shapes(cfg: Config, shape: ModelShape) -> list[tuple[str, Model
     return out
 
 
+def teacher_shape(cfg: Config, shape: ModelShape) -> ModelShape | None:
+    """The distillation teacher's shape: its checkpoint's config.json when the checkpoint is on this machine,
+    else the policy's architecture (an assumption line says so); None without a teacher."""
+    if cfg.teacher.path is None:
+        return None
+    config = Path(cfg.teacher.path) / "config.json"
+    return read_model(config) if config.is_file() else shape
+
+
 def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
          prompt_tokens: int = 1024, seq_tokens: int | None = None) -> Plan:
     """Check the layout (PlanError) and estimate every phase's bytes per GPU on the most-loaded stage, and
@@ -151,8 +166,9 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
     models are frozen scalar-head models at the trainer's layout that stay on the device in every phase
     (megarl.loops.rl_run.build_run: their scores are needed as generation ends); they are not offloaded."""
     seq_len, seq_source = sequence_tokens(cfg, prompt_tokens=prompt_tokens, seq_tokens=seq_tokens)
+    teacher = teacher_shape(cfg, shape)
     try:  # the check launch makes, on this cluster's ranks
-        layout = Layout.of(cfg, shape, world=cluster.world, ranks_per_node=cluster.gpus_per_node)
+        layout = Layout.of(cfg, shape, world=cluster.world, ranks_per_node=cluster.gpus_per_node, teacher=teacher)
     except LayoutError as e:
         raise PlanError(str(e)) from None
     dtype, optim, megatron = cfg.model.dtype, cfg.optim, cfg.model.megatron
@@ -172,15 +188,20 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
     for stage in range(layout.pp):
         models, largest_buffer = [], 0
         for name, trainable, value_head in trainer_roles(cfg):
-            counts = stage_params(shape, tp=layout.tp, pp=layout.pp, ep=layout.ep, stage=stage,
+            counts = stage_params(teacher if name == "teacher" else shape, tp=layout.tp, pp=layout.pp, ep=layout.ep, stage=stage,
                                   value_head=value_head)
-            params, grads, opt = model_state(counts, trainable=trainable, **state_args)
+            adapters = 0
+            if name == "actor" and cfg.model.lora is not None:
+                adapters = lora_params(shape, cfg.model.lora, tp=layout.tp, pp=layout.pp)
+            params, grads, opt = model_state(counts, trainable=trainable, adapters=adapters, **state_args)
             acts = activation_bytes(shape, layout, stage=stage, seq_len=seq_len, megatron=megatron,
                                     micro_batch_size=cfg.train.micro_batch_size, act_bytes=dtype_bytes,
                                     head_bytes_per_token=0 if value_head else logits * vocab_slice) \
                 if trainable else 0
             models.append(ModelMemory(name, params, grads, opt, acts))
-            if trainable:  # a DDP buffer per model for dense and one for expert parameters
+            if adapters:  # DDP's buffers hold what trains
+                largest_buffer = max(largest_buffer, adapters * dtype_bytes)
+            elif trainable:  # a DDP buffer per model for dense and one for expert parameters
                 largest_buffer = max(largest_buffer, counts.dense * dtype_bytes, counts.expert * dtype_bytes)
         stages.append(models)  # what the offload moves to the host
         buffers.append(largest_buffer)
@@ -281,6 +302,10 @@ def assumptions(cfg: Config, layout: Layout, *, seq_source: str, experts: bool,
         + ("" if offline else f" (+{ENTROPY_BYTES} with an entropy bonus)"),
         phases,
     ]
+    if cfg.teacher.path is not None:
+        out.append("distillation teacher: frozen (parameters only), at the trainer's layout, woken and parked with the "
+                   "reference (offloaded to the host while the engines generate); a checkpoint not on this machine "
+                   "is planned with the policy's architecture")
     if not offline and any(term.kind == "reward_model" for term in cfg.reward.terms):
         out.append("reward models: frozen, a scalar head, at the trainer's layout, resident in every phase (never "
                    "offloaded); a checkpoint not on this machine is planned with the policy's architecture")

@@ -9,6 +9,10 @@ The estimate follows the code it models, so its assumptions are those of megarl'
 - Optimizer: Adam's two fp32 moments (8 bytes) plus an fp32 master copy (4 bytes) when parameters are not fp32,
   sharded over dp*cp ranks (over the expert data-parallel ranks for experts) with `optim.distributed`.
   DDP's bucket padding (at most 63 elements per parameter, 127 per bucket) is not counted.
+- LoRA (`model.lora`): the actor's frozen base in `model.dtype` plus its adapters (`lora_params`: A and B of
+  every targeted linear, split over TP as megarl.engine.lora_layers splits them), gradients and Adam state
+  (moments, fp32 master copy) for the adapters only, and no reference model (the actor with its adapters off
+  is the reference). The adapters' rank-r activations are not counted (r / hidden of a layer's).
 - Activations: Korthikanti et al. 2022 (arXiv:2205.05198), Table 2, generalized to grouped-query attention,
   SwiGLU and routed experts, for 16-bit activations: per token and layer 10*h bytes replicated over TP (all
   divided by tp with `sequence_parallel`) plus 4*heads*d + 4*kv_heads*d + 6*ffn bytes split over TP; a routed
@@ -24,7 +28,8 @@ The estimate follows the code it models, so its assumptions are those of megarl'
   env.max_tokens for a multi-turn environment (generated and observation tokens of all turns); for SFT and
   DPO, whose loops pad a batch to its longest row and truncate nothing, the longest row (`--seq-tokens`).
   The prompt length is an input, `--prompt-tokens`.
-- Models, as the loops build them: RL: the actor, the frozen reference when algo.kl_coef > 0, PPO's critic,
+- Models, as the loops build them: RL: the actor, the frozen reference when algo.kl_coef > 0, the frozen
+  distillation teacher (its own shape, offloaded like the reference) when teacher.path is set, PPO's critic,
   and the frozen reward model of every `reward_model` reward term, which stays on the device in every phase;
   SFT: the actor; DPO: the actor and its frozen reference (no gradients, no optimizer).
 - Phases, as `megarl.loops.rl` orders them on GPU: train = every trainer model's parameters, gradients and
@@ -69,7 +74,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megarl.config import OFFLINE_ALGOS, Config
+from megarl.config import OFFLINE_ALGOS, Config, LoraConfig
 from megarl.layout import Layout
 from megarl.models.arch import ModelShape, padded_vocab_size
 from megarl.routing import route_bytes_per_token
@@ -156,7 +161,7 @@ class Cluster:
 class ModelMemory:
     """Bytes one trainer model holds on one GPU of the planned stage."""
 
-    name: str  # actor, reference, critic or a reward model
+    name: str  # actor, reference, teacher, critic or a reward model
     params: int
     grads: int
     optim: int
@@ -167,13 +172,26 @@ class ModelMemory:
         return self.params + self.grads + self.optim
 
 
+def lora_params(shape: ModelShape, lora: LoraConfig, *, tp: int, pp: int) -> int:
+    """Adapter parameters one GPU of a pipeline stage holds: per layer and target, A [r, in] and B [out, r], the
+    factor on the split side of the wrapped linear divided by tp (column-parallel: B; row-parallel: A)."""
+    h, r = shape.hidden, lora.rank
+    qkv_out, attn_in = (shape.heads + 2 * shape.kv_heads) * shape.head_dim, shape.heads * shape.head_dim
+    per_target = {"qkv": r * h + qkv_out * r // tp, "proj": r * attn_in // tp + h * r,
+                  "fc1": r * h + 2 * shape.ffn * r // tp, "fc2": r * shape.ffn // tp + h * r}
+    return shape.layers // pp * sum(per_target[t] for t in lora.targets)
+
+
 def model_state(counts: ParamCounts, *, dtype: str, trainable: bool, distributed: bool, dp: int,
-                expert_dp: int) -> tuple[int, int, int]:
-    """(parameter, gradient, optimizer) bytes of `counts` parameters on one GPU (see module doc)."""
-    params = counts.total * DTYPE_BYTES[dtype]
+                expert_dp: int, adapters: int = 0) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes of `counts` parameters on one GPU (see module doc); with
+    `adapters` > 0 (LoRA) those are the ones that train, beside the frozen `counts`."""
+    params = (counts.total + adapters) * DTYPE_BYTES[dtype]
     if not trainable:
         return params, 0, 0
     per_param = ADAM_BYTES + (MASTER_BYTES if dtype != "float32" else 0)
+    if adapters:  # dense parameters, sharded over dp * cp like the rest
+        return params, GRAD_BYTES * adapters, per_param * (-(-adapters // dp) if distributed else adapters)
     if distributed:
         optim = per_param * (-(-counts.dense // dp) + -(-counts.expert // expert_dp))
     else:

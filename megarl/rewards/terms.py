@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from megarl.config import RecipeError, RewardConfig, RewardTermConfig, SandboxConfig
 from megarl.rewards.exact import exact_answer_reward
+from megarl.rewards.judge import Judge
 from megarl.rewards.math_answer import math_reward
 from megarl.rewards.code import code_reward
 from megarl.rewards.sandbox import SandboxUnavailable, check_sandbox
@@ -82,6 +83,8 @@ def term_function(term: RewardTermConfig, *, key: str) -> RewardFn:
         case "custom":
             fn = import_function(term.function, key=f"{key}.function")
             return lambda s: fn(prompt=s.prompt, response=s.response, answer=s.answer, metadata=s.metadata)
+        case "judge":
+            return Judge(term.judge, key=key)
     raise RecipeError(f"{key}.kind: unknown reward kind {term.kind!r}")
 
 
@@ -113,10 +116,13 @@ def _require(module: str, *, key: str, install: str) -> None:
 
 
 # ---- scoring and the failure policy ---------------------------------------------------------------------
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def score_sample(terms: Sequence[Term], sample: Sample, *, timeout_s: float) -> Outcome:
     """The weighted sum of the terms on one sample, or (nan, why) when a term raises or returns something
-    that is not a real number (a string such as "1.0" included; a bool counts as 0 or 1), the sample takes
-    longer than `timeout_s` or the sum is not finite. `why` starts with the failing term's key."""
+    that is not a finite real number (a string such as "1.0" included; a bool counts as 0 or 1), the sample
+    takes longer than `timeout_s` or the sum is beyond float32's range. `why` starts with the failing term's key."""
     total, name = 0.0, ""
     try:
         with time_limit(timeout_s):
@@ -124,19 +130,25 @@ def score_sample(terms: Sequence[Term], sample: Sample, *, timeout_s: float) -> 
                 value = fn(sample)
                 if not isinstance(value, numbers.Real):
                     return math.nan, f"{name}: returned {value!r:.80} ({type(value).__name__}), not a number"
+                if not math.isfinite(value):
+                    return math.nan, f"{name}: returned {float(value)}, not a finite number"
                 total += weight * float(value)
     except SampleTimeout as e:
         return math.nan, f"{name}: {e}"
     except Exception as e:  # noqa: BLE001 - a reward must never end the run
         return math.nan, f"{name}: {type(e).__name__}: {e}"
-    if not math.isfinite(total):
-        return math.nan, f"reward is {total}"
+    if not abs(total) <= FLOAT32_MAX:  # the batch holds rewards in float32, where a larger one is inf
+        return math.nan, f"reward is {total:g}, beyond float32's range (the rewards are float32 in the batch)"
     return total, None
 
 
 def score_samples(terms: Sequence[Term], samples: Sequence[Sample], *,
                   timeout_s: float) -> list[Outcome]:
-    """Outcomes of `samples` scored one after another in this process; what each Ray task runs too."""
+    """Outcomes of `samples` scored one after another in this process; what each Ray task runs too. A judge
+    term first grades the whole batch, its requests in flight together (megarl.rewards.judge)."""
+    for _, fn, _ in terms:
+        if isinstance(fn, Judge):
+            fn.prefetch(samples)
     return [score_sample(terms, s, timeout_s=timeout_s) for s in samples]
 
 

@@ -1,0 +1,132 @@
+"""LoRA on the policy (`model.lora`, Hu et al. 2021): low-rank adapters on the linear layers of every transformer
+layer, the base weights frozen.
+
+- Adapters are built into Megatron's local layer spec (megarl.engine.lora_layers), split over tensor-parallel
+  ranks like the layers they wrap; their parameters are the only ones that require gradients, so DDP makes
+  gradient buffers and the (distributed) optimizer holds state for them alone.
+- A is drawn per adapter from the run's seed and the adapter's global name, whole, then cut to this rank's
+  shard: the same adapters at every parallel layout. B starts at zero, so a fresh policy is the base model.
+- The base model is the policy with its adapters off (`adapters_off`, `BasePolicy`): the reference policy of a
+  LoRA run is the actor's own engine, not a second model.
+- What leaves the trainer as HF weights (the push to the rollout engines, the HF export) is the merged weight
+  W + (alpha / rank) B A, computed on each rank's shards before they are gathered (megarl.engine.hf_weights).
+- Checkpoints hold the adapters and their optimizer state; the frozen base is read from model.path again.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from megarl.config import LoraConfig, RecipeError
+from megarl.models import layout
+from megarl.models.arch import ModelShape
+
+if TYPE_CHECKING:
+    from megarl.engine.megatron import TrainEngine
+
+ADAPTER_PARAMS = ("lora_a", "lora_b")
+
+
+def is_adapter(name: str) -> bool:
+    """Whether parameter `name` (any prefix) is an adapter factor."""
+    return name.rsplit(".", 1)[-1] in ADAPTER_PARAMS
+
+
+def check_lora(lora: LoraConfig, shape: ModelShape, *, te: bool, value_head: bool = False) -> None:
+    """RecipeError, naming the key and the reason, for adapters this engine cannot build."""
+    if value_head:
+        raise RecipeError("model.lora adapts the policy only: a critic or reward model (scalar head) trains or "
+                          "scores with all of its weights")
+    if te:
+        raise RecipeError("model.lora wraps Megatron's local linear layers (ColumnParallelLinear, RowParallelLinear); "
+                          "Transformer Engine's fused layers (norm and linear in one module) have no adapter here. "
+                          "Run LoRA where Transformer Engine is not installed, or train all weights (model.lora: null)")
+    mlp = [t for t in lora.targets if t in ("fc1", "fc2")]
+    if shape.is_moe and mlp:
+        raise RecipeError(f"model.lora.targets = {lora.targets}: the MLP of a mixture-of-experts model ({shape.arch}) "
+                          f"is its experts, and expert layers ({', '.join(mlp)}) take no adapters (their dispatch "
+                          "and expert-parallel split are not wrapped); target qkv and proj")
+
+
+def adapt_layer_spec(layer_spec, lora: LoraConfig) -> None:
+    """Swap the targeted linears of a local transformer-layer spec for their adapted versions (in place)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megarl.engine.lora_layers import AdapterShape, LoraColumnParallelLinear, LoraRowParallelLinear
+
+    adapter = AdapterShape(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
+    attention = layer_spec.submodules.self_attention.submodules
+    mlp = layer_spec.submodules.mlp.submodules
+    column = dict(module=LoraColumnParallelLinear, params={"adapter": adapter})
+    row = dict(module=LoraRowParallelLinear, params={"adapter": adapter})
+    for target in lora.targets:
+        match target:
+            case "qkv":
+                attention.linear_qkv = ModuleSpec(**column)
+            case "proj":
+                attention.linear_proj = ModuleSpec(**row)
+            case "fc1":
+                mlp.linear_fc1 = ModuleSpec(module=LoraColumnParallelLinear,
+                                            params={"adapter": adapter, "gate_up": True})
+            case "fc2":
+                mlp.linear_fc2 = ModuleSpec(**row)
+
+
+def freeze_base(chunks: list) -> int:
+    """Only adapter factors require gradients; returns how many parameters train."""
+    trained = 0
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            param.requires_grad_(is_adapter(name))
+            trained += param.numel() if is_adapter(name) else 0
+    return trained
+
+
+def init_adapters(layers: Iterator[tuple[str, torch.nn.Module]], *, seed: int, tp_rank: int, tp_size: int) -> None:
+    """A of every adapted layer (global module name, layer) drawn whole from U(-1/sqrt(in), 1/sqrt(in)) (PEFT's and
+    torch's default for a linear of that fan-in) with a generator seeded by `seed` and the name, then cut to this
+    rank's shard (row-parallel layers split A on its input dim); B zero."""
+    with torch.no_grad():
+        for name, layer in layers:
+            split = getattr(layer.lora_a, "partition_dim", None) if getattr(layer.lora_a, "tensor_model_parallel",
+                                                                             False) else None
+            rank, fan_in = layer.lora_a.shape
+            fan_in *= tp_size if split == 1 else 1
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            bound = 1 / math.sqrt(fan_in)
+            full = torch.empty(rank, fan_in).uniform_(-bound, bound, generator=gen)
+            layer.lora_a.copy_(layout.shard(full, dim=split, rank=tp_rank, size=tp_size))
+            layer.lora_b.zero_()
+
+
+@contextmanager
+def adapters_off(chunks: list):
+    """Within: every adapted layer of `chunks` computes its base weight alone (the base model)."""
+    layers = [m for chunk in chunks for m in chunk.modules() if hasattr(m, "adapter_on")]
+    for layer in layers:
+        layer.adapter_on = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.adapter_on = True
+
+
+class BasePolicy:
+    """The reference policy of a LoRA run: the actor with its adapters off, computed by the actor's engine.
+    It answers what a frozen reference engine answers (`logprobs`) and holds no memory of its own."""
+
+    def __init__(self, actor: TrainEngine):
+        self.actor = actor
+
+    def logprobs(self, tokens: Tensor, **kwargs) -> Tensor:
+        """The base model's token logprobs [B, T] (TrainEngine.logprobs)."""
+        with adapters_off(self.actor.chunks):
+            return self.actor.logprobs(tokens, **kwargs)
