@@ -42,12 +42,17 @@ class JudgeServer:
                     server.in_flight += 1
                     server.most_in_flight = max(server.most_in_flight, server.in_flight)
                 try:
-                    self.answer(body)
-                finally:
+                    status, payload = self.answer(body)
+                finally:  # before a byte of the reply leaves: the client cannot send its next request sooner
                     with server.lock:
                         server.in_flight -= 1
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
 
-            def answer(self, body):
+            def answer(self, body) -> tuple[int, bytes]:
                 text = body["messages"][0]["content"] if "messages" in body else body["prompt"]
                 order = text.rsplit("RESPONSE:", 1)[1].strip()
                 if order.startswith("sleep:"):
@@ -64,11 +69,7 @@ class JudgeServer:
                     chat = "messages" in body
                     choice = {"message": {"role": "assistant", "content": reply}} if chat else {"text": reply}
                     payload = json.dumps({"choices": [choice]}).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
+                return status, payload
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True

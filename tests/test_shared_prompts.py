@@ -227,7 +227,9 @@ def test_the_quickstart_with_shared_prompts_computes_what_it_computes_without(qu
     clip fractions, the held-out reward, every count are the same numbers. What is computed from the trainer's
     float sums may differ by its noise: loss and pg_loss (means of ~1e-3) by 1e-7 absolute (observed 4.5e-9),
     grad_norm by 1e-5 relative (observed 3.8e-7), and rollout/logprob_diff_*, which measure that noise itself
-    (trainer vs rollout engine, ~1e-6), by 1e-5 absolute (observed 3.2e-6). The shared run trains fewer tokens
+    (trainer vs rollout engine, ~1e-6), the mean by 1e-5 absolute (observed 3.2e-6) and the max, the largest
+    single-token difference, by 1e-4 (observed 3.2e-6 on one CPU, 1.6e-5 on another; honest runs' largest
+    single token is 1.8e-5, README "Weight hand-off and engine faults"). The shared run trains fewer tokens
     (timing/train_s: 0.10 s against 0.21 s a step, measured; not asserted, timings depend on the machine's load).
     """
     import json
@@ -244,7 +246,7 @@ def test_the_quickstart_with_shared_prompts_computes_what_it_computes_without(qu
     off, on = runs["false"], runs["true"]
     assert len(off) == len(on) == 10
     noisy = {"loss": (0.0, 1e-7), "pg_loss": (0.0, 1e-7), "grad_norm": (1e-5, 0.0),
-             "rollout/logprob_diff_mean": (0.0, 1e-5), "rollout/logprob_diff_max": (0.0, 1e-5)}
+             "rollout/logprob_diff_mean": (0.0, 1e-5), "rollout/logprob_diff_max": (0.0, 1e-4)}
     for m, n in zip(on, off):
         assert m.keys() == n.keys()
         for key, want in n.items():
