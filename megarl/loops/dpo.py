@@ -117,32 +117,50 @@ def build_run(cfg: Config, groups: ParallelGroups) -> DPORun:
     """Tokenize the pairs (a malformed one stops here, before any model is built) and build both engines."""
     from transformers import AutoTokenizer
 
-    data = cfg.data
-    pairs_per_rank = data.prompts_per_step // groups.dp_size  # they divide (megarl.layout, at launch)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    train_pairs, eval_pairs = encoded_pairs(cfg, tokenizer)
+    actor = make_engine(cfg, groups, role="actor", model_dir=cfg.model.path)
+    return DPORun(cfg=cfg, groups=groups, actor=actor, reference=reference_policy(cfg, groups, actor,
+                                                                                 model_dir=cfg.model.path),
+                  train_pairs=train_pairs, eval_pairs=eval_pairs[groups.dp_rank::groups.dp_size],
+                  sampler=pair_sampler(cfg, groups, len(train_pairs)),
+                  pairs_per_rank=cfg.data.prompts_per_step // groups.dp_size,  # they divide (megarl.layout)
+                  pad_id=tokenizer.pad_token_id)
+
+
+def encoded_pairs(cfg: Config, tokenizer) -> tuple[list[Pair], list[Pair]]:
+    """The recipe's train pairs and its first data.eval_prompts held-out pairs, tokenized (a malformed row stops
+    here, naming its file and line)."""
+    data = cfg.data
     load = partial(load_preference_pairs, prompt_key=data.prompt_key, chosen_key=data.chosen_key,
                    rejected_key=data.rejected_key)
     encode = partial(encode_pair, tokenizer, chat_template=data.chat_template)
     train_pairs = [encode(pair) for pair in load(data.train_path)]
     eval_pairs = [encode(pair) for pair in load(data.eval_path)[:data.eval_prompts]] if data.eval_path else []
-    actor = make_engine(cfg, groups, role="actor", model_dir=cfg.model.path)
-    return DPORun(cfg=cfg, groups=groups, actor=actor, reference=reference_policy(cfg, groups, actor,
-                                                                                 model_dir=cfg.model.path),
-                  train_pairs=train_pairs, eval_pairs=eval_pairs[groups.dp_rank::groups.dp_size],
-                  sampler=PromptSampler(len(train_pairs), seed=cfg.seed, shuffle=data.shuffle,
-                                        dp_rank=groups.dp_rank, dp_size=groups.dp_size),
-                  pairs_per_rank=pairs_per_rank, pad_id=tokenizer.pad_token_id)
+    return train_pairs, eval_pairs
 
 
-def train(cfg: Config) -> Path:
-    """Run a DPO recipe; returns the directory of the final checkpoint."""
-    run = build_run(cfg, init_groups(cfg))
+def pair_sampler(cfg: Config, groups: ParallelGroups, count: int) -> PromptSampler:
+    return PromptSampler(count, seed=cfg.seed, shuffle=cfg.data.shuffle, dp_rank=groups.dp_rank,
+                         dp_size=groups.dp_size)
+
+
+def train_on_pairs(cfg: Config, run, *, step, evaluate, engines: dict[str, TrainEngine], desc: str,
+                   exported: str = "actor") -> Path:
+    """The lifecycle of a loop over preference pairs (DPO, the reward model): `step(run)` per step over
+    run.train_pairs, `evaluate(run)` when any data-parallel rank holds held-out pairs, `engines` saved."""
     steps = total_steps(cfg, len(run.train_pairs))
     resume_from, done = find_resume(cfg)
     if already_finished(cfg, resume_from, done, steps):
         return final_dir(cfg)
     has_eval = group_sums([float(len(run.eval_pairs))], group=run.groups.dp)[0] > 0
-    step = offline_step(cfg, partial(dpo_step, run), evaluate=partial(evaluate, run) if has_eval else None,
-                        steps=steps, desc="dpo")
-    state = RunState(groups=run.groups, engines={"actor": run.actor}, sampler=run.sampler)  # reference rebuilt
-    return run_steps(cfg, state, step=step, steps=steps, resume_from=resume_from, desc="dpo")
+    update = offline_step(cfg, partial(step, run), evaluate=partial(evaluate, run) if has_eval else None,
+                          steps=steps, desc=desc)
+    state = RunState(groups=run.groups, engines=engines, sampler=run.sampler)
+    return run_steps(cfg, state, step=update, steps=steps, resume_from=resume_from, desc=desc, exported=exported)
+
+
+def train(cfg: Config) -> Path:
+    """Run a DPO recipe; returns the directory of the final checkpoint."""
+    run = build_run(cfg, init_groups(cfg))  # a checkpoint saves the actor; the reference is rebuilt
+    return train_on_pairs(cfg, run, step=dpo_step, evaluate=evaluate, engines={"actor": run.actor}, desc="dpo")

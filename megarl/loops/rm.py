@@ -28,15 +28,11 @@ from megarl.algo.aggregate import group_sums
 from megarl.algo.losses import bradley_terry_loss
 from megarl.config import Config
 from megarl.data.prompts import PromptSampler
-from megarl.data.supervised import encode_pair, load_preference_pairs
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
 from megarl.engine.roles import make_engine
-from megarl.loops.dpo import Pair, interleave
+from megarl.loops.dpo import Pair, encoded_pairs, interleave, pair_sampler, train_on_pairs
 from megarl.loops.launch import init_groups
-from megarl.loops.lifecycle import final_dir, run_steps
-from megarl.loops.resume import RunState, already_finished, find_resume
-from megarl.loops.sft import offline_step, total_steps
 
 EVAL_KEYS = ("loss", "accuracy", "margin")
 
@@ -114,31 +110,17 @@ def build_run(cfg: Config, groups: ParallelGroups) -> RMRun:
     """Tokenize the pairs (a malformed one stops here, before the model is built) and build the model."""
     from transformers import AutoTokenizer
 
-    data = cfg.data
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    load = partial(load_preference_pairs, prompt_key=data.prompt_key, chosen_key=data.chosen_key,
-                   rejected_key=data.rejected_key)
-    encode = partial(encode_pair, tokenizer, chat_template=data.chat_template)
-    train_pairs = [encode(pair) for pair in load(data.train_path)]
-    eval_pairs = [encode(pair) for pair in load(data.eval_path)[:data.eval_prompts]] if data.eval_path else []
+    train_pairs, eval_pairs = encoded_pairs(cfg, tokenizer)
     return RMRun(cfg=cfg, groups=groups, model=make_engine(cfg, groups, role="rm", model_dir=cfg.model.path),
                  train_pairs=train_pairs, eval_pairs=eval_pairs[groups.dp_rank::groups.dp_size],
-                 sampler=PromptSampler(len(train_pairs), seed=cfg.seed, shuffle=data.shuffle,
-                                       dp_rank=groups.dp_rank, dp_size=groups.dp_size),
-                 pairs_per_rank=data.prompts_per_step // groups.dp_size,  # they divide (megarl.layout, at launch)
+                 sampler=pair_sampler(cfg, groups, len(train_pairs)),
+                 pairs_per_rank=cfg.data.prompts_per_step // groups.dp_size,  # they divide (megarl.layout)
                  pad_id=tokenizer.pad_token_id)
 
 
 def train(cfg: Config) -> Path:
     """Run a reward-model recipe; returns the directory of the exported sequence classifier."""
     run = build_run(cfg, init_groups(cfg))
-    steps = total_steps(cfg, len(run.train_pairs))
-    resume_from, done = find_resume(cfg)
-    if already_finished(cfg, resume_from, done, steps):
-        return final_dir(cfg)
-    has_eval = group_sums([float(len(run.eval_pairs))], group=run.groups.dp)[0] > 0
-    step = offline_step(cfg, partial(rm_step, run), evaluate=partial(evaluate, run) if has_eval else None,
-                        steps=steps, desc="rm")
-    state = RunState(groups=run.groups, engines={"reward_model": run.model}, sampler=run.sampler)
-    return run_steps(cfg, state, step=step, steps=steps, resume_from=resume_from, desc="rm",
-                     exported="reward_model")
+    return train_on_pairs(cfg, run, step=rm_step, evaluate=evaluate, engines={"reward_model": run.model},
+                          desc="rm", exported="reward_model")
