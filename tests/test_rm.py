@@ -1,7 +1,8 @@
 """The reward-model loop: its loss, accuracy and margin are a plain transformers computation on the same pairs,
 the tiny recipe learns to prefer correct sums (held-out accuracy 0.5 -> >= 0.85), the exported sequence
 classifier gives the trained head's scores in transformers and in the `reward_model` term, an interrupted run
-resumed equals one never interrupted, and bad recipes stop with errors naming file and key.
+resumed equals one never interrupted, the loop's metrics and export at TP=2 and PP=2 are one rank's, and bad
+recipes stop with errors naming file and key.
 
 Runs are in this process (the `groups` fixture's one-rank Megatron state), which spares each the ~10 s of
 imports a fresh `megarl train` pays; the CLI path is the same `train` function."""
@@ -15,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO, with_score_head
+from conftest import REPO, run_python, with_score_head
 from test_sft import read_metrics, write_lines
 
 RECIPE = REPO / "recipes" / "rm_tiny.yaml"
@@ -201,6 +202,52 @@ def test_an_interrupted_run_resumed_equals_one_never_interrupted(groups, qwen2_d
     a, b = (load_file(str(d / "checkpoints" / "final" / "model.safetensors")) for d in (once, twice))
     assert sorted(a) == sorted(b) and "score.weight" in a and "lm_head.weight" not in a
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---- layouts ---------------------------------------------------------------------------------------------
+LAYOUT_RUN = ["train.steps=2", "data.eval_every=1", "data.prompts_per_step=16", "data.eval_prompts=32",
+              "train.micro_batch_size=8", "checkpoint.every_steps=100"]
+
+
+def test_steps_and_export_are_the_same_at_tp2_and_pp2_as_on_one_rank(groups, qwen2_dir, tiny_data, tmp_path):
+    """Two steps of the loop from a random score head (so the first step's pairs are not all ties), each
+    followed by the held-out evaluation, then the export: one torchrun job of two gloo ranks runs TP=2, then
+    PP=2 (4 micro-batches of 4 pairs through the 1F1B schedule; the head on the last stage), and this process
+    the one rank. Sharded and whole matmuls differ only in fp32 summation order: the metrics, means of scores
+    that differ by ~1e-6, agree as test_parallel's policy steps do (rel 1e-5), the accuracies exactly (a pair
+    flips only within ~1e-6 of a tie; these random-head margins are of order 0.1), and the exported trunk and
+    head as test_parallel's trained weights do (assert_same_weights: two Adam steps at lr 1e-3)."""
+    from safetensors.torch import load_file
+    from test_parallel import assert_same_weights
+
+    from megarl.loops.rm import train
+
+    scored = with_score_head(qwen2_dir, tmp_path / "scored", seed=7)
+    data = [f"data.train_path={tiny_data / 'train_pairs.jsonl'}", f"data.eval_path={tiny_data / 'heldout_pairs.jsonl'}",
+            "log.progress=false", *LAYOUT_RUN]
+    train(rm_config(scored, tiny_data, tmp_path / "one", *LAYOUT_RUN))
+    cases = {"tp2": ["--tp", "2"], "pp2": ["--pp", "2"]}
+    argv = [["--model", str(scored), "--out", str(tmp_path / name), *extra, *(a for d in data for a in ("--set", d))]
+            for name, extra in cases.items()]
+    (tmp_path / "cases.json").write_text(json.dumps(argv))
+    proc = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                       str(REPO / "tests" / "rm_worker.py"), "--cases", str(tmp_path / "cases.json")], timeout_s=200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    want = read_metrics(tmp_path / "one")
+    assert 0.2 < want[0]["accuracy"] < 0.8 and want[1]["eval/accuracy"] != want[0]["eval/accuracy"]
+    keys = ("loss", "accuracy", "margin", "grad_norm", "eval/loss", "eval/accuracy", "eval/margin")
+    weights = load_file(str(tmp_path / "one" / "checkpoints" / "final" / "model.safetensors"))
+    assert "score.weight" in weights and not torch.equal(weights["score.weight"],
+                                                         load_file(str(scored / "model.safetensors"))["score.weight"])
+    for name in cases:
+        got = read_metrics(tmp_path / name)
+        assert len(got) == len(want) == 2, name
+        for g, w in zip(got, want):
+            for key in keys:
+                assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-7), (name, g["step"], key)
+            assert g["accuracy"] == w["accuracy"] and g["eval/accuracy"] == w["eval/accuracy"], name
+        assert_same_weights(load_file(str(tmp_path / name / "checkpoints" / "final" / "model.safetensors")), weights)
 
 
 # ---- errors and the plan ---------------------------------------------------------------------------------------
