@@ -5,7 +5,7 @@ handoff and the HF export, one tensor at a time.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -159,24 +159,20 @@ def _split(shape: ModelShape, full: Tensor, fuse: str | None) -> tuple[Tensor, .
     raise ValueError(f"unknown fused layout {fuse!r}")
 
 
-def _stage_tensors(stage: StageModel, tensors, classifier: bool):
-    return tensors(stage, classifier=classifier) if classifier else tensors(stage)
-
-
-def pipeline_hf_tensors(stage: StageModel, tensors=hf_tensors, *, classifier: bool = False
+def pipeline_hf_tensors(stage: StageModel, tensors: Callable[[StageModel], Iterator[tuple[str, Tensor]]] = hf_tensors
                         ) -> Iterator[tuple[str, Tensor]]:
-    """`tensors(stage)` (`hf_tensors`, with `classifier` passed on, or `hf_adapter_tensors`) of every pipeline
-    stage, delivered in stage order to every rank of the pipeline.
+    """`tensors(stage)` (`hf_tensors`, or `hf_adapter_tensors`) of every pipeline stage, delivered in stage order
+    to every rank of the pipeline.
 
     Each stage in turn sends its tensors one at a time over the pipeline group (a name broadcast,
     then the tensor), so no rank ever holds more than one extra full tensor.
     """
     if stage.groups.pp_size == 1:
-        yield from _stage_tensors(stage, tensors, classifier)
+        yield from tensors(stage)
         return
     pp_ranks = dist.get_process_group_ranks(stage.groups.pp)
     for index, src in enumerate(pp_ranks):
-        mine = _stage_tensors(stage, tensors, classifier) if index == stage.groups.pp_rank else None
+        mine = tensors(stage) if index == stage.groups.pp_rank else None
         while True:
             item = next(mine, None) if mine is not None else None
             header = [None if item is None else (item[0], tuple(item[1].shape), item[1].dtype)]

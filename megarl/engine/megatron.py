@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -172,7 +173,7 @@ class TrainEngine:
 
     def pipeline_hf_tensors(self, *, classifier: bool = False) -> Iterator[tuple[str, Tensor]]:
         """`hf_tensors` of every pipeline stage, delivered in stage order to every rank of the pipeline."""
-        return hf_weights.pipeline_hf_tensors(self.stage, classifier=classifier)
+        return hf_weights.pipeline_hf_tensors(self.stage, partial(hf_weights.hf_tensors, classifier=classifier))
 
     def pipeline_adapter_tensors(self) -> Iterator[tuple[str, Tensor]]:
         """A LoRA policy's adapters under PEFT's names (megarl.engine.hf_weights.hf_adapter_tensors), every
