@@ -37,10 +37,7 @@ def save_hf(named_tensors: Iterable[tuple[str, Tensor]], *, source_dir: str | Pa
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    tmp = _fresh_tmp(out_dir)
     weight_map: dict[str, str] = {}
     shard: dict[str, Tensor] = {}
     shard_size, files, total = 0, [], 0
@@ -75,6 +72,21 @@ def save_hf(named_tensors: Iterable[tuple[str, Tensor]], *, source_dir: str | Pa
     if config is not None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (tmp / "megarl_checkpoint.json").write_text(json.dumps(meta or {}, indent=2) + "\n")
+    return _replace_dir(tmp, out_dir)
+
+
+def _fresh_tmp(out_dir: Path) -> Path:
+    """An empty directory beside `out_dir` to write it in (`_replace_dir` publishes it)."""
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _replace_dir(tmp: Path, out_dir: Path) -> Path:
+    """Publish the fully written `tmp` as `out_dir`, replacing what was there: a reader sees the old directory
+    or the new one, never part of either."""
     _fsync_dir(tmp)
     if out_dir.exists():
         old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
@@ -232,11 +244,7 @@ def save_peft_adapter(named_tensors: Iterable[tuple[str, Tensor]], *, rank: int,
               "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": modules, "bias": "none",
               "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True, "init_lora_weights": True,
               "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}}
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = _fresh_tmp(out_dir)
     save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
     (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.rename(tmp, out_dir)
-    return out_dir
+    return _replace_dir(tmp, out_dir)
