@@ -46,5 +46,7 @@ setup(
         # on PyPI (the `apex` there is another project); the Dockerfile builds both. SGLang pins its own torch:
         # requirements-sglang.txt is its route.
     },
-    entry_points={"console_scripts": ["megarl=megarl.cli:main"]},
+    entry_points={"console_scripts": ["megarl=megarl.cli:main"],
+                  # run by SGLang in each of its processes (megarl.rollout.sglang_plugin)
+                  "sglang.srt.plugins": ["megarl_cpu_pinning=megarl.rollout.sglang_plugin:cpu_pinning"]},
 )

@@ -230,6 +230,17 @@ def _fsync_tree(path: Path) -> None:
                 os.fsync(f.fileno())
 
 
+def peft_adapter_config(names: Iterable[str], *, rank: int, alpha: float, base_model: str | Path) -> dict:
+    """PEFT's `adapter_config.json` for LoRA adapters of rank `rank` and `alpha` under these tensor `names`
+    (`base_model.model.{module}.lora_A.weight`, ...) on the HF model in `base_model`: what `peft` and SGLang's
+    adapter loading read."""
+    modules = sorted({name.split(".")[-3] for name in names})  # ...layers.0.self_attn.q_proj.lora_A.weight
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model), "r": rank,
+            "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": modules, "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True, "init_lora_weights": True,
+            "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}}
+
+
 def save_peft_adapter(named_tensors: Iterable[tuple[str, Tensor]], *, rank: int, alpha: float, base_model: str,
                       out_dir: str | Path) -> Path:
     """Write LoRA adapters in PEFT's adapter-directory format: `adapter_model.safetensors` (`base_model.model.
@@ -239,11 +250,7 @@ def save_peft_adapter(named_tensors: Iterable[tuple[str, Tensor]], *, rank: int,
 
     out_dir = Path(out_dir)
     tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in named_tensors}
-    modules = sorted({name.split(".")[-3] for name in tensors})  # ...layers.0.self_attn.q_proj.lora_A.weight
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model), "r": rank,
-              "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": modules, "bias": "none",
-              "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True, "init_lora_weights": True,
-              "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}}
+    config = peft_adapter_config(tensors, rank=rank, alpha=alpha, base_model=base_model)
     tmp = _fresh_tmp(out_dir)
     save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
     (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

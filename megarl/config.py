@@ -82,6 +82,10 @@ def _positive(section: Any, *names: str) -> None:
 
 
 LoraTarget = Literal["qkv", "proj", "fc1", "fc2"]
+# The HF projections each target kind adapts (the modules of the adapters' PEFT names, SGLang's
+# lora_target_modules): a fused Megatron linear is several HF ones
+LORA_HF_MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "proj": ("o_proj",), "fc1": ("gate_proj", "up_proj"),
+                   "fc2": ("down_proj",)}
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,10 @@ class LoraConfig:
     # module kinds wrapped in every layer: qkv (fused query/key/value), proj (attention output), fc1 (MLP
     # gate and up, fused), fc2 (MLP down)
     targets: list[LoraTarget] = field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])
+
+    def hf_modules(self) -> list[str]:
+        """The HF module names the targets adapt, in LORA_HF_MODULES order."""
+        return [module for kind, modules in LORA_HF_MODULES.items() if kind in self.targets for module in modules]
 
     def check(self) -> None:
         _at_least(self, 1, "rank")
@@ -164,6 +172,11 @@ class RolloutConfig:
     # not returned is generated again, up to this many times per run (all engines together); one more failure
     # stops the run with a checkpoint of its last step (colocated placement)
     max_engine_restarts: int = 3
+    # What a LoRA policy (model.lora) hands the engines after each update. merged: the merged weights
+    # W + (alpha / rank) B A, every tensor of the model; adapter: the adapters alone (a few MiB where the model is
+    # GiB), which the engine applies over the base weights it started from (SGLang's LoRA serving; the native
+    # engine merges them itself). Colocated placement
+    lora_sync: Literal["merged", "adapter"] = "merged"
 
     def check(self) -> None:
         _at_least(self, 1, "n_samples", "max_new_tokens", "tp", "verify_period", "drift_patience")
@@ -759,6 +772,13 @@ class Config:
                                  f"{self.algo.name!r} uses train.micro_batch_size")
             return
         self.check_placement()
+        if self.rollout.lora_sync == "adapter":
+            if self.model.lora is None:
+                raise ValueError("rollout.lora_sync = 'adapter' hands the engines a LoRA policy's adapters, but "
+                                 "model.lora is not set: the whole model trains (use rollout.lora_sync: merged)")
+            if self.placement.mode == "split":
+                raise ValueError("rollout.lora_sync = 'adapter' is for colocated placement; split placement's "
+                                 "rollout ranks take the merged weights (rollout.lora_sync: merged)")
         if self.train.share_prompts:
             self.check_share_prompts()
         if self.train.micro_batch_tokens and self.parallel.cp > 1:

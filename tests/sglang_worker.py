@@ -6,6 +6,7 @@ numbers to --out as JSON; the test reads and asserts them.
     sglang_worker.py cpu --trainer-model A --other-model B --eos-model C --out R.json
     sglang_worker.py gpu --trainer-model A --other-model B --out R.json      (one CUDA device)
     sglang_worker.py readback --trainer-model LLAMA --out R.json          (a model SGLang can read back)
+    sglang_worker.py lora --trainer-model A --out R.json                  (adapters pushed alone)
 """
 
 from __future__ import annotations
@@ -192,15 +193,52 @@ def readback_checks(args) -> dict:
     return result
 
 
+def lora_checks(args) -> dict:
+    """A LoRA policy's adapters pushed alone (rollout.lora_sync: adapter) into SGLang, which started from the base
+    model: its logprobs are the trainer's adapted policy's. Twice, with other adapters the second time (the
+    engine drops the first), and the native engine, which merges what it is pushed, against the same policy."""
+    from megarl.config import LoraConfig, OptimConfig
+
+    groups = init_parallel(tp=1, pp=1, seed=0)
+    lora = LoraConfig(rank=4, alpha=8.0, targets=["qkv", "proj", "fc1", "fc2"])
+    trainer = TrainEngine(model_dir=args.trainer_model, dtype="float32", megatron={}, groups=groups, lora=lora,
+                          optim=OptimConfig(lr=1e-2), seed=0)
+    engine = SGLangEngine(args.trainer_model, dtype="float32", seed=0, lora=lora)
+    native = NativeEngine(args.trainer_model, seed=0, device="cpu")
+    sample = dict(temperature=0.7, top_p=1.0, max_new_tokens=8, eos_id=EOS_ID, pad_id=0)
+    generator = torch.Generator().manual_seed(0)
+    result = {}
+    for version in (1, 2):
+        # B is zero in a fresh policy: adapters of the size training gives them, drawn anew for each version
+        with torch.no_grad():
+            for _, layer in trainer.stage.adapted_layers():
+                layer.lora_b.copy_(torch.randn(layer.lora_b.shape, generator=generator) * 0.2)
+        adapters = list(trainer.pipeline_adapter_tensors())
+        result[f"v{version}_adapter_bytes"] = sum(t.numel() * t.element_size() for _, t in adapters)
+        for name, rollout in (("sglang", engine), ("native", native)):
+            rollout.update_adapter(adapters, rank=lora.rank, alpha=lora.alpha, version=version)
+            rollout.flush_cache()
+            gen = rollout.generate(PROMPTS * 4, **sample)
+            tokens, mask, lp = pack_sequences(PROMPTS * 4, gen.response_ids, gen.logprobs, pad_id=0)
+            result[f"v{version}_{name}_vs_trainer"] = max_diff(
+                lp, trainer.logprobs(tokens, temperature=0.7, micro_batch_size=4), mask)
+            result[f"v{version}_{name}_vs_base"] = max_diff(
+                lp, hf_logprobs(args.trainer_model, tokens, temperature=0.7), mask)
+            result[f"v{version}_{name}_versions"] = sorted({v for vs in gen.versions for v in vs})
+    result["model_bytes"] = sum(t.numel() * t.element_size() for _, t in trainer.hf_tensors())
+    engine.shutdown()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["cpu", "gpu", "readback"])
+    parser.add_argument("mode", choices=["cpu", "gpu", "readback", "lora"])
     parser.add_argument("--trainer-model", required=True)
     parser.add_argument("--other-model", help="cpu, gpu: same architecture, other weights")
     parser.add_argument("--eos-model", help="cpu: same architecture, emits EOS often")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    result = {"cpu": cpu_checks, "gpu": gpu_checks, "readback": readback_checks}[args.mode](args)
+    result = {"cpu": cpu_checks, "gpu": gpu_checks, "readback": readback_checks, "lora": lora_checks}[args.mode](args)
     with open(args.out, "w") as f:
         json.dump(result, f)
 

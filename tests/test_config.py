@@ -132,6 +132,17 @@ def test_mis_band_mistakes_name_the_key(recipe, overrides, message):
     assert message in error_of(path, overrides)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.lora_sync=adapter"], "rollout.lora_sync = 'adapter' hands the engines a LoRA policy's adapters, but "
+                                    "model.lora is not set"),
+    (["rollout.lora_sync=adapter", "model.lora.rank=8", "placement.mode=split", "placement.rollout_ranks=1"],
+     "rollout.lora_sync = 'adapter' is for colocated placement"),
+    (["rollout.lora_sync=adapters"], "rollout.lora_sync: "),
+])
+def test_adapter_sync_mistakes_name_the_key(recipe, overrides, message):
+    assert message in error_of(recipe(), overrides)
+
+
 def test_mis_band_loads_at_either_level_and_with_gspo_at_sequence_level(recipe):
     path = recipe()
     algo = load_config(path, ["algo.mis_low=0.5", "algo.mis_high=2.0"]).algo

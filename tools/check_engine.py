@@ -86,19 +86,22 @@ def api_check() -> tuple[str, str, dict]:
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
+    from megarl.config import LoraConfig
     from megarl.rollout.sglang_engine import CACHE_TAGS, WEIGHT_TAGS, engine_args
 
     for on_gpu in (False, True):
-        for capture_routes in (False, True):
+        for capture_routes, lora in ((False, None), (True, None), (False, LoraConfig())):
             args = engine_args("model", on_gpu=on_gpu, dtype="bfloat16", seed=0, tp_size=1, mem_fraction=0.5,
-                               base_gpu_id=0, capture_routes=capture_routes)
+                               base_gpu_id=0, capture_routes=capture_routes, lora=lora)
             accepts(ServerArgs, **args, custom_sigquit_handler=print)
             if args.get("enable_return_routed_experts", False) != capture_routes:
                 return "FAIL", "engine_args: capture_routes does not set enable_return_routed_experts", {}
     accepts(SamplingParams, temperature=1.0, top_p=1.0, max_new_tokens=4, stop_token_ids=[0], ignore_eos=False)
     accepts(Engine.generate, None, input_ids=[[1]], sampling_params={}, return_logprob=True)
     accepts(Engine.async_generate, None, input_ids=[1], sampling_params={}, return_logprob=True,
-            return_routed_experts=True)
+            return_routed_experts=True, lora_path=None)
+    accepts(Engine.load_lora_adapter_from_tensors, None, "policy-v1", {}, {})  # rollout.lora_sync: adapter
+    accepts(Engine.unload_lora_adapter, None, "policy-v1")
     accepts(Engine.begin_weight_update, None)
     accepts(Engine.end_weight_update, None)
     accepts(Engine.update_weights_from_tensor, None, [b""], load_format="flattened_bucket", flush_cache=False)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU-only checks, on one CUDA device, in about 5 minutes (each stage is bounded; 8 minutes at most):
 #   1. preflight: interpreter, torch with CUDA, SGLang, megatron-core, and the device's free memory;
-#   2. the tests marked `gpu` in tests/test_sglang.py and tests/test_engine.py (none may be skipped):
+#   2. the tests marked `gpu` in tests/test_sglang*.py and tests/test_engine.py (none may be skipped):
 #      - CUDA IPC push: SGLang's bf16 logprobs equal the trainer's after a push; peak push memory bounded,
 #      - release/resume: device-wide free memory grows by most of SGLang's share; generation works after,
 #      - trainer offload/onload: memory drops, the same weights come back, training goes on,
@@ -69,7 +69,7 @@ if not dry_run:
 PY
 
 stage "2/3 GPU tests"
-tests=(-m pytest -q -p no:cacheprovider -m gpu -rs tests/test_sglang.py tests/test_engine.py)
+tests=(-m pytest -q -p no:cacheprovider -m gpu -rs tests/test_sglang.py tests/test_sglang_runs.py tests/test_engine.py)
 if [ "$dry_run" = 1 ]; then
   echo "would run: timeout 330 $python ${tests[*]}"
   timeout 180 "$python" "${tests[@]}" --collect-only | tee "$tmp/collect.txt"

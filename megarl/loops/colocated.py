@@ -93,7 +93,8 @@ class ColocatedRollouts:
         return make_rollout_engine(cfg.rollout, self.model_dir, dtype=cfg.model.dtype,
                                    seed=cfg.seed + place.engine_index + self.restarts * self.engines,
                                    capture_routes=read_shape(self.model_dir).is_moe and captures_routes(cfg.rollout),
-                                   group=place.engine_group)
+                                   group=place.engine_group,
+                                   lora=cfg.model.lora if cfg.rollout.lora_sync == "adapter" else None)
 
     # -- engine failures
     def call(self, fn: Callable[[RolloutEngine], object]) -> object:
@@ -187,6 +188,8 @@ class ColocatedRollouts:
             return {"bytes": 0, "verified": 0}
         if new_version:
             run.weight_version += 1
+        if self.cfg.rollout.lora_sync == "adapter":
+            return self.push_adapter(run)
         tensors = run.actor.pipeline_hf_tensors()
         bucket_bytes = self.cfg.rollout.bucket_bytes
         if self.peer is not None:
@@ -202,6 +205,21 @@ class ColocatedRollouts:
         # a push that failed midway: the engine finished its part in its group's collectives (SGLangEngine);
         # the trainer's gathers go on to the end
         return stats or {"bytes": sum(t.numel() * t.element_size() for _, t in tensors), "verified": 0}
+
+    def push_adapter(self, run: RLRun) -> dict:
+        """rollout.lora_sync: adapter. Every rank of the pipeline joins the adapters' gathers (a few MiB: they are
+        held whole); the host hands them to its engine, which applies them over the base weights it started
+        from. Beside a host there is nothing to do: SGLang reads the adapters from the host's memory for each
+        of its TP ranks. The engine cannot read adapters back: the drift check (rollout.max_logprob_drift)
+        watches this push."""
+        lora = self.cfg.model.lora
+        tensors = list(run.actor.pipeline_adapter_tensors())
+        if self.placement.hosts_engine and self.failure is None:
+            self.call(lambda engine: engine.resume_weights())
+            self.call(lambda engine: engine.update_adapter(tensors, rank=lora.rank, alpha=lora.alpha,
+                                                           version=run.weight_version))
+            self.call(lambda engine: engine.flush_cache())
+        return {"bytes": sum(t.numel() * t.element_size() for _, t in tensors), "verified": 0}
 
     def stand_in(self, tensors, *, bucket_bytes: int) -> dict:
         """A push without an engine on this rank, or with a failed one: every collective a push runs, nothing

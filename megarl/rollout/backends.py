@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from megarl.config import RecipeError, RolloutConfig
+from megarl.config import LoraConfig, RecipeError, RolloutConfig
 from megarl.device import current_device, on_gpu
 from megarl.rollout.engine import RolloutEngine, RolloutPeer
 
 
 def make_rollout_engine(cfg: RolloutConfig, model_dir: str, *, dtype: str, seed: int,
-                        capture_routes: bool = False, group=None) -> RolloutEngine:
+                        capture_routes: bool = False, group=None, lora: LoraConfig | None = None) -> RolloutEngine:
     """The recipe's rollout engine (`rollout.engine`) over the HF checkpoint `model_dir`, sampling with `seed`;
     with `capture_routes` (MoE models) it returns each token's experts (Generation.routes). `group`: the
     trainer ranks on the engine's devices, this one first, which hand SGLang their own copies of the pushed
-    weights (`make_rollout_peer` on the others); None when the engine is fed from this rank alone."""
+    weights (`make_rollout_peer` on the others); None when the engine is fed from this rank alone. `lora`: the
+    policy's adapters arrive by `update_adapter` (rollout.lora_sync: adapter)."""
     match cfg.engine:
         case "native":
             from megarl.rollout.native import NativeEngine
@@ -23,7 +24,8 @@ def make_rollout_engine(cfg: RolloutConfig, model_dir: str, *, dtype: str, seed:
 
             return SGLangEngine(model_dir, dtype=dtype, seed=seed, tp_size=cfg.tp, mem_fraction=cfg.mem_fraction,
                                 base_gpu_id=current_device().index if on_gpu() else 0,
-                                capture_routes=capture_routes, group=group, timeout_s=cfg.engine_timeout_s)
+                                capture_routes=capture_routes, group=group, timeout_s=cfg.engine_timeout_s,
+                                lora=lora)
     raise RecipeError(f"rollout.engine: unknown engine {cfg.engine!r}")
 
 

@@ -4,7 +4,8 @@ Two engines implement it: `native` (a transformers model in-process; megarl.roll
 (SGLang's offline engine, co-located with the trainer; megarl.rollout.sglang_engine). The loop calls, per
 step and in this order: `generate`, `release_memory` (the trainer takes the device), then after the update
 `resume_weights`, `update_weights` + `flush_cache` + `read_weights` (megarl.handoff.push_weights, which
-verifies the push), `resume_cache`. A call that fails raises EngineError (`abandon` then frees what the
+verifies the push; a LoRA policy with rollout.lora_sync: adapter calls `update_adapter` + `flush_cache`
+instead), `resume_cache`. A call that fails raises EngineError (`abandon` then frees what the
 engine holds, and the loop starts a new one). megarl.rollout.backends picks the recipe's engine.
 """
 
@@ -65,6 +66,14 @@ class RolloutEngine(Protocol):
 
     def update_weights(self, buckets: Iterable[list[tuple[str, Tensor]]], *, version: int) -> None:
         """Load full HF-named tensors, bucket by bucket; every tensor of the model must arrive, else an error."""
+        ...
+
+    def update_adapter(self, named_tensors: Iterable[tuple[str, Tensor]], *, rank: int, alpha: float,
+                       version: int) -> None:
+        """Apply a LoRA policy's adapters as version `version` (rollout.lora_sync: adapter), in place of the ones
+        before, over the base weights the engine started from: PEFT-named full tensors
+        (`base_model.model.{module}.lora_A.weight` [rank, in], `.lora_B.weight` [out, rank]), each module's
+        update (alpha / rank) B A."""
         ...
 
     def flush_cache(self) -> None:

@@ -96,6 +96,14 @@ class RouteRecorder:
                 for i, (p, r) in enumerate(zip(prompt_lens, response_lens))]
 
 
+def _adapter_slot(name: str) -> tuple[str, str]:
+    """(HF module, "lora_A" or "lora_B") of a PEFT adapter tensor name."""
+    module, factor, weight = name.removeprefix("base_model.model.").rsplit(".", 2)
+    if factor not in ("lora_A", "lora_B") or weight != "weight" or not name.startswith("base_model.model."):
+        raise KeyError(f"{name!r} is not a PEFT LoRA tensor name (base_model.model.MODULE.lora_A.weight)")
+    return module, factor
+
+
 def _distinct(prompts: list[list[int]]) -> tuple[list[int], list[int]]:
     """The first row of every distinct prompt, and for each row the index of its prompt among those."""
     index: dict[tuple[int, ...], int] = {}
@@ -133,6 +141,7 @@ class NativeEngine:
         self._fused = FusedWeights(self.model) if lean_decode and not capture_routes and fusable(self.model) else None
         self.lean_decode = self._fused is not None
         self._params = dict(self.model.named_parameters())
+        self._base: dict[str, Tensor] = {}  # the adapted modules' own weights (update_adapter)
 
     @torch.no_grad()
     def rng_state(self) -> Tensor:
@@ -265,6 +274,28 @@ class NativeEngine:
                 missing.discard(slot)
         if missing:
             raise ValueError(f"weight push of version {version} missed parameters: {sorted({m[0] for m in missing})[:5]}")
+        self.weight_version = version
+
+    @torch.no_grad()
+    def update_adapter(self, named_tensors: Iterable[tuple[str, Tensor]], *, rank: int, alpha: float,
+                       version: int) -> None:
+        """Merge the adapters into the model: each adapted weight becomes base + (alpha / rank) B A, the product
+        in fp32, as the trainer merges (megarl.engine.lora_layers). The base weights of the adapted modules are
+        kept at the first call (the engine holds them twice)."""
+        factors: dict[str, dict[str, Tensor]] = {}
+        for name, tensor in named_tensors:
+            module, factor = _adapter_slot(name)
+            factors.setdefault(module, {})[factor] = tensor
+        for module, pair in factors.items():
+            param = self._params.get(f"{module}.weight")
+            if param is None:
+                raise KeyError(f"adapter push of version {version}: the rollout model has no module {module!r}")
+            if set(pair) != {"lora_A", "lora_B"}:
+                raise ValueError(f"adapter push of version {version}: {module} came without its "
+                                 f"{({'lora_A', 'lora_B'} - set(pair)).pop()}")
+            base = self._base.setdefault(module, param.detach().clone())
+            delta = pair["lora_B"].to(param.device).float() @ pair["lora_A"].to(param.device).float()
+            param.copy_((base.float() + (alpha / rank) * delta).to(param.dtype))
         self.weight_version = version
 
     def read_weights(self, names: list[str]) -> Iterator[tuple[str, Tensor | None]]:

@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megarl.checkpoint import peft_adapter_config
+from megarl.config import LoraConfig
 from megarl.device import host_barrier, load_cuda_driver_stand_in, on_gpu
 from megarl.models.arch import read_shape
 from megarl.models.safetensors_dir import SafetensorsDir
@@ -64,17 +66,25 @@ CPU_POOL_TOKENS = 8192
 
 
 def engine_args(model_dir: str, *, on_gpu: bool, dtype: str, seed: int, tp_size: int, mem_fraction: float,
-                base_gpu_id: int, cpu_pool_tokens: int | None = CPU_POOL_TOKENS, capture_routes: bool = False) -> dict:
+                base_gpu_id: int, cpu_pool_tokens: int | None = CPU_POOL_TOKENS, capture_routes: bool = False,
+                lora: LoraConfig | None = None) -> dict:
     """Keyword arguments of `sglang.Engine` (each one a ServerArgs field; tests check the names).
 
     `cpu_pool_tokens` caps the KV pool in CPU mode; None leaves it as SGLang sizes it from the free host
     memory (what a GPU engine always does with the device's). `capture_routes` makes SGLang record each
-    token's MoE experts."""
+    token's MoE experts. `lora`: serve LoRA adapters of that rank on those modules (`update_adapter`)."""
     args = dict(model_path=model_dir, tp_size=tp_size, dtype=dtype, random_seed=seed,
                 skip_tokenizer_init=True, log_level="error")
     if capture_routes:
         # SGLang sizes its routes buffers at start-up; a request's `return_routed_experts` only reads them.
         args.update(enable_return_routed_experts=True)
+    if lora is not None:
+        # One adapter at a time: each push unloads the last before it loads the next. SGLang's default
+        # kernels are Triton's; its CPU mode has only the torch one (and needs megarl.rollout.sglang_plugin).
+        args.update(enable_lora=True, max_lora_rank=lora.rank, lora_target_modules=lora.hf_modules(),
+                    max_loras_per_batch=1, max_loaded_loras=1)
+        if not on_gpu:
+            args.update(lora_backend="torch_native")
     if on_gpu:
         # The memory saver is what makes release/resume free anything. A pauseable CUDA-graph pool
         # (SGLANG_MEMORY_SAVER_CUDA_GRAPH, set in `_launch_env`) is incompatible with SGLang's
@@ -97,10 +107,12 @@ class SGLangEngine:
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0, tp_size: int = 1,
                  mem_fraction: float = 0.5, base_gpu_id: int = 0, cpu_pool_tokens: int | None = CPU_POOL_TOKENS,
-                 capture_routes: bool = False, group: dist.ProcessGroup | None = None, timeout_s: float = 1800.0):
+                 capture_routes: bool = False, group: dist.ProcessGroup | None = None, timeout_s: float = 1800.0,
+                 lora: LoraConfig | None = None):
         """`group`: the trainer ranks on the engine's devices, this one first (its SGLang TP ranks, in order),
         each of which serializes its own copy of every pushed bucket (`SGLangPeer` on the others); None: this
-        rank serializes its copy for every TP rank. `timeout_s`: how long a call may go without progress."""
+        rank serializes its copy for every TP rank. `timeout_s`: how long a call may go without progress.
+        `lora`: the policy's adapters (model.lora) arrive by `update_adapter` and every request uses them."""
         self.on_gpu = on_gpu()
         if group is not None and group.size() != tp_size:
             raise ValueError(f"the engine's group has {group.size()} ranks for an SGLang engine of tp_size {tp_size}")
@@ -124,6 +136,7 @@ class SGLangEngine:
                 check_cpu_route_capture()
 
         self.tp_size = tp_size
+        self.model_dir = model_dir
         # SGLang skips tensor names its model does not know; a push is checked against the names of the
         # checkpoint the engine was started from instead, so a wrong name table fails loudly.
         checkpoint = SafetensorsDir(model_dir)
@@ -131,7 +144,10 @@ class SGLangEngine:
         self._sizes = {name: math.prod(shape) for name, shape in checkpoint.shapes().items()}  # read_weights
         args = engine_args(model_dir, on_gpu=self.on_gpu, dtype=dtype, seed=seed, tp_size=tp_size,
                            mem_fraction=mem_fraction, base_gpu_id=base_gpu_id, cpu_pool_tokens=cpu_pool_tokens,
-                           capture_routes=capture_routes)
+                           capture_routes=capture_routes, lora=lora)
+        if lora is not None and not self.on_gpu:
+            check_cpu_lora()
+        self.adapter: str | None = None  # the loaded LoRA adapter every request names (update_adapter)
         self.timeout_s = timeout_s
         self.dead: str | None = None  # why SGLang can no longer answer, once it cannot
         self._watch: _CallWatch | None = None  # the call in flight
@@ -211,7 +227,7 @@ class SGLangEngine:
         # request, and each is answered as it finishes rather than with the slowest.
         async def request(i: int, ids: list[int]) -> None:
             out = await self.engine.async_generate(input_ids=ids, sampling_params=params, return_logprob=True,
-                                                   return_routed_experts=self.capture_routes)
+                                                   return_routed_experts=self.capture_routes, lora_path=self.adapter)
             if self._watch is not None:
                 self._watch.progress()  # a response finished: the clock starts again
             meta = out["meta_info"]
@@ -305,10 +321,30 @@ class SGLangEngine:
                 torch.cuda.ipc_collect()  # free staging buffers whose last IPC reference just dropped
         if missing:
             raise ValueError(f"weight push of version {version} missed tensors: {sorted(missing)[:5]}")
+        self._stamp(version)
+
+    def update_adapter(self, named_tensors: Iterable[tuple[str, Tensor]], *, rank: int, alpha: float,
+                       version: int) -> None:
+        """Unload the last adapter, load these (host copies, which SGLang reads for each of its TP ranks) as
+        adapter `policy-v{version}` (`Engine.load_lora_adapter_from_tensors`); every later request names it."""
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in named_tensors}
+        config = peft_adapter_config(tensors, rank=rank, alpha=alpha, base_model=self.model_dir)
+        if self.adapter is not None:
+            _check_lora(self._bounded("unload_lora_adapter", self.engine.unload_lora_adapter, self.adapter),
+                        "unload_lora_adapter")
+            self.adapter = None
+        name = f"policy-v{version}"
+        _check_lora(self._bounded("load_lora_adapter_from_tensors", self.engine.load_lora_adapter_from_tensors,
+                                  name, tensors, config), "load_lora_adapter_from_tensors")
+        self.adapter = name
+        self._stamp(version)
+
+    def _stamp(self, version: int) -> None:
+        """Version `version` is loaded: the scheduler stamps every later response with it (meta_info[
+        "weight_version"], SGLang 0.5.21+)."""
         if self.stamps_versions:
             from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
 
-            # the scheduler stamps every later response with it (meta_info["weight_version"])
             request = UpdateWeightVersionReqInput(new_version=str(version), abort_all_requests=False)
             self._bounded("update_weight_version", self.engine.loop.run_until_complete,
                           self.engine.tokenizer_manager.update_weight_version(request))
@@ -432,6 +468,24 @@ def _check(result, what: str) -> None:
     """SGLang's weight calls return (success, message) and never raise: turn a failure into an error."""
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], bool) and not result[0]:
         raise EngineError(phase=what, cause=f"SGLang said: {result[1]}")
+
+
+def _check_lora(result, what: str) -> None:
+    """SGLang's adapter calls answer LoRAUpdateOutput(success, error_message) and never raise."""
+    if not getattr(result, "success", False):
+        raise EngineError(phase=what, cause=f"SGLang said: {getattr(result, 'error_message', result)}")
+
+
+def check_cpu_lora() -> None:
+    """SGLang's LoRA layers page-lock host memory, which its CPU mode cannot: megarl's SGLang plugin makes that a
+    no-op there (megarl.rollout.sglang_plugin), and SGLang finds it by megarl's installed entry points. Refuse
+    before SGLang starts when they are missing (megarl run from a checkout that was never installed)."""
+    from importlib.metadata import entry_points
+
+    if not any(ep.value.startswith("megarl.rollout.sglang_plugin:") for ep in entry_points(group="sglang.srt.plugins")):
+        raise RuntimeError("rollout.lora_sync = 'adapter' on SGLang's CPU mode needs megarl's SGLang plugin, which "
+                           "SGLang finds through megarl's installed entry points: install megarl "
+                           "(pip install --no-deps -e .) in this environment")
 
 
 _sigquit_target: SGLangEngine | None = None  # the engine of this process (the last one started)

@@ -1,0 +1,50 @@
+"""megarl's SGLang plugin (setup.py registers `cpu_pinning` under SGLang's `sglang.srt.plugins` entry points), which
+SGLang runs early in each of its processes: the engine, its schedulers and its detokenizer.
+
+On a machine without a CUDA device, SGLang's CPU mode (SGLANG_USE_CPU_ENGINE=1) cannot page-lock host memory:
+`pin_memory` needs the CUDA runtime and raises. SGLang's LoRA serving pins its adapter weights and batch
+metadata (sglang/srt/lora: layers.py, lora.py, backend/torch_backend.py), so an engine started with LoRA
+adapters (rollout.lora_sync: adapter) dies while it builds its LoRA layers. In that mode alone, pinning becomes a
+no-op: page-locking only speeds host-to-device copies, and there is no device. Only SGLang's own processes
+change (those `multiprocessing` started: its schedulers, where the LoRA layers live, and its detokenizer): SGLang
+loads plugins in the process that hosts the engine too, which is a trainer rank, and torch stays as it is
+there. Anywhere else (a GPU machine, SGLang's GPU mode, no SGLang) the plugin changes nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+
+# torch's factory functions that take `pin_memory=` and that SGLang calls with it
+_FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "arange")
+_applied = False
+
+
+def cpu_pinning() -> None:
+    """In SGLang's processes in its CPU mode without a CUDA device: `Tensor.pin_memory()` returns the tensor
+    itself and the factories ignore `pin_memory=True`. Idempotent."""
+    global _applied
+    if _applied or os.environ.get("SGLANG_USE_CPU_ENGINE") != "1" or multiprocessing.parent_process() is None:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    _applied = True
+    torch.Tensor.pin_memory = _unpinned_tensor
+    for name in _FACTORIES:
+        setattr(torch, name, _without_pinning(getattr(torch, name)))
+
+
+def _unpinned_tensor(self, *args, **kwargs):
+    return self
+
+
+def _without_pinning(factory):
+    @functools.wraps(factory)
+    def call(*args, **kwargs):
+        kwargs.pop("pin_memory", None)
+        return factory(*args, **kwargs)
+    return call
