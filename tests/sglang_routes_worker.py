@@ -6,12 +6,8 @@ Starts one SGLangEngine with capture_routes, generates twice (the second round r
 prompts extended by their responses, so most of each prompt comes from SGLang's prefix cache), and forwards
 every full sequence through transformers with a hook on each layer's router. Writes what the test asserts.
 
-Without CUDA, SGLang (0.5.23) cannot allocate its routes buffer: it page-locks it with cudaHostRegister
-(sglang/srt/state_capturer/base.py, BaseHostCache), which needs a CUDA driver, and SGLangEngine refuses
-capture_routes there. Page-locking only speeds copies from a GPU, so on CPU this worker gives SGLang's host
-allocation an unpinned buffer instead. The stand-in sits at module level because SGLang's scheduler
-processes are spawned, and a spawned child runs the parent's main module (this file) before its target;
-routing, capture and readback remain SGLang's own code.
+On CPU, SGLang's routes buffer is plain memory in its processes (megarl's SGLang plugin,
+megarl/rollout/sglang_plugin.py); routing, capture and readback are SGLang's own code.
 """
 
 from __future__ import annotations
@@ -25,21 +21,6 @@ import torch
 warnings.filterwarnings("ignore")
 
 from hf_routing import hf_router_outputs, routers_of  # noqa: E402
-from megarl.device import on_gpu  # noqa: E402
-
-if not on_gpu():
-    import os
-
-    from megarl.device import load_cuda_driver_stand_in
-
-    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-    load_cuda_driver_stand_in()
-    from sglang.srt.mem_cache.pool_host import common as sglang_host_pool
-
-    def _unpinned(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
-        return allocator.allocate(dims, dtype=dtype, device=device)
-
-    sglang_host_pool.ALLOC_MEMORY_FUNCS["cpu"] = _unpinned
 
 PROMPTS = [[21, 22, 15, 23, 25, 33], [30, 31, 15, 33], [24, 15, 24, 33, 4], [7, 9, 11, 13, 17, 19, 23, 29]]
 EOS_ID = 0

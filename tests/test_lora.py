@@ -293,3 +293,42 @@ def test_peft_adapter_directory_applied_to_the_base_model_gives_the_merged_expor
     with torch.no_grad():
         peft_model = PeftModel.from_pretrained(load(qwen2_dir), str(tmp_path / "adapter")).eval()
         assert (peft_model(tokens).logits - want).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("key", [None, "model.lora", "train.share_prompts"])
+def test_a_run_that_needs_the_local_layers_gets_them_where_transformer_engine_is_installed(key, qwen2_dir, tmp_path,
+                                                                                          monkeypatch, caplog):
+    """On a GPU with Transformer Engine installed (megarl's image) a run builds on TE's layers. model.lora and
+    train.share_prompts run on Megatron's local layers only, so launch (megarl.loops.launch.choose_layers)
+    builds such a run's models on those, with a warning naming the key, instead of refusing the run. Stood in:
+    the GPU (megarl.engine.model.on_gpu) and an importable transformer_engine."""
+    import logging
+    import sys
+    import types
+
+    from megarl.config import load_config
+    from megarl.engine import model
+    from megarl.engine.lora import check_lora
+    from megarl.loops.launch import choose_layers
+    from megarl.models.arch import read_shape
+
+    monkeypatch.setattr(model, "on_gpu", lambda: True)
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+    monkeypatch.setattr(model, "_local_layers", None)  # restored after the test: the choice is per process
+    assert model.uses_transformer_engine()
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model: {{path: {qwen2_dir}}}\ndata: {{train_path: unused.jsonl}}\n"
+                      "train: {micro_batch_tokens: 256}\n")
+    overrides = {None: [], "model.lora": ["model.lora.rank=4"], "train.share_prompts": ["train.share_prompts=true"]}
+    cfg = load_config(recipe, overrides[key], check_paths=False)
+    with caplog.at_level(logging.WARNING, logger="megarl.loops.launch"):
+        choose_layers(cfg)
+    if key is None:
+        assert model.uses_transformer_engine() and not caplog.records
+        return
+    assert not model.uses_transformer_engine()
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert caplog.records[0].getMessage().startswith(f"{key} runs on Megatron's local layer spec"), caplog.text
+    if key == "model.lora":
+        check_lora(cfg.model.lora, read_shape(qwen2_dir), te=model.uses_transformer_engine())  # not refused

@@ -57,6 +57,7 @@ def test_every_issue_target_has_a_recipe():
     names = {p.stem for p in GPU_RECIPES}
     assert names == {"qwen2.5-7b-grpo-gsm8k", "llama-3.3-70b-grpo", "llama-3.3-70b-ppo", "qwen3-30b-a3b-dapo",
                      "qwen3-235b-a22b-grpo", "qwen2.5-7b-grpo-gsm8k-async",  # placement split
+                     "llama-3.3-70b-lora-grpo",  # LoRA: the 70B on 2 nodes, adapters alone to SGLang
                      # a 7B-class recipe per policy-gradient algorithm (SFT and DPO: recipes/sft_7b.yaml, dpo_7b.yaml)
                      *(f"qwen2.5-7b-{a}-gsm8k" for a in ("ppo", "dr-grpo", "dapo", "gspo", "reinforce-pp", "rloo"))}
 

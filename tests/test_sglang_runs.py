@@ -1,6 +1,6 @@
-"""Whole runs (`megarl train`) with SGLang rollouts: the RL loop with truncated importance weights, the
-quickstart through a killed scheduler, multi-turn trajectories, a LoRA policy whose adapters alone reach
-SGLang, and (on a CUDA machine) bf16 GRPO steps. The engine-level checks are in test_sglang.py; both files
+"""Whole runs (`megarl train`) with SGLang rollouts: the RL loop with truncated importance weights, a MoE
+policy replaying SGLang's routes, the quickstart through a killed scheduler, multi-turn trajectories, a LoRA
+policy whose adapters alone reach SGLang, and (on a CUDA machine) bf16 GRPO steps. The engine-level checks are in test_sglang.py; both files
 run in the SGLang environment (README, "Tests with SGLang")."""
 
 from __future__ import annotations
@@ -51,6 +51,35 @@ log: {{progress: false}}
         # weight is within 1e-4 of 1, so the mean is too; 1e-3 leaves a margin for float32 summation.
         assert abs(m["tis_weight_mean"] - 1.0) <= 1e-3
         assert [k[len("timing/"):-2] for k in m if k.startswith("timing/") and k.endswith("_s")] == STEP_PHASES
+
+
+@pytest.mark.timeout(SGLANG_TIMEOUT_S)
+def test_a_moe_policy_replays_sglangs_routes(arch_dir, arithmetic_dir, tmp_path):
+    """GRPO on the tiny Qwen3-MoE with SGLang rollouts and algo.router_replay: r3. SGLang returns each token's
+    experts (on CPU through megarl's SGLang plugin), the trainer's forwards route by them, and its logprobs
+    equal SGLang's at fp32 parity (1e-4) while an entropy bonus moves the weights; SGLang and the trainer route
+    alike but for fp32 near-ties (the native engine's runs measured at most 1 of ~2,000 choices apart)."""
+    run_dir = tmp_path / "run"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"""
+run_dir: {run_dir}
+model: {{path: {arch_dir("qwen3_moe")}}}
+data: {{train_path: {arithmetic_dir / 'train.jsonl'}, prompts_per_step: 4}}
+rollout: {{engine: sglang, n_samples: 4, max_new_tokens: 4}}
+algo: {{router_replay: r3, entropy_coef: 0.1}}
+optim: {{lr: 1.0e-3}}
+train: {{steps: 2, micro_batch_size: 8}}
+checkpoint: {{save_final: false}}
+log: {{progress: false}}
+""")
+    proc = run_python(["-m", "megarl", "train", str(recipe)], timeout_s=SGLANG_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    steps = read_metrics(run_dir)
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert 0.99 <= m["moe/routing_agreement"] <= 1.0, m
+        assert m["rollout/logprob_diff_max"] <= 1e-4, m
+        assert m["grad_norm"] > 0, m
 
 
 @pytest.mark.timeout(SGLANG_TIMEOUT_S)

@@ -47,7 +47,8 @@ def check_lora(lora: LoraConfig, shape: ModelShape, *, te: bool, value_head: boo
     if te:
         raise RecipeError("model.lora wraps Megatron's local linear layers (ColumnParallelLinear, RowParallelLinear); "
                           "Transformer Engine's fused layers (norm and linear in one module) have no adapter here. "
-                          "Run LoRA where Transformer Engine is not installed, or train all weights (model.lora: null)")
+                          "Build the engine after megarl.engine.model.use_local_layers('model.lora'), as megarl's "
+                          "launch does (megarl.loops.launch.choose_layers)")
     mlp = [t for t in lora.targets if t in ("fc1", "fc2")]
     if shape.is_moe and mlp:
         raise RecipeError(f"model.lora.targets = {lora.targets}: the MLP of a mixture-of-experts model ({shape.arch}) "

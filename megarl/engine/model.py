@@ -159,9 +159,22 @@ def has_apex_wgrad_kernel() -> bool:
     return layers._grad_accum_fusion_available
 
 
+_local_layers: str | None = None  # why this process builds on the local spec where TE is installed (use_local_layers)
+
+
+def use_local_layers(reason: str) -> None:
+    """Build every model of this process on Megatron's local layer spec, Transformer Engine installed or not:
+    for what runs on the local spec only (`reason`, the recipe key: model.lora's adapters wrap the local
+    linears, train.share_prompts's mask is applied by the local attention). Called before any model is built
+    (megarl.loops.launch.choose_layers), so the policy, its reference, critic and teacher share one spec."""
+    global _local_layers
+    _local_layers = reason
+
+
 def uses_transformer_engine() -> bool:
-    """Transformer Engine layers when TE imports and a GPU is present; the local spec otherwise."""
-    if not on_gpu():
+    """Transformer Engine layers when TE imports and a GPU is present, unless the run asked for the local spec
+    (use_local_layers); the local spec otherwise."""
+    if not on_gpu() or _local_layers is not None:
         return False
     try:
         import transformer_engine  # noqa: F401

@@ -43,7 +43,7 @@ from megarl.metrics import PhaseTimer
 from megarl.models.arch import read_shape
 from megarl.packing import balanced_partition
 from megarl.rewards.scorer import Scoring
-from megarl.rollout.backends import captures_routes, make_rollout_engine, make_rollout_peer
+from megarl.rollout.backends import make_rollout_engine, make_rollout_peer
 from megarl.rollout.engine import EngineError, RolloutEngine, RolloutPeer
 from megarl.rollout.multi_turn import Trajectory
 from megarl.rollout.placement import RolloutPlacement, place_rollout
@@ -89,10 +89,10 @@ class ColocatedRollouts:
     def new_engine(self) -> RolloutEngine:
         """This rank's engine over `model_dir`; a restarted one samples from a stream of its own."""
         cfg, place = self.cfg, self.placement
-        # MoE: every run captures the engines' routing where they can, for moe/routing_agreement and r3
+        # MoE: every run captures the engines' routing, for moe/routing_agreement and r3
         return make_rollout_engine(cfg.rollout, self.model_dir, dtype=cfg.model.dtype,
                                    seed=cfg.seed + place.engine_index + self.restarts * self.engines,
-                                   capture_routes=read_shape(self.model_dir).is_moe and captures_routes(cfg.rollout),
+                                   capture_routes=read_shape(self.model_dir).is_moe,
                                    group=place.engine_group,
                                    lora=cfg.model.lora if cfg.rollout.lora_sync == "adapter" else None)
 

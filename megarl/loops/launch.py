@@ -5,6 +5,7 @@ placement split (megarl.loops.split), which check the same layout."""
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import tempfile
 from datetime import timedelta
@@ -13,10 +14,13 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megarl.config import Config, RecipeError
+from megarl.engine import model
 from megarl.engine.model import check_megatron_fields
 from megarl.engine.parallel import ParallelGroups, init_parallel
 from megarl.layout import Layout
 from megarl.models.arch import read_shape
+
+log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -68,12 +72,28 @@ def init_groups(cfg: Config) -> ParallelGroups:
         trainer_store = (dist.PrefixStore("megarl/trainer/", store), rank, layout.world)
     check_megatron_fields(cfg.model.megatron)
     check_run_dir(cfg.run_dir)
+    choose_layers(cfg)
     par = cfg.parallel
     try:
         return init_parallel(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, seed=cfg.seed,
                              timeout=timedelta(minutes=par.timeout_minutes), trainer_store=trainer_store)
     except ValueError as e:
         raise RecipeError(f"parallel: {e}") from None
+
+
+def choose_layers(cfg: Config) -> None:
+    """Megatron's local layer spec for a run that needs it (model.lora, train.share_prompts), where Transformer
+    Engine's would be used otherwise (a GPU with TE installed, as in megarl's image): those features run on the
+    local layers only. Said once, since the local layers are slower on a GPU than TE's fused ones."""
+    need = "model.lora" if cfg.model.lora is not None else "train.share_prompts" if cfg.train.share_prompts else None
+    if need is None:
+        return
+    te = model.uses_transformer_engine()
+    model.use_local_layers(need)
+    if te:
+        log.warning("%s runs on Megatron's local layer spec: Transformer Engine is installed but not used by this "
+                    "run (its fused norm-and-linear layers take no adapters and its attention no shared-prompt "
+                    "mask)", need)
 
 
 def check_run_dir(run_dir: str) -> None:

@@ -22,7 +22,6 @@ from megarl.batch import RolloutBatch
 from megarl.config import Config, RecipeError
 from megarl.data.prompts import PromptRow, PromptSampler
 from megarl.engine.megatron import TrainEngine
-from megarl.engine.model import uses_transformer_engine
 from megarl.engine.parallel import ParallelGroups
 from megarl.engine.lora import BasePolicy
 from megarl.engine.roles import make_engine, reference_policy
@@ -35,7 +34,6 @@ from megarl.objective import (AdvantageFn, CriticObjective, PolicyObjective, adv
                               policy_objective)
 from megarl.rewards.scorer import Scorer
 from megarl.rewards.terms import build_terms
-from megarl.rollout.backends import captures_routes
 from megarl.rollout.multi_turn import EnvWorkers
 from megarl.routing import RoutePlan
 
@@ -163,10 +161,6 @@ def check_launch(cfg: Config) -> None:
     if cfg.algo.router_replay != "none" and not shape.is_moe:
         raise RecipeError(f"algo.router_replay = {cfg.algo.router_replay!r} replays mixture-of-experts routing; the "
                           f"model in model.path ({shape.arch}) has no experts: set it to 'none'")
-    if cfg.algo.router_replay == "r3" and not captures_routes(cfg.rollout):
-        raise RecipeError(f"algo.router_replay = 'r3' replays the rollout engine's routes, which rollout.engine = "
-                          f"{cfg.rollout.engine!r} cannot return on this machine (SGLang captures them on GPU only); "
-                          "use the native engine, or r2")
     if cfg.train.share_prompts:
         check_share_prompts(shape)
     if cfg.algo.router_replay != "none" and cfg.model.megatron.get("moe_router_fusion"):
@@ -199,15 +193,12 @@ def check_same_tokenizer(model_path: str, teacher_path: str) -> None:
 
 
 def check_share_prompts(shape) -> None:
-    """train.share_prompts on what the engine computes exactly: dense models on Megatron's local layer spec."""
+    """train.share_prompts on what the engine computes exactly: dense models (on Megatron's local layer spec,
+    which launch chooses for such a run: megarl.loops.launch.choose_layers)."""
     if shape.is_moe:
         raise RecipeError(f"train.share_prompts is not supported for mixture-of-experts models (model.path: "
                           f"{shape.arch}): a shared prompt's routes would be replayed and recorded per sample, and "
                           "the load-balancing loss would count each prompt once instead of once per sample")
-    if uses_transformer_engine():
-        raise RecipeError("train.share_prompts runs on Megatron's local layer spec only (the shared-prompt mask and "
-                          "position ids are applied by megarl.engine.local_attention); with Transformer Engine "
-                          "installed on a GPU, turn train.share_prompts off")
 
 
 def build_run(cfg: Config, groups: ParallelGroups, *, rollouts: Rollouts, tokenizer, train_rows: list[PromptRow],

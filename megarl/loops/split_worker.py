@@ -34,7 +34,7 @@ from megarl.loops.transport import Mailbox, own_group, receive_header
 from megarl.models.arch import read_shape
 from megarl.packing import balanced_partition
 from megarl.rewards.scorer import Scorer
-from megarl.rollout.backends import captures_routes, make_rollout_engine
+from megarl.rollout.backends import make_rollout_engine
 from megarl.rollout.engine import EngineError, RolloutEngine
 from megarl.rollout.multi_turn import EnvWorkers
 from megarl.rollout.partial import VersionedEngine
@@ -81,7 +81,7 @@ def serve_rollout(cfg: Config) -> None:
     def new_engine(restarts: int) -> RolloutEngine:  # a restarted one samples from a stream of its own
         return make_rollout_engine(cfg.rollout, cfg.model.path, dtype=cfg.model.dtype,
                                    seed=cfg.seed + index + restarts * workers,
-                                   capture_routes=moe and captures_routes(cfg.rollout))
+                                   capture_routes=moe)
 
     new_env = environment_factory(cfg.env)
     worker = Worker(box, bridge, links, index=index, workers=workers, replicas=layout.dp, new_engine=new_engine,

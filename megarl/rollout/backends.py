@@ -42,8 +42,3 @@ def make_rollout_peer(cfg: RolloutConfig, group) -> RolloutPeer | None:
             return SGLangPeer(group)
     raise RecipeError(f"rollout.engine: unknown engine {cfg.engine!r}")
 
-
-def captures_routes(cfg: RolloutConfig) -> bool:
-    """Whether the recipe's engine returns MoE routes on this machine: SGLang's CPU mode cannot (it page-locks its
-    routes buffer with a CUDA call; megarl.rollout.sglang_transfer.check_cpu_route_capture)."""
-    return cfg.engine == "native" or on_gpu()

@@ -49,8 +49,8 @@ from megarl.device import host_barrier, load_cuda_driver_stand_in, on_gpu
 from megarl.models.arch import read_shape
 from megarl.models.safetensors_dir import SafetensorsDir
 from megarl.rollout.engine import EngineError, Generation, ResponseCallback
-from megarl.rollout.sglang_transfer import (check_cpu_route_capture, decode_routes, flatten_bucket, gather_payloads,
-                                            ipc_exportable)
+from megarl.rollout import sglang_plugin
+from megarl.rollout.sglang_transfer import decode_routes, flatten_bucket, gather_payloads, ipc_exportable
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class SGLangEngine:
             # hidden layer) are exactly the MoE layers, in order.
             self.route_layers, self.route_top_k, self.route_experts = shape.layers, shape.topk, shape.experts
             if not self.on_gpu:
-                check_cpu_route_capture()
+                sglang_plugin.require("Capturing MoE routes")
 
         self.tp_size = tp_size
         self.model_dir = model_dir
@@ -146,7 +146,7 @@ class SGLangEngine:
                            mem_fraction=mem_fraction, base_gpu_id=base_gpu_id, cpu_pool_tokens=cpu_pool_tokens,
                            capture_routes=capture_routes, lora=lora)
         if lora is not None and not self.on_gpu:
-            check_cpu_lora()
+            sglang_plugin.require("rollout.lora_sync = 'adapter'")
         self.adapter: str | None = None  # the loaded LoRA adapter every request names (update_adapter)
         self.timeout_s = timeout_s
         self.dead: str | None = None  # why SGLang can no longer answer, once it cannot
@@ -326,8 +326,12 @@ class SGLangEngine:
     def update_adapter(self, named_tensors: Iterable[tuple[str, Tensor]], *, rank: int, alpha: float,
                        version: int) -> None:
         """Unload the last adapter, load these (host copies, which SGLang reads for each of its TP ranks) as
-        adapter `policy-v{version}` (`Engine.load_lora_adapter_from_tensors`); every later request names it."""
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in named_tensors}
+        adapter `policy-v{version}` (`Engine.load_lora_adapter_from_tensors`); every later request names it.
+
+        Always copies, on a CPU too: SGLang pickles the tensors for its scheduler with torch.multiprocessing,
+        which moves a host tensor's storage into shared memory in place, and a trainer storage moved there
+        (a view of its parameter buffer) crashes the process when the offload resizes it back."""
+        tensors = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in named_tensors}
         config = peft_adapter_config(tensors, rank=rank, alpha=alpha, base_model=self.model_dir)
         if self.adapter is not None:
             _check_lora(self._bounded("unload_lora_adapter", self.engine.unload_lora_adapter, self.adapter),
@@ -474,18 +478,6 @@ def _check_lora(result, what: str) -> None:
     """SGLang's adapter calls answer LoRAUpdateOutput(success, error_message) and never raise."""
     if not getattr(result, "success", False):
         raise EngineError(phase=what, cause=f"SGLang said: {getattr(result, 'error_message', result)}")
-
-
-def check_cpu_lora() -> None:
-    """SGLang's LoRA layers page-lock host memory, which its CPU mode cannot: megarl's SGLang plugin makes that a
-    no-op there (megarl.rollout.sglang_plugin), and SGLang finds it by megarl's installed entry points. Refuse
-    before SGLang starts when they are missing (megarl run from a checkout that was never installed)."""
-    from importlib.metadata import entry_points
-
-    if not any(ep.value.startswith("megarl.rollout.sglang_plugin:") for ep in entry_points(group="sglang.srt.plugins")):
-        raise RuntimeError("rollout.lora_sync = 'adapter' on SGLang's CPU mode needs megarl's SGLang plugin, which "
-                           "SGLang finds through megarl's installed entry points: install megarl "
-                           "(pip install --no-deps -e .) in this environment")
 
 
 _sigquit_target: SGLangEngine | None = None  # the engine of this process (the last one started)

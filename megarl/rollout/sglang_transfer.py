@@ -102,25 +102,6 @@ def decode_routes(encoded: str | None, *, tokens: int, layers: int, top_k: int, 
     return compact(rows, experts)
 
 
-def check_cpu_route_capture() -> None:
-    """Refuse route capture where SGLang's scheduler would die starting it (taking this process with it).
-
-    SGLang (0.5.23) keeps captured routes in a host buffer that it always page-locks with
-    cudaHostRegister (sglang/srt/state_capturer/base.py, BaseHostCache; the "cpu" entry of
-    sglang/srt/mem_cache/pool_host/common.py's ALLOC_MEMORY_FUNCS), which needs a CUDA driver even in
-    its CPU mode. The check looks at that allocator itself, so a process that hands SGLang an unpinned one
-    in both itself and its spawned schedulers (as the route tests do) may capture.
-    """
-    try:
-        from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS, alloc_with_host_register
-    except ImportError:
-        return  # a release that allocates this buffer some other way
-    if ALLOC_MEMORY_FUNCS["cpu"] is alloc_with_host_register:
-        raise RuntimeError("SGLang's CPU mode cannot capture MoE routes: it page-locks its routes buffer with "
-                           "cudaHostRegister (sglang/srt/state_capturer/base.py, BaseHostCache), which needs a "
-                           "CUDA driver. Capture routes on a GPU, or with the native rollout engine.")
-
-
 @contextlib.contextmanager
 def ipc_exportable(on_gpu: bool) -> Iterator[None]:
     """Stage buckets in plain caching-allocator blocks: memory from expandable segments cannot be exported
