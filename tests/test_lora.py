@@ -332,3 +332,44 @@ def test_a_run_that_needs_the_local_layers_gets_them_where_transformer_engine_is
     assert caplog.records[0].getMessage().startswith(f"{key} runs on Megatron's local layer spec"), caplog.text
     if key == "model.lora":
         check_lora(cfg.model.lora, read_shape(qwen2_dir), te=model.uses_transformer_engine())  # not refused
+
+
+def test_adapter_dropout_drops_in_training_forwards_only_and_keeps_the_expected_output(qwen2_dir, groups):
+    """model.lora.dropout drops the adapters' input in a training forward only (gradients on): the logprob passes
+    (old logprobs, the reference, rollout parity) give exactly what no dropout gives; each training forward draws
+    a new mask, at rate p, and the mean of many is the undropped output (inverted dropout: kept inputs scaled by
+    1 / (1 - p)).
+
+    Tolerances, from the draws' own statistics: output i of an adapter's delta s B A (m * x) / (1 - p), m_j kept
+    with probability 1 - p, has variance v_i = p / (1 - p) sum_j (s B A)_ij^2 x_j^2. The mean of N draws is within
+    6 standard errors (sqrt(v_i / N)) of the undropped output (about 1e-5 of failing somewhere among the layer's
+    outputs, at a fixed seed), and the draws' variance, averaged over the outputs, is v's within 10% (its
+    relative standard error is about sqrt(2 / N) per output, far less averaged)."""
+    from megarl.engine.lora_layers import LoraColumnParallelLinear
+
+    tokens, mask = tokens_and_mask()
+    spec = dict(rank=4, alpha=8.0, targets=["qkv", "proj", "fc1", "fc2"])
+    p = 0.5
+    dropped = make_engine(qwen2_dir, groups, lora=LoraConfig(dropout=p, **spec))
+    plain = make_engine(qwen2_dir, groups, lora=LoraConfig(dropout=0.0, **spec))
+    train(plain, tokens, mask, steps=2)  # B != 0: the adapters add something to drop
+    trained = adapters(plain)
+    with torch.no_grad():
+        for name, param in dropped.module.named_parameters():
+            if name in trained:
+                param.copy_(trained[name])
+    assert torch.equal(logprobs(dropped, tokens), logprobs(plain, tokens))
+
+    layer = next(m for m in dropped.module.modules() if isinstance(m, LoraColumnParallelLinear))
+    assert not layer.training  # a forward-only pass leaves the model in eval mode; a training pass sets train mode
+    dropped.module.train()
+    x = torch.randn(6, 2, layer.input_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        undropped = layer(x)[0]
+    n = 2000
+    draws = torch.stack([layer(x)[0].detach() for _ in range(n)])  # gradients on: a training forward
+    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], undropped)
+    delta = layer.adapter.scale * (layer.lora_b.detach() @ layer.lora_a.detach())  # [out, in]
+    variance = p / (1 - p) * (x.pow(2) @ delta.pow(2).T)  # [s, b, out]
+    assert (draws.mean(0) - undropped).abs().le(6 * (variance / n).sqrt() + 1e-7).all()
+    assert draws.var(0).mean() / variance.mean() == pytest.approx(1.0, rel=0.1)

@@ -100,7 +100,7 @@ def test_readme_table_gives_the_planned_engines_and_kv_cache(capsys, monkeypatch
     rows = re.findall(r"^\| `([\w.-]+)` \|.*\| (\d+) x (\d+) GPUs \| ([\d.]+) GiB \|$",
                       (REPO / "README.md").read_text(), flags=re.M)
     assert {name for name, *_ in rows} == {"qwen2.5-7b-grpo-gsm8k", "llama-3.3-70b-grpo", "llama-3.3-70b-ppo",
-                                           "qwen3-30b-a3b-dapo", "qwen3-235b-a22b-grpo"}
+                                           "llama-3.3-70b-lora-grpo", "qwen3-30b-a3b-dapo", "qwen3-235b-a22b-grpo"}
     for name, engines, gpus, kv_gib in rows:
         _, out, _ = megarl([*header_command(REPO / "recipes" / "gpu" / f"{name}.yaml"), "--json"], capsys)
         rollout = json.loads(out)["rollout"]
