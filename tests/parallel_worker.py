@@ -193,7 +193,8 @@ def run_case(args: argparse.Namespace) -> None:
     if args.sequence_parallel:
         megatron["sequence_parallel"] = True
     engine = partial(TrainEngine, model_dir=args.model, dtype="float32", megatron=megatron, groups=groups)
-    actor = engine(optim=optim, lora=LoraConfig(rank=4, alpha=8.0) if args.lora else None)
+    lora = LoraConfig(rank=4, alpha=8.0) if args.lora else None
+    actor = engine(optim=optim, lora=lora)
     reference = engine()
     batch = global_batch(actor.shape.vocab_size)
     per_rank = GLOBAL_BATCH // groups.dp_size
@@ -251,7 +252,8 @@ def run_case(args: argparse.Namespace) -> None:
         shared["seconds"] = time.perf_counter() - started
     resumed = {}
     if args.resume_from:
-        resumed_actor = engine(optim=optim, load_weights=False)
+        # a LoRA checkpoint holds the adapters and their optimizer state: the frozen base comes from model.path
+        resumed_actor = engine(optim=optim, lora=lora, load_weights=lora is not None)
         resumed_actor.load_checkpoint(args.resume_from)
         # copies: the handoff yields views of the parameters where no gather was needed
         resumed["loaded"] = {k: v.clone() for k, v in resumed_actor.pipeline_hf_tensors()}

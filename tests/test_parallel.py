@@ -59,9 +59,11 @@ CASES = {
                                                                              "24", "--share-prompts"))),
     # LoRA (model.lora): adapters split like their layers, and under sequence parallelism
     "single-qwen2-lora": ("qwen2", 1, ("--lora",)),
-    "qwen2-lora-tp2": ("qwen2", 2, layout(tp=2, extra=("--lora",))),
-    "qwen2-lora-tp2sp": ("qwen2", 2, layout(tp=2, extra=("--lora", "--sequence-parallel"))),
-    "qwen2-lora-pp2": ("qwen2", 2, layout(pp=2, extra=("--lora",))),
+    # the TP=2 run's checkpoint (adapters and their Adam state) resumed at TP=2 with sequence parallelism and at PP=2
+    "qwen2-lora-tp2": ("qwen2", 2, layout(tp=2, extra=("--lora", "--save", "{runs}/ckpt_lora_tp2"))),
+    "qwen2-lora-tp2sp": ("qwen2", 2, layout(tp=2, extra=("--lora", "--sequence-parallel",
+                                                         "--resume-from", "{runs}/ckpt_lora_tp2"))),
+    "qwen2-lora-pp2": ("qwen2", 2, layout(pp=2, extra=("--lora", "--resume-from", "{runs}/ckpt_lora_tp2"))),
 }
 
 
@@ -149,6 +151,23 @@ def test_lora_layout_matches_single_rank(name, runs, arch_dir):
     moved = [n for n, w in reference["weights"].items() if not torch.equal(w, base[n])]
     assert {n.split(".")[-2] for n in moved} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                  "down_proj"}
+
+
+def test_a_lora_checkpoint_resumes_at_another_layout(runs):
+    """The adapters and their Adam state saved at TP=2 load at TP=2 with sequence parallelism and at PP=2 over
+    the base read from model.path: the merged weights are the saver's bit for bit (B A of a shard is that shard
+    of B A, whatever the split), and the third step each then takes agrees (1e-5: two layouts' fp32 sums)."""
+    saver, resumed = runs("qwen2-lora-tp2"), {name: runs(name) for name in ("qwen2-lora-tp2sp", "qwen2-lora-pp2")}
+    stepped = {}
+    for name, result in resumed.items():
+        loaded = torch.load(runs.folder / name / "resumed.pt", weights_only=True)
+        assert set(loaded["loaded"]) == set(saver["weights"])
+        assert all(torch.equal(loaded["loaded"][k], w) for k, w in saver["weights"].items()), name
+        stepped[name] = loaded["stepped"]
+    sp, pp = resumed["qwen2-lora-tp2sp"]["resumed_step"], resumed["qwen2-lora-pp2"]["resumed_step"]
+    for key in ("loss", "grad_norm", "kl", "entropy"):
+        assert sp[key] == pytest.approx(pp[key], rel=1e-5, abs=1e-7), key
+    assert_same_weights(stepped["qwen2-lora-tp2sp"], stepped["qwen2-lora-pp2"])
 
 
 # Context parallelism: every sequence cut into 2 * cp chunks (rank r holds r and 2 * cp - 1 - r), keys and
