@@ -460,13 +460,17 @@ class SandboxConfig:
 
 @dataclass(frozen=True)
 class JudgeConfig:
-    """A generative model that grades each response (megarl/rewards/judge.py), served behind an
-    OpenAI-compatible HTTP endpoint. The reward is its score mapped linearly from [min_score, max_score] to
-    [0, 1]; a reply without a score in that range fails the sample."""
+    """A generative model that grades each response (megarl/rewards/judge.py): served behind an
+    OpenAI-compatible HTTP endpoint (`url`: SGLang's server, vLLM, a hosted API), or a local HF checkpoint
+    (`path`) that megarl's native engine runs in the scoring process. The reward is its score mapped linearly
+    from [min_score, max_score] to [0, 1]; a reply without a score in that range fails the sample."""
 
-    url: str  # the endpoint's base URL, e.g. http://localhost:30000/v1 (/chat/completions or /completions follow)
+    url: str | None = None  # the endpoint's base URL, e.g. http://localhost:30000/v1 (/chat/completions follows)
+    # or: a local HF causal-LM checkpoint with its tokenizer, run by megarl's native engine in the scoring process
+    path: str | None = field(default=None, metadata={"path": "dir"})
     api: Literal["chat", "completions"] = "chat"  # chat: the prompt as one user message; completions: raw text
-    model: str = "default"  # the `model` field of each request
+    model: str = "default"  # the `model` field of each request (url)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # the local judge's weights (path)
     # the prompt; {question}, {response} and {reference} (the row's answer, "" without one) are filled in
     template: str = DEFAULT_JUDGE_TEMPLATE
     # regex searched in the reply (the last match counts); its group `score` is the number
@@ -480,7 +484,10 @@ class JudgeConfig:
     api_key_env: str | None = None  # environment variable holding a bearer token for the endpoint; null = none
 
     def check(self) -> None:
-        if not self.url.startswith(("http://", "https://")):
+        if (self.url is None) == (self.path is None):
+            raise ValueError("set one of url (an OpenAI-compatible endpoint) and path (a local checkpoint)"
+                             + ("" if self.url is None else ", not both"))
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise FieldError("url", f"expected an http:// or https:// URL, got {self.url!r}")
         try:
             fields = {name for _, name, _, _ in string.Formatter().parse(self.template) if name is not None}

@@ -1,6 +1,8 @@
 """The judge reward term against a local OpenAI-compatible HTTP server started here: scores parsed from chat
 and completion replies, malformed replies, HTTP errors and timeouts failing their samples with the term named,
-concurrency bounded (counted server-side), and recipe errors naming the key."""
+concurrency bounded (counted server-side), and recipe errors naming the key. And against a tiny local
+checkpoint run by megarl's native engine (judge.path): its greedy replies are transformers' own, parsed the
+same way, and a reply without a score fails its sample."""
 
 from __future__ import annotations
 
@@ -195,6 +197,8 @@ def test_requests_in_flight_never_exceed_max_concurrency(server, limit):
     ("{url: 'http://h/v1', max_concurency: 4}", r"judge\.max_concurency: unknown key \(did you mean 'max_concurrency'"),
     ("{url: 'http://h/v1', max_concurrency: 0}", r"judge\.max_concurrency: must be >= 1, got 0"),
     ("null", r"reward\.terms\[0\]\.judge: required for kind 'judge'"),
+    ("{api: chat}", r"reward\.terms\[0\]\.judge: set one of url \(an OpenAI-compatible endpoint\) and path"),
+    ("{url: 'http://h/v1', path: /ckpt/judge}", r"judge: set one of url .* and path .*, not both"),
 ])
 def test_judge_recipe_errors_name_file_and_key(judge, message):
     from megarl.config import ConfigError, load_config
@@ -211,3 +215,113 @@ def test_a_missing_api_key_variable_stops_the_launch(server, monkeypatch):
     with pytest.raises(RecipeError, match=r"reward\.terms\[0\]\.judge\.api_key_env: the environment variable "
                                           r"MEGARL_TEST_JUDGE_KEY is not set"):
         scorer(server.url, api_key_env="MEGARL_TEST_JUDGE_KEY")
+
+
+# ---- a local judge checkpoint (judge.path), run by megarl's native engine ---------------------------------------
+# A tiny Llama (untied output layer) made a judge whose every reply token is a digit its network chooses: the
+# final norm keeps one hidden unit alone (one whose sign differs among the test's prompts), and the output layer
+# maps that unit's sign to '7' (+) or '3' (-). It is
+# asked "Q R=" (the arithmetic tokenizer's characters); the first character of its reply is the score (0-9). What is
+# tested is that the term asks the model the filled template, decodes greedily, and parses what transformers'
+# own greedy decoding of the same checkpoint says.
+LOCAL_TEMPLATE = "{question}{response}="
+
+
+def digit_judge(arch_dir, out, prompts: list[str]):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    shutil.copytree(arch_dir("llama"), out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():  # the last layer's output at each prompt's last position, [prompts, hidden]
+        last = torch.stack([model(torch.tensor([tokenizer(p)["input_ids"]]), output_hidden_states=True)
+                            .hidden_states[-2][0, -1] for p in prompts])
+    unit = int(torch.minimum((last > 0).sum(0), (last < 0).sum(0)).argmax())  # the most evenly split sign
+    tensors = load_file(str(out / "model.safetensors"))
+    norm = torch.zeros_like(tensors["model.norm.weight"])
+    norm[unit] = 1.0
+    head = torch.zeros_like(tensors["lm_head.weight"])
+    head[tokenizer.convert_tokens_to_ids("7"), unit], head[tokenizer.convert_tokens_to_ids("3"), unit] = 1.0, -1.0
+    save_file(tensors | {"model.norm.weight": norm, "lm_head.weight": head}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return out
+
+
+def local_judge(model_dir, **judge) -> JudgeConfig:
+    return JudgeConfig(**{"path": str(model_dir), "api": "completions", "template": LOCAL_TEMPLATE, "max_tokens": 6,
+                          "score_pattern": r"^(?P<score>\d)", "min_score": 0, "max_score": 9} | judge)
+
+
+def transformers_greedy(model_dir, texts: list[str], max_tokens: int) -> list[str]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    replies = []
+    for text in texts:
+        ids = torch.tensor([tokenizer(text)["input_ids"]])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        replies.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    return replies
+
+
+def test_a_local_judge_grades_with_its_models_greedy_reply(arch_dir, tmp_path):
+    """Eight samples in batches of max_concurrency = 3: each reward is the score in transformers' greedy reply
+    of the judge checkpoint to the filled template, mapped from [0, 9]."""
+    questions = [("12+34=", "46"), ("7+8=", "15"), ("30+11=", "41"), ("5+5=", "10"), ("99+1=", "100"),
+                 ("2+2=", "5"), ("61+7=", "68"), ("40+40=", "80")]
+    prompts = [LOCAL_TEMPLATE.format(question=q, response=r, reference="") for q, r in questions]
+    model = digit_judge(arch_dir, tmp_path / "judge", prompts)
+    samples = [Sample(prompt=q, response=r, answer="") for q, r in questions]
+    cfg = local_judge(model, max_concurrency=3)
+    replies = transformers_greedy(model, prompts, cfg.max_tokens)
+    expected = [int(re.search(cfg.score_pattern, reply).group("score")) / 9 for reply in replies]
+    assert len(set(expected)) == 2, replies  # the network's choice differs between samples: both digits occur
+
+    rewards, failures = Scorer(RewardConfig(terms=[RewardTermConfig(kind="judge", judge=cfg)], timeout_s=60))(samples)
+    assert failures == 0 and rewards == pytest.approx(expected, abs=1e-12), (rewards, replies)
+
+
+def test_a_local_judges_reply_without_a_score_fails_its_sample(arch_dir, tmp_path):
+    """The same judge asked for a score its replies never hold (an 8): every sample fails, named by the term."""
+    judge = Scorer(RewardConfig(terms=[RewardTermConfig(kind="judge", judge=local_judge(
+        digit_judge(arch_dir, tmp_path / "judge", ["1+1=2="]), score_pattern=r"(?P<score>8)"))]))
+    rewards, failures = judge([Sample(prompt="1+1=", response="2", answer=""),
+                               Sample(prompt="2+2=", response="4", answer="")])
+    assert failures == 2 and rewards == [0.0, 0.0]
+    assert judge.first_failure.startswith("reward.terms[0] (judge): JudgeError: no score in the reply"), \
+        judge.first_failure
+
+
+def test_a_local_judge_without_a_chat_template_is_refused_for_chat_naming_the_key(qwen2_dir, tmp_path):
+    import shutil
+
+    from megarl.config import RecipeError
+
+    plain = tmp_path / "plain"
+    shutil.copytree(qwen2_dir, plain)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    judge = Scorer(RewardConfig(terms=[RewardTermConfig(kind="judge", judge=local_judge(plain, api="chat"))]))
+    with pytest.raises(RecipeError, match=r"reward\.terms\[0\]\.judge\.api = 'chat': the tokenizer in .* has no "
+                                          r"chat template; use api: completions"):
+        judge([Sample(prompt="1+1=", response="2", answer="")])
+
+
+def test_a_local_judge_path_that_does_not_exist_is_named(tmp_path):
+    from megarl.config import ConfigError, load_config
+
+    rows = tmp_path / "train.jsonl"
+    rows.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    with pytest.raises(ConfigError, match=r"reward\.terms\[0\]\.judge\.path: .*not found"):
+        load_config(REPO / "recipes" / "grpo_tiny.yaml",
+                    [f"model.path={tmp_path}", f"data.train_path={rows}", "data.eval_path=null",
+                     f"reward.terms=[{{kind: judge, judge: {{path: {tmp_path / 'missing'}}}}}]"], check_paths=True)

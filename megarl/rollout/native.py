@@ -5,7 +5,9 @@ not installed; on small models it also starts fastest.
 
 Logprobs are those of the distribution sampling draws from before top-p truncation, i.e.
 log_softmax(logits / temperature), which is what SGLang reports and what the trainer recomputes; with
-top_p = 1 they are exactly the sampling distribution.
+top_p = 1 they are exactly the sampling distribution. Temperature 0 decodes greedily (the most likely token;
+its logprob under the untempered distribution): what a judge model grading responses asks for
+(megarl.rewards.judge), never a rollout (rollout.temperature is positive).
 """
 
 from __future__ import annotations
@@ -195,8 +197,8 @@ class NativeEngine:
                                  position_ids=positions, use_cache=True, **{self._cache_arg: cache},
                                  **self._last_logits)
                 cache, logits = self._cache_of(out), out.logits[:, -1]
-            logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, V]
-            token = self._sample(logprobs, top_p)
+            logprobs = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)  # [B, V]
+            token = logprobs.argmax(-1) if temperature == 0 else self._sample(logprobs, top_p)
             token = torch.where(done, torch.full_like(token, pad_id), token)
             out_ids[:, t] = token
             out_logprobs[:, t] = torch.where(done, 0.0, logprobs.gather(-1, token[:, None]).squeeze(-1))
