@@ -14,6 +14,8 @@ from functools import partial
 import pytest
 import torch
 
+from test_multi_turn import tool_chat_dir  # noqa: F401 - the fixture
+
 from megarl.packing import PromptGroups, prompt_units, shared_row, unit_tokens, unpack_shared
 
 pytestmark = pytest.mark.timeout(180)
@@ -305,3 +307,62 @@ def test_plan_counts_each_prompt_once_with_shared_prompts(capsys):
         [lines[share]] = [a for a in json.loads(out)["assumptions"] if a.startswith("trained tokens per step")]
     assert "192000 (data.prompts_per_step x rollout.n_samples x 1500 / dp)" in lines["false"]
     assert "80000 with train.share_prompts" in lines["true"] and "2.40x fewer than 192000" in lines["true"]
+
+
+# ---- multi-turn trajectories -------------------------------------------------------------------------------------
+def test_multi_turn_groups_share_their_prompt_and_train_as_each_trajectory_alone(tool_chat_dir, groups):
+    """Trajectories of several turns (tests/envs_for_tests.py CountingEnv: observation tokens, masked out,
+    between the generated turns) in GRPO groups of four: a group shares its prompt, and everything after it is
+    each trajectory's own. Held once per row, the prompt gives the GRPO loss, its statistics, the entropy per
+    token and every parameter's gradient that the padded and the packed layouts give (TOL)."""
+    from test_multi_turn import make_run, rows
+
+    from megarl.algo.aggregate import global_loss_norm
+    from megarl.config import AlgoConfig, EnvConfig
+    from megarl.loops.colocated import generate
+    from megarl.objective import policy_objective
+    from megarl.packing import sequence_lengths
+    from megarl.rollout.native import NativeEngine
+
+    env = EnvConfig(name="envs_for_tests:CountingEnv", max_turns=3, max_tokens=240)
+    run = make_run(tool_chat_dir, groups, NativeEngine(str(tool_chat_dir), seed=0), env=env, max_new_tokens=100,
+                   chat_template=True)
+    batch = generate(run, run.rollouts, rows(3), n_samples=4).batch
+    assert int((batch.turns > 1).sum()) >= 3, batch.turns  # observations sit inside the responses
+    tokens, mask = batch.tokens, batch.response_mask
+    lengths = sequence_lengths(mask, batch.prompt_lens)
+    prompt_groups = PromptGroups(batch.group_ids, batch.prompt_lens)
+    assert prompt_units(tokens, lengths, prompt_groups, max_tokens=4096) == [[0, 1, 2, 3], [4, 5, 6, 7],
+                                                                             [8, 9, 10, 11]]
+    ok = valid(lengths, tokens.shape[1])
+
+    engine = make_engine(tool_chat_dir, groups, train=True)
+    base = engine.logprobs(tokens, temperature=1.0, micro_batch_size=12)
+    gen = torch.Generator().manual_seed(7)
+    old, ref = (base + 0.3 * torch.randn(tokens.shape, generator=gen) for _ in range(2))
+    advantages = torch.linspace(-1.0, 1.0, len(tokens))[:, None] * mask
+    extras = {"response_mask": mask, "old_logprobs": old * mask, "ref_logprobs": ref * mask,
+              "advantages": advantages, "row_id": torch.arange(float(len(tokens)))[:, None].expand_as(mask)}
+    loss_fn = partial(policy_objective(AlgoConfig(name="grpo", kl_coef=0.1, entropy_coef=0.05)),
+                      norm=global_loss_norm(mask))
+    budget = int(lengths.max()) + 16  # a group's prompt and a trajectory or two per row: groups cut over rows
+    layouts = {"padded": dict(micro_batch_size=4),
+               "packed": dict(micro_batch_size=12, micro_batch_tokens=budget, lengths=lengths),
+               "shared in one row": dict(micro_batch_size=12, micro_batch_tokens=4096, lengths=lengths,
+                                         prompt_groups=prompt_groups),
+               "shared over rows": dict(micro_batch_size=12, micro_batch_tokens=budget, lengths=lengths,
+                                        prompt_groups=prompt_groups)}
+    runs = {}
+    for name, micro in layouts.items():
+        seen = {}
+        out, stats, grads = pass_outputs(engine, tokens, extras, recording(loss_fn, seen), **micro)
+        runs[name] = out, stats, grads, torch.stack([seen[r] for r in range(len(tokens))])
+    out_p, stats_p, grads_p, entropy_p = runs["padded"]
+    for name, (out, stats, grads, entropy) in runs.items():
+        assert (out - out_p)[ok].abs().max() <= TOL, name
+        assert (entropy - entropy_p)[ok].abs().max() <= TOL, name
+        for key, want in stats_p.items():
+            assert float(stats[key]) == pytest.approx(float(want), abs=TOL), (name, key)
+        for param, want in grads_p.items():
+            assert (grads[param] - want).abs().max() <= TOL, (name, param)
+    assert max(g.abs().max() for g in grads_p.values()) > 1e-2  # gradients that are not all ~0
