@@ -168,19 +168,25 @@ def test_a_latest_pointer_to_a_missing_checkpoint_is_an_error_naming_it(recipe, 
 def test_resume_at_another_layout_continues_with_the_same_metrics(recipe, tmp_path):
     """Saved at TP=2, resumed at PP=2 (two ranks each, one data-parallel replica): steps 3 and 4 match a run
     that stayed at TP=2. The sampled tokens are the same (the rollout RNG is per replica); the numbers
-    differ only by the fp32 summation order of the two layouts."""
-    def torchrun(run_dir: Path, steps: int, *layout: str):
+    differ only by the fp32 summation order of the two layouts. The moved run is the stayed run's checkpoint
+    of step 2 (checkpoint.resume names it) continued in a run_dir of its own, which holds the stayed run's
+    records of steps 1 and 2, as a run of its own up to that checkpoint would."""
+    def torchrun(run_dir: Path, steps: int, *overrides: str):
         args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                *train_args(recipe, run_dir, f"train.steps={steps}", *layout)]
+                *train_args(recipe, run_dir, f"train.steps={steps}", *overrides)]
         result = run_python(args, cwd=tmp_path, timeout_s=RUN_TIMEOUT_S)
         assert result.returncode == 0, result.stderr[-4000:]
+        return result.stderr
 
-    torchrun(tmp_path / "stayed", 4, "parallel.tp=2")
-    torchrun(tmp_path / "moved", 2, "parallel.tp=2")
-    torchrun(tmp_path / "moved", 4, "parallel.pp=2")
-    stayed, moved = metrics(tmp_path / "stayed"), metrics(tmp_path / "moved")
+    stayed_dir, moved_dir = tmp_path / "stayed", tmp_path / "moved"
+    torchrun(stayed_dir, 4, "parallel.tp=2")
+    moved_dir.mkdir()
+    records = (stayed_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (moved_dir / "metrics.jsonl").write_text("".join(records[:2]))
+    said = torchrun(moved_dir, 4, "parallel.pp=2", f"checkpoint.resume={stayed_dir / 'checkpoints' / 'step00000002'}")
+    assert "step00000002 (step 2 of 4)" in said, said[-4000:]  # resumed, not started over
+    stayed, moved = metrics(stayed_dir), metrics(moved_dir)
     assert [m["step"] for m in moved] == [1, 2, 3, 4]
-    assert moved[:2] == stayed[:2]  # the same run up to the checkpoint
     for got, want in zip(moved[2:], stayed[2:]):
         assert got["reward/mean"] == want["reward/mean"] and got["response/len_mean"] == want["response/len_mean"]
         for key, value in want.items():
