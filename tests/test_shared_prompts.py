@@ -174,14 +174,26 @@ def test_shared_loss_entropy_and_gradients_equal_unshared(qwen2_dir, groups, alg
               "advantages": advantages, "row_id": torch.arange(float(len(tokens)))[:, None].expand_as(mask)}
     norm = global_loss_norm(mask)
     loss_fn = partial(policy_objective(AlgoConfig(**algo)), norm=norm.__class__(**{**vars(norm), "max_len": 16}))
+    runs = policy_passes(engine, tokens, extras, loss_fn,
+                         {name: layout_kwargs(name, lengths, prompt_groups) for name in LAYOUTS})
+    assert runs["padded"][1]["clipfrac"] > 0  # the clip is exercised
+    assert_same_passes(runs, ok)
+
+
+def policy_passes(engine, tokens, extras, loss_fn, layouts: dict[str, dict]) -> dict[str, tuple]:
+    """Per layout name: (outputs, statistics, gradients, entropy [B, T]) of one pass of `loss_fn`."""
     runs = {}
-    for name in LAYOUTS:
+    for name, micro in layouts.items():
         seen = {}
-        out, stats, grads = pass_outputs(engine, tokens, extras, recording(loss_fn, seen),
-                                         **layout_kwargs(name, lengths, prompt_groups))
+        out, stats, grads = pass_outputs(engine, tokens, extras, recording(loss_fn, seen), **micro)
         runs[name] = out, stats, grads, torch.stack([seen[r] for r in range(len(tokens))])
+    return runs
+
+
+def assert_same_passes(runs: dict[str, tuple], ok) -> None:
+    """Every layout's outputs and entropy on the real tokens `ok`, statistics and gradients are the padded
+    layout's (TOL), and the gradients are not all ~0."""
     out_p, stats_p, grads_p, entropy_p = runs["padded"]
-    assert stats_p["clipfrac"] > 0  # the clip is exercised
     for name, (out, stats, grads, entropy) in runs.items():
         assert (out - out_p)[ok].abs().max() <= TOL, name
         assert (entropy - entropy_p)[ok].abs().max() <= TOL, name
@@ -189,7 +201,7 @@ def test_shared_loss_entropy_and_gradients_equal_unshared(qwen2_dir, groups, alg
             assert float(stats[key]) == pytest.approx(float(want), abs=TOL), (name, key)
         for param, want in grads_p.items():
             assert (grads[param] - want).abs().max() <= TOL, (name, param)
-    assert max(g.abs().max() for g in grads_p.values()) > 1e-2  # gradients that are not all ~0
+    assert max(g.abs().max() for g in grads_p.values()) > 1e-2
 
 
 def test_shared_critic_values_and_gradients_equal_unshared(qwen2_dir, groups):
@@ -352,17 +364,4 @@ def test_multi_turn_groups_share_their_prompt_and_train_as_each_trajectory_alone
                                          prompt_groups=prompt_groups),
                "shared over rows": dict(micro_batch_size=12, micro_batch_tokens=budget, lengths=lengths,
                                         prompt_groups=prompt_groups)}
-    runs = {}
-    for name, micro in layouts.items():
-        seen = {}
-        out, stats, grads = pass_outputs(engine, tokens, extras, recording(loss_fn, seen), **micro)
-        runs[name] = out, stats, grads, torch.stack([seen[r] for r in range(len(tokens))])
-    out_p, stats_p, grads_p, entropy_p = runs["padded"]
-    for name, (out, stats, grads, entropy) in runs.items():
-        assert (out - out_p)[ok].abs().max() <= TOL, name
-        assert (entropy - entropy_p)[ok].abs().max() <= TOL, name
-        for key, want in stats_p.items():
-            assert float(stats[key]) == pytest.approx(float(want), abs=TOL), (name, key)
-        for param, want in grads_p.items():
-            assert (grads[param] - want).abs().max() <= TOL, (name, param)
-    assert max(g.abs().max() for g in grads_p.values()) > 1e-2  # gradients that are not all ~0
+    assert_same_passes(policy_passes(engine, tokens, extras, loss_fn, layouts), ok)
