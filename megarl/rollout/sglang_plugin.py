@@ -8,10 +8,10 @@ its routes buffer (sglang/srt/state_capturer/base.py, BaseHostCache, through the
 sglang/srt/mem_cache/pool_host/common.py's ALLOC_MEMORY_FUNCS), so an engine started with LoRA adapters
 (rollout.lora_sync: adapter) or route capture (MoE models) dies while it starts. In that mode alone, pinning
 becomes a no-op and the routes buffer is plain memory: page-locking only speeds host-to-device copies, and
-there is no device. Only SGLang's own processes
-change (those `multiprocessing` started: its schedulers, where the LoRA layers live, and its detokenizer): SGLang
-loads plugins in the process that hosts the engine too, which is a trainer rank, and torch stays as it is
-there. Anywhere else (a GPU machine, SGLang's GPU mode, no SGLang) the plugin changes nothing.
+there is no device. Only SGLang's own processes change (those `multiprocessing` started: its schedulers, where
+the LoRA layers and the routes buffer live, and its detokenizer): SGLang loads plugins in the process that
+hosts the engine too, which is a trainer rank, and torch stays as it is there. Anywhere else (a GPU machine,
+SGLang's GPU mode, no SGLang) the plugin changes nothing.
 """
 
 from __future__ import annotations
