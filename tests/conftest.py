@@ -9,11 +9,14 @@ fresh interpreter) runs in a subprocess with a timeout.
 from __future__ import annotations
 
 import ast
+import contextlib
+import fcntl
 import importlib.util
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -45,6 +48,8 @@ def pytest_configure(config):
                                        "tools/device_check/run.sh run them)")
     for pattern in _EXPECTED_WARNINGS:
         config.addinivalue_line("filterwarnings", f"ignore:{pattern}")
+    config.addinivalue_line("markers", "alone: reads the host's free memory, so it runs while no other test "
+                                       "process runs a test (host_to_itself)")
     config.addinivalue_line("markers", "learning: trains for minutes to show that a recipe raises its "
                                        "objective (run once per CI, in the first environment)")
     if config.option.durations is None:  # the 20 slowest tests close every run: the suite has a time budget
@@ -79,6 +84,55 @@ def pytest_collection_modifyitems(config, items):
         marker = item.get_closest_marker("timeout")
         if "quickstart_out" in item.fixturenames and marker and marker.args and marker.args[0] < QUICKSTART_TIMEOUT_S:
             item.add_marker(pytest.mark.timeout(QUICKSTART_TIMEOUT_S + marker.args[0]), append=False)
+
+
+# Under pytest-xdist the test processes share the host: a test marked `alone` reads the memory free on it (as
+# SGLang's CPU mode sizes its pool), and another process's test starting or ending an engine moves that reading by
+# gigabytes. Each test, with the fixtures its setup makes and its teardown ends, holds a shared lock; an `alone`
+# test first closes a gate that tests about to start wait at, then takes the lock exclusively once the tests
+# under way elsewhere have ended, and waits for the host's free memory to settle. Two flock(2) files beside the
+# processes' temporary directories; nothing is held without xdist.
+SETTLE_BYTES = 64 * 2**20  # free memory that moves less than this over three readings half a second apart has settled
+SETTLE_WAIT_S = 30
+
+
+def _host_memory_available() -> int:
+    with open("/proc/meminfo") as meminfo:
+        return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+
+
+@contextlib.contextmanager
+def host_to_itself(lock_dir: Path, alone: bool):
+    """Held around one test under xdist: shared for every test, exclusive (after the gate) for an `alone` one."""
+    with open(lock_dir / "host.gate", "a") as gate, open(lock_dir / "host.lock", "a") as lock:
+        if alone:
+            fcntl.flock(gate, fcntl.LOCK_EX)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            readings, deadline = [], time.monotonic() + SETTLE_WAIT_S
+            while time.monotonic() < deadline:  # processes of the test that just ended may still be exiting
+                readings = readings[-2:] + [_host_memory_available()]
+                if len(readings) == 3 and max(readings) - min(readings) < SETTLE_BYTES:
+                    break
+                time.sleep(0.5)
+        else:
+            fcntl.flock(gate, fcntl.LOCK_SH)
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    lock_dir = item.config._tmp_path_factory.getbasetemp().parent  # shared by the workers of one run
+    with host_to_itself(lock_dir, alone=item.get_closest_marker("alone") is not None):
+        yield
 
 
 def setup_requirements() -> tuple[list[str], dict[str, list[str]]]:
