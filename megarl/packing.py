@@ -181,6 +181,28 @@ class SharedPrompts:
     prefix_of: Tensor     # [segments] long: the segment every token of a segment also sees whole, -1 for none
 
 
+def with_prompt_routes(groups: PromptGroups, routes: list[Tensor]) -> PromptGroups:
+    """`groups` where samples also share only with those whose MoE routes over the prompt are the same: a shared
+    prompt is routed once, so a group whose samples' routes for it differ (a near tie the engine broke otherwise
+    in another batch) shares within each set of equal routes, and every sample is still replayed and compared
+    with its own routes."""
+    keys: dict[tuple, int] = {}
+    ids = [keys.setdefault((int(g), routes[i][:int(p)].contiguous().numpy().tobytes()), len(keys))
+           for i, (g, p) in enumerate(zip(groups.group_ids.tolist(), groups.prompt_lens.tolist()))]
+    return PromptGroups(torch.tensor(ids, dtype=torch.long), groups.prompt_lens)
+
+
+def sequence_positions(row: PackedRow) -> list[Tensor]:
+    """Row positions of each sequence's tokens 0 .. length - 1, in `row.index` order: consecutive in a packed
+    row; in a shared row the prompt's (the same for every sequence of its group), then its own tokens'."""
+    if row.shared is None:
+        return [torch.arange(start, start + n) for start, n in zip(row.cu_seqlens.tolist(), row.lengths.tolist())]
+    sh = row.shared
+    return [torch.cat([torch.arange(p0, p0 + p), torch.arange(o0, o0 + n - p)])
+            for n, p0, p, o0 in zip(row.lengths.tolist(), sh.prompt_start.tolist(), sh.prompt_len.tolist(),
+                                    sh.own_start.tolist())]
+
+
 def prompt_units(tokens: Tensor, lengths: Tensor, groups: PromptGroups, *, max_tokens: int) -> list[list[int]]:
     """The samples of `tokens` [B, T] (`lengths` [B] real tokens) in units that hold one prompt: a group's
     samples with equal prompt tokens, in batch order, cut where prompt + own tokens would pass `max_tokens`;

@@ -32,6 +32,7 @@ from megarl.engine.megatron import TrainEngine  # noqa: E402
 from megarl.engine.parallel import init_parallel  # noqa: E402
 from megarl.objective import CriticObjective, policy_objective  # noqa: E402
 from megarl.packing import PromptGroups, redistribute, sequence_lengths  # noqa: E402
+from megarl.routing import RouteUse  # noqa: E402
 
 GLOBAL_BATCH, SEQ_LEN = 8, 12
 
@@ -112,17 +113,39 @@ def grouped_batch(vocab: int) -> dict[str, torch.Tensor]:
     return batch | {"tokens": tokens, "group_ids": GROUP_IDS}
 
 
-def shared_prompt_check(actor, critic, groups, args) -> dict:
+def grouped_routes(batch: dict, shape) -> list[torch.Tensor]:
+    """Random distinct experts for every token but the last of each sample of the grouped batch, [length - 1,
+    layers, top_k]; a group's samples have their first sample's routes over the prompt, as an engine that
+    reads the prompt once gives them."""
+    gen = torch.Generator().manual_seed(5)
+    routes, first = [], {}
+    for i, (n, g) in enumerate(zip(lengths_of(batch["response_mask"]).tolist(), batch["group_ids"].tolist())):
+        picks = [torch.randperm(shape.experts, generator=gen)[:shape.topk] for _ in range((n - 1) * shape.layers)]
+        routes.append(torch.stack(picks).view(n - 1, shape.layers, shape.topk).to(torch.uint8))
+        routes[i][:4] = routes[first.setdefault(g, i)][:4]
+    return routes
+
+
+def shared_prompt_check(actor, critic, groups, args, *, moe_engines: Callable | None = None) -> dict:
     """On this layout, one forward and backward of the GRPO loss (clipped ratio, KL, entropy bonus) over the
     grouped batch with train.share_prompts on and off, packed (no update; the gradients are read after the
     schedule's reduction over DP, the TP reduction of sequence-parallel weights and the tied embedding's
-    over pipeline stages, then cleared), and the critic's values. Returns the largest differences over all
-    ranks and the global statistics of both passes."""
+    over pipeline stages, then cleared), and the critic's values. A MoE model's actor and critic come from
+    `moe_engines` (its load-balancing loss off, as train.share_prompts needs), its routing is recorded (R2) in
+    both layouts and compared sample by sample, and every pass of the actor replays random routes (R3). Returns
+    the largest differences over all ranks and the global statistics of both passes."""
     batch = grouped_batch(actor.shape.vocab_size)
+    moe = actor.shape.is_moe
+    if moe:
+        actor, critic = moe_engines()
+        batch["routes"] = grouped_routes(batch, actor.shape)
+        if groups.is_pp_last:  # the fresh critic's head is zeros: a small random one gives values to compare
+            critic.module.output_layer.weight.data.normal_(std=0.05, generator=torch.Generator().manual_seed(0))
     gen = torch.Generator().manual_seed(99)
     noise = {k: 0.3 * torch.randn(batch["tokens"].shape, generator=gen) for k in ("old", "ref")}
     per_rank = GLOBAL_BATCH // groups.dp_size
     mine = {k: v[groups.dp_rank * per_rank: (groups.dp_rank + 1) * per_rank] for k, v in (batch | noise).items()}
+    replay = RouteUse(routes=mine["routes"], replay=True) if moe else None
     if args.redistribute:  # as the RL loop balances tokens over DP: a group's samples may move to other ranks
         tokens, moved = redistributed(mine["tokens"], {"response_mask": mine["response_mask"],
                                                        "advantages": mine["advantages"], "old_logprobs": mine["old"],
@@ -144,8 +167,15 @@ def shared_prompt_check(actor, critic, groups, args) -> dict:
     # the tokens of this rank's packed rows, padding included: fewer with the prompts held once
     row_tokens = {name: sum(row.row_len for row in actor.schedule.packed_rows(
         tokens, lengths, packed["micro_batch_tokens"], **kw)) for name, kw in (("off", {}), ("on", shared))}
-    base = actor.logprobs(tokens, temperature=1.0, **packed)
-    worst("logprobs", actor.logprobs(tokens, temperature=1.0, **packed, **shared)[ok], base[ok])
+    if moe:  # the trainer's own routing of every token, recorded per sample in both layouts
+        recorded = {}
+        for name, kwargs in (("off", packed), ("on", packed | shared)):
+            actor.logprobs(tokens, temperature=1.0, routes=RouteUse(record=True), **kwargs)
+            recorded[name] = actor.recorded_routes()
+        diffs["routes_recorded"] = float(sum(not torch.equal(on[:n], off[:n]) for on, off, n in
+                                             zip(recorded["on"], recorded["off"], lengths.tolist())))
+    base = actor.logprobs(tokens, temperature=1.0, routes=replay, **packed)
+    worst("logprobs", actor.logprobs(tokens, temperature=1.0, routes=replay, **packed, **shared)[ok], base[ok])
     extras = {"response_mask": mask, "advantages": mine["advantages"], "old_logprobs": (base + mine["old"]) * mask,
               "ref_logprobs": (base + mine["ref"]) * mask,
               "row_id": torch.arange(float(len(tokens)))[:, None].expand_as(mask).contiguous()}
@@ -161,7 +191,7 @@ def shared_prompt_check(actor, critic, groups, args) -> dict:
             return loss_fn(logprobs, mb, **kw)
 
         out, stats = actor.schedule.run(tokens, extras, recording, temperature=1.0, forward_only=False, entropy=True,
-                                        keep_outputs=True, **kwargs)
+                                        keep_outputs=True, routes=replay, **kwargs)
         grads = {n: p.main_grad.detach().clone() for n, p in actor.stage.named_parameters()}
         for model in actor.models:
             model.zero_grad_buffer()
@@ -247,7 +277,10 @@ def run_case(args: argparse.Namespace) -> None:
     tensors = dict(actor.pipeline_hf_tensors()) if groups.dp_rank == 0 or groups.ep_size > 1 else {}
     tensors = {k: v.clone() for k, v in tensors.items()}
     started = time.perf_counter()
-    shared = shared_prompt_check(actor, critic, groups, args) if args.share_prompts else None
+    no_balancing = megatron | {"moe_aux_loss_coeff": 0.0}  # what train.share_prompts needs of a MoE model
+    shared = shared_prompt_check(actor, critic, groups, args, moe_engines=lambda: (
+        engine(optim=optim, megatron=no_balancing), engine(optim=optim, value_head=True, megatron=no_balancing))
+    ) if args.share_prompts else None
     if shared is not None:
         shared["seconds"] = time.perf_counter() - started
     resumed = {}

@@ -292,9 +292,18 @@ def test_share_prompts_is_refused_where_it_cannot_share_or_is_not_exact(tmp_path
             load_config(recipe, overrides)
         assert "share_prompts" in str(info.value)
     load_config(recipe, on)  # GRPO, 4 samples a prompt: fine
-    with pytest.raises(RecipeError, match="train.share_prompts is not supported for mixture-of-experts models"):
-        check_share_prompts(read_shape(arch_dir("mixtral")))
-    check_share_prompts(read_shape(qwen2_dir))
+    # MoE: whatever counts a micro-batch's tokens per expert would count a shared prompt once (the tiny Mixtral's
+    # router_aux_loss_coef is 0.02)
+    mixtral = read_shape(arch_dir("mixtral"))
+    moe_cases = {"load-balancing loss": {}, "router z-loss": {"moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": 1e-3},
+                 "expert capacity": {"moe_aux_loss_coeff": 0.0, "moe_expert_capacity_factor": 1.0},
+                 "expert bias": {"moe_aux_loss_coeff": 0.0, "moe_router_enable_expert_bias": True}}
+    for message, megatron in moe_cases.items():
+        with pytest.raises(RecipeError, match=f"train.share_prompts on a mixture-of-experts model .*{message}"):
+            check_share_prompts(mixtral, megatron)
+    check_share_prompts(mixtral, {"moe_aux_loss_coeff": 0.0})
+    check_share_prompts(mixtral, {"moe_router_load_balancing_type": "none"})
+    check_share_prompts(read_shape(qwen2_dir), {})
     # the engine refuses a shared layout without packing, naming the key
     engine = make_engine(qwen2_dir, groups, train=False)
     tokens, _, _, prompt_groups, lengths = grouped_batch()
@@ -365,3 +374,88 @@ def test_multi_turn_groups_share_their_prompt_and_train_as_each_trajectory_alone
                "shared over rows": dict(micro_batch_size=12, micro_batch_tokens=budget, lengths=lengths,
                                         prompt_groups=prompt_groups)}
     assert_same_passes(policy_passes(engine, tokens, extras, loss_fn, layouts), ok)
+
+
+# ---- mixture of experts: routes replayed and recorded ------------------------------------------------------------
+def grouped_routes(tokens, lengths, prompt_groups, *, experts: int, layers: int, top_k: int) -> list[torch.Tensor]:
+    """Per sample, random distinct experts for every token the engine fed in (all but the last), [length - 1,
+    layers, top_k]: most differ from the model's own choice. A group's samples have their first sample's routes
+    over the prompt, as an engine that reads a prompt once gives them, except sample 3, whose prompt routes
+    differ at one token (a tie broken otherwise): it must not share its group's prompt."""
+    gen = torch.Generator().manual_seed(11)
+    routes = []
+    for i in range(len(tokens)):
+        n = int(lengths[i]) - 1
+        routes.append(torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(n * layers)])
+                      .view(n, layers, top_k).to(torch.uint8))
+    first = {}
+    for i, (g, p) in enumerate(zip(prompt_groups.group_ids.tolist(), prompt_groups.prompt_lens.tolist())):
+        routes[i][:p] = routes[first.setdefault(g, i)][:p]
+    routes[3][1, 0] = torch.tensor([e for e in range(experts) if e not in routes[3][1, 0].tolist()][:top_k])
+    return routes
+
+
+def test_moe_shared_prompts_replay_record_and_train_as_each_sample_alone(arch_dir, groups):
+    """A MoE model (the tiny Qwen2-MoE: 4 experts, top-2, a shared expert) with its load-balancing loss off, as
+    train.share_prompts needs: with the engine's routes replayed (R3), the logprobs and the GRPO loss, entropy
+    and every gradient of shared rows are the padded and packed layouts' (TOL); the routing recorded for R2 is
+    each sample's own, whatever layout recorded it; a sample whose prompt routes differ from its group's trains
+    on its own. With the load-balancing loss on, the engine refuses shared rows."""
+    from megarl.algo.aggregate import global_loss_norm
+    from megarl.config import AlgoConfig, OptimConfig
+    from megarl.engine.megatron import TrainEngine
+    from megarl.objective import policy_objective
+    from megarl.routing import RouteUse
+
+    model_dir = arch_dir("qwen2_moe")
+    optim = OptimConfig(lr=1e-3, weight_decay=0.0, grad_clip=1.0, distributed=True)
+    engine = TrainEngine(model_dir=str(model_dir), dtype="float32", megatron={"moe_aux_loss_coeff": 0.0},
+                         groups=groups, optim=optim)
+    shape = engine.shape
+    tokens, mask, advantages, prompt_groups, lengths = grouped_batch()
+    ok = valid(lengths, tokens.shape[1])
+    routes = grouped_routes(tokens, lengths, prompt_groups, experts=shape.experts, layers=shape.layers,
+                            top_k=shape.topk)
+    units = prompt_units(tokens, lengths, prompt_groups, max_tokens=64)
+    from megarl.packing import with_prompt_routes
+
+    assert units == [[0, 1, 2, 3], [4, 5, 6], [7]]
+    assert prompt_units(tokens, lengths, with_prompt_routes(prompt_groups, routes), max_tokens=64) == \
+        [[0, 1, 2], [3], [4, 5, 6], [7]]
+    shared = dict(micro_batch_size=8, micro_batch_tokens=64, lengths=lengths, prompt_groups=prompt_groups)
+    layouts = {"padded": dict(micro_batch_size=3), "packed": dict(micro_batch_size=8, micro_batch_tokens=40,
+                                                                   lengths=lengths), "shared": shared,
+               "shared over rows": shared | dict(micro_batch_tokens=20)}
+
+    # R2's record: the trainer's own routing of every token, per sample
+    recorded = {}
+    for name, micro in layouts.items():
+        engine.logprobs(tokens, temperature=1.0, routes=RouteUse(record=True), **micro)
+        recorded[name] = engine.recorded_routes()
+    for name, per_sample in recorded.items():
+        for i, n in enumerate(lengths.tolist()):
+            assert torch.equal(per_sample[i][:n], recorded["padded"][i][:n]), (name, i)
+    # R3's replay: the engine's routes, most unlike the model's own, change the logprobs; every layout alike
+    own = engine.logprobs(tokens, temperature=1.0, micro_batch_size=8)
+    replay = RouteUse(routes=routes, replay=True)
+    replayed = {name: engine.logprobs(tokens, temperature=1.0, routes=replay, **micro)
+                for name, micro in layouts.items()}
+    assert (replayed["padded"] - own)[ok].abs().max() > 1e-3  # measured 0.02: a thousand times TOL
+    for name, lp in replayed.items():
+        assert (lp - replayed["padded"])[ok].abs().max() <= TOL, name
+
+    gen = torch.Generator().manual_seed(7)
+    old, ref = (replayed["padded"] + 0.3 * torch.randn(tokens.shape, generator=gen) for _ in range(2))
+    extras = {"response_mask": mask, "old_logprobs": old * mask, "ref_logprobs": ref * mask,
+              "advantages": advantages, "row_id": torch.arange(float(len(tokens)))[:, None].expand_as(mask)}
+    loss_fn = partial(policy_objective(AlgoConfig(name="grpo", kl_coef=0.1, entropy_coef=0.05)),
+                      norm=global_loss_norm(mask))
+    runs = policy_passes(engine, tokens, extras, loss_fn,
+                         {name: micro | dict(routes=replay) for name, micro in layouts.items()})
+    assert_same_passes(runs, ok)
+    experts = [name for name in runs["padded"][2] if "local_experts" in name]
+    assert experts and all(runs["shared"][2][name].abs().max() > 0 for name in experts[:1])
+
+    with_aux = TrainEngine(model_dir=str(model_dir), dtype="float32", megatron={}, groups=groups, optim=None)
+    with pytest.raises(ValueError, match="load-balancing loss"):
+        with_aux.logprobs(tokens, temperature=1.0, **shared)

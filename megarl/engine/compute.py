@@ -23,8 +23,8 @@ from megarl.engine.context_parallel import gather_sequence, split_sequence
 from megarl.engine.model import StageModel
 from megarl.engine.router_replay import ModelRouting
 from megarl.packing import (PackedRow, PromptGroups, count_bins, first_own_predictions, pack, pack_shared,
-                            packed_row, plan_micro_batches, prompt_units, shared_row, unit_tokens, unpack,
-                            unpack_shared)
+                            packed_row, plan_micro_batches, prompt_units, sequence_positions, shared_row, unit_tokens,
+                            unpack, unpack_shared, with_prompt_routes)
 from megarl.routing import RouteUse
 
 if TYPE_CHECKING:
@@ -117,6 +117,8 @@ class PipelineSchedule:
         routes = routes or RouteUse()
         batch, seq_len = tokens.shape
         self._check_inputs(tokens, routes, micro_batch_tokens=micro_batch_tokens, prompt_groups=prompt_groups)
+        if prompt_groups is not None and routes.routes is not None:
+            prompt_groups = with_prompt_routes(prompt_groups, routes.routes)
         if not micro_batch_tokens:
             tokens, extras = self._pad_columns(tokens, extras)
         micro = self.micro_batches(tokens, extras, lengths=lengths, micro_batch_size=micro_batch_size,
@@ -142,7 +144,7 @@ class PipelineSchedule:
         batch, seq_len = tokens.shape
         cp = self.stage.groups.cp_size
         if prompt_groups is not None:
-            check_shared_prompts(micro_batch_tokens=micro_batch_tokens, moe=self.routing is not None)
+            check_shared_prompts(micro_batch_tokens=micro_batch_tokens, config=self.stage.config)
         if cp > 1 and micro_batch_tokens:
             raise ValueError(f"sequence packing (train.micro_batch_tokens = {micro_batch_tokens}) cannot be combined "
                              f"with context parallelism (parallel.cp = {cp}); turn one of them off")
@@ -257,9 +259,8 @@ class PipelineSchedule:
                 for j, i in enumerate(mb.index.tolist()):
                     recorded[i] = rows[j, :seq_len]
             else:
-                row = mb.packed
-                for i, start, n in zip(row.index.tolist(), row.cu_seqlens.tolist(), row.lengths.tolist()):
-                    recorded[i] = rows[0, start: start + n]
+                for i, where in zip(mb.packed.index.tolist(), sequence_positions(mb.packed)):
+                    recorded[i] = rows[0, where]  # a shared prompt's routing is each of its samples
         return self.routing.combine_stages(recorded)
 
     def packed_rows(self, tokens: Tensor, lengths: Tensor | None, max_tokens: int, *,
@@ -495,17 +496,19 @@ class SchedulePass:
         return out[:, :self.seq_len]
 
 
-def check_shared_prompts(*, micro_batch_tokens: int | None, moe: bool) -> None:
-    """Refuse a shared-prompt layout (train.share_prompts) that the engine cannot compute exactly."""
-    from megarl.engine.model import uses_transformer_engine
+def check_shared_prompts(*, micro_batch_tokens: int | None, config) -> None:
+    """Refuse a shared-prompt layout (train.share_prompts) that the engine cannot compute exactly (`config`:
+    the model's TransformerConfig)."""
+    from megarl.engine.model import shared_prompt_moe_refusal, uses_transformer_engine
 
     if not micro_batch_tokens:
         raise ValueError("train.share_prompts lays a group out as one packed row: it needs sequence packing "
                          "(set train.micro_batch_tokens)")
-    if moe:
-        raise ValueError("train.share_prompts is not supported for mixture-of-experts models: the routes of a "
-                         "shared prompt would be replayed and recorded per sample, and the load-balancing loss "
-                         "would count each prompt once instead of once per sample")
+    names = ("num_moe_experts", "moe_aux_loss_coeff", "moe_router_load_balancing_type", "moe_z_loss_coeff",
+             "moe_expert_capacity_factor", "moe_router_enable_expert_bias")
+    refusal = shared_prompt_moe_refusal({name: getattr(config, name, None) for name in names})
+    if refusal:
+        raise ValueError(f"train.share_prompts on this mixture-of-experts model: {refusal}")
     if uses_transformer_engine():
         raise ValueError("train.share_prompts runs on Megatron's local layer spec only (megarl.engine."
                          "local_attention masks prompt and responses); Transformer Engine's packed attention "

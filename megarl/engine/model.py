@@ -55,7 +55,7 @@ def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megat
         perform_initialization=True,
     )
     if shape.is_moe:
-        kwargs.update(_moe_config(shape))
+        kwargs.update(moe_settings(shape))
     kwargs.update(fused_kernels(te=uses_transformer_engine()) if on_gpu() else cpu_compat.TRANSFORMER_CONFIG)
     vpp = virtual_stage_count(megatron)
     if vpp > 1:
@@ -75,7 +75,7 @@ def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megat
     return TransformerConfig(**kwargs)
 
 
-def _moe_config(shape: ModelShape) -> dict:
+def moe_settings(shape: ModelShape) -> dict:
     """TransformerConfig MoE fields that route exactly as transformers does (megarl.models.arch).
 
     Megatron's default router takes the top-k logits and softmaxes over those k: the renormalized top-k
@@ -94,6 +94,32 @@ def _moe_config(shape: ModelShape) -> dict:
         # Grouped GEMM needs the CUDA-only grouped_gemm / Transformer Engine kernels.
         moe_grouped_gemm=uses_transformer_engine(),
     )
+
+
+def shared_prompt_moe_refusal(settings: dict) -> str | None:
+    """Why a MoE model configured by `settings` (TransformerConfig fields: moe_settings and the recipe's
+    model.megatron) would not train a shared-prompt row (train.share_prompts) as its samples alone; None where
+    it would. Megatron's routers count the tokens of their micro-batch, and a shared row holds a prompt's
+    tokens once instead of once per sample: what counts tokens changes, what routes each token alone does not."""
+    def on(name: str) -> bool:
+        value = settings.get(name)
+        return any(v for v in value) if isinstance(value, (list, tuple)) else bool(value)
+
+    if not settings.get("num_moe_experts"):
+        return None
+    if on("moe_aux_loss_coeff") and settings.get("moe_router_load_balancing_type", "aux_loss") != "none":
+        return (f"the load-balancing loss (moe_aux_loss_coeff = {settings['moe_aux_loss_coeff']}) would count a "
+                "shared prompt's tokens once instead of once per sample; set model.megatron.moe_aux_loss_coeff: 0")
+    if on("moe_z_loss_coeff"):
+        return (f"the router z-loss (moe_z_loss_coeff = {settings['moe_z_loss_coeff']}) would count a shared "
+                "prompt's tokens once instead of once per sample; leave model.megatron.moe_z_loss_coeff unset")
+    if settings.get("moe_expert_capacity_factor") is not None:
+        return ("expert capacity (moe_expert_capacity_factor) drops tokens by how many reach an expert, which "
+                "holding a prompt once changes")
+    if on("moe_router_enable_expert_bias"):
+        return ("the expert bias (moe_router_enable_expert_bias) follows how many tokens reach each expert, which "
+                "holding a prompt once changes")
+    return None
 
 
 # Megatron settings the engine cannot honour, refused when set to anything but Megatron's default.

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from megarl.device import current_device
 from megarl.engine.context_parallel import gather_sequence, split_sequence
-from megarl.packing import PackedRow
+from megarl.packing import PackedRow, sequence_positions
 from megarl.routing import RouteUse
 
 
@@ -162,11 +162,12 @@ class ModelRouting:
         return self._local(dense).to(device)
 
     def packed_routes(self, routes: list[Tensor], row: PackedRow, *, device) -> Tensor:
-        """Local routes of a packed row: each sequence's routes at its offset, one column per token."""
+        """Local routes of a packed row: each sequence's routes at its tokens' positions, one column per token (a
+        shared row's prompt once: megarl.packing.with_prompt_routes shares it only among equal routes)."""
         out = torch.full((row.row_len, self.moe_layers, _top_k(routes)), -1, dtype=torch.long)
-        for i, start, n in zip(row.index.tolist(), row.cu_seqlens.tolist(), row.lengths.tolist()):
-            r = routes[i][: n]
-            out[start: start + len(r)] = r.long()
+        for i, where in zip(row.index.tolist(), sequence_positions(row)):
+            r = routes[i][: len(where)]
+            out[where[: len(r)]] = r.long()  # a shared prompt's: its samples' routes over it are equal
         return self._local(out[None]).to(device)
 
     # ---- recorded routing back to samples (r2) ----------------------------------------------------------

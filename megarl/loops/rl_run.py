@@ -162,7 +162,7 @@ def check_launch(cfg: Config) -> None:
         raise RecipeError(f"algo.router_replay = {cfg.algo.router_replay!r} replays mixture-of-experts routing; the "
                           f"model in model.path ({shape.arch}) has no experts: set it to 'none'")
     if cfg.train.share_prompts:
-        check_share_prompts(shape)
+        check_share_prompts(shape, cfg.model.megatron)
     if cfg.algo.router_replay != "none" and cfg.model.megatron.get("moe_router_fusion"):
         raise RecipeError("algo.router_replay needs Megatron's unfused router: the fused top-k kernel "
                           "(model.megatron.moe_router_fusion: true) has no replay hook")
@@ -192,13 +192,15 @@ def check_same_tokenizer(model_path: str, teacher_path: str) -> None:
                           f"{model_path}): {differs}; distillation scores the student's token ids with the teacher")
 
 
-def check_share_prompts(shape) -> None:
+def check_share_prompts(shape, megatron: dict) -> None:
     """train.share_prompts on what the engine computes exactly: dense models (on Megatron's local layer spec,
-    which launch chooses for such a run: megarl.loops.launch.choose_layers)."""
-    if shape.is_moe:
-        raise RecipeError(f"train.share_prompts is not supported for mixture-of-experts models (model.path: "
-                          f"{shape.arch}): a shared prompt's routes would be replayed and recorded per sample, and "
-                          "the load-balancing loss would count each prompt once instead of once per sample")
+    which launch chooses for such a run: megarl.loops.launch.choose_layers), and MoE models whose routers count
+    no tokens (megarl.engine.model.shared_prompt_moe_refusal)."""
+    from megarl.engine.model import moe_settings, shared_prompt_moe_refusal
+
+    refusal = shared_prompt_moe_refusal(moe_settings(shape) | megatron) if shape.is_moe else None
+    if refusal:
+        raise RecipeError(f"train.share_prompts on a mixture-of-experts model ({shape.arch}): {refusal}")
 
 
 def build_run(cfg: Config, groups: ParallelGroups, *, rollouts: Rollouts, tokenizer, train_rows: list[PromptRow],
