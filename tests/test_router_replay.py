@@ -241,9 +241,12 @@ def test_recomputed_layers_replay_the_routes_of_their_forward(arch_dir, groups):
 @pytest.mark.timeout(2 * 420)
 @pytest.mark.parametrize("arch,nproc,overrides", [
     ("qwen2_moe", 2, ("parallel.ep=2", "algo.router_replay=r3")),
-    ("mixtral", 2, ("parallel.pp=2", "algo.router_replay=r2", "algo.epochs=2")),
+    # R2 records the routing of shared rows in the old-logprob pass and replays it in both epochs' (the
+    # load-balancing loss off, as train.share_prompts needs)
+    ("mixtral", 2, ("parallel.pp=2", "algo.router_replay=r2", "algo.epochs=2", "train.micro_batch_tokens=64",
+                    "train.share_prompts=true", "model.megatron.moe_aux_loss_coeff=0")),
     ("qwen3_moe", 1, ("algo.router_replay=none", "train.micro_batch_tokens=64")),
-], ids=["qwen2_moe-ep2-r3", "mixtral-pp2-r2-two-epochs", "qwen3_moe-packed-none"])
+], ids=["qwen2_moe-ep2-r3", "mixtral-pp2-r2-two-epochs-shared", "qwen3_moe-packed-none"])
 def test_moe_grpo_runs_with_router_replay_and_logs_routing_agreement(arch, nproc, overrides, tmp_path, arch_dir,
                                                                        arithmetic_dir):
     from test_placement import run_rl
