@@ -109,6 +109,33 @@ def test_merged_weights_after_training_give_the_adapted_models_logprobs(qwen2_di
     assert torch.equal(logprobs(policy, tokens), adapted)
 
 
+def test_a_moe_policys_experts_train_their_adapters_and_export_merged(arch_dir, groups, tmp_path):
+    """The tiny Qwen2-MoE (4 experts, top-2, and a shared expert) with adapters on every linear: each expert's
+    and the shared expert's fc1 and fc2 take one, the base stays frozen, the adapters of the experts that saw
+    tokens move, and the merged export, loaded as a plain model, gives the adapted policy's logprobs (1e-6, the
+    fp32 order of W x + s B A x against (W + s B A) x)."""
+    from megarl.checkpoint import save_hf
+
+    model_dir = arch_dir("qwen2_moe")
+    tokens, mask = tokens_and_mask()
+    policy, base = make_engine(model_dir, groups), make_engine(model_dir, groups, lora=None)
+    fresh = adapters(policy)
+    experts = {n for n in fresh if ".local_experts." in n}
+    shared = {n for n in fresh if ".shared_experts." in n}
+    # per layer: qkv and proj, then fc1 and fc2 of 4 experts and of the shared expert; A and B each
+    assert len(fresh) == 2 * 2 * (2 + 2 * 5) and len(experts) == 2 * 2 * 2 * 4 and len(shared) == 2 * 2 * 2
+    frozen = {name: p.detach().clone() for name, p in policy.stage.named_parameters()}
+    train(policy, tokens, mask, steps=3)
+    assert all(torch.equal(p, frozen[name]) for name, p in policy.stage.named_parameters())
+    moved = {n for n, p in adapters(policy).items() if not torch.equal(p, fresh[n])}
+    assert shared <= moved and len(experts & moved) >= len(experts) // 2, sorted(experts - moved)
+    adapted = logprobs(policy, tokens)
+    assert (adapted - logprobs(base, tokens)).abs().max() > 1e-2
+    save_hf(policy.hf_tensors(), source_dir=model_dir, out_dir=tmp_path / "merged")
+    merged = make_engine(tmp_path / "merged", groups, lora=None)
+    assert (logprobs(merged, tokens) - adapted).abs().max() <= 1e-6
+
+
 def plain_lora_hf(model_dir, factors: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]], *, scale: float):
     """The transformers model with a plain PyTorch LoRA: per layer and Megatron module kind, one A shared by the
     HF projections fused in that module (q/k/v, gate/up) and B cut into their rows. Returns the model and the
@@ -214,9 +241,11 @@ def test_what_cannot_take_adapters_is_refused_naming_the_key(arch_dir):
     from megarl.models.arch import read_shape
 
     moe, dense = read_shape(arch_dir("mixtral")), read_shape(arch_dir("qwen2"))
-    with pytest.raises(RecipeError, match=r"model\.lora\.targets.*experts"):
-        check_lora(LORA, moe, te=False)
-    check_lora(LoraConfig(targets=["qkv", "proj"]), moe, te=False)  # attention of a MoE model: fine
+    check_lora(LORA, moe, te=False)  # experts at expert tensor parallelism 1 (any expert parallelism): fine
+    with pytest.raises(RecipeError, match=r"model\.lora\.targets.*experts' linears \(fc1, fc2\).*expert tensor "
+                                          r"parallelism 1 only \(here 2"):
+        check_lora(LORA, moe, te=False, expert_tp=2)
+    check_lora(LoraConfig(targets=["qkv", "proj"]), moe, te=False, expert_tp=2)  # attention alone: fine
     with pytest.raises(RecipeError, match=r"model\.lora.*Transformer Engine"):
         check_lora(LORA, dense, te=True)
     with pytest.raises(RecipeError, match=r"model\.lora.*critic"):

@@ -65,6 +65,12 @@ CASES = {
     "qwen2-lora-tp2sp": ("qwen2", 2, layout(tp=2, extra=("--lora", "--sequence-parallel",
                                                          "--resume-from", "{runs}/ckpt_lora_tp2"))),
     "qwen2-lora-pp2": ("qwen2", 2, layout(pp=2, extra=("--lora", "--resume-from", "{runs}/ckpt_lora_tp2"))),
+    # LoRA on a MoE model's experts (each expert's and the shared expert's fc1 and fc2, and attention): 2 of the
+    # 4 experts and their adapters per rank; the EP=2 checkpoint resumed on 4 ranks (EP=2 x expert-DP 2)
+    "single-qwen2_moe-lora": ("qwen2_moe", 1, ("--lora",)),
+    "qwen2_moe-lora-ep2": ("qwen2_moe", 2, layout(ep=2, extra=("--lora", "--save", "{runs}/ckpt_lora_ep2"))),
+    "qwen2_moe-lora-ep2dp2": ("qwen2_moe", 4, layout(ep=2, extra=("--lora", "--resume-from",
+                                                                  "{runs}/ckpt_lora_ep2"))),
 }
 
 
@@ -152,6 +158,31 @@ def test_lora_layout_matches_single_rank(name, runs, arch_dir):
     moved = [n for n, w in reference["weights"].items() if not torch.equal(w, base[n])]
     assert {n.split(".")[-2] for n in moved} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                  "down_proj"}
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe-lora-ep2", "qwen2_moe-lora-ep2dp2"])
+def test_expert_lora_under_expert_parallelism_matches_single_rank(name, runs, arch_dir):
+    """Adapters on the experts at EP=2 (and EP=2 with the experts' data parallelism 2 on 4 ranks): the steps'
+    loss and gradient norm and the merged weights are the single rank's (the tolerances of every layout above:
+    the expert adapters' gradients are reduced over the ranks holding the same experts, not over all); every
+    expert's and the shared expert's projections moved. The EP=2 checkpoint loads on 4 ranks bit for bit."""
+    from safetensors.torch import load_file
+
+    result, reference = runs(name), runs("single-qwen2_moe-lora")
+    assert (torch.tensor(result["logprobs"]) - torch.tensor(reference["logprobs"])).abs().max() <= 1e-4
+    for got, want in zip(result["steps"], reference["steps"], strict=True):
+        for key in ("loss", "grad_norm", "kl", "entropy"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    assert_same_weights(result["weights"], reference["weights"])
+    base = load_file(str(arch_dir("qwen2_moe") / "model.safetensors"))
+    moved = {n for n, w in reference["weights"].items() if not torch.equal(w, base[n])}
+    assert any(".shared_expert." in n for n in moved) and any(".experts." in n for n in moved), sorted(moved)
+    assert {n for n in base if ".experts." in n} <= moved  # each of the 4 experts saw tokens in 2 steps
+    if name.endswith("ep2dp2"):
+        saver = runs("qwen2_moe-lora-ep2")
+        loaded = torch.load(runs.folder / name / "resumed.pt", weights_only=True)["loaded"]
+        assert set(loaded) == set(saver["weights"])
+        assert all(torch.equal(loaded[k], w) for k, w in saver["weights"].items())
 
 
 def test_a_lora_checkpoint_resumes_at_another_layout(runs):

@@ -39,8 +39,10 @@ def is_adapter(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in ADAPTER_PARAMS
 
 
-def check_lora(lora: LoraConfig, shape: ModelShape, *, te: bool, value_head: bool = False) -> None:
-    """RecipeError, naming the key and the reason, for adapters this engine cannot build."""
+def check_lora(lora: LoraConfig, shape: ModelShape, *, te: bool, value_head: bool = False,
+               expert_tp: int = 1) -> None:
+    """RecipeError, naming the key and the reason, for adapters this engine cannot build (`expert_tp`: the
+    tensor-parallel size of the experts' linears)."""
     if value_head:
         raise RecipeError("model.lora adapts the policy only: a critic or reward model (scalar head) trains or "
                           "scores with all of its weights")
@@ -50,10 +52,16 @@ def check_lora(lora: LoraConfig, shape: ModelShape, *, te: bool, value_head: boo
                           "Build the engine after megarl.engine.model.use_local_layers('model.lora'), as megarl's "
                           "launch does (megarl.loops.launch.choose_layers)")
     mlp = [t for t in lora.targets if t in ("fc1", "fc2")]
-    if shape.is_moe and mlp:
-        raise RecipeError(f"model.lora.targets = {lora.targets}: the MLP of a mixture-of-experts model ({shape.arch}) "
-                          f"is its experts, and expert layers ({', '.join(mlp)}) take no adapters (their dispatch "
-                          "and expert-parallel split are not wrapped); target qkv and proj")
+    if shape.is_moe and mlp and expert_tp > 1:
+        raise RecipeError(f"model.lora.targets = {lora.targets}: the experts' linears ({', '.join(mlp)}) of a "
+                          f"mixture-of-experts model ({shape.arch}) take adapters at expert tensor parallelism 1 only "
+                          f"(here {expert_tp}: Megatron's dispatcher, not the layer, sums their tensor-parallel "
+                          "parts); use parallel.tp = 1 with parallel.ep, or target qkv and proj")
+
+
+def adapts_experts(lora: LoraConfig | None, shape: ModelShape) -> bool:
+    """Whether `lora` puts adapters on a MoE model's experts (and shared experts): targets fc1 or fc2."""
+    return lora is not None and shape.is_moe and any(t in ("fc1", "fc2") for t in lora.targets)
 
 
 def adapt_layer_spec(layer_spec, lora: LoraConfig) -> None:
@@ -65,6 +73,9 @@ def adapt_layer_spec(layer_spec, lora: LoraConfig) -> None:
     adapter = AdapterShape(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout)
     attention = layer_spec.submodules.self_attention.submodules
     mlp = layer_spec.submodules.mlp.submodules
+    # a MoE layer's MLPs: every expert's (SequentialMLP builds each from one spec) and the shared experts'
+    mlps = [mlp] if not hasattr(mlp, "experts") else \
+        [spec.submodules for spec in (mlp.experts, mlp.shared_experts) if spec is not None]
     column = dict(module=LoraColumnParallelLinear, params={"adapter": adapter})
     row = dict(module=LoraRowParallelLinear, params={"adapter": adapter})
     for target in lora.targets:
@@ -74,10 +85,12 @@ def adapt_layer_spec(layer_spec, lora: LoraConfig) -> None:
             case "proj":
                 attention.linear_proj = ModuleSpec(**row)
             case "fc1":
-                mlp.linear_fc1 = ModuleSpec(module=LoraColumnParallelLinear,
-                                            params={"adapter": adapter, "gate_up": True})
+                for each in mlps:
+                    each.linear_fc1 = ModuleSpec(module=LoraColumnParallelLinear,
+                                                 params={"adapter": adapter, "gate_up": True})
             case "fc2":
-                mlp.linear_fc2 = ModuleSpec(**row)
+                for each in mlps:
+                    each.linear_fc2 = ModuleSpec(**row)
 
 
 def freeze_base(chunks: list) -> int:
@@ -90,12 +103,15 @@ def freeze_base(chunks: list) -> int:
     return trained
 
 
-def init_adapters(layers: Iterator[tuple[str, torch.nn.Module]], *, seed: int, tp_rank: int, tp_size: int) -> None:
+def init_adapters(layers: Iterator[tuple[str, torch.nn.Module]], *, seed: int, tp_rank: int, tp_size: int,
+                  expert_offset: int = 0) -> None:
     """A of every adapted layer (global module name, layer) drawn whole from U(-1/sqrt(in), 1/sqrt(in)) (PEFT's and
     torch's default for a linear of that fan-in) with a generator seeded by `seed` and the name, then cut to this
-    rank's shard (row-parallel layers split A on its input dim); B zero."""
+    rank's shard (row-parallel layers split A on its input dim); B zero. An expert's name carries its global
+    index (`expert_offset`: this rank's first expert), so every expert-parallel layout draws the same A."""
     with torch.no_grad():
         for name, layer in layers:
+            name = _global_expert(name, expert_offset)
             split = getattr(layer.lora_a, "partition_dim", None) if getattr(layer.lora_a, "tensor_model_parallel",
                                                                              False) else None
             rank, fan_in = layer.lora_a.shape
@@ -105,6 +121,15 @@ def init_adapters(layers: Iterator[tuple[str, torch.nn.Module]], *, seed: int, t
             full = torch.empty(rank, fan_in).uniform_(-bound, bound, generator=gen)
             layer.lora_a.copy_(layout.shard(full, dim=split, rank=tp_rank, size=tp_size))
             layer.lora_b.zero_()
+
+
+def _global_expert(name: str, offset: int) -> str:
+    """`...experts.local_experts.{i}...` -> the same with i + offset (any other name as it is)."""
+    parts = name.split(".")
+    for k, part in enumerate(parts[:-1]):
+        if part == "local_experts":
+            parts[k + 1] = str(int(parts[k + 1]) + offset)
+    return ".".join(parts)
 
 
 @contextmanager

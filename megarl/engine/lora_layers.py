@@ -68,10 +68,22 @@ class _Adapted:
 
 
 def _adapter_params(layer, *, a_shape: tuple[int, int], b_shape: tuple[int, int]) -> None:
-    """Zero A and B of the given local shapes (megarl.engine.lora.init_adapters draws A), in W's dtype and device."""
+    """Zero A and B of the given local shapes (megarl.engine.lora.init_adapters draws A), in W's dtype and device.
+    An expert's adapter is reduced as its weight is: over the expert-data-parallel ranks, not the data-parallel
+    ones (Megatron's DDP reads `allreduce`)."""
     kwargs = dict(dtype=layer.weight.dtype, device=layer.weight.device)
     layer.lora_a = torch.nn.Parameter(torch.zeros(a_shape, **kwargs))
     layer.lora_b = torch.nn.Parameter(torch.zeros(b_shape, **kwargs))
+    for factor in (layer.lora_a, layer.lora_b):
+        factor.allreduce = getattr(layer.weight, "allreduce", True)
+
+
+def _check_expert_split(layer) -> None:
+    """An expert's linear leaves its tensor-parallel communication to Megatron's dispatcher (explicit expert
+    communication): its adapter runs unsplit, so its tensor-parallel group must be one rank
+    (megarl.engine.lora.check_lora refuses the rest at build)."""
+    if layer.explicit_expert_comm and layer.tp_group.size() > 1:
+        raise ValueError("model.lora: expert linear layers take adapters at expert tensor parallelism 1 only")
 
 
 class LoraColumnParallelLinear(_Adapted, ColumnParallelLinear):
@@ -82,21 +94,22 @@ class LoraColumnParallelLinear(_Adapted, ColumnParallelLinear):
     def __init__(self, input_size: int, output_size: int, *, adapter: AdapterShape, gate_up: bool = False,
                  **kwargs):
         super().__init__(input_size, output_size, **kwargs)
-        if self.explicit_expert_comm:
-            raise ValueError("model.lora: expert linear layers take no adapters")
+        _check_expert_split(self)
         self.adapter, self.adapter_on, self.gate_up = adapter, True, gate_up
         _adapter_params(self, a_shape=(adapter.rank, input_size),
                         b_shape=(self.output_size_per_partition, adapter.rank))
         set_tensor_model_parallel_attributes(self.lora_b, True, 0, 1)
-        self.lora_a.sequence_parallel = self.sequence_parallel
+        # an expert's input comes from the dispatcher whole, whatever the sequence split around it
+        self.split_tokens = self.sequence_parallel and not self.explicit_expert_comm
+        self.lora_a.sequence_parallel = self.split_tokens
 
     def forward(self, input_: Tensor, weight: Tensor | None = None, runtime_gather_output: bool | None = None):
         output, bias = super().forward(input_, weight, runtime_gather_output)
         if not self.adapter_on:
             return output, bias
         # [s(/tp), b, in] -> [s, b, r] on every TP rank
-        hidden = F.linear(self._dropout(input_, split=self.sequence_parallel), self.lora_a)
-        if self.sequence_parallel:  # backward: B's partial gradients summed and split back to this rank's tokens
+        hidden = F.linear(self._dropout(input_, split=self.split_tokens), self.lora_a)
+        if self.split_tokens:  # backward: B's partial gradients summed and split back to this rank's tokens
             hidden = gather_from_sequence_parallel_region(hidden, group=self.tp_group)
         else:  # backward: B's partial gradients summed, so A's gradient is whole on every rank
             hidden = copy_to_tensor_model_parallel_region(hidden, group=self.tp_group)
@@ -123,20 +136,22 @@ class LoraRowParallelLinear(_Adapted, RowParallelLinear):
 
     def __init__(self, input_size: int, output_size: int, *, adapter: AdapterShape, **kwargs):
         super().__init__(input_size, output_size, **kwargs)
-        if self.explicit_expert_comm or not self.input_is_parallel:
+        _check_expert_split(self)
+        if not self.input_is_parallel:
             raise ValueError("model.lora: only row-parallel layers whose input is already split take adapters")
         self.adapter, self.adapter_on = adapter, True
         _adapter_params(self, a_shape=(adapter.rank, self.input_size_per_partition),
                         b_shape=(output_size, adapter.rank))
         set_tensor_model_parallel_attributes(self.lora_a, True, 1, 1)
-        self.lora_b.sequence_parallel = self.sequence_parallel
+        self.split_tokens = self.sequence_parallel and not self.explicit_expert_comm  # (as the column layer's)
+        self.lora_b.sequence_parallel = self.split_tokens
 
     def forward(self, input_: Tensor):
         output, bias = super().forward(input_)
         if not self.adapter_on:
             return output, bias
         partial = F.linear(self._dropout(input_, split=True), self.lora_a)  # [s, b, r], a partial sum over TP
-        if self.sequence_parallel:  # summed, and this rank keeps its tokens: [s / tp, b, r]
+        if self.split_tokens:  # summed, and this rank keeps its tokens: [s / tp, b, r]
             hidden = reduce_scatter_to_sequence_parallel_region(partial, group=self.tp_group)
         else:
             hidden = reduce_from_tensor_model_parallel_region(partial, group=self.tp_group)

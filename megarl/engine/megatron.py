@@ -66,7 +66,8 @@ class TrainEngine:
             if optim is None:
                 raise ValueError("LoRA adapters are trained: a TrainEngine with `lora` needs `optim`")
             adapters.init_adapters(self.stage.adapted_layers(), seed=seed, tp_rank=groups.tp_rank,
-                                   tp_size=groups.tp_size)
+                                   tp_size=groups.tp_size,
+                                   expert_offset=groups.ep_rank * (self.shape.experts // groups.ep_size))
             adapters.freeze_base(self.chunks)
         self.optim = optim
         if optim is None:

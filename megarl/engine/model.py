@@ -378,7 +378,8 @@ def build_stage_model(model_dir: str, *, dtype: str, megatron: dict, groups: Par
     vpp = config.virtual_pipeline_model_parallel_size
     stages = [None] if vpp is None else list(range(vpp))
     if lora is not None:
-        adapters.check_lora(lora, shape, te=uses_transformer_engine(), value_head=value_head)
+        adapters.check_lora(lora, shape, te=uses_transformer_engine(), value_head=value_head,
+                            expert_tp=config.expert_tensor_parallel_size or groups.tp_size)
     chunks = [build_gpt(shape, config, groups=groups, vp_stage=v, lora=lora) for v in stages]
     if value_head and groups.is_pp_last:
         sp_group = groups.tp if config.sequence_parallel else None

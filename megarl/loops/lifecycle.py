@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megarl.checkpoint import classifier_config, save_hf, save_peft_adapter
 from megarl.config import Config, dump_config
+from megarl.engine.lora import adapts_experts
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
 from megarl.loops.faults import EngineLost
@@ -120,7 +121,9 @@ def export_policy(engine: TrainEngine, groups: ParallelGroups, *, source_dir: st
     """Write the model as an HF checkpoint from global rank 0 (a scalar-head model as a one-label sequence
     classifier); its model-parallel peers join the gathers (with expert parallelism that is every rank: the
     expert-parallel peers sit in other data-parallel ranks). A LoRA policy's are its merged weights, and its
-    adapters go to `out_dir/adapter` in PEFT's format, for the base model `source_dir`."""
+    adapters go to `out_dir/adapter` in PEFT's format, for the base model `source_dir`, unless they adapt a MoE
+    model's experts (transformers holds a layer's experts as one fused tensor, which PEFT's LoRA does not
+    wrap): the merged weights alone then."""
     engine.onload()  # on GPU the parameters wait on the host from the weight push to the next step
     if groups.dp_rank == 0 or groups.ep_size > 1:
         tensors = engine.pipeline_hf_tensors(classifier=engine.value_head)
@@ -131,7 +134,7 @@ def export_policy(engine: TrainEngine, groups: ParallelGroups, *, source_dir: st
             for _ in tensors:
                 pass
     lora = engine.stage.lora
-    if lora is not None and groups.dp_rank == 0:
+    if lora is not None and groups.dp_rank == 0 and not adapts_experts(lora, engine.shape):
         adapters = engine.pipeline_adapter_tensors()
         if dist.get_rank() == 0:
             save_peft_adapter(adapters, rank=lora.rank, alpha=lora.alpha, base_model=source_dir,

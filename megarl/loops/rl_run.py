@@ -23,7 +23,7 @@ from megarl.config import Config, RecipeError
 from megarl.data.prompts import PromptRow, PromptSampler
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
-from megarl.engine.lora import BasePolicy
+from megarl.engine.lora import BasePolicy, adapts_experts
 from megarl.engine.roles import make_engine, reference_policy
 from megarl.envs.environment import Environment, SingleTurn, environment_factory
 from megarl.envs.tool_format import ObservationFormat, observation_format
@@ -163,6 +163,10 @@ def check_launch(cfg: Config) -> None:
                           f"model in model.path ({shape.arch}) has no experts: set it to 'none'")
     if cfg.train.share_prompts:
         check_share_prompts(shape, cfg.model.megatron)
+    if cfg.rollout.lora_sync == "adapter" and adapts_experts(cfg.model.lora, shape):
+        raise RecipeError(f"rollout.lora_sync = 'adapter' with model.lora.targets {cfg.model.lora.targets} on a "
+                          f"mixture-of-experts model ({shape.arch}): adapters on experts go to the rollout engines "
+                          "merged into their weights only (rollout.lora_sync: merged, or target qkv and proj)")
     if cfg.algo.router_replay != "none" and cfg.model.megatron.get("moe_router_fusion"):
         raise RecipeError("algo.router_replay needs Megatron's unfused router: the fused top-k kernel "
                           "(model.megatron.moe_router_fusion: true) has no replay hook")
