@@ -114,7 +114,10 @@ def test_a_moe_policys_experts_train_their_adapters_and_export_merged(arch_dir, 
     and the shared expert's fc1 and fc2 take one, the base stays frozen, the adapters of the experts that saw
     tokens move, and the merged export, loaded as a plain model, gives the adapted policy's logprobs (1e-6, the
     fp32 order of W x + s B A x against (W + s B A) x)."""
+    import re
+
     from megarl.checkpoint import save_hf
+    from megarl.plan.memory import lora_params
 
     model_dir = arch_dir("qwen2_moe")
     tokens, mask = tokens_and_mask()
@@ -124,6 +127,11 @@ def test_a_moe_policys_experts_train_their_adapters_and_export_merged(arch_dir, 
     shared = {n for n in fresh if ".shared_experts." in n}
     # per layer: qkv and proj, then fc1 and fc2 of 4 experts and of the shared expert; A and B each
     assert len(fresh) == 2 * 2 * (2 + 2 * 5) and len(experts) == 2 * 2 * 2 * 4 and len(shared) == 2 * 2 * 2
+    # what `megarl plan` counts, at EP=2 each rank half of the experts' (tiny: moe_ffn 32, shared_ffn 64)
+    elems = sum(t.numel() for t in fresh.values())
+    assert lora_params(policy.shape, LORA, tp=1, pp=1) == elems
+    assert lora_params(policy.shape, LORA, tp=1, pp=1, ep=2) == elems - sum(
+        fresh[n].numel() for n in experts if re.search(r"local_experts\.[23]\.", n))
     frozen = {name: p.detach().clone() for name, p in policy.stage.named_parameters()}
     train(policy, tokens, mask, steps=3)
     assert all(torch.equal(p, frozen[name]) for name, p in policy.stage.named_parameters())

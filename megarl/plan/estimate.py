@@ -192,7 +192,7 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
                                   value_head=value_head)
             adapters = 0
             if name == "actor" and cfg.model.lora is not None:
-                adapters = lora_params(shape, cfg.model.lora, tp=layout.tp, pp=layout.pp)
+                adapters = lora_params(shape, cfg.model.lora, tp=layout.tp, pp=layout.pp, ep=layout.ep)
             params, grads, opt = model_state(counts, trainable=trainable, adapters=adapters, **state_args)
             acts = activation_bytes(shape, layout, stage=stage, seq_len=seq_len, megatron=megatron,
                                     micro_batch_size=cfg.train.micro_batch_size, act_bytes=dtype_bytes,

@@ -172,13 +172,26 @@ class ModelMemory:
         return self.params + self.grads + self.optim
 
 
-def lora_params(shape: ModelShape, lora: LoraConfig, *, tp: int, pp: int) -> int:
+def lora_params(shape: ModelShape, lora: LoraConfig, *, tp: int, pp: int, ep: int = 1) -> int:
     """Adapter parameters one GPU of a pipeline stage holds: per layer and target, A [r, in] and B [out, r], the
-    factor on the split side of the wrapped linear divided by tp (column-parallel: B; row-parallel: A)."""
+    factor on the split side of the wrapped linear divided by tp (column-parallel: B; row-parallel: A). A MoE
+    model's fc1 and fc2 are those of this rank's experts (experts / ep, unsplit: expert tensor parallelism 1)
+    and of its shared expert."""
     h, r = shape.hidden, lora.rank
     qkv_out, attn_in = (shape.heads + 2 * shape.kv_heads) * shape.head_dim, shape.heads * shape.head_dim
+
+    def fc1(ffn: int, split: int) -> int:
+        return r * h + 2 * ffn * r // split
+
+    def fc2(ffn: int, split: int) -> int:
+        return r * ffn // split + h * r
+
     per_target = {"qkv": r * h + qkv_out * r // tp, "proj": r * attn_in // tp + h * r,
-                  "fc1": r * h + 2 * shape.ffn * r // tp, "fc2": r * shape.ffn // tp + h * r}
+                  "fc1": fc1(shape.ffn, tp), "fc2": fc2(shape.ffn, tp)}
+    if shape.is_moe:
+        shared = bool(shape.shared_ffn)
+        per_target["fc1"] = shape.experts // ep * fc1(shape.moe_ffn, 1) + shared * fc1(shape.shared_ffn, tp)
+        per_target["fc2"] = shape.experts // ep * fc2(shape.moe_ffn, 1) + shared * fc2(shape.shared_ffn, tp)
     return shape.layers // pp * sum(per_target[t] for t in lora.targets)
 
 
