@@ -240,13 +240,14 @@ def test_recomputed_layers_replay_the_routes_of_their_forward(arch_dir, groups):
 
 @pytest.mark.timeout(2 * 420)
 @pytest.mark.parametrize("arch,nproc,overrides", [
-    ("qwen2_moe", 2, ("parallel.ep=2", "algo.router_replay=r3")),
+    # LoRA on every linear, the experts' included: the merged push at EP=2 is what the engine then serves
+    ("qwen2_moe", 2, ("parallel.ep=2", "algo.router_replay=r3", "model.lora.rank=4")),
     # R2 records the routing of shared rows in the old-logprob pass and replays it in both epochs' (the
     # load-balancing loss off, as train.share_prompts needs)
     ("mixtral", 2, ("parallel.pp=2", "algo.router_replay=r2", "algo.epochs=2", "train.micro_batch_tokens=64",
                     "train.share_prompts=true", "model.megatron.moe_aux_loss_coeff=0")),
     ("qwen3_moe", 1, ("algo.router_replay=none", "train.micro_batch_tokens=64")),
-], ids=["qwen2_moe-ep2-r3", "mixtral-pp2-r2-two-epochs-shared", "qwen3_moe-packed-none"])
+], ids=["qwen2_moe-ep2-r3-lora", "mixtral-pp2-r2-two-epochs-shared", "qwen3_moe-packed-none"])
 def test_moe_grpo_runs_with_router_replay_and_logs_routing_agreement(arch, nproc, overrides, tmp_path, arch_dir,
                                                                        arithmetic_dir):
     from test_placement import run_rl
