@@ -232,43 +232,44 @@ def test_reverse_kl_is_the_same_at_tp2_and_pp2_as_on_one_rank(qwen2_dir, big_tea
 
 
 # ---- learning ---------------------------------------------------------------------------------------------
-LEARNING_STEPS = 40
+LEARNING_STEPS = 150
+EVAL_EVERY = 5
 
 
 @pytest.mark.learning
+@pytest.mark.timeout(900)
 def test_distillation_brings_the_warm_start_toward_the_quickstart_teacher(quickstart_out, tmp_path):
     """recipes/distill_tiny.yaml for LEARNING_STEPS steps: the student is the quickstart's supervised warm start
     (held-out reward ~0.2), the teacher the quickstart's model after 200 GRPO steps, whose held-out reward is the
-    mean of its last 10 evaluations on the same 64 held-out prompts. The student's figures are the means of its
-    first and of its last 10 evaluations (64 prompts each, every step).
+    mean of its last 10 evaluations on the same 64 held-out prompts. The student is evaluated every EVAL_EVERY
+    steps on those 64: its start is the mean of its first 2 evaluations (steps 5 and 10), its end the mean of its
+    last 6 (steps 125-150, 384 prompts); the reverse KL is the mean of the first and of the last 10 steps.
 
-    Measured at one thread on a 2-core CPU: held-out reward 0.161 -> 0.291 against the teacher's 0.603 (48%),
-    reverse KL 0.421 -> 0.185 (its own run of the recipe, evaluated on 256 prompts: 50% at step 40, 80% at 90
-    and 86% at 120 steps: README, "On-policy distillation"). 40 steps is what a test can afford; the 80% the
-    recipe reaches takes 90-120 steps (about 2 minutes). Bars: 40% of the teacher, 0.05 (about 3 standard
-    errors of a 10-evaluation mean, ~0.018) below the measured 48%; a rise of at least 0.05 over the start
-    (measured 0.13); the reverse KL down to 60% of its start at most (measured 44%). A student that learned
-    nothing would stay where the quickstart's own first RL steps evaluate the warm start, ~0.2 (a third of the
-    teacher), with its reverse KL."""
+    Measured at one thread on a 2-core CPU: held-out reward 0.180 -> 0.549 against the teacher's 0.603 (91%),
+    reverse KL 0.443 -> 0.032 (its own run of the recipe on 256 prompts: 80% at step 90, 86% at 120: README,
+    "On-policy distillation"). Bars: 80% of the teacher, as the issue asks, 2.6 standard errors of the end's
+    mean (~0.026 at p ~ 0.55 over 384 prompts; 4% of the teacher) below the measured 91%; a rise of at least 0.2
+    (measured 0.37); the reverse KL down to a quarter of its start at most (measured 7%). A student that learned
+    nothing would stay near the warm start, ~0.2 (a third of the teacher), with its reverse KL."""
     run_dir = tmp_path / "distill"
     proc = run_python(["-m", "megarl", "train", str(RECIPE), f"run_dir={run_dir}",
                        f"model.path={quickstart_out / 'run' / 'warmup'}",
                        f"teacher.path={quickstart_out / 'run' / 'checkpoints' / 'final'}",
                        f"data.train_path={quickstart_out / 'data' / 'train.jsonl'}",
                        f"data.eval_path={quickstart_out / 'data' / 'heldout.jsonl'}", f"train.steps={LEARNING_STEPS}",
-                       "checkpoint.save_final=false", "log.progress=false"], timeout_s=600)
+                       f"data.eval_every={EVAL_EVERY}", "checkpoint.save_final=false", "log.progress=false"],
+                      timeout_s=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     teacher_runs = [json.loads(line) for line in (quickstart_out / "run" / "metrics.jsonl").read_text().splitlines()]
     teacher = sum(m["eval/reward_mean"] for m in teacher_runs[-10:]) / 10
-
-    def first_last(key: str) -> tuple[float, float]:  # means of the first and of the last 10 steps
-        return sum(m[key] for m in metrics[:10]) / 10, sum(m[key] for m in metrics[-10:]) / 10
-
-    start, end = first_last("eval/reward_mean")
-    kl_start, kl_end = first_last("distill/reverse_kl")
+    evals = [m["eval/reward_mean"] for m in metrics if "eval/reward_mean" in m]
+    assert len(evals) == LEARNING_STEPS // EVAL_EVERY
+    start, end = sum(evals[:2]) / 2, sum(evals[-6:]) / 6
+    kl = [m["distill/reverse_kl"] for m in metrics]
+    kl_start, kl_end = sum(kl[:10]) / 10, sum(kl[-10:]) / 10
     print(f"distill {LEARNING_STEPS} steps: held-out reward {start:.3f} -> {end:.3f}, teacher {teacher:.3f} "
           f"({end / teacher:.0%}); reverse KL {kl_start:.3f} -> {kl_end:.3f}")
-    assert end >= 0.4 * teacher and end >= start + 0.05
-    assert kl_end <= 0.6 * kl_start
+    assert end >= 0.8 * teacher and end >= start + 0.2
+    assert kl_end <= 0.25 * kl_start
     assert all(m["distill/teacher_logprob"] < 0 for m in metrics)

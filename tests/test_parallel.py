@@ -146,18 +146,23 @@ def test_sequence_parallel_matches_single_rank(name, runs):
 # gradient from the second, once B has left zero); the trained weights compared are the merged ones the push sends.
 @pytest.mark.parametrize("name", ["qwen2-lora-tp2", "qwen2-lora-tp2sp", "qwen2-lora-pp2"])
 def test_lora_layout_matches_single_rank(name, runs, arch_dir):
+    moved = lora_run_matches(runs(name), runs("single-qwen2-lora"), base_dir=arch_dir("qwen2"))
+    assert {n.split(".")[-2] for n in moved} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj"}
+
+
+def lora_run_matches(result: dict, reference: dict, *, base_dir: Path) -> set[str]:
+    """A LoRA layout's run equals the single-rank one: logprobs, both steps, the merged weights. Returns the HF
+    names of the weights the reference moved from the base checkpoint in `base_dir`."""
     from safetensors.torch import load_file
 
-    result, reference = runs(name), runs("single-qwen2-lora")
     assert (torch.tensor(result["logprobs"]) - torch.tensor(reference["logprobs"])).abs().max() <= 1e-4
     for got, want in zip(result["steps"], reference["steps"], strict=True):
         for key in ("loss", "grad_norm", "kl", "entropy"):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
     assert_same_weights(result["weights"], reference["weights"])
-    base = load_file(str(arch_dir("qwen2") / "model.safetensors"))
-    moved = [n for n, w in reference["weights"].items() if not torch.equal(w, base[n])]
-    assert {n.split(".")[-2] for n in moved} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                 "down_proj"}
+    base = load_file(str(base_dir / "model.safetensors"))
+    return {n for n, w in reference["weights"].items() if not torch.equal(w, base[n])}
 
 
 @pytest.mark.parametrize("name", ["qwen2_moe-lora-ep2", "qwen2_moe-lora-ep2dp2"])
@@ -168,16 +173,10 @@ def test_expert_lora_under_expert_parallelism_matches_single_rank(name, runs, ar
     expert's and the shared expert's projections moved. The EP=2 checkpoint loads on 4 ranks bit for bit."""
     from safetensors.torch import load_file
 
-    result, reference = runs(name), runs("single-qwen2_moe-lora")
-    assert (torch.tensor(result["logprobs"]) - torch.tensor(reference["logprobs"])).abs().max() <= 1e-4
-    for got, want in zip(result["steps"], reference["steps"], strict=True):
-        for key in ("loss", "grad_norm", "kl", "entropy"):
-            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
-    assert_same_weights(result["weights"], reference["weights"])
-    base = load_file(str(arch_dir("qwen2_moe") / "model.safetensors"))
-    moved = {n for n, w in reference["weights"].items() if not torch.equal(w, base[n])}
-    assert any(".shared_expert." in n for n in moved) and any(".experts." in n for n in moved), sorted(moved)
-    assert {n for n in base if ".experts." in n} <= moved  # each of the 4 experts saw tokens in 2 steps
+    moved = lora_run_matches(runs(name), runs("single-qwen2_moe-lora"), base_dir=arch_dir("qwen2_moe"))
+    experts = {n for n in load_file(str(arch_dir("qwen2_moe") / "model.safetensors")) if ".experts." in n}
+    assert experts and experts <= moved  # each of the 4 experts saw tokens in 2 steps
+    assert any(".shared_expert." in n for n in moved), sorted(moved)
     if name.endswith("ep2dp2"):
         saver = runs("qwen2_moe-lora-ep2")
         loaded = torch.load(runs.folder / name / "resumed.pt", weights_only=True)["loaded"]
