@@ -48,8 +48,8 @@ def pytest_configure(config):
                                        "tools/device_check/run.sh run them)")
     for pattern in _EXPECTED_WARNINGS:
         config.addinivalue_line("filterwarnings", f"ignore:{pattern}")
-    config.addinivalue_line("markers", "alone: reads the host's free memory, so it runs while no other test "
-                                       "process runs a test (host_to_itself)")
+    config.addinivalue_line("markers", "alone: reads the host's free memory: holds no shared host lock, and takes "
+                                       "the host to itself where it measures (host_to_itself)")
     config.addinivalue_line("markers", "learning: trains for minutes to show that a recipe raises its "
                                        "objective (run once per CI, in the first environment)")
     if config.option.durations is None:  # the 20 slowest tests close every run: the suite has a time budget
@@ -86,12 +86,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.timeout(QUICKSTART_TIMEOUT_S + marker.args[0]), append=False)
 
 
-# Under pytest-xdist the test processes share the host: a test marked `alone` reads the memory free on it (as
-# SGLang's CPU mode sizes its pool), and another process's test starting or ending an engine moves that reading by
-# gigabytes. Each test, with the fixtures its setup makes and its teardown ends, holds a shared lock; an `alone`
-# test first closes a gate that tests about to start wait at, then takes the lock exclusively once the tests
-# under way elsewhere have ended, and waits for the host's free memory to settle. Two flock(2) files beside the
+# Under pytest-xdist the test processes share the host: a test that reads the memory free on it (as SGLang's CPU
+# mode sizes its pool) sees another process's test starting or ending an engine move that reading by gigabytes.
+# Each test, with the fixtures its setup makes and its teardown ends, holds a shared lock. A test marked `alone`
+# holds none; where it measures, it (or its child process: HOST_LOCKS_ENV names the folder) takes the host to
+# itself: it closes a gate that tests about to start wait at, takes the lock exclusively once the tests under
+# way elsewhere have ended, and waits for the host's free memory to settle. Two flock(2) files beside the
 # processes' temporary directories; nothing is held without xdist.
+HOST_LOCKS_ENV = "MEGARL_TEST_HOST_LOCKS"
 SETTLE_BYTES = 64 * 2**20  # free memory that moves less than this over three readings half a second apart has settled
 SETTLE_WAIT_S = 30
 
@@ -102,8 +104,12 @@ def _host_memory_available() -> int:
 
 
 @contextlib.contextmanager
-def host_to_itself(lock_dir: Path, alone: bool):
-    """Held around one test under xdist: shared for every test, exclusive (after the gate) for an `alone` one."""
+def host_to_itself(lock_dir: Path | None, alone: bool):
+    """Shared around every test under xdist; exclusive (after the gate) for what an `alone` test measures.
+    `lock_dir` None (no other test process): nothing to take."""
+    if lock_dir is None:
+        yield
+        return
     with open(lock_dir / "host.gate", "a") as gate, open(lock_dir / "host.lock", "a") as lock:
         if alone:
             fcntl.flock(gate, fcntl.LOCK_EX)
@@ -125,14 +131,26 @@ def host_to_itself(lock_dir: Path, alone: bool):
             fcntl.flock(gate, fcntl.LOCK_UN)
 
 
+def host_lock_dir(config) -> Path | None:
+    """The folder of the host locks the test processes of this run share (None without xdist)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return None
+    return config._tmp_path_factory.getbasetemp().parent  # shared by the workers of one run
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    if "PYTEST_XDIST_WORKER" not in os.environ:
+    alone = item.get_closest_marker("alone") is not None
+    with host_to_itself(None if alone else host_lock_dir(item.config), alone=False):
         yield
-        return
-    lock_dir = item.config._tmp_path_factory.getbasetemp().parent  # shared by the workers of one run
-    with host_to_itself(lock_dir, alone=item.get_closest_marker("alone") is not None):
-        yield
+
+
+@pytest.fixture
+def host_locks_env(request) -> dict[str, str]:
+    """For an `alone` test's child process: the environment that names the host locks (HOST_LOCKS_ENV; empty
+    without xdist), which it takes around its measurement with `host_to_itself(..., alone=True)`."""
+    lock_dir = host_lock_dir(request.config)
+    return {HOST_LOCKS_ENV: str(lock_dir) if lock_dir else ""}
 
 
 def setup_requirements() -> tuple[list[str], dict[str, list[str]]]:

@@ -438,7 +438,10 @@ TRAINER_HOG_BYTES = 2**30  # memory a real trainer would take after the engine s
 # scheduler asked again.
 POOL_WORKER = """
 import json, os, sys
+from pathlib import Path
 import psutil, torch
+sys.path.insert(0, "tests")
+from conftest import HOST_LOCKS_ENV, host_to_itself
 os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
 from megarl.device import load_cuda_driver_stand_in
 load_cuda_driver_stand_in()
@@ -476,9 +479,12 @@ engine_args, sglang_engine.engine_args = sglang_engine.engine_args, info_log
 def start_engine(rollout_cfg, model_dir, *, dtype, seed, capture_routes, group, lora):
     assert not capture_routes and group is None and lora is None  # a dense model; rollout.tp = 1; no LoRA
     result["built"].append("rollout")
-    free = free_bytes()
-    fraction = (target + weights) / free
-    engine = SGLangEngine(model_dir, dtype=dtype, seed=seed, mem_fraction=fraction, cpu_pool_tokens=None)
+    # the host to this process while it reads the free memory and SGLang sizes its pool (tests/conftest.py)
+    locks = os.environ.get(HOST_LOCKS_ENV)
+    with host_to_itself(Path(locks) if locks else None, alone=True):
+        free = free_bytes()
+        fraction = (target + weights) / free
+        engine = SGLangEngine(model_dir, dtype=dtype, seed=seed, mem_fraction=fraction, cpu_pool_tokens=None)
     info = engine.engine.get_server_info()
     result.update(free_before_start=free, mem_fraction=fraction, rss_after_start=rss(),
                   pool_tokens=info["max_total_num_tokens"], memory_usage=info["internal_states"][0]["memory_usage"])
@@ -513,7 +519,8 @@ LOAD_END = re.compile(r"Load weight end\..*avail mem=([0-9.]+) GB")
 
 @pytest.mark.alone
 @pytest.mark.timeout(SGLANG_TIMEOUT_S)
-def test_sglang_cpu_pool_is_sized_before_the_trainer_and_agrees_with_the_plan(qwen2_dir, arithmetic_dir, tmp_path):
+def test_sglang_cpu_pool_is_sized_before_the_trainer_and_agrees_with_the_plan(qwen2_dir, arithmetic_dir, tmp_path,
+                                                                              host_locks_env):
     """megarl's build order starts the rollout engine before actor, reference and critic, so SGLang sizes its KV
     pool from the host memory free before the trainer takes any; the pool does not change when the trainer's
     models and a trainer-sized allocation come after, and it is the plan's formula (megarl.plan.sglang_pool_tokens)
@@ -532,7 +539,7 @@ train: {{steps: 1, micro_batch_size: 8}}
 """)
     out = tmp_path / "pool.json"
     proc = run_python(["-c", POOL_WORKER, str(recipe), str(out), str(POOL_TARGET_BYTES), str(TRAINER_HOG_BYTES)],
-                      timeout_s=SGLANG_TIMEOUT_S)
+                      timeout_s=SGLANG_TIMEOUT_S, env=host_locks_env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(out.read_text())
     print(json.dumps(r, indent=1))
@@ -553,8 +560,8 @@ train: {{steps: 1, micro_batch_size: 8}}
     # machine that is the weights and about 70 MB of SGLang's buffers (the pool measured 0.99-1.00 of the plan
     # of the weights alone). Memory another process takes or returns between SGLang's readings moves the pool
     # byte for byte, which no plan can know: another test's engine ending there made the pool 1.64 of the plan,
-    # so the test runs `alone` (conftest: the other test process waits). Within 10%, as the issue asks: what is
-    # left is what moved in the second or so between the log's readings and SGLang's own.
+    # so the test is `alone` (conftest): the other test process waits while SGLang starts. Within 10%, as the
+    # issue asks: what is left is what moved in the second or so between the log's readings and SGLang's own.
     gib = 2**30
     begins, ends = LOAD_BEGIN.findall(proc.stderr), LOAD_END.findall(proc.stderr)
     assert len(begins) == len(ends) == 1, proc.stderr[-4000:]
