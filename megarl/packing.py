@@ -186,12 +186,12 @@ def with_prompt_routes(groups: PromptGroups, routes: list[Tensor]) -> PromptGrou
     prompt is routed once, so a group whose samples' routes for it differ (a near tie the engine broke otherwise
     in another batch) shares within each set of equal routes, and every sample is still replayed and compared
     with its own routes."""
-    ids, kinds = [], {}  # per group: (new id, a sample with those prompt routes)
+    ids, kinds, new_ids = [], {}, 0  # kinds, per group: (new id, a sample with those prompt routes)
     for i, (g, p) in enumerate(zip(groups.group_ids.tolist(), groups.prompt_lens.tolist())):
         known = kinds.setdefault(g, [])
         same = next((k for k, j in known if torch.equal(routes[j][:p], routes[i][:p])), None)
         if same is None:
-            same = sum(len(v) for v in kinds.values())
+            same, new_ids = new_ids, new_ids + 1
             known.append((same, i))
         ids.append(same)
     return PromptGroups(torch.tensor(ids, dtype=torch.long), groups.prompt_lens)

@@ -504,9 +504,7 @@ def check_shared_prompts(*, micro_batch_tokens: int | None, config) -> None:
     if not micro_batch_tokens:
         raise ValueError("train.share_prompts lays a group out as one packed row: it needs sequence packing "
                          "(set train.micro_batch_tokens)")
-    names = ("num_moe_experts", "moe_aux_loss_coeff", "moe_router_load_balancing_type", "moe_z_loss_coeff",
-             "moe_expert_capacity_factor", "moe_router_enable_expert_bias")
-    refusal = shared_prompt_moe_refusal({name: getattr(config, name, None) for name in names})
+    refusal = shared_prompt_moe_refusal(lambda name: getattr(config, name, None))
     if refusal:
         raise ValueError(f"train.share_prompts on this mixture-of-experts model: {refusal}")
     if uses_transformer_engine():

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from megarl.engine.megatron import TrainEngine
 
 ADAPTER_PARAMS = ("lora_a", "lora_b")
+MLP_TARGETS = ("fc1", "fc2")  # model.lora.targets that wrap the MLP: a MoE model's experts and shared experts
 
 
 def is_adapter(name: str) -> bool:
@@ -51,8 +52,8 @@ def check_lora(lora: LoraConfig, shape: ModelShape, *, te: bool, value_head: boo
                           "Transformer Engine's fused layers (norm and linear in one module) have no adapter here. "
                           "Build the engine after megarl.engine.model.use_local_layers('model.lora'), as megarl's "
                           "launch does (megarl.loops.launch.choose_layers)")
-    mlp = [t for t in lora.targets if t in ("fc1", "fc2")]
-    if shape.is_moe and mlp and expert_tp > 1:
+    if adapts_experts(lora, shape) and expert_tp > 1:
+        mlp = [t for t in lora.targets if t in MLP_TARGETS]
         raise RecipeError(f"model.lora.targets = {lora.targets}: the experts' linears ({', '.join(mlp)}) of a "
                           f"mixture-of-experts model ({shape.arch}) take adapters at expert tensor parallelism 1 only "
                           f"(here {expert_tp}: Megatron's dispatcher, not the layer, sums their tensor-parallel "
@@ -61,7 +62,7 @@ def check_lora(lora: LoraConfig, shape: ModelShape, *, te: bool, value_head: boo
 
 def adapts_experts(lora: LoraConfig | None, shape: ModelShape) -> bool:
     """Whether `lora` puts adapters on a MoE model's experts (and shared experts): targets fc1 or fc2."""
-    return lora is not None and shape.is_moe and any(t in ("fc1", "fc2") for t in lora.targets)
+    return lora is not None and shape.is_moe and any(t in MLP_TARGETS for t in lora.targets)
 
 
 def adapt_layer_spec(layer_spec, lora: LoraConfig) -> None:

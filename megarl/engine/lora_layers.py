@@ -49,6 +49,12 @@ class _Adapted:
     lora_a: torch.nn.Parameter
     lora_b: torch.nn.Parameter
 
+    @property
+    def split_tokens(self) -> bool:
+        """Whether this rank's input holds its share of the tokens (sequence parallelism). An expert's input comes
+        from Megatron's dispatcher whole, whatever the sequence split around it."""
+        return self.sequence_parallel and not self.explicit_expert_comm
+
     def merged_weight(self) -> Tensor:
         """This rank's shard of W + (alpha / rank) B A, in W's dtype (the product in fp32). B A is this rank's
         shard of the full product for either split, so the shards gather like W's."""
@@ -99,8 +105,6 @@ class LoraColumnParallelLinear(_Adapted, ColumnParallelLinear):
         _adapter_params(self, a_shape=(adapter.rank, input_size),
                         b_shape=(self.output_size_per_partition, adapter.rank))
         set_tensor_model_parallel_attributes(self.lora_b, True, 0, 1)
-        # an expert's input comes from the dispatcher whole, whatever the sequence split around it
-        self.split_tokens = self.sequence_parallel and not self.explicit_expert_comm
         self.lora_a.sequence_parallel = self.split_tokens
 
     def forward(self, input_: Tensor, weight: Tensor | None = None, runtime_gather_output: bool | None = None):
@@ -143,7 +147,6 @@ class LoraRowParallelLinear(_Adapted, RowParallelLinear):
         _adapter_params(self, a_shape=(adapter.rank, self.input_size_per_partition),
                         b_shape=(output_size, adapter.rank))
         set_tensor_model_parallel_attributes(self.lora_a, True, 1, 1)
-        self.split_tokens = self.sequence_parallel and not self.explicit_expert_comm  # (as the column layer's)
         self.lora_b.sequence_parallel = self.split_tokens
 
     def forward(self, input_: Tensor):

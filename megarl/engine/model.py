@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -96,24 +96,25 @@ def moe_settings(shape: ModelShape) -> dict:
     )
 
 
-def shared_prompt_moe_refusal(settings: dict) -> str | None:
-    """Why a MoE model configured by `settings` (TransformerConfig fields: moe_settings and the recipe's
-    model.megatron) would not train a shared-prompt row (train.share_prompts) as its samples alone; None where
-    it would. Megatron's routers count the tokens of their micro-batch, and a shared row holds a prompt's
-    tokens once instead of once per sample: what counts tokens changes, what routes each token alone does not."""
+def shared_prompt_moe_refusal(setting: Callable[[str], object]) -> str | None:
+    """Why a MoE model would not train a shared-prompt row (train.share_prompts) as its samples alone; None where
+    it would. `setting(name)` is the model's TransformerConfig field `name` (None when unset): the built config's,
+    or at launch moe_settings with the recipe's model.megatron over them. Megatron's routers count the tokens of
+    their micro-batch, and a shared row holds a prompt's tokens once instead of once per sample: what counts
+    tokens changes, what routes each token alone does not."""
     def on(name: str) -> bool:
-        value = settings.get(name)
+        value = setting(name)
         return any(v for v in value) if isinstance(value, (list, tuple)) else bool(value)
 
-    if not settings.get("num_moe_experts"):
+    if not setting("num_moe_experts"):
         return None
-    if on("moe_aux_loss_coeff") and settings.get("moe_router_load_balancing_type", "aux_loss") != "none":
-        return (f"the load-balancing loss (moe_aux_loss_coeff = {settings['moe_aux_loss_coeff']}) would count a "
+    if on("moe_aux_loss_coeff") and (setting("moe_router_load_balancing_type") or "aux_loss") != "none":
+        return (f"the load-balancing loss (moe_aux_loss_coeff = {setting('moe_aux_loss_coeff')}) would count a "
                 "shared prompt's tokens once instead of once per sample; set model.megatron.moe_aux_loss_coeff: 0")
     if on("moe_z_loss_coeff"):
-        return (f"the router z-loss (moe_z_loss_coeff = {settings['moe_z_loss_coeff']}) would count a shared "
+        return (f"the router z-loss (moe_z_loss_coeff = {setting('moe_z_loss_coeff')}) would count a shared "
                 "prompt's tokens once instead of once per sample; leave model.megatron.moe_z_loss_coeff unset")
-    if settings.get("moe_expert_capacity_factor") is not None:
+    if setting("moe_expert_capacity_factor") is not None:
         return ("expert capacity (moe_expert_capacity_factor) drops tokens by how many reach an expert, which "
                 "holding a prompt once changes")
     if on("moe_router_enable_expert_bias"):

@@ -202,7 +202,7 @@ def check_share_prompts(shape, megatron: dict) -> None:
     no tokens (megarl.engine.model.shared_prompt_moe_refusal)."""
     from megarl.engine.model import moe_settings, shared_prompt_moe_refusal
 
-    refusal = shared_prompt_moe_refusal(moe_settings(shape) | megatron) if shape.is_moe else None
+    refusal = shared_prompt_moe_refusal((moe_settings(shape) | megatron).get) if shape.is_moe else None
     if refusal:
         raise RecipeError(f"train.share_prompts on a mixture-of-experts model ({shape.arch}): {refusal}")
 
