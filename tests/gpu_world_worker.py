@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -48,6 +49,12 @@ def main(argv: list[str]) -> None:
             say(f"sums {group_sums([1.0, float(dist.get_rank())], group=dist.group.WORLD)}")
         except RuntimeError as e:
             say(f"refused: {e}")
+            # every rank says so before any exits: torchrun ends the other ranks once one has failed, and a
+            # loaded machine may not have brought the other to its collective yet (the store needs no backend)
+            store = dist.distributed_c10d._get_default_store()
+            store.add("refused", 1)
+            while store.add("refused", 0) < dist.get_world_size():
+                time.sleep(0.05)
             os._exit(3)  # at once: a world torn down after a failed collective may abort instead of exiting
         dist.destroy_process_group()  # gloo's threads joined before exit: left to the interpreter, a rank may abort
         return
