@@ -14,6 +14,7 @@ outputs of the row back into the [b, T] layout of right-padded sequences that lo
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from functools import partial
 
@@ -179,6 +180,30 @@ class SharedPrompts:
     prompt_len: Tensor    # [b] long
     own_start: Tensor     # [b] long
     prefix_of: Tensor     # [segments] long: the segment every token of a segment also sees whole, -1 for none
+
+
+@dataclass(frozen=True)
+class SharedKeys:
+    """A shared row's keys segment by segment, for packed attention that takes each segment's queries against
+    keys of its own (Transformer Engine's, megarl.engine.te_attention): a segment's keys are its prompt's
+    tokens, then its own. Under a bottom-right aligned causal mask its i-th token then sees the whole prompt
+    and its own tokens up to i; a segment without a prompt has its own tokens only: plain causal attention."""
+
+    index: Tensor       # [keys] long: the row position of each key, segment after segment
+    cu_seqlens: Tensor  # [segments + 1] int32: where each segment's keys begin in `index`, and the end
+    max_seqlen: int     # the most keys of a segment
+
+
+def shared_keys(cu_seqlens: Tensor, prefix_of: Tensor) -> SharedKeys:
+    """The keys of a shared row with segment bounds `cu_seqlens` and prompts `prefix_of` (SharedPrompts)."""
+    bounds, keys = cu_seqlens.tolist(), []
+    for s, p in enumerate(prefix_of.tolist()):
+        prompt = range(bounds[p], bounds[p + 1]) if p >= 0 else range(0)
+        keys.append([*prompt, *range(bounds[s], bounds[s + 1])])
+    counts = [len(k) for k in keys]
+    return SharedKeys(index=torch.tensor([i for k in keys for i in k], dtype=torch.long),
+                      cu_seqlens=torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32),
+                      max_seqlen=max(counts, default=0))
 
 
 def with_prompt_routes(groups: PromptGroups, routes: list[Tensor]) -> PromptGroups:

@@ -406,15 +406,16 @@ def test_peft_adapter_directory_applied_to_the_base_model_gives_the_merged_expor
 @pytest.mark.parametrize("key", [None, "model.lora", "train.share_prompts"])
 def test_a_run_that_needs_the_local_layers_gets_them_where_transformer_engine_is_installed(key, qwen2_dir, tmp_path,
                                                                                           monkeypatch, caplog):
-    """On a GPU with Transformer Engine installed (megarl's image) a run builds on TE's layers. model.lora and
-    train.share_prompts run on Megatron's local layers only, so launch (megarl.loops.launch.choose_layers)
-    builds such a run's models on those, with a warning naming the key, instead of refusing the run. Stood in:
+    """On a GPU with Transformer Engine installed (megarl's image) a run builds on TE's layers. model.lora runs on
+    Megatron's local layers only, so launch (megarl.loops.launch.choose_layers) builds such a run's models on
+    those, with a warning naming the key, instead of refusing the run. train.share_prompts keeps TE's layers
+    (megarl.engine.te_attention) with RoPE unfused, and refuses a recipe that asks for the fused kernel. Stood in:
     the GPU (megarl.engine.model.on_gpu) and an importable transformer_engine."""
     import logging
     import sys
     import types
 
-    from megarl.config import load_config
+    from megarl.config import RecipeError, load_config
     from megarl.engine import model
     from megarl.engine.lora import check_lora
     from megarl.loops.launch import choose_layers
@@ -432,14 +433,19 @@ def test_a_run_that_needs_the_local_layers_gets_them_where_transformer_engine_is
     cfg = load_config(recipe, overrides[key], check_paths=False)
     with caplog.at_level(logging.WARNING, logger="megarl.loops.launch"):
         choose_layers(cfg)
-    if key is None:
+    if key != "model.lora":
         assert model.uses_transformer_engine() and not caplog.records
+        assert cfg.model.megatron == ({"apply_rope_fusion": False} if key else {})
+        if key:
+            fused = load_config(recipe, [*overrides[key], "model.megatron.apply_rope_fusion=true"], check_paths=False)
+            with pytest.raises(RecipeError, match="model.megatron.apply_rope_fusion: true cannot be combined with "
+                                                  "train.share_prompts"):
+                choose_layers(fused)
         return
     assert not model.uses_transformer_engine()
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
     assert caplog.records[0].getMessage().startswith(f"{key} runs on Megatron's local layer spec"), caplog.text
-    if key == "model.lora":
-        check_lora(cfg.model.lora, read_shape(qwen2_dir), te=model.uses_transformer_engine())  # not refused
+    check_lora(cfg.model.lora, read_shape(qwen2_dir), te=model.uses_transformer_engine())  # not refused
 
 
 def test_adapter_dropout_drops_in_training_forwards_only_and_keeps_the_expected_output(qwen2_dir, groups):

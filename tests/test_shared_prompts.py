@@ -14,6 +14,7 @@ from functools import partial
 import pytest
 import torch
 
+from conftest import needs_cuda
 from test_multi_turn import tool_chat_dir  # noqa: F401 - the fixture
 
 from megarl.packing import PromptGroups, prompt_units, shared_row, unit_tokens, unpack_shared
@@ -82,13 +83,78 @@ def test_shared_row_mask_and_outputs_by_hand():
                             [0, 15, 0, 0, 0]]      # alone: token 1 from its position 5
 
 
+def bottom_right_causal_thd(q, k, v, cu_q, cu_kv):
+    """Packed attention as Transformer Engine defines its "thd" format with the `padding_causal_bottom_right`
+    mask (transformer_engine.pytorch.attention.dot_product_attention.utils.get_full_mask, TE 2.11): segment s's
+    queries q[cu_q[s]:cu_q[s+1]] against its keys k[cu_kv[s]:cu_kv[s+1]], query i masked from key j when
+    j > i + (keys - queries). q [t, heads, d], k and v [t_kv, groups, d] -> [t, heads, d]."""
+    out = []
+    for s in range(len(cu_q) - 1):
+        qs, ks, vs = q[cu_q[s]:cu_q[s + 1]], k[cu_kv[s]:cu_kv[s + 1]], v[cu_kv[s]:cu_kv[s + 1]]
+        nq, nk = len(qs), len(ks)
+        allowed = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)
+        out.append(torch.nn.functional.scaled_dot_product_attention(
+            qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1), attn_mask=allowed,
+            enable_gqa=True).transpose(0, 1))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("budget", [64, 20])
+def test_transformer_engine_keys_give_each_sample_its_prompt_and_own_earlier_tokens(budget):
+    """What megarl.engine.te_attention hands Transformer Engine for a shared row (keys and values gathered
+    segment by segment, `shared_row_inputs`), attended as TE defines that call, is the row's attention under
+    its shared-prompt block mask: outputs and the gradients of query, key and value within 1e-6 (fp32; the
+    same scores, summed in another order). The row: three groups with padding (budget 64, one row), or the
+    first group cut over units (budget 20)."""
+    from megarl.engine.local_attention import SharedPromptParams, block_causal_mask, shared_row_inputs
+    from megarl.packing import shared_keys
+
+    tokens, _, _, groups, lengths = grouped_batch()
+    units = prompt_units(tokens, lengths, groups, max_tokens=budget)
+    rows = [units] if budget == 64 else [units[:2], units[2:]]
+    gen = torch.Generator().manual_seed(3)
+    for row_units in rows:
+        row = shared_row(row_units, lengths, groups.prompt_lens,
+                         row_len=sum(unit_tokens(u, lengths, groups.prompt_lens) for u in row_units) + 3)
+        t = row.row_len
+        params = SharedPromptParams(qkv_format="thd", cu_seqlens_q=row.cu_seqlens, cu_seqlens_kv=row.cu_seqlens,
+                                    max_seqlen_q=row.max_seqlen, max_seqlen_kv=row.max_seqlen,
+                                    prefix_of=row.shared.prefix_of,
+                                    keys=shared_keys(row.cu_seqlens, row.shared.prefix_of))
+        q = torch.randn(t, 4, 8, generator=gen, requires_grad=True)
+        k, v = (torch.randn(t, 2, 8, generator=gen, requires_grad=True) for _ in range(2))
+        key, value, te_args = shared_row_inputs(k, v, params)
+        assert te_args["qkv_format"] == "thd" and te_args["attn_mask_type"] == "padding_causal_bottom_right"
+        assert te_args["cu_seqlens_kv"].dtype == torch.int32 and len(te_args["cu_seqlens_kv"]) == len(row.cu_seqlens)
+        assert te_args["max_seqlen_kv"] == int(te_args["cu_seqlens_kv"].diff().max())
+        got = bottom_right_causal_thd(q, key, value, te_args["cu_seqlens_q"].tolist(),
+                                      te_args["cu_seqlens_kv"].tolist())
+        allowed = ~block_causal_mask(row.cu_seqlens, t, device="cpu", prefix_of=row.shared.prefix_of)[0]
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, enable_gqa=True
+        ).transpose(0, 1)
+        assert (got - want).abs().max() <= TOL
+        weights = torch.randn(want.shape, generator=gen)
+        grads = [torch.autograd.grad((out * weights).sum(), (q, k, v)) for out in (got, want)]
+        for g, w in zip(*grads):
+            assert (g - w).abs().max() <= TOL
+        # a prompt's keys gathered after a sample's own would be a different attention: the check can fail
+        keys = params.keys
+        swapped = torch.cat([torch.cat([keys.index[a:b][-(b - a) // 2:], keys.index[a:b][:-(b - a) // 2]])
+                             for a, b in zip(keys.cu_seqlens[:-1].tolist(), keys.cu_seqlens[1:].tolist())])
+        wrong = bottom_right_causal_thd(q, k[swapped], v[swapped], te_args["cu_seqlens_q"].tolist(),
+                                        te_args["cu_seqlens_kv"].tolist())
+        assert (wrong - want).abs().max() > 1e-2
+
+
 # ---- the engine -----------------------------------------------------------------------------------------------------
-def make_engine(model_dir, groups, *, train: bool, value_head: bool = False):
+def make_engine(model_dir, groups, *, train: bool, value_head: bool = False, dtype: str = "float32",
+                megatron: dict | None = None):
     from megarl.config import OptimConfig
     from megarl.engine.megatron import TrainEngine
 
     optim = OptimConfig(lr=1e-3, weight_decay=0.0, grad_clip=1.0, distributed=True) if train else None
-    return TrainEngine(model_dir=str(model_dir), dtype="float32", megatron={}, groups=groups, optim=optim,
+    return TrainEngine(model_dir=str(model_dir), dtype=dtype, megatron=megatron or {}, groups=groups, optim=optim,
                        value_head=value_head)
 
 
@@ -178,6 +244,52 @@ def test_shared_loss_entropy_and_gradients_equal_unshared(qwen2_dir, groups, alg
                          {name: layout_kwargs(name, lengths, prompt_groups) for name in LAYOUTS})
     assert runs["padded"][1]["clipfrac"] > 0  # the clip is exercised
     assert_same_passes(runs, ok)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_transformer_engine_attention_trains_shared_rows_as_each_sample_alone(qwen2_dir, groups):
+    """On Transformer Engine's layers (megarl's GPU image), shared rows go through TE's packed attention with
+    bottom-right causal masks (megarl.engine.te_attention), RoPE unfused. In fp32 (TE's unfused backend, the
+    same math as the padded layout's in another order): GRPO's outputs, entropy, statistics and gradients within
+    1e-5, padded, packed and shared (1e-6 on CPU; TF32 is off in both, and a GPU's kernels split sums
+    differently). In bf16 (flash or cuDNN attention, what runs train on): the shared layout's logprobs differ from
+    the padded layout's by no more than twice what the plain packed layout's do, plus 1e-3: a layout change's
+    rounding."""
+    pytest.importorskip("transformer_engine")
+    from megarl.algo.aggregate import global_loss_norm
+    from megarl.config import AlgoConfig
+    from megarl.engine.model import uses_transformer_engine
+    from megarl.engine.te_attention import SharedPromptTEAttention
+    from megarl.objective import policy_objective
+
+    assert uses_transformer_engine()
+    tokens, mask, advantages, prompt_groups, lengths = grouped_batch()
+    ok = valid(lengths, tokens.shape[1])
+    engine = make_engine(qwen2_dir, groups, train=True, megatron={"apply_rope_fusion": False})
+    assert any(isinstance(m, SharedPromptTEAttention) for m in engine.stage.modules())
+    extras = {"response_mask": mask, "advantages": advantages,
+              "row_id": torch.arange(float(len(tokens)))[:, None].expand_as(mask)}
+    loss_fn = partial(policy_objective(AlgoConfig(name="grpo", entropy_coef=0.05), on_policy=True),
+                      norm=global_loss_norm(mask))
+    runs = policy_passes(engine, tokens, extras, loss_fn,
+                         {name: layout_kwargs(name, lengths, prompt_groups) for name in LAYOUTS})
+    out_p, stats_p, grads_p, entropy_p = runs["padded"]
+    for name, (out, stats, grads, entropy) in runs.items():
+        assert (out - out_p)[ok].abs().max() <= 1e-5 and (entropy - entropy_p)[ok].abs().max() <= 1e-5, name
+        for key, want in stats_p.items():
+            assert float(stats[key]) == pytest.approx(float(want), abs=1e-5), (name, key)
+        for param, want in grads_p.items():
+            assert (grads[param] - want).abs().max() <= 1e-5, (name, param)
+    bf16 = make_engine(qwen2_dir, groups, train=False, dtype="bfloat16", megatron={"apply_rope_fusion": False})
+    logprobs = {name: bf16.logprobs(tokens, temperature=1.0, **layout_kwargs(name, lengths, prompt_groups))
+                for name in LAYOUTS}
+    packed = (logprobs["packed"] - logprobs["padded"])[ok].abs().max()
+    for name in ("shared in one row", "shared over rows"):
+        assert (logprobs[name] - logprobs["padded"])[ok].abs().max() <= 2 * packed + 1e-3, name
+    with pytest.raises(ValueError, match="model.megatron.apply_rope_fusion: false"):
+        fused = make_engine(qwen2_dir, groups, train=False, dtype="bfloat16", megatron={"apply_rope_fusion": True})
+        fused.logprobs(tokens, temperature=1.0, **layout_kwargs("shared in one row", lengths, prompt_groups))
 
 
 def policy_passes(engine, tokens, extras, loss_fn, layouts: dict[str, dict]) -> dict[str, tuple]:

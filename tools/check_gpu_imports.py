@@ -32,6 +32,7 @@ MODULES = {
     "torch_memory_saver": "torch_memory_saver",  # SGLang's memory release
     "megarl.engine.megatron": "megarl",
     "megarl.engine.model": "megarl",
+    "megarl.engine.te_attention": "megarl",  # shared-prompt rows through TE's packed attention
     "megarl.rollout.sglang_engine": "megarl",
     "megarl.handoff": "megarl",
 }

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The GPU-only checks, on one CUDA device, in about 5 minutes (each stage is bounded; 8 minutes at most):
 #   1. preflight: interpreter, torch with CUDA, SGLang, megatron-core, and the device's free memory;
-#   2. the tests marked `gpu` in tests/test_sglang*.py and tests/test_engine.py (none may be skipped):
+#   2. the tests marked `gpu` in tests/test_sglang*.py, tests/test_engine.py and tests/test_shared_prompts.py
+#      (none may be skipped):
 #      - CUDA IPC push: SGLang's bf16 logprobs equal the trainer's after a push; peak push memory bounded,
 #      - release/resume: device-wide free memory grows by most of SGLang's share; generation works after,
 #      - trainer offload/onload: memory drops, the same weights come back, training goes on,
-#      - Megatron's bf16 logprobs against transformers',
+#      - Megatron's bf16 logprobs against transformers', fused kernels against unfused,
+#      - shared-prompt rows through Transformer Engine's packed attention against the padded layout,
 #      - a 3-step bf16 GRPO run of the quickstart recipe with rollout.engine=sglang under torchrun;
 #   3. tools/bench_handoff.py --device cuda: push GB/s vs a plain copy, peak extra memory vs the bucket.
 #
@@ -69,12 +71,13 @@ if not dry_run:
 PY
 
 stage "2/3 GPU tests"
-tests=(-m pytest -q -p no:cacheprovider -m gpu -rs tests/test_sglang.py tests/test_sglang_runs.py tests/test_engine.py)
+tests=(-m pytest -q -p no:cacheprovider -m gpu -rs tests/test_sglang.py tests/test_sglang_runs.py tests/test_engine.py
+       tests/test_shared_prompts.py)
 if [ "$dry_run" = 1 ]; then
   echo "would run: timeout 330 $python ${tests[*]}"
   timeout 180 "$python" "${tests[@]}" --collect-only | tee "$tmp/collect.txt"
   n=$(grep -c '::test_gpu_' "$tmp/collect.txt" || true)
-  [ "$n" -eq 5 ] || { echo "expected 5 GPU tests, collected $n" >&2; exit 1; }
+  [ "$n" -eq 7 ] || { echo "expected 7 GPU tests, collected $n" >&2; exit 1; }
 else
   status=0
   timeout 330 "$python" "${tests[@]}" >"$tmp/tests.txt" 2>&1 || status=$?

@@ -9,7 +9,7 @@ log p(tokens[b, t] | tokens[b, :t]) at the sampling temperature, and column 0 is
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -23,8 +23,8 @@ from megarl.engine.context_parallel import gather_sequence, split_sequence
 from megarl.engine.model import StageModel
 from megarl.engine.router_replay import ModelRouting
 from megarl.packing import (PackedRow, PromptGroups, count_bins, first_own_predictions, pack, pack_shared,
-                            packed_row, plan_micro_batches, prompt_units, sequence_positions, shared_row, unit_tokens,
-                            unpack, unpack_shared, with_prompt_routes)
+                            packed_row, plan_micro_batches, prompt_units, sequence_positions, shared_keys, shared_row,
+                            unit_tokens, unpack, unpack_shared, with_prompt_routes)
 from megarl.routing import RouteUse
 
 if TYPE_CHECKING:
@@ -76,8 +76,13 @@ class MicroBatch:
         layout = dict(qkv_format="thd", cu_seqlens_q=packed.cu_seqlens.to(device),
                       cu_seqlens_kv=packed.cu_seqlens.to(device), max_seqlen_q=packed.max_seqlen,
                       max_seqlen_kv=packed.max_seqlen)
-        params = PackedSeqParams(**layout) if packed.shared is None else \
-            SharedPromptParams(**layout, prefix_of=packed.shared.prefix_of.to(device))
+        if packed.shared is None:
+            params = PackedSeqParams(**layout)
+        else:
+            keys = shared_keys(packed.cu_seqlens, packed.shared.prefix_of)
+            params = SharedPromptParams(**layout, prefix_of=packed.shared.prefix_of.to(device),
+                                        keys=replace(keys, index=keys.index.to(device),
+                                                     cu_seqlens=keys.cu_seqlens.to(device)))
         return cls(index=index, ids=ids.to(device), labels=labels.to(device), positions=positions.to(device),
                    rows=rows, packed=packed, packed_params=params)
 
@@ -144,7 +149,8 @@ class PipelineSchedule:
         batch, seq_len = tokens.shape
         cp = self.stage.groups.cp_size
         if prompt_groups is not None:
-            check_shared_prompts(micro_batch_tokens=micro_batch_tokens, config=self.stage.config)
+            check_shared_prompts(micro_batch_tokens=micro_batch_tokens, config=self.stage.config,
+                                 models=self.models)
         if cp > 1 and micro_batch_tokens:
             raise ValueError(f"sequence packing (train.micro_batch_tokens = {micro_batch_tokens}) cannot be combined "
                              f"with context parallelism (parallel.cp = {cp}); turn one of them off")
@@ -496,10 +502,10 @@ class SchedulePass:
         return out[:, :self.seq_len]
 
 
-def check_shared_prompts(*, micro_batch_tokens: int | None, config) -> None:
+def check_shared_prompts(*, micro_batch_tokens: int | None, config, models: list) -> None:
     """Refuse a shared-prompt layout (train.share_prompts) that the engine cannot compute exactly (`config`:
-    the model's TransformerConfig)."""
-    from megarl.engine.model import shared_prompt_moe_refusal, uses_transformer_engine
+    the model's TransformerConfig; `models`: its chunks on this rank)."""
+    from megarl.engine.model import shared_prompt_moe_refusal
 
     if not micro_batch_tokens:
         raise ValueError("train.share_prompts lays a group out as one packed row: it needs sequence packing "
@@ -507,7 +513,12 @@ def check_shared_prompts(*, micro_batch_tokens: int | None, config) -> None:
     refusal = shared_prompt_moe_refusal(lambda name: getattr(config, name, None))
     if refusal:
         raise ValueError(f"train.share_prompts on this mixture-of-experts model: {refusal}")
-    if uses_transformer_engine():
-        raise ValueError("train.share_prompts runs on Megatron's local layer spec only (megarl.engine."
-                         "local_attention masks prompt and responses); Transformer Engine's packed attention "
-                         "and fused RoPE are not given the shared-prompt mask and position ids")
+    if config.apply_rope_fusion:
+        raise ValueError("train.share_prompts rotates a shared row by its position ids (own tokens continue after "
+                         "their prompt); the fused RoPE kernel restarts positions at every segment: set "
+                         "model.megatron.apply_rope_fusion: false")
+    attention = {type(m).__name__ for model in models for name, m in model.named_modules()
+                 if name.endswith("core_attention") and not getattr(m, "takes_shared_prompts", False)}
+    if attention:
+        raise ValueError(f"train.share_prompts needs core attention that takes shared-prompt rows (megarl's "
+                         f"local or Transformer Engine attention); this model's is {', '.join(sorted(attention))}")

@@ -39,6 +39,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from torch import Tensor
 
 from megarl.engine.context_parallel import all_gather_keys_values, cp_positions
+from megarl.packing import SharedKeys
 
 
 def block_causal_mask(cu_seqlens: Tensor, total: int, *, device, prefix_of: Tensor | None = None) -> Tensor:
@@ -60,6 +61,18 @@ class SharedPromptParams(PackedSeqParams):
     segment its tokens also see whole (`SharedPrompts.prefix_of`)."""
 
     prefix_of: Tensor | None = None  # [segments] long
+    keys: SharedKeys | None = None   # the row's keys segment by segment, for Transformer Engine's attention
+
+
+def shared_row_inputs(key: Tensor, value: Tensor, params: SharedPromptParams) -> tuple[Tensor, Tensor, dict]:
+    """Keys and values [t, groups, dim] of a shared row gathered segment by segment, and the arguments of TE's
+    packed attention for the row's queries (in row order) against them."""
+    keys = params.keys
+    index = keys.index.to(key.device)
+    return key[index], value[index], dict(
+        qkv_format="thd", attn_mask_type="padding_causal_bottom_right",
+        cu_seqlens_q=params.cu_seqlens_q, cu_seqlens_kv=keys.cu_seqlens.to(key.device),
+        max_seqlen_q=params.max_seqlen_q, max_seqlen_kv=keys.max_seqlen)
 
 
 def rope_at_position_ids(model) -> None:
@@ -137,6 +150,8 @@ def shared_rows(bounds: Tensor, prefix_of: Tensor, total: int) -> tuple | None:
 class PackedLocalAttention(DotProductAttention):
     """`DotProductAttention` that also takes packed sequences (PackedSeqParams with qkv_format "thd") and
     context parallelism (config.context_parallel_size > 1, over the `cp` group of `pg_collection`)."""
+
+    takes_shared_prompts = True  # megarl.engine.compute.check_shared_prompts
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None):

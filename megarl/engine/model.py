@@ -192,7 +192,7 @@ _local_layers: str | None = None  # why this process builds on the local spec wh
 def use_local_layers(reason: str) -> None:
     """Build every model of this process on Megatron's local layer spec, Transformer Engine installed or not:
     for what runs on the local spec only (`reason`, the recipe key: model.lora's adapters wrap the local
-    linears, train.share_prompts's mask is applied by the local attention). Called before any model is built
+    linears). Called before any model is built
     (megarl.loops.launch.choose_layers), so the policy, its reference, critic and teacher share one spec."""
     global _local_layers
     _local_layers = reason
@@ -220,15 +220,21 @@ def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: in
                                                           get_gpt_layer_with_transformer_engine_spec)
     from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage
 
+    from megarl.engine.local_attention import rope_at_position_ids
+
     experts = shape.experts or None
     if uses_transformer_engine():
+        from megarl.engine.te_attention import SharedPromptTEAttention
+
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm,
                                                           qk_layernorm=shape.qk_norm)
+        # TE's core attention, which also takes shared-prompt rows (train.share_prompts)
+        spec.submodules.self_attention.submodules.core_attention = SharedPromptTEAttention
     else:
         from megatron.core.transformer.spec_utils import ModuleSpec
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-        from megarl.engine.local_attention import PackedLocalAttention, rope_at_position_ids
+        from megarl.engine.local_attention import PackedLocalAttention
         from megarl.engine.rms_norm import RMSNorm
 
         layer = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=shape.qk_norm,
@@ -257,8 +263,7 @@ def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: in
         rope_scaling=shape.llama3_rope_factor is not None,
         rope_scaling_factor=shape.llama3_rope_factor or 8.0, vp_stage=vp_stage,
     )
-    if not uses_transformer_engine():
-        rope_at_position_ids(model)  # shared-prompt rows (megarl.packing.shared_row)
+    rope_at_position_ids(model)  # shared-prompt rows (megarl.packing.shared_row)
     if on_gpu():
         model.cuda(current_device())
     return model

@@ -82,18 +82,27 @@ def init_groups(cfg: Config) -> ParallelGroups:
 
 
 def choose_layers(cfg: Config) -> None:
-    """Megatron's local layer spec for a run that needs it (model.lora, train.share_prompts), where Transformer
-    Engine's would be used otherwise (a GPU with TE installed, as in megarl's image): those features run on the
-    local layers only. Said once, since the local layers are slower on a GPU than TE's fused ones."""
-    need = "model.lora" if cfg.model.lora is not None else "train.share_prompts" if cfg.train.share_prompts else None
-    if need is None:
+    """The layers and kernels of this run's models, before any is built.
+
+    - model.lora: Megatron's local layer spec, where Transformer Engine's would be used otherwise (a GPU with TE
+      installed, as in megarl's image): the adapters wrap the local linears. Said once, since the local layers
+      are slower on a GPU than TE's fused ones.
+    - train.share_prompts: RoPE unfused (model.megatron.apply_rope_fusion false): a shared row is rotated by its
+      position ids, own tokens continuing after their prompt, where the fused kernel restarts them at every
+      segment. Its attention is megarl's local one or TE's (megarl.engine.te_attention)."""
+    if cfg.train.share_prompts:
+        if cfg.model.megatron.get("apply_rope_fusion"):
+            raise RecipeError("model.megatron.apply_rope_fusion: true cannot be combined with train.share_prompts "
+                              "(the fused RoPE kernel restarts positions at every segment of a packed row, where a "
+                              "shared row's own tokens continue after their prompt)")
+        cfg.model.megatron["apply_rope_fusion"] = False
+    if cfg.model.lora is None:
         return
     te = model.uses_transformer_engine()
-    model.use_local_layers(need)
+    model.use_local_layers("model.lora")
     if te:
-        log.warning("%s runs on Megatron's local layer spec: Transformer Engine is installed but not used by this "
-                    "run (its fused norm-and-linear layers take no adapters and its attention no shared-prompt "
-                    "mask)", need)
+        log.warning("model.lora runs on Megatron's local layer spec: Transformer Engine is installed but not used "
+                    "by this run (its fused norm-and-linear layers take no adapters)")
 
 
 def check_run_dir(run_dir: str) -> None:

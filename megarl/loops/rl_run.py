@@ -197,8 +197,7 @@ def check_same_tokenizer(model_path: str, teacher_path: str) -> None:
 
 
 def check_share_prompts(shape, megatron: dict) -> None:
-    """train.share_prompts on what the engine computes exactly: dense models (on Megatron's local layer spec,
-    which launch chooses for such a run: megarl.loops.launch.choose_layers), and MoE models whose routers count
+    """train.share_prompts on what the engine computes exactly: dense models, and MoE models whose routers count
     no tokens (megarl.engine.model.shared_prompt_moe_refusal)."""
     from megarl.engine.model import moe_settings, shared_prompt_moe_refusal
 
