@@ -639,7 +639,7 @@ class EnvConfig:
 class TrainConfig:
     steps: int = 10  # optimizer steps
     micro_batch_size: int = 8  # sequences per forward/backward (a DPO pair is two sequences)
-    # RL: when set, sequence packing: each forward/backward is one row of unpadded sequences back to back,
+    # RL and SFT: when set, sequence packing: each forward/backward is one row of unpadded sequences back to back,
     # at most this many tokens (so at least the longest prompt + response), balanced by tokens; 0/None =
     # off, micro_batch_size padded sequences instead
     micro_batch_tokens: int | None = None
@@ -774,9 +774,10 @@ class Config:
             if self.placement.mode == "split":
                 raise ValueError(f"placement.mode = 'split' gives generation ranks of their own; algo.name = "
                                  f"{self.algo.name!r} generates nothing: use placement.mode: colocated")
-            if self.train.micro_batch_tokens:
-                raise ValueError(f"train.micro_batch_tokens (sequence packing) is for the RL loops; algo.name = "
-                                 f"{self.algo.name!r} uses train.micro_batch_size")
+            if self.train.micro_batch_tokens and self.algo.name != "sft":
+                raise ValueError(f"train.micro_batch_tokens (sequence packing) is for the RL and SFT loops; "
+                                 f"algo.name = {self.algo.name!r} uses train.micro_batch_size")
+            self.check_packing_layout()
             return
         self.check_placement()
         if self.rollout.lora_sync == "adapter":
@@ -788,10 +789,7 @@ class Config:
                                  "rollout ranks take the merged weights (rollout.lora_sync: merged)")
         if self.train.share_prompts:
             self.check_share_prompts()
-        if self.train.micro_batch_tokens and self.parallel.cp > 1:
-            # context parallelism cuts each padded row into 2 * cp chunks; packed rows are not split
-            raise ValueError(f"train.micro_batch_tokens (sequence packing) cannot be combined with parallel.cp = "
-                             f"{self.parallel.cp} (context parallelism); turn one of them off")
+        self.check_packing_layout()
         if n * prompts % micro and not self.train.micro_batch_tokens:
             raise ValueError(
                 f"rollout.n_samples * data.prompts_per_step = {n} * {prompts} = {n * prompts} samples per step"
@@ -814,6 +812,12 @@ class Config:
         if self.teacher.path is not None and not self.algo.distills:
             raise ValueError("teacher.path is set but nothing reads it: set algo.name: distill, or algo.distill_coef "
                              "> 0 to add the teacher's term to this algorithm")
+
+    def check_packing_layout(self) -> None:
+        if self.train.micro_batch_tokens and self.parallel.cp > 1:
+            # context parallelism cuts each padded row into 2 * cp chunks; packed rows are not split
+            raise ValueError(f"train.micro_batch_tokens (sequence packing) cannot be combined with parallel.cp = "
+                             f"{self.parallel.cp} (context parallelism); turn one of them off")
 
     def check_share_prompts(self) -> None:
         if self.rollout.n_samples < 2:

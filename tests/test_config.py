@@ -272,9 +272,13 @@ def test_sequence_packing_key_replaces_the_micro_batch_size_divisibility(recipe)
     assert load_config(path, ["train.micro_batch_tokens=0"]).train.micro_batch_tokens == 0  # 0 = off
     assert error_of(path, ["train.micro_batch_tokens=-1"]).endswith(
         "train.micro_batch_tokens: must be >= 0, got -1")
-    assert error_of(path, ["algo.name=sft", "train.micro_batch_tokens=4096"]) == (
-        f"{path}: train.micro_batch_tokens (sequence packing) is for the RL loops; algo.name = 'sft' uses "
+    assert load_config(path, ["algo.name=sft", "train.micro_batch_tokens=4096"]).train.micro_batch_tokens == 4096
+    assert error_of(path, ["algo.name=dpo", "train.micro_batch_tokens=4096"]) == (
+        f"{path}: train.micro_batch_tokens (sequence packing) is for the RL and SFT loops; algo.name = 'dpo' uses "
         "train.micro_batch_size")
+    assert error_of(path, ["algo.name=sft", "train.micro_batch_tokens=4096", "parallel.cp=2"]).endswith(
+        "train.micro_batch_tokens (sequence packing) cannot be combined with parallel.cp = 2 (context "
+        "parallelism); turn one of them off")
 
 
 def test_learning_rate_warms_up_linearly_then_holds():

@@ -256,7 +256,7 @@ def test_steps_and_export_are_the_same_at_tp2_and_pp2_as_on_one_rank(groups, qwe
     (["rm.center=0.1"], r"rm_tiny.yaml: override 'rm.center=0.1': rm.center: unknown key \(did you mean "
                         r"'center_coef'\?\)"),
     (["rm.center_coef=-0.1"], r"rm.center_coef: must be >= 0, got -0.1"),
-    (["train.micro_batch_tokens=256"], "train.micro_batch_tokens \\(sequence packing\\) is for the RL loops"),
+    (["train.micro_batch_tokens=256"], "train.micro_batch_tokens \\(sequence packing\\) is for the RL and SFT loops"),
     (["model.lora.rank=8"], "model.lora: adapters go on the policy; algo.name = 'rm' trains a scalar-head model"),
 ])
 def test_rm_recipe_errors_name_file_and_key(qwen2_dir, tiny_data, tmp_path, overrides, message):

@@ -73,6 +73,30 @@ def test_two_data_parallel_ranks_give_the_single_rank_numbers(sft_run, qwen2_dir
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-9), (got["step"], key)
 
 
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S)
+def test_packed_sequences_give_the_padded_numbers(sft_run, qwen2_dir, tiny_data, tmp_path):
+    """train.micro_batch_tokens: the same global batches in packed rows of at most 96 tokens (several rows a
+    step, no padding) give the padded run's loss, gradient norm and held-out loss (fp32 sums in another order:
+    1e-5 relative); a row longer than a packed micro-batch is refused naming file, row and key."""
+    common = [f"model.path={qwen2_dir}", f"data.train_path={tiny_data / 'train.jsonl'}",
+              f"data.eval_path={tiny_data / 'heldout.jsonl'}", "checkpoint.save_final=false", "log.progress=false"]
+    proc = run_python(["-m", "megarl", "train", str(REPO / "recipes" / "sft_tiny.yaml"), *common,
+                       f"train.steps={DP_STEPS}", "train.micro_batch_tokens=96", f"run_dir={tmp_path / 'packed'}"],
+                      timeout_s=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    padded = read_metrics(sft_run)[:DP_STEPS]
+    for got, want in zip(read_metrics(tmp_path / "packed"), padded, strict=True):
+        for key in ("loss", "grad_norm", "response_prob", "eval/loss"):
+            if key in want:
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-9), (got["step"], key)
+    assert "eval/loss" in padded[0]
+    proc = run_python(["-m", "megarl", "train", str(REPO / "recipes" / "sft_tiny.yaml"), *common,
+                       "train.micro_batch_tokens=4", f"run_dir={tmp_path / 'short'}"], timeout_s=RUN_TIMEOUT_S)
+    assert proc.returncode != 0
+    assert re.search(rf"{re.escape(str(tiny_data / 'train.jsonl'))}: row 1 is \d+ tokens, more than "
+                     r"train.micro_batch_tokens = 4", proc.stderr), proc.stderr[-2000:]
+
+
 @pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_a_non_finite_loss_stops_the_run_before_it_is_checkpointed(qwen2_dir, tiny_data, tmp_path):
     # A learning rate of 1e30 moves every weight by ~1e30 in Adam's first update, so step 2's logits, and

@@ -17,7 +17,7 @@ from functools import partial
 from pathlib import Path
 
 from megarl.algo.aggregate import group_sums, masked_sum
-from megarl.config import Config
+from megarl.config import Config, RecipeError
 from megarl.data.prompts import PromptSampler
 from megarl.data.supervised import Example, encode_sft_row, load_sft_rows, pad_examples
 from megarl.engine.megatron import TrainEngine
@@ -26,7 +26,7 @@ from megarl.engine.roles import make_engine
 from megarl.loops.launch import init_groups
 from megarl.loops.lifecycle import final_dir, run_steps
 from megarl.loops.resume import RunState, already_finished, find_resume
-from megarl.loops.supervised import supervised_step
+from megarl.loops.supervised import packing, supervised_step
 from megarl.metrics import check_finite
 
 
@@ -39,14 +39,15 @@ def total_steps(cfg: Config, n_rows: int) -> int:
 
 # ---- evaluation --------------------------------------------------------------------------------------------
 def heldout_loss(engine: TrainEngine, examples: list[Example], *, pad_id: int, groups: ParallelGroups,
-                 micro_batch_size: int) -> float:
+                 micro_batch_size: int, micro_batch_tokens: int | None = None) -> float:
     """Token-mean NLL of the trained tokens of the held-out set; denominator: its trained tokens on all
     data-parallel ranks. `examples` is this rank's share (the ranks' shares together are the set)."""
     nll = tokens = 0.0
     for i in range(0, len(examples), micro_batch_size):
         chunk = examples[i:i + micro_batch_size]
         ids, mask = pad_examples(chunk, pad_id=pad_id)
-        logprobs = engine.logprobs(ids, temperature=1.0, micro_batch_size=len(chunk))
+        logprobs = engine.logprobs(ids, temperature=1.0, micro_batch_size=len(chunk),
+                                   **packing(chunk, micro_batch_tokens))
         nll += float(masked_sum(-logprobs, mask))
         tokens += float(mask.sum())
     nll, tokens = group_sums([nll, tokens], group=groups.dp)
@@ -67,6 +68,7 @@ def train(cfg: Config) -> Path:
     encode = partial(encode_sft_row, tokenizer, chat_template=data.chat_template)
     train_set = [encode(row) for row in load(data.train_path)]
     eval_set = [encode(row) for row in load(data.eval_path)[:data.eval_prompts]] if data.eval_path else []
+    check_packing(cfg.train.micro_batch_tokens, {data.train_path: train_set, data.eval_path: eval_set})
     my_eval = eval_set[groups.dp_rank::groups.dp_size]
     steps = total_steps(cfg, len(train_set))
     resume_from, done = find_resume(cfg)
@@ -76,7 +78,8 @@ def train(cfg: Config) -> Path:
     engine = make_engine(cfg, groups, role="actor", model_dir=cfg.model.path)
     sampler = PromptSampler(len(train_set), seed=cfg.seed, shuffle=data.shuffle, dp_rank=groups.dp_rank,
                             dp_size=groups.dp_size)
-    step_kwargs = dict(pad_id=tokenizer.pad_token_id, micro_batch_size=cfg.train.micro_batch_size)
+    step_kwargs = dict(pad_id=tokenizer.pad_token_id, micro_batch_size=cfg.train.micro_batch_size,
+                       micro_batch_tokens=cfg.train.micro_batch_tokens)
 
     def update() -> dict[str, float]:
         batch = [train_set[i] for i in sampler.next_batch(per_rank)]
@@ -88,6 +91,19 @@ def train(cfg: Config) -> Path:
     state = RunState(groups=groups, engines={"actor": engine}, sampler=sampler)  # a reference is rebuilt
     step = offline_step(cfg, update, evaluate=evaluate if eval_set else None, steps=steps, desc="sft")
     return run_steps(cfg, state, step=step, steps=steps, resume_from=resume_from, desc="sft")
+
+
+def check_packing(micro_batch_tokens: int | None, sets: dict[str, list[Example]]) -> None:
+    """With sequence packing, every example fits in a micro-batch: a RecipeError naming the file and row of
+    the first that does not, before any work."""
+    if not micro_batch_tokens:
+        return
+    for path, examples in sets.items():
+        for row, example in enumerate(examples, start=1):
+            if len(example.ids) > micro_batch_tokens:
+                raise RecipeError(f"{path}: row {row} is {len(example.ids)} tokens, more than "
+                                  f"train.micro_batch_tokens = {micro_batch_tokens} (a packed micro-batch holds "
+                                  "whole sequences)")
 
 
 def offline_step(cfg: Config, update: Callable[[], dict[str, float]], *,
