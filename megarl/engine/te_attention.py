@@ -22,8 +22,8 @@ Imported only where Transformer Engine is used (megarl.engine.model.build_gpt).
 
 from __future__ import annotations
 
-import transformer_engine as te
 from megatron.core.extensions.transformer_engine import TEDotProductAttention
+from transformer_engine.pytorch import DotProductAttention
 from torch import Tensor
 
 from megarl.engine.local_attention import SharedPromptParams, shared_row_inputs
@@ -50,4 +50,4 @@ class SharedPromptTEAttention(TEDotProductAttention):
             num_splits = self.num_splits
         if num_splits is not None:
             kwargs["num_splits"] = num_splits
-        return te.pytorch.DotProductAttention.forward(self, query, key, value, None, **kwargs)
+        return DotProductAttention.forward(self, query, key, value, None, **kwargs)
