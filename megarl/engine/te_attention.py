@@ -23,8 +23,8 @@ Imported only where Transformer Engine is used (megarl.engine.model.build_gpt).
 from __future__ import annotations
 
 from megatron.core.extensions.transformer_engine import TEDotProductAttention
-from transformer_engine.pytorch import DotProductAttention
 from torch import Tensor
+from transformer_engine.pytorch import DotProductAttention
 
 from megarl.engine.local_attention import SharedPromptParams, shared_row_inputs
 
