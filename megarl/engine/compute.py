@@ -149,8 +149,7 @@ class PipelineSchedule:
         batch, seq_len = tokens.shape
         cp = self.stage.groups.cp_size
         if prompt_groups is not None:
-            check_shared_prompts(micro_batch_tokens=micro_batch_tokens, config=self.stage.config,
-                                 models=self.models)
+            check_shared_prompts(micro_batch_tokens=micro_batch_tokens, config=self.stage.config)
         if cp > 1 and micro_batch_tokens:
             raise ValueError(f"sequence packing (train.micro_batch_tokens = {micro_batch_tokens}) cannot be combined "
                              f"with context parallelism (parallel.cp = {cp}); turn one of them off")
@@ -502,9 +501,10 @@ class SchedulePass:
         return out[:, :self.seq_len]
 
 
-def check_shared_prompts(*, micro_batch_tokens: int | None, config, models: list) -> None:
+def check_shared_prompts(*, micro_batch_tokens: int | None, config) -> None:
     """Refuse a shared-prompt layout (train.share_prompts) that the engine cannot compute exactly (`config`:
-    the model's TransformerConfig; `models`: its chunks on this rank)."""
+    the model's TransformerConfig). Both core attentions megarl builds take shared rows (megarl.engine.model.
+    build_gpt: the local one, or Transformer Engine's through megarl.engine.te_attention)."""
     from megarl.engine.model import shared_prompt_moe_refusal
 
     if not micro_batch_tokens:
@@ -517,8 +517,3 @@ def check_shared_prompts(*, micro_batch_tokens: int | None, config, models: list
         raise ValueError("train.share_prompts rotates a shared row by its position ids (own tokens continue after "
                          "their prompt); the fused RoPE kernel restarts positions at every segment: set "
                          "model.megatron.apply_rope_fusion: false")
-    attention = {type(m).__name__ for model in models for name, m in model.named_modules()
-                 if name.endswith("core_attention") and not getattr(m, "takes_shared_prompts", False)}
-    if attention:
-        raise ValueError(f"train.share_prompts needs core attention that takes shared-prompt rows (megarl's "
-                         f"local or Transformer Engine attention); this model's is {', '.join(sorted(attention))}")

@@ -151,8 +151,6 @@ class PackedLocalAttention(DotProductAttention):
     """`DotProductAttention` that also takes packed sequences (PackedSeqParams with qkv_format "thd") and
     context parallelism (config.context_parallel_size > 1, over the `cp` group of `pg_collection`)."""
 
-    takes_shared_prompts = True  # megarl.engine.compute.check_shared_prompts
-
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None):
         cp_group = None

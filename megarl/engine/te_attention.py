@@ -32,8 +32,6 @@ from megarl.engine.local_attention import SharedPromptParams, shared_row_inputs
 class SharedPromptTEAttention(TEDotProductAttention):
     """Megatron's TE core attention, which also takes shared-prompt rows (`SharedPromptParams`)."""
 
-    takes_shared_prompts = True  # megarl.engine.compute.check_shared_prompts
-
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, attn_mask_type,
                 attention_bias: Tensor | None = None, packed_seq_params=None, num_splits: int | None = None
                 ) -> Tensor:
