@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import string
@@ -567,8 +568,14 @@ class RewardConfig:
     # Stop the run after this many consecutive steps in which every sample's reward failed (a broken reward
     # function trains on zeros); the error names the term and its first failure. 0 = never stop.
     max_failed_steps: int = 3
+    # The reward of a sample that a limit cut off before the model ended it (finish reason length, max_turns,
+    # max_tokens or tool_time), in place of its terms', reward models' and environment's sum; null = scored like
+    # the others. A reward model never saw an unfinished response: its score there is arbitrary, and RL finds it.
+    unfinished: float | None = None
 
     def check(self) -> None:
+        if self.unfinished is not None and not math.isfinite(self.unfinished):
+            raise FieldError("unfinished", f"must be a finite number or null, got {self.unfinished}")
         if not self.terms:
             raise FieldError("terms", "needs at least one term")
         _positive(self, "timeout_s")

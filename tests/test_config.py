@@ -251,6 +251,15 @@ def test_reward_term_mistakes_name_the_key_and_file(recipe, body, message):
     assert error_of(path) == f"{path}: {message}"
 
 
+def test_unfinished_reward_is_off_by_default_and_must_be_a_finite_number(recipe):
+    path = recipe()
+    assert load_config(path).reward.unfinished is None
+    assert load_config(path, ["reward.unfinished=-10"]).reward.unfinished == -10
+    assert error_of(path, ["reward.unfinished=.nan"]) == (
+        f"{path}: override 'reward.unfinished=.nan': reward.unfinished: must be a finite number or null, got nan")
+    assert "reward.unfinished: expected" in error_of(path, ["reward.unfinished=low"])
+
+
 def test_old_reward_kind_key_is_an_error_naming_it(recipe):
     path = recipe("reward:\n  kind: exact_answer\n")
     assert error_of(path).startswith(f"{path}: reward.kind: unknown key (")

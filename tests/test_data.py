@@ -54,6 +54,48 @@ def test_command_line_writes_both_splits(tmp_path, capsys):
     assert "heldout.jsonl" in capsys.readouterr().out
 
 
+# ---- digit copying -------------------------------------------------------------------------------------------
+def test_copying_splits_are_disjoint_and_their_pairs_reject_wrong_copies(tmp_path):
+    """Rows ask for their prompt's digits; no string is in both splits; every pair's chosen is the answer and
+    its rejected response differs from it, each kind drawn near its odds; same seed, same bytes."""
+    from collections import Counter
+
+    from megarl.data.copying import REJECTED_KINDS, main, make_copying_splits, wrong_copy
+
+    main(["--out", str(tmp_path / "a"), "--train-size", "2000", "--heldout-size", "64"])
+    paths = make_copying_splits(tmp_path / "b", train_size=2000, heldout_size=64)
+    assert [p.name for p in paths] == ["train.jsonl", "heldout.jsonl", "train_pairs.jsonl", "heldout_pairs.jsonl"]
+    assert all(p.read_bytes() == (tmp_path / "a" / p.name).read_bytes() for p in paths)
+    train, heldout, train_pairs, heldout_pairs = ([json.loads(line) for line in p.read_text().splitlines()]
+                                                  for p in paths)
+    assert len(train) == 2000 and len(heldout) == 64
+    for row in train + heldout:
+        assert row["prompt"] == row["answer"] + "=" and len(row["answer"]) == 6 and row["answer"].isdigit()
+    assert not {r["answer"] for r in train} & {r["answer"] for r in heldout}
+    assert len({r["answer"] for r in train}) == 2000
+    for rows, pairs in ((train, train_pairs), (heldout, heldout_pairs)):
+        assert [(p["prompt"], p["chosen"]) for p in pairs] == [(r["prompt"], r["answer"]) for r in rows]
+        assert all(p["rejected"] != p["chosen"] for p in pairs)
+    # 4000 draws: each kind's share within 0.03 of its odds (3 standard errors of the 0.15 share is 0.017)
+    rng = __import__("random").Random(5)
+    kinds = Counter(wrong_copy("012345", rng)[1] for _ in range(4000))
+    for kind, odds in REJECTED_KINDS:
+        assert kinds[kind] / 4000 == pytest.approx(odds, abs=0.03), kinds
+    replaced = [wrong_copy("012345", rng) for _ in range(2000)]
+    changed = Counter(sum(a != b for a, b in zip(text, "012345")) for text, kind in replaced if kind == "replaced")
+    # one digit in half of the near misses (about 1400 here: a standard error of 0.013), two or three in the rest
+    assert set(changed) == {1, 2, 3} and changed[1] / sum(changed.values()) == pytest.approx(0.5, abs=0.05)
+    lengths = {len(text) for text, kind in replaced if kind == "length"}
+    assert lengths == {5, 7}
+
+
+def test_copying_refuses_more_rows_than_its_strings_can_give(tmp_path):
+    from megarl.data.copying import make_copying_splits
+
+    with pytest.raises(ValueError, match="too few"):
+        make_copying_splits(tmp_path, digits=2, train_size=45, heldout_size=10)
+
+
 # ---- load_prompts ------------------------------------------------------------------------------------------
 def write_lines(path, lines):
     path.write_text("".join(line + "\n" for line in lines))

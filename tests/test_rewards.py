@@ -1,8 +1,9 @@
-"""The exact-answer reward on hand-written responses."""
+"""The exact-answer reward on hand-written responses, and what `reward.unfinished` does to a batch's rewards."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megarl.rewards.exact import exact_answer_reward, response_answer
 
@@ -29,3 +30,25 @@ def test_exact_answer_reward(response, answer, reward):
 def test_response_answer_is_the_first_line_stripped():
     assert response_answer(" 12 + 3 \nmore") == "12 + 3"
     assert response_answer("<|endoftext|>12") == ""
+
+
+def test_unfinished_reward_replaces_the_whole_sum_of_every_sample_a_limit_cut_off():
+    """Samples ended by a limit (length, max_turns, max_tokens, tool_time) get `reward.unfinished` in place of
+    their terms', reward models' and environment's sum; one the model ended, or one whose environment failed,
+    keeps its sum; unset, every sample keeps it."""
+    from megarl.batch import RolloutBatch
+    from megarl.loops.samples import with_rewards
+
+    reasons = ["stop", "length", "max_turns", "max_tokens", "tool_time", "env_error"]
+    n = len(reasons)
+    batch = RolloutBatch(tokens=torch.ones(n, 4, dtype=torch.long), response_mask=torch.ones(n, 4),
+                         prompt_lens=torch.ones(n, dtype=torch.long), group_ids=torch.arange(n),
+                         rollout_logprobs=torch.zeros(n, 4), responses=[""] * n, answers=[""] * n,
+                         finish_reasons=reasons, prompt_texts=[""] * n, metadata=[{}] * n,
+                         env_rewards=torch.full((n,), 0.5))
+    terms = torch.arange(n, dtype=torch.float32)
+    kept = with_rewards(batch, terms, reward_models=[], micro_batch_size=n, pad_id=0)
+    assert kept.rewards.tolist() == [0.5, 1.5, 2.5, 3.5, 4.5, 5.5]
+    cut = with_rewards(batch, terms, reward_models=[], micro_batch_size=n, pad_id=0, unfinished=-10.0)
+    assert cut.rewards.tolist() == [0.5, -10.0, -10.0, -10.0, -10.0, 5.5]
+    assert cut.rewards.dtype == torch.float32

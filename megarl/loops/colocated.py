@@ -398,5 +398,6 @@ def score(run: RLRun, place: RolloutPlacement, generated: Generated) -> tuple[Ro
         return None, failures, hidden, engines
     rewards = torch.tensor([rewards_of[i] for i in generated.replica])
     batch = with_rewards(batch, rewards, reward_models=run.reward_models,
-                         micro_batch_size=run.cfg.train.micro_batch_size, pad_id=run.tokenizer.pad_token_id)
+                         micro_batch_size=run.cfg.train.micro_batch_size, pad_id=run.tokenizer.pad_token_id,
+                         unfinished=run.cfg.reward.unfinished)
     return batch, failures, hidden, engines

@@ -150,17 +150,24 @@ def response_text(tokenizer, trajectory: Trajectory) -> str:
     return trajectory.last_turn_text
 
 
+CUT_OFF = ("length", "max_turns", "max_tokens", "tool_time")  # finish reasons of a limit, not of the model
+
+
 def with_rewards(batch: RolloutBatch, rewards: Tensor, *, reward_models: list[tuple[float, TrainEngine]],
-                 micro_batch_size: int, pad_id: int) -> RolloutBatch:
+                 micro_batch_size: int, pad_id: int, unfinished: float | None = None) -> RolloutBatch:
     """The batch with its rewards: the recipe's per-sample terms (`rewards`, scored where the samples were
     generated) plus the reward models' (scored here: every rank of the model-parallel group takes part) and
-    the environment's."""
+    the environment's; `unfinished` (`reward.unfinished`), when set, in place of that sum for every sample a
+    limit cut off."""
     micro_batch_size = math.gcd(len(batch), micro_batch_size)
     for weight, model in reward_models:
         rewards = rewards + weight * reward_model_scores(model, batch, pad_id=pad_id,
                                                          micro_batch_size=micro_batch_size)
     if batch.env_rewards is not None:
         rewards = rewards + batch.env_rewards
+    if unfinished is not None:
+        cut_off = torch.tensor([reason in CUT_OFF for reason in batch.finish_reasons])
+        rewards = torch.where(cut_off, torch.tensor(unfinished, dtype=rewards.dtype), rewards)
     return batch.replace(rewards=rewards)
 
 

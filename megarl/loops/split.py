@@ -211,7 +211,7 @@ class SplitRollouts:
                             n_samples=n_samples, first_group=first_group)
         batch = with_rewards(batch, torch.tensor([rewards[i] for i in range(len(done))]),
                              reward_models=run.reward_models, micro_batch_size=run.cfg.train.micro_batch_size,
-                             pad_id=run.tokenizer.pad_token_id)
+                             pad_id=run.tokenizer.pad_token_id, unfinished=run.cfg.reward.unfinished)
         return batch, counts, waited
 
     # -- the loop's calls
