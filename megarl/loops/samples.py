@@ -27,7 +27,7 @@ from megarl.envs.tool_format import ObservationFormat
 from megarl.rewards.scorer import Scorer, Scoring
 from megarl.rewards.terms import Sample
 from megarl.rollout.engine import EngineError, RolloutEngine
-from megarl.rollout.multi_turn import EnvWorkers, Trajectory, TrajectoryRun
+from megarl.rollout.multi_turn import LIMITS, EnvWorkers, Trajectory, TrajectoryRun
 
 
 class SampleContext(Protocol):
@@ -150,9 +150,6 @@ def response_text(tokenizer, trajectory: Trajectory) -> str:
     return trajectory.last_turn_text
 
 
-CUT_OFF = ("length", "max_turns", "max_tokens", "tool_time")  # finish reasons of a limit, not of the model
-
-
 def with_rewards(batch: RolloutBatch, rewards: Tensor, *, reward_models: list[tuple[float, TrainEngine]],
                  micro_batch_size: int, pad_id: int, unfinished: float | None = None) -> RolloutBatch:
     """The batch with its rewards: the recipe's per-sample terms (`rewards`, scored where the samples were
@@ -166,7 +163,7 @@ def with_rewards(batch: RolloutBatch, rewards: Tensor, *, reward_models: list[tu
     if batch.env_rewards is not None:
         rewards = rewards + batch.env_rewards
     if unfinished is not None:
-        cut_off = torch.tensor([reason in CUT_OFF for reason in batch.finish_reasons])
+        cut_off = torch.tensor([reason in LIMITS for reason in batch.finish_reasons])
         rewards = torch.where(cut_off, torch.tensor(unfinished, dtype=rewards.dtype), rewards)
     return batch.replace(rewards=rewards)
 

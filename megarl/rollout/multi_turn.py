@@ -40,7 +40,8 @@ from megarl.rollout.engine import EngineError, Generation
 
 log = logging.getLogger(__name__)
 
-FINISH_REASONS = ("stop", "length", "max_turns", "max_tokens", "tool_time", "env_error")
+LIMITS = ("length", "max_turns", "max_tokens", "tool_time")  # finish reasons of a limit, not of the model
+FINISH_REASONS = ("stop", *LIMITS, "env_error")
 _POLL_S = 0.05  # how often the scheduler looks at steps still waiting for a pool thread
 
 
