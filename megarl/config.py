@@ -150,7 +150,9 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature
     top_p: float = 1.0  # nucleus sampling mass, in (0, 1]
     max_new_tokens: int = 64  # generation length limit per sample
-    bucket_bytes: int = 64 * 2**20  # weight handoff bucket size
+    # weight handoff bucket size: 512 MiB, as a GPU run wants it (each bucket costs an SGLang call and a TP
+    # barrier; the plan counts one bucket in the push phase). A model smaller than that goes in one bucket.
+    bucket_bytes: int = 512 * 2**20
     tp: int = 1  # ranks per engine (SGLang's TP size): one engine on every group of this many ranks
     mem_fraction: float = 0.5  # SGLang's static memory fraction (weights + KV cache): of the GPU, on CPU of free RAM
     # After a weight push, compare the engine's copy of the pushed tensors with the trainer's (megarl.handoff).

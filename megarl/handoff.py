@@ -81,15 +81,18 @@ def push_weights(engine, named_tensors: Iterable[tuple[str, Tensor]], *, bucket_
     `verify(index in the stream)` selects with the trainer's, both rounded to `dtype`, the engine's (None: as
     pushed), by `verify_engine`, which names `engine_name` when one differs. Returns counts for the metrics
     (`verified`: the tensors compared)."""
-    stats = {"tensors": 0, "bytes": 0, "buckets": 0}
+    stats = {"tensors": 0, "bytes": 0, "buckets": 0, "largest_bucket_bytes": 0, "largest_tensor_bytes": 0}
     expected: dict[str, Fingerprint] = {}
 
     def counted():
         for bucket in buckets(fingerprinted(named_tensors, verify, into=expected, dtype=dtype),
                               bucket_bytes=bucket_bytes):
+            sizes = [t.numel() * t.element_size() for _, t in bucket]
             stats["buckets"] += 1
             stats["tensors"] += len(bucket)
-            stats["bytes"] += sum(t.numel() * t.element_size() for _, t in bucket)
+            stats["bytes"] += sum(sizes)
+            stats["largest_bucket_bytes"] = max(stats["largest_bucket_bytes"], sum(sizes))
+            stats["largest_tensor_bytes"] = max(stats["largest_tensor_bytes"], *sizes)
             yield bucket
 
     engine.update_weights(counted(), version=version)

@@ -392,29 +392,33 @@ def zero_advantage_split(batch: RolloutBatch, *, group, multiple: int = 1) -> tu
     """Split off the samples whose advantage is exactly zero on every response token: under a loss whose
     terms all scale with the advantage (`PolicyObjective.inert_at_zero_advantage`) such a sample adds
     exactly zero to the loss and to every gradient, so training without it gives the same update (a GRPO
-    group whose samples all earned the same reward is one). Returns (trained, trained_frac).
-
-    Every rank of the data-parallel `group` keeps equally many samples, so `redistribute` can even out the
-    tokens afterwards: as many as the rank with the most samples to train (at least one, so every rank
-    still joins the step's collectives) rounded up to a `multiple` of samples (pipeline parallelism's
-    padded micro-batches), topped up with its shortest zero-advantage samples, whose response masks are
-    zeroed (they run through their prompts only, and the statistics and drift count the samples with a
-    non-zero advantage alone, whatever the layout). `trained_frac`
-    is the global fraction of samples with a non-zero advantage. `trained` is `batch` itself when it keeps
-    every sample and masks nothing. Every rank of `group` must call this (group None: this rank alone).
-    """
+    group whose samples all earned the same reward is one). Returns (trained, trained_frac): `equal_part`
+    of the samples with a non-zero advantage, and their global fraction. Every rank of `group` must call
+    this (group None: this rank alone)."""
     live = ((batch.advantages != 0) & batch.response_mask.bool()).any(dim=-1)
-    counts = torch.tensor([int(live.sum())])
+    return equal_part(batch, live, group=group, multiple=multiple)
+
+
+def equal_part(batch: RolloutBatch, chosen: Tensor, *, group, multiple: int = 1) -> tuple[RolloutBatch, float]:
+    """The samples `chosen` ([B] bool), with as many on every rank of the data-parallel `group`, so the ranks
+    run the same number of micro-batches (and `redistribute` can even out the tokens afterwards): as many as
+    the rank with the most chosen samples (at least one, so every rank still joins the collectives of a pass)
+    rounded up to a `multiple` of samples (pipeline parallelism's padded micro-batches), topped up with its
+    shortest other samples, whose response masks are zeroed (they run through their prompts only, and no
+    statistic counts them, whatever the layout). Returns (part, fraction): `fraction` is the global share
+    of chosen samples; `part` is `batch` itself when it keeps every sample and masks nothing. Every rank of
+    `group` must call this (group None: this rank alone)."""
+    counts = torch.tensor([int(chosen.sum())])
     size = dist.get_world_size(group) if group is not None else 1
     if size > 1:
         gathered = [torch.zeros_like(counts) for _ in range(size)]
         dist.all_gather(gathered, counts, group=group)
         counts = torch.cat(gathered)
     keep_n = min(max(-(-int(counts.max()) // multiple) * multiple, multiple), len(batch))
-    trained_frac = float(counts.sum()) / (len(batch) * size)
+    fraction = float(counts.sum()) / (len(batch) * size)
     lengths = sequence_lengths(batch.response_mask, batch.prompt_lens)
-    fillers = sorted((i for i in range(len(batch)) if not live[i]), key=lambda i: (int(lengths[i]), i))
-    keep = sorted([i for i in range(len(batch)) if live[i]] + fillers[:keep_n - int(live.sum())])
-    trained = batch if len(keep) == len(batch) else batch.select(torch.tensor(keep, dtype=torch.long))
+    fillers = sorted((i for i in range(len(batch)) if not chosen[i]), key=lambda i: (int(lengths[i]), i))
+    keep = sorted([i for i in range(len(batch)) if chosen[i]] + fillers[:keep_n - int(chosen.sum())])
+    part = batch if len(keep) == len(batch) else batch.select(torch.tensor(keep, dtype=torch.long))
     # a filler's response is masked out: it runs through its prompt only, and no statistic counts it
-    return trained.mask_responses_except(live[keep]), trained_frac
+    return part.mask_responses_except(chosen[keep]), fraction

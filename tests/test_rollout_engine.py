@@ -22,7 +22,7 @@ def engine_classes():
 
 
 def test_the_protocol_lists_what_the_loop_calls():
-    assert PROTOCOL_METHODS == ["abandon", "flush_cache", "generate", "read_weights", "release_memory",
+    assert PROTOCOL_METHODS == ["abandon", "device_bytes", "flush_cache", "generate", "read_weights", "release_memory",
                                 "resume_cache", "resume_weights", "rng_state", "set_rng_state", "shutdown",
                                 "update_adapter", "update_weights"]
 

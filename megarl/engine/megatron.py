@@ -192,9 +192,10 @@ class TrainEngine:
         """Move parameters to the host; `onload` brings everything back. Returns the bytes freed."""
         return self.memory.offload_params()
 
-    def onload(self) -> None:
-        """Bring parameters, gradient buffers (zeroed) and optimizer state back to the device."""
-        self.memory.onload()
+    def onload(self, *, params_only: bool = False) -> None:
+        """Bring parameters, gradient buffers (zeroed) and optimizer state back to the device (with `params_only`,
+        the parameters alone)."""
+        self.memory.onload(params_only=params_only)
 
     def free(self) -> int:
         """Free every storage the engine holds, for good (megarl.engine.offload.TrainerMemory.free); returns the

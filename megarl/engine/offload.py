@@ -16,6 +16,7 @@ fails in CPU tests as it would on a GPU (there it is an illegal memory access; h
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ class _Parked:
     storage: torch.UntypedStorage       # the device storage, resized to zero while parked
     nbytes: int                         # its size when resident
     host: torch.UntypedStorage | None   # its bytes while parked; None: zeroed when it comes back (gradients)
+    kind: str                           # "params", "grads" or "optim"
 
 
 class TrainerMemory:
@@ -46,21 +48,39 @@ class TrainerMemory:
         """Bytes of device memory this model has given back (parameters, gradients, optimizer state)."""
         return sum(parked.nbytes for parked in self._parked)
 
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of host memory the parked state's buffers hold (page-locked on a GPU), kept from step to step."""
+        return sum(host.nbytes() for host in self._hosts.values())
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes of the model on its device now, by kind ("params", "grads", "optim"), each storage counted once
+        (with its first kind: parameters, then gradients, then optimizer state)."""
+        seen: set[int] = set()
+        out = {}
+        for kind, tensors in (("params", self._param_tensors()),
+                              ("grads", self._grad_tensors() if self.optimizer is not None else []),
+                              ("optim", self._optimizer_tensors() if self.optimizer is not None else [])):
+            storages = {_key(t): t.untyped_storage() for t in tensors if _key(t) not in seen}
+            seen.update(storages)
+            out[kind] = sum(storage.nbytes() for storage in storages.values())
+        return out
+
     def offload_training_state(self) -> int:
         """Free the gradient buffers and move the optimizer state to the host; returns the bytes freed."""
         if self.optimizer is None:
             return 0
         model = {_key(t) for t in self._param_tensors()}
-        freed = self._park(self._grad_tensors(), keep_bytes=False)
+        freed = self._park(self._grad_tensors(), keep_bytes=False, kind="grads")
         state = [t for t in self._optimizer_tensors() if _key(t) not in model]
         # a loaded checkpoint replaces the optimizer's tensors: drop the host buffers of those that are gone
         live = model | {_key(t) for t in state}
         self._hosts = {key: host for key, host in self._hosts.items() if key in live}
-        return freed + self._park(state, keep_bytes=True)
+        return freed + self._park(state, keep_bytes=True, kind="optim")
 
     def offload_params(self) -> int:
         """Move the parameters to the host; returns the bytes freed."""
-        return self._park(self._param_tensors(), keep_bytes=True)
+        return self._park(self._param_tensors(), keep_bytes=True, kind="params")
 
     def free(self) -> int:
         """Free every storage of the model for good: parameters, gradient buffers, optimizer state; returns the
@@ -70,21 +90,26 @@ class TrainerMemory:
         tensors = self._param_tensors()
         if self.optimizer is not None:
             tensors += self._grad_tensors() + self._optimizer_tensors()
-        freed = self._park(tensors, keep_bytes=False)
+        freed = self._park(tensors, keep_bytes=False, kind="params")
         self._parked, self._hosts = [], {}
         return freed
 
-    def onload(self) -> None:
-        """Bring back whatever was offloaded: parameters, gradient buffers (zeroed), optimizer state."""
+    def onload(self, *, params_only: bool = False) -> None:
+        """Bring back whatever was offloaded: parameters, gradient buffers (zeroed), optimizer state; with
+        `params_only` the parameters alone (what an export reads), the rest staying on the host."""
+        staying = []
         for parked in self._parked:
+            if params_only and parked.kind != "params":
+                staying.append(parked)
+                continue
             parked.storage.resize_(parked.nbytes)
             if parked.host is None:
                 parked.storage.fill_(0)
             else:
                 parked.storage.copy_(parked.host, non_blocking=True)
-        self._parked = []
+        self._parked = staying
 
-    def _park(self, tensors: Iterable[torch.Tensor], *, keep_bytes: bool) -> int:
+    def _park(self, tensors: Iterable[torch.Tensor], *, keep_bytes: bool, kind: str) -> int:
         storages: dict[int, torch.UntypedStorage] = {}
         for tensor in tensors:
             storage = tensor.untyped_storage()
@@ -102,7 +127,7 @@ class TrainerMemory:
             nbytes = storage.nbytes()
             # On a GPU the caching allocator orders the freed block after the copy on this stream.
             storage.resize_(0)
-            self._parked.append(_Parked(storage, nbytes, host))
+            self._parked.append(_Parked(storage, nbytes, host, kind))
             freed += nbytes
         if freed and on_gpu():
             torch.cuda.empty_cache()  # to the driver: the rollout engine is another process
@@ -140,4 +165,15 @@ def _key(tensor: torch.Tensor) -> int:
 
 
 def _host_buffer(nbytes: int) -> torch.UntypedStorage:
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_gpu()).untyped_storage()
+    """`nbytes` of host memory, page-locked on a GPU machine so the copies run asynchronously. Pinned through
+    cudaHostRegister on a plain allocation: torch's caching host allocator (`pin_memory=True`) rounds every
+    request up to a power of two (an 8.8 GB parameter buffer would lock 16 GiB), this locks the pages asked
+    for. The registration ends with the buffer."""
+    storage = torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
+    if on_gpu() and nbytes:
+        cudart = torch.cuda.cudart()
+        error = cudart.cudaHostRegister(storage.data_ptr(), nbytes, 0)
+        if int(error) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(error)}")
+        weakref.finalize(storage, cudart.cudaHostUnregister, storage.data_ptr())
+    return storage

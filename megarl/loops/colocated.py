@@ -69,6 +69,7 @@ class ColocatedRollouts:
         self.restarts = 0  # engine restarts in this run, every engine counted (the same on every rank)
         self.lost = False  # restarts are spent: nothing is pushed any more (the run saves and stops)
         self.rng = None  # the engine's sampler state before its last generation: a restarted engine starts there
+        self.released = 0  # bytes this rank's engine gave back at the step's release (rollout/released_bytes)
 
     def start(self, model_dir: str) -> None:
         """The engine of this rank, seeded by its index (so a run resumed at another trainer layout with the same
@@ -163,7 +164,10 @@ class ColocatedRollouts:
 
     # -- the memory and the weights
     def release(self) -> None:
-        self.call(lambda engine: engine.release_memory())
+        self.released = self.call(lambda engine: engine.release_memory()) or 0
+
+    def device_bytes(self) -> dict[str, int]:
+        return self.engine.device_bytes() if self.engine is not None and self.failure is None else {}
 
     def hand_over(self, run: RLRun, timer: PhaseTimer, *, new_version: bool = True) -> dict:
         """The trainer's gradients and optimizer state leave the device, the weights are pushed (as the next
@@ -174,6 +178,11 @@ class ColocatedRollouts:
                             if engine is not None)
         with timer("push"):
             push_stats = self.push(run, new_version=new_version)
+        # while the last bucket is in flight: the trainer's parameters, the engine's weights, the push's buffers
+        if run.ledger is not None:
+            gathered = max(push_stats.get("largest_tensor_bytes", 0), run.ledger.largest_full_tensor)
+            run.count_device("push", handoff_bucket=push_stats.get("largest_bucket_bytes", 0),
+                             handoff_gathered_tensors=2 * gathered)
         with timer("wake_rollout"):
             offloaded += sum(engine.offload_params() for engine in run.trainer_engines())
             self.call(lambda engine: engine.resume_cache())
@@ -247,18 +256,30 @@ class ColocatedRollouts:
         return run.weight_version, run.weight_version
 
     def metrics(self, run: RLRun) -> dict[str, float]:
-        return {"rollout/engine_restarts": float(self.restarts)}
+        """Engine restarts so far, and the bytes the job's engines gave back at this step's release."""
+        released, = group_sums([float(self.released)], group=dist.group.WORLD)
+        return {"rollout/engine_restarts": float(self.restarts), "rollout/released_bytes": released}
 
     @contextlib.contextmanager
-    def resident(self, run: RLRun, *, new_version: bool = True) -> Iterator[None]:
+    def resident(self, run: RLRun, *, new_version: bool = True, final: bool = False) -> Iterator[None]:
         """The engines give their memory back first, as before an update: the trainer never shares the device
-        with a KV cache. Their weights are released with it, so the end of the block pushes them again (by
-        default a new weight version, with the same weights)."""
+        with a KV cache. Their weights are released with it (unless they take adapters alone), so the end of
+        the block pushes them again (by default a new weight version, with the same weights). `final`: the run
+        ends after the block (its last checkpoint, then the export); the engines stay released and the trained
+        models' gradients and optimizer state leave the device, so the export onloads nothing beside them."""
         self.release()
         for engine in run.trainer_engines():
             engine.onload()
+        run.count_device("checkpoint")
         yield
-        self.hand_over(run, PhaseTimer(), new_version=new_version)
+        if final:
+            for engine in (run.actor, run.critic):
+                if engine is not None:
+                    engine.offload_training_state()
+        else:
+            self.hand_over(run, PhaseTimer(), new_version=new_version)
+        if run.ledger is not None:
+            run.ledger.check()
 
     # -- checkpoints: each engine's sampler RNG
     def state(self) -> dict:
@@ -299,6 +320,9 @@ class ColocatedRounds:
             rows = [run.train_rows[i] for i in run.sampler.next_batch(draw)] if draw else []
             generated = generate(run, self.rollouts, rows, n_samples=run.cfg.rollout.n_samples,
                                  first_group=first_group)
+        if run.ledger is not None and generated.batch is not None:
+            run.ledger.see_prompts(int(generated.batch.prompt_lens.max()))
+        run.count_device("rollout")  # the trainer parked, the engine with the KV cache of its generation
         with timer("reward"):
             return score(run, self.rollouts.placement, generated)
 

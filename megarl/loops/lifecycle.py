@@ -100,9 +100,12 @@ def run_steps(cfg: Config, state: RunState, *, step: Callable[[int], dict[str, f
         profile.close()
     final = final_dir(cfg)
     if cfg.checkpoint.save_final:
-        save_checkpoint(cfg, steps, state)
+        # One residency: the last checkpoint, then the export of the parameters alone, with the rollout engines
+        # released (a resumed engine beside the whole training state would not fit a GPU the plan fills).
+        save_checkpoint(cfg, steps, state, final=True)
         export_policy(state.engines[exported], state.groups, source_dir=cfg.model.path, out_dir=final,
-                      meta={"stage": desc, "step": steps})
+                      meta={"stage": desc, "step": steps}, count_device=state.count_device)
+        state.check_device()
     return final
 
 
@@ -117,16 +120,17 @@ def start_trace(trace_dir: Path, *, resume_step: int) -> None:
 
 
 def export_policy(engine: TrainEngine, groups: ParallelGroups, *, source_dir: str, out_dir: Path,
-                  meta: dict) -> None:
+                  meta: dict, count_device: Callable[..., None] = lambda phase, **transient: None) -> None:
     """Write the model as an HF checkpoint from global rank 0 (a scalar-head model as a one-label sequence
     classifier); its model-parallel peers join the gathers (with expert parallelism that is every rank: the
     expert-parallel peers sit in other data-parallel ranks). A LoRA policy's are its merged weights, and its
     adapters go to `out_dir/adapter` in PEFT's format, for the base model `source_dir`, unless they adapt a MoE
     model's experts (transformers holds a layer's experts as one fused tensor, which PEFT's LoRA does not
-    wrap): the merged weights alone then."""
-    engine.onload()  # on GPU the parameters wait on the host from the weight push to the next step
+    wrap): the merged weights alone then. `count_device(phase, **transient)` counts the device's memory while the
+    gathers run (megarl.ledger)."""
+    engine.onload(params_only=True)  # on GPU the parameters wait on the host from the weight push to the next step
     if groups.dp_rank == 0 or groups.ep_size > 1:
-        tensors = engine.pipeline_hf_tensors(classifier=engine.value_head)
+        tensors = counted(engine.pipeline_hf_tensors(classifier=engine.value_head), count_device)
         if dist.get_rank() == 0:
             config = classifier_config(source_dir) if engine.value_head else None
             save_hf(tensors, source_dir=source_dir, out_dir=out_dir, meta=meta, config=config)
@@ -143,3 +147,13 @@ def export_policy(engine: TrainEngine, groups: ParallelGroups, *, source_dir: st
             for _ in adapters:
                 pass
     dist.barrier()
+
+
+def counted(tensors, count_device: Callable[..., None]):
+    """`tensors` (name, tensor) as they stream, counting the device once the largest has passed: each full tensor
+    is gathered from its shards, so two copies of the largest are on the device at once (megarl.plan)."""
+    largest = 0
+    for name, tensor in tensors:
+        largest = max(largest, tensor.numel() * tensor.element_size())
+        yield name, tensor
+    count_device("export", export_gathered_tensors=2 * largest)

@@ -98,18 +98,23 @@ class RunState:
     save_files: Callable[[Path, int], None] | None = None
     load_files: Callable[[Path, dict, int], None] | None = None  # (directory, state.json, step): read them back
     # a context in which the engines' state is on the device, to be read (RL: onloaded from the host, where a
-    # co-located run keeps it while the rollout engines generate)
-    resident: Callable[[], AbstractContextManager] = contextlib.nullcontext
+    # co-located run keeps it while the rollout engines generate); `final`: the run ends after it (the rollout
+    # engines are not woken again)
+    resident: Callable[..., AbstractContextManager] = lambda final=False: contextlib.nullcontext()
+    # (phase, bytes by transient owner): count what the device holds (RL, colocated: megarl.ledger); then check
+    count_device: Callable[..., None] = lambda phase, **transient: None
+    check_device: Callable[[], None] = lambda: None
 
 
-def save_checkpoint(cfg: Config, step: int, state: RunState) -> Path:
+def save_checkpoint(cfg: Config, step: int, state: RunState, *, final: bool = False) -> Path:
     """Save a run after `step` (a collective call: every rank writes its share); returns the directory.
-    A full disk is a CheckpointError that says so and names the directory."""
+    A full disk is a CheckpointError that says so and names the directory. `final`: the run's last (the
+    rollout engines are not woken after it)."""
     name = [str(temporary_dir(checkpoint_root(cfg), step)) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(name, src=0)
     tmp = Path(name[0])
     try:
-        with state.resident():
+        with state.resident(final=final):
             return _write_checkpoint(cfg, step, state, tmp)
     except (KeyboardInterrupt, SystemExit):
         raise

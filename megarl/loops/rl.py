@@ -32,7 +32,7 @@ from megarl.loops.split_worker import serve_rollout
 from megarl.loops.warmup import sft_warmup
 from megarl.metrics import PhaseTimer, check_finite
 from megarl.objective import explained_variance
-from megarl.packing import PromptGroups, redistribute, sequence_lengths, zero_advantage_split
+from megarl.packing import PromptGroups, equal_part, redistribute, sequence_lengths, zero_advantage_split
 from megarl.rewards.code import check_test_specs
 from megarl.rewards.scorer import RewardFailure
 from megarl.rollout.multi_turn import FINISH_REASONS
@@ -59,17 +59,21 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
     with timer("balance"):  # after advantages: a group's baseline needs all its samples on one rank
         # the whole batch's counts: samples the trainer skips stay in the loss's denominators
         norm = global_loss_norm(batch.response_mask, group=run.groups.dp)
-        trained, trained_frac, stats_norm = batch, 1.0, None
+        trained, trained_frac, stats_norm, untrained = batch, 1.0, None, None
         if skips_zero_advantage(run):
             # pipeline stages exchange padded micro-batches of micro_batch_size rows only
             rows = cfg.train.micro_batch_size if run.groups.pp_size > 1 and not cfg.train.micro_batch_tokens else 1
             trained, trained_frac = zero_advantage_split(batch, group=run.groups.dp, multiple=rows)
             if trained_frac < 1.0:  # the statistics are means over the samples trained (trained_frac is global)
                 stats_norm = global_loss_norm(trained.response_mask, group=run.groups.dp)
+                if run.objective.on_policy:
+                    untrained = untrained_logprobs(run, batch, multiple=rows)
         trained, tokens_imbalance = redistribute(trained, group=run.groups.dp, pad_id=run.tokenizer.pad_token_id)
     with timer("train"):
         train_metrics, trained = train_policy(run, trained, norm=norm, stats_norm=stats_norm, step=step)
         train_metrics |= train_critic(run, trained) if run.critic is not None else {}
+    run.count_device("train", activations=run.ledger.activations(activation_tokens(cfg.train, trained))
+                     if run.ledger is not None else 0)
     training_moe = routing_metrics(run)  # also clears the counts of the training passes
     moe = moe or training_moe
     try:
@@ -79,7 +83,10 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
     except EngineLost as e:  # the step has updated the trainer: the run saves it
         e.trained = True
         raise
-    metrics = batch_metrics(run, batch, trained) | distill_metrics(run, batch) | run.rollouts.metrics(run)
+    metrics = batch_metrics(run, batch, trained, untrained) | distill_metrics(run, batch) | run.rollouts.metrics(run)
+    if run.ledger is not None:
+        run.ledger.check()
+        metrics |= run.ledger.metrics()
     run.drift.observe(metrics["rollout/logprob_diff_mean"], tokens=metrics["rollout/logprob_diff_tokens"], step=step)
     kl_metrics = update_kl_coef(run, batch)
     seconds = sum(timer.seconds.values())
@@ -156,6 +163,29 @@ def train_critic(run: RLRun, batch: RolloutBatch) -> dict[str, float]:
     return metrics
 
 
+def untrained_logprobs(run: RLRun, batch: RolloutBatch, *, multiple: int) -> RolloutBatch:
+    """The samples an on-policy update skips (a zero advantage, `zero_advantage_split`), as many on every
+    data-parallel rank (`equal_part`), with the trainer's logprobs of their tokens as old_logprobs: an
+    on-policy update computes logprobs in its training forward alone, and the drift (rollout/logprob_diff)
+    covers every sample, so engines generating from the wrong weights stop the run even when nothing trains.
+    A forward pass over those samples."""
+    live = ((batch.advantages != 0) & batch.response_mask.bool()).any(dim=-1)
+    part, _ = equal_part(batch, ~live, group=run.groups.dp, multiple=multiple)
+    routes = run.routes.training(part.routes, None)
+    logprobs = run.actor.logprobs(part.tokens, temperature=run.cfg.rollout.temperature,
+                                  routes=routes if routes.replay else None, **micro_batching(run.cfg.train, part))
+    return part.replace(old_logprobs=logprobs * part.response_mask)
+
+
+def activation_tokens(train: TrainConfig, batch: RolloutBatch) -> int:
+    """The tokens of a sequence in the largest micro-batch a training pass of `batch` runs, as the plan's
+    activation formula counts them (micro_batch_size sequences of that many): the batch's padded width, or a
+    packed micro-batch's tokens spread over micro_batch_size sequences."""
+    if train.micro_batch_tokens:
+        return -(-train.micro_batch_tokens // train.micro_batch_size)
+    return int(batch.tokens.shape[1])
+
+
 def skips_zero_advantage(run: RLRun) -> bool:
     """Whether the policy trains on the samples with a non-zero advantage only (`train.skip_zero_advantage`):
     when a zero-advantage sample adds nothing to the policy loss and a critic does not train on it too."""
@@ -188,14 +218,16 @@ def evaluate(run: RLRun) -> dict[str, float]:
     return {"eval/reward_mean": total / n, "eval/tool_calls_mean": calls / n}
 
 
-def batch_metrics(run: RLRun, batch: RolloutBatch, trained: RolloutBatch) -> dict[str, float]:
+def batch_metrics(run: RLRun, batch: RolloutBatch, trained: RolloutBatch,
+                  untrained: RolloutBatch | None = None) -> dict[str, float]:
     """Reward, length, rollout-vs-trainer logprob drift and the environment's turns, tool calls and finish
     reasons over the global batch (one all-reduce). Response lengths count generated tokens only. The drift
-    is over the samples the trainer ran (`trained`, with their old logprobs): all of them, or those of
-    `zero_advantage_split` (`rollout/logprob_diff_tokens` counts their tokens: 0 when no sample trained)."""
+    is over every sample (`rollout/logprob_diff_tokens` counts their tokens): `batch`'s old logprobs where an
+    old-logprob forward ran, else those of the training forward (`trained`, the samples with a non-zero
+    advantage of `zero_advantage_split`) and of `untrained` (the others, `untrained_logprobs`)."""
     mask = batch.response_mask.bool()
-    trained_mask = trained.response_mask.bool()
-    diff = (trained.rollout_logprobs - trained.old_logprobs).abs()[trained_mask]
+    measured = [batch] if batch.old_logprobs is not None else [b for b in (trained, untrained) if b is not None]
+    diff = torch.cat([(b.rollout_logprobs - b.old_logprobs).abs()[b.response_mask.bool()] for b in measured])
     n, tokens, rewards, truncated, diff_sum, diff_tokens, turns, calls, *ended = run.global_sums([
         float(len(batch)), float(mask.sum()), float(batch.rewards.sum()),
         float(sum(r == "length" for r in batch.finish_reasons)), float(diff.sum()), float(diff.numel()),
@@ -316,5 +348,7 @@ def run_state(run: RLRun) -> RunState:
 
     return RunState(groups=run.groups, engines=run.trained_engines(), sampler=run.sampler,
                     rollout_engines=rollouts.engines, resident=partial(rollouts.resident, run),
+                    count_device=run.count_device,
+                    check_device=run.ledger.check if run.ledger is not None else lambda: None,
                     extra=lambda: {"weight_version": run.weight_version, "kl": run.kl.state_dict(), **rollouts.state()},
                     load_extra=load_extra, save_files=rollouts.save, load_files=rollouts.restore)

@@ -21,12 +21,14 @@ from megarl.algo.aggregate import group_sums
 from megarl.batch import RolloutBatch
 from megarl.config import Config, RecipeError
 from megarl.data.prompts import PromptRow, PromptSampler
+from megarl.device import on_gpu
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
 from megarl.engine.lora import BasePolicy, adapts_experts
 from megarl.engine.roles import make_engine, reference_policy
 from megarl.envs.environment import Environment, SingleTurn, environment_factory
 from megarl.envs.tool_format import ObservationFormat, observation_format
+from megarl.ledger import DeviceLedger, engine_owners, model_owners, run_ledger
 from megarl.loops.faults import DriftGate
 from megarl.metrics import PhaseTimer
 from megarl.models.arch import read_shape
@@ -77,13 +79,19 @@ class Rollouts(Protocol):
         generate."""
         ...
 
+    def device_bytes(self) -> dict[str, int]:
+        """What the rollout engine on this rank's device holds now, by kind (RolloutEngine.device_bytes); empty
+        where none is."""
+        ...
+
     def metrics(self, run: RLRun) -> dict[str, float]:
         """The rollouts' own figures of the step (placement split: what its messages moved), once per step on every
         training rank."""
         ...
 
-    def resident(self, run: RLRun) -> AbstractContextManager:
-        """A context in which the trainer's state is on its devices (a checkpoint reads it)."""
+    def resident(self, run: RLRun, *, final: bool = False) -> AbstractContextManager:
+        """A context in which the trainer's state is on its devices (a checkpoint reads it); `final`: the run ends
+        after it, and the engines are not woken again."""
         ...
 
     def state(self) -> dict:
@@ -134,6 +142,8 @@ class RLRun:
     observations: ObservationFormat | None = None  # renders tool messages; None when the env sends none
     env_workers: EnvWorkers | None = None  # the threads of the environment steps, kept from step to step
     teacher: TrainEngine | None = None  # frozen, when algo.name is distill or algo.distill_coef > 0
+    # colocated placement: this rank's device memory, counted phase by phase against the plan (megarl.ledger)
+    ledger: DeviceLedger | None = None
 
     def trainer_engines(self) -> list[TrainEngine]:
         """The models the trainer wakes for a step and parks while the engines generate (a LoRA run's reference
@@ -147,6 +157,20 @@ class RLRun:
     def global_sums(self, values: list[float]) -> list[float]:
         """Sums over the data-parallel ranks of the run, in one all-reduce."""
         return group_sums(values, group=self.groups.dp)
+
+    def count_device(self, phase: str, **transient: int) -> None:
+        """Count what this rank's device holds in `phase` (megarl.ledger): every trainer model's resident state,
+        the reward models, the rollout engine's memory, and `transient` bytes by owner (activations, buckets)."""
+        if self.ledger is None:
+            return
+        owners = {}
+        models = [("actor", self.actor), ("reference", self.reference), ("teacher", self.teacher),
+                  ("critic", self.critic)] + [(f"reward model {i}", m) for i, (_, m) in enumerate(self.reward_models)]
+        for name, model in models:
+            if isinstance(model, TrainEngine):
+                owners |= model_owners(name, model.memory.resident_bytes())
+        owners |= engine_owners(self.rollouts.device_bytes())
+        self.ledger.count(phase, owners | {name.replace("_", " "): nbytes for name, nbytes in transient.items()})
 
 
 def check_launch(cfg: Config) -> None:
@@ -228,8 +252,15 @@ def build_run(cfg: Config, groups: ParallelGroups, *, rollouts: Rollouts, tokeni
     # the drift there is the staleness's; the weight versions and the push checks stand guard.
     stale = cfg.placement.mode == "split" and algo.max_staleness > 0
     drift = DriftGate(limit=None if stale else cfg.rollout.max_logprob_drift, patience=cfg.rollout.drift_patience)
+    ledger = None
+    if cfg.placement.mode == "colocated":
+        models = [m for m in (actor, reference, teacher, critic, *(m for _, m in reward_models))
+                  if isinstance(m, TrainEngine)]
+        ledger = run_ledger(cfg, read_shape(model_dir), world=dist.get_world_size(), stage=groups.pp_rank,
+                            models=models, sglang_on_cpu=cfg.rollout.engine == "sglang" and not on_gpu(),
+                            enforce=not on_gpu())
     return RLRun(
-        cfg=cfg, groups=groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
+        cfg=cfg, groups=groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows, ledger=ledger,
         sampler=PromptSampler(len(train_rows), seed=cfg.seed, shuffle=cfg.data.shuffle, dp_rank=groups.dp_rank,
                               dp_size=groups.dp_size),
         actor=actor, reference=reference, teacher=teacher, critic=critic, rollouts=rollouts,

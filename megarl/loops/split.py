@@ -266,6 +266,9 @@ class SplitRollouts:
         with timer("push"):
             return self.push(run) | {"offloaded_bytes": 0}
 
+    def device_bytes(self) -> dict[str, int]:
+        return {}  # the engines are on devices of their own
+
     def metrics(self, run: RLRun) -> dict[str, float]:
         """The bytes the training ranks posted to the job's store and moved over the sample links (prompts out,
         samples in) since the last call, summed over the training ranks."""
@@ -273,10 +276,10 @@ class SplitRollouts:
         now = (self.box.written, links)
         store, moved = run.global_sums([float(a - b) for a, b in zip(now, self.counted)])
         self.counted = now
-        return {"async/store_bytes": store, "async/transport_bytes": moved,
+        return {"async/store_bytes": store, "async/transport_bytes": moved, "rollout/released_bytes": 0.0,
                 "rollout/engine_restarts": float(sum(self.restarts.values()))}
 
-    def resident(self, run: RLRun) -> contextlib.AbstractContextManager:
+    def resident(self, run: RLRun, *, final: bool = False) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
     def push(self, run: RLRun) -> dict:

@@ -171,17 +171,18 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
         layout = Layout.of(cfg, shape, world=cluster.world, ranks_per_node=cluster.gpus_per_node, teacher=teacher)
     except LayoutError as e:
         raise PlanError(str(e)) from None
-    dtype, optim, megatron = cfg.model.dtype, cfg.optim, cfg.model.megatron
+    dtype, optim = cfg.model.dtype, cfg.optim
     dtype_bytes = DTYPE_BYTES[dtype]
     rollout = None if cfg.algo.name in OFFLINE_ALGOS else rollout_memory(cfg, shape, layout, cluster, seq_len=seq_len)
     routing = routing_memory(cfg, shape, layout, cluster, seq_len=seq_len)
     route_device = routing.device_train if routing is not None else 0
-    logits = LOGITS_BYTES + (ENTROPY_BYTES if cfg.algo.entropy_coef > 0 else 0)
-    vocab_slice = padded_vocab_size(shape.vocab_size, tp=layout.tp) // layout.tp
     state_args = dict(dtype=dtype, distributed=optim.distributed, dp=layout.dp * layout.cp,
                       expert_dp=layout.expert_dp)
     reserve = int(RESERVE_GIB * GIB)
     gathered = 2 * largest_tensor(shape) * dtype_bytes
+    # one bucket in flight: rollout.bucket_bytes, or the whole model where it is smaller
+    bucket = min(cfg.rollout.bucket_bytes, stage_params(shape, tp=1, pp=1, ep=1, stage=0,
+                                                        padded_vocab=shape.vocab_size).total * dtype_bytes)
     reward_shapes = [] if rollout is None else reward_model_shapes(cfg, shape)
 
     stages, buffers, best = [], [], None
@@ -194,9 +195,7 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
             if name == "actor" and cfg.model.lora is not None:
                 adapters = lora_params(shape, cfg.model.lora, tp=layout.tp, pp=layout.pp, ep=layout.ep)
             params, grads, opt = model_state(counts, trainable=trainable, adapters=adapters, **state_args)
-            acts = activation_bytes(shape, layout, stage=stage, seq_len=seq_len, megatron=megatron,
-                                    micro_batch_size=cfg.train.micro_batch_size, act_bytes=dtype_bytes,
-                                    head_bytes_per_token=0 if value_head else logits * vocab_slice) \
+            acts = training_activations(cfg, shape, layout, stage=stage, seq_len=seq_len, value_head=value_head) \
                 if trainable else 0
             models.append(ModelMemory(name, params, grads, opt, acts))
             if adapters:  # DDP's buffers hold what trains
@@ -215,14 +214,11 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
             phases = {"train": states + max(m.activations for m in models) + reserve}
         elif layout.rollout_ranks:  # placement split: no engine here, nothing offloaded; rank 0 sends the push
             phases = {"train": states + max(m.activations for m in models) + route_device + reserve,
-                      "push": states + cfg.rollout.bucket_bytes + gathered + reserve}
-        elif rollout.engine == "native":  # it never lets go: its weights and KV cache stay in every phase
-            phases = {"train": states + max(m.activations for m in models) + route_device + rollout.static + reserve,
-                      "push": trainer_params + rollout.static + cfg.rollout.bucket_bytes + gathered + reserve,
-                      "rollout": rollout.static + reserve}
-        else:  # every GPU of every stage belongs to an SGLang engine
-            phases = {"train": states + max(m.activations for m in models) + route_device + reserve,
-                      "push": trainer_params + rollout.weights + cfg.rollout.bucket_bytes + gathered + reserve,
+                      "push": states + bucket + gathered + reserve}
+        else:  # an engine's GPU: it gives back its KV cache, and its weights unless adapters alone arrive
+            kept = rollout.weights if cfg.rollout.lora_sync == "adapter" else 0
+            phases = {"train": states + max(m.activations for m in models) + route_device + kept + reserve,
+                      "push": trainer_params + rollout.weights + bucket + gathered + reserve,
                       "rollout": rollout.static + reserve}
         phases = {name: nbytes + resident for name, nbytes in phases.items()}
         if best is None or max(phases.values()) > max(best[2].values()):
@@ -231,7 +227,7 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
     rollout_phases = {}
     if layout.rollout_ranks:  # an engine's GPU, SGLang or native: its static memory, and a bucket in the push
         rollout_phases = {"rollout": rollout.static + reserve,
-                          "push": rollout.static + cfg.rollout.bucket_bytes + reserve}
+                          "push": rollout.static + bucket + reserve}
     total = stage_params(shape, tp=1, pp=1, ep=1, stage=0, padded_vocab=shape.vocab_size).total
     model = dict(arch=shape.arch, params=total, layers=shape.layers, hidden=shape.hidden, heads=shape.heads,
                  kv_heads=shape.kv_heads, vocab_size=shape.vocab_size, experts=shape.experts,
@@ -245,6 +241,17 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
                                         routing=routing)
                 + ([] if cfg.algo.name in OFFLINE_ALGOS else [trained_tokens(cfg, layout, prompt_tokens=prompt_tokens,
                                                                              seq_len=seq_len)]))
+
+
+def training_activations(cfg: Config, shape: ModelShape, layout: Layout, *, stage: int, seq_len: int,
+                         value_head: bool = False) -> int:
+    """Peak activation bytes of one training pass of the recipe's micro-batches on one GPU of `stage`, on
+    sequences of `seq_len` tokens; the logprob head's unless `value_head` (a critic's scalar head)."""
+    logits = LOGITS_BYTES + (ENTROPY_BYTES if cfg.algo.entropy_coef > 0 else 0)
+    vocab_slice = padded_vocab_size(shape.vocab_size, tp=layout.tp) // layout.tp
+    return activation_bytes(shape, layout, stage=stage, seq_len=seq_len, megatron=cfg.model.megatron,
+                            micro_batch_size=cfg.train.micro_batch_size, act_bytes=DTYPE_BYTES[cfg.model.dtype],
+                            head_bytes_per_token=0 if value_head else logits * vocab_slice)
 
 
 def trained_tokens(cfg: Config, layout: Layout, *, prompt_tokens: int, seq_len: int) -> str:
@@ -282,9 +289,11 @@ def assumptions(cfg: Config, layout: Layout, *, seq_source: str, experts: bool,
         host = (f"host, per node: nothing offloaded (placement split); {HOST_RESERVE_GIB:g} GiB per GPU for the "
                 f"processes; usable = {HOST_USABLE_FRACTION:.0%} of --host-mem-gb")
     else:
-        phases = ("phases as the RL loop orders them: train (all trainer models resident), push (trainer parameters "
-                  "+ rollout weights + one bucket + 2 copies of the largest tensor), rollout (trainer offloaded); "
-                  "a rollout engine on every GPU")
+        phases = ("phases as the RL loop orders them: train (all trainer models resident"
+                  + (", beside the engine's base weights, which rollout.lora_sync: adapter keeps" if
+                     cfg.rollout.lora_sync == "adapter" else "; the engines' weights and KV cache released")
+                  + "), push (trainer parameters + rollout weights + one bucket + 2 copies of the largest tensor), "
+                  "rollout (trainer offloaded); a rollout engine on every GPU")
         host = ("host, per node: every trainer model's parameters pinned, the trained models' optimizer state, "
                 + ("one parameter buffer's pageable copy on the first offload, " if cfg.optim.distributed else "")
                 + f"{HOST_RESERVE_GIB:g} GiB per GPU for the processes; usable = {HOST_USABLE_FRACTION:.0%} of "

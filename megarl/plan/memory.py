@@ -36,8 +36,9 @@ The estimate follows the code it models, so its assumptions are those of megarl'
   optimizer state on the device with the larger of the actor's and the critic's activations; push = trainer
   parameters (gradients and optimizer state already offloaded) + SGLang's weights + one handoff bucket + two
   copies of the largest full tensor (TP shards and their concatenation); rollout = SGLang's static pool with
-  the trainer offloaded. SFT and DPO have no rollout engine: the train phase only. The native engine never
-  releases memory: its full-size weights stay in every phase and its KV cache holds the rank's samples.
+  the trainer offloaded. SFT and DPO have no rollout engine: the train phase only. Either engine gives back its
+  weights and KV cache before train, except the base weights of an engine that takes adapters alone
+  (rollout.lora_sync: adapter), which stay; the native engine's KV cache holds the rank's samples.
 - Placement split (megarl.loops.split): nothing is offloaded and no GPU holds both kinds of state. A training
   GPU: train as above, and push = every trainer model's state + one bucket + two copies of the largest full
   tensor (training rank 0 broadcasts the buckets). A rollout GPU: rollout = the engine's static memory, push =

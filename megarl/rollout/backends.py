@@ -13,12 +13,14 @@ def make_rollout_engine(cfg: RolloutConfig, model_dir: str, *, dtype: str, seed:
     with `capture_routes` (MoE models) it returns each token's experts (Generation.routes). `group`: the
     trainer ranks on the engine's devices, this one first, which hand SGLang their own copies of the pushed
     weights (`make_rollout_peer` on the others); None when the engine is fed from this rank alone. `lora`: the
-    policy's adapters arrive by `update_adapter` (rollout.lora_sync: adapter)."""
+    policy's adapters arrive by `update_adapter` (rollout.lora_sync: adapter), and the engine keeps its base
+    weights on the device when it releases its memory (the adapters are applied over them)."""
     match cfg.engine:
         case "native":
             from megarl.rollout.native import NativeEngine
 
-            return NativeEngine(model_dir, dtype=dtype, seed=seed, capture_routes=capture_routes)
+            return NativeEngine(model_dir, dtype=dtype, seed=seed, capture_routes=capture_routes,
+                                keep_weights=lora is not None)
         case "sglang":
             from megarl.rollout.sglang_engine import SGLangEngine
 

@@ -86,16 +86,24 @@ class RolloutEngine(Protocol):
         (megarl.handoff.verify_engine) compare these with the trainer's."""
         ...
 
-    def release_memory(self) -> None:
-        """Give the device memory (weights, KV cache) to the trainer; a no-op where the engine keeps it."""
+    def release_memory(self) -> int:
+        """Give the device memory (weights, KV cache) to the trainer; returns the bytes given back on each of the
+        engine's devices. Released weights are gone, on a CPU too: the engine cannot generate the trainer's policy
+        until a full push fills them again (its `generate` raises EngineError until then). An engine that keeps
+        its weights (one taking a LoRA policy's adapters alone) gives back its KV cache only."""
         ...
 
     def resume_weights(self) -> None:
-        """Take the weight memory back, ahead of the push that fills it."""
+        """Take the weight memory back, ahead of the push that fills it; until then it holds garbage."""
         ...
 
     def resume_cache(self) -> None:
         """Take the KV cache back once the push is done."""
+        ...
+
+    def device_bytes(self) -> dict[str, int]:
+        """What the engine holds on each of its devices now, by kind ("weights", "kv_cache"), as a GPU run would
+        hold it: counted by the run's device-memory ledger (megarl.ledger)."""
         ...
 
     def rng_state(self) -> Tensor | None:

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from megarl.device import current_device
 from megarl.rollout.decode import FusedWeights, LeanDecoder, covers, fusable
-from megarl.rollout.engine import Generation, ResponseCallback
+from megarl.rollout.engine import EngineError, Generation, ResponseCallback
 from megarl.routing import compact
 
 log = logging.getLogger(__name__)
@@ -123,12 +123,18 @@ class NativeEngine:
     """A transformers model that samples batches and takes weights pushed by the trainer."""
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0, device: str | None = None,
-                 capture_routes: bool = False, lean_decode: bool = True):
+                 capture_routes: bool = False, lean_decode: bool = True, keep_weights: bool = False):
+        """`keep_weights`: the weights stay on the device through `release_memory` (an engine that takes a LoRA
+        policy's adapters alone, rollout.lora_sync: adapter, merges them over base weights it must keep)."""
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device) if device else current_device()
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(self.device).eval()
+        with torch.no_grad():
+            for param in self.model.parameters():  # a tied weight is one Parameter: it stays tied
+                if not param.untyped_storage().resizable():  # mapped from the checkpoint's file on a CPU
+                    param.data = param.data.clone()  # memory of its own, which release_memory can free
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.weight_version = 0
         # transformers 5.20+ names the KV cache argument `cache`; earlier releases `past_key_values`.
@@ -144,6 +150,19 @@ class NativeEngine:
         self.lean_decode = self._fused is not None
         self._params = dict(self.model.named_parameters())
         self._base: dict[str, Tensor] = {}  # the adapted modules' own weights (update_adapter)
+        self.keeps_weights = keep_weights
+        # Every distinct storage of the weights (the fused matrices hold the projections' rows), with its size:
+        # what release_memory frees and resume_weights allocates again.
+        storages = {p.untyped_storage()._cdata: p.untyped_storage() for p in self._params.values()}
+        self._storages = [(storage, storage.nbytes()) for storage in storages.values()]
+        self.weight_bytes = sum(nbytes for _, nbytes in self._storages)
+        self._released = False
+        self.garbage = False  # resumed weights that no full push has filled since: not the policy of any version
+        config = self.model.config.get_text_config()
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        element = torch.finfo(torch_dtype).bits // 8
+        self._kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element
+        self.kv_bytes = 0  # the KV cache of the last generation: its rows x (prompt width + new tokens)
 
     @torch.no_grad()
     def rng_state(self) -> Tensor:
@@ -160,8 +179,14 @@ class NativeEngine:
                  eos_id: int, pad_id: int, on_response: ResponseCallback | None = None) -> Generation:
         """Sample one response per prompt (repeat a prompt to get a group). `on_response(i, ids, logprobs,
         finish_reason)` gets response i at the step it ends, while the others are still sampled."""
+        if self.garbage or self._released:
+            raise EngineError(phase="generate", cause=(
+                "the engine's weights were released for the trainer and no full weight push has filled them since "
+                "(on a GPU they come back as garbage): " + ("they are still released" if self._released else
+                "a push of the adapters alone does not restore the base weights under them")))
         batch = len(prompts)
         width = max(len(p) for p in prompts)
+        self.kv_bytes = batch * (width + max_new_tokens) * self._kv_bytes_per_token
         # Left padding keeps every prompt's last token in the last column, so one step feeds one column.
         ids = torch.full((batch, width), pad_id, dtype=torch.long)
         # the attention mask of the prompts and of every token still to come (each step reads a longer prefix)
@@ -277,6 +302,7 @@ class NativeEngine:
         if missing:
             raise ValueError(f"weight push of version {version} missed parameters: {sorted({m[0] for m in missing})[:5]}")
         self.weight_version = version
+        self.garbage = False
 
     @torch.no_grad()
     def update_adapter(self, named_tensors: Iterable[tuple[str, Tensor]], *, rank: int, alpha: float,
@@ -312,15 +338,40 @@ class NativeEngine:
                 target = target[expert] if half is None else target[expert].chunk(2, dim=0)[half]
             yield name, None if target is None else target.detach()
 
-    # The memory choreography of co-located engines; a native engine keeps its memory.
-    def release_memory(self) -> None:
-        log.debug("native engine: release_memory skipped (engine keeps its memory)")
+    # The memory choreography of co-located engines, on a GPU and on the CPU alike: released weights are really
+    # freed (their storages resized to zero), and resumed ones hold NaN until a full push fills them, as a GPU
+    # engine's pages come back with undefined contents. A run that generates in between fails (`generate`).
+    def release_memory(self) -> int:
+        """Free the weights' storages (unless the engine keeps its weights); the KV cache of a generation is
+        freed when it returns. Returns the bytes given back."""
+        self.kv_bytes = 0
+        if self.keeps_weights or self._released:
+            return 0
+        for storage, _ in self._storages:
+            storage.resize_(0)
+        self._released = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # to the driver: the trainer allocates through its own caching allocator
+        return self.weight_bytes
 
     def resume_weights(self) -> None:
-        log.debug("native engine: resume_weights skipped (engine keeps its memory)")
+        """Allocate the weights again, filled with NaN: garbage until `update_weights` fills every one."""
+        if not self._released:
+            return
+        for storage, nbytes in self._storages:
+            storage.resize_(nbytes)
+        with torch.no_grad():
+            for param in self._params.values():
+                param.fill_(float("nan"))
+        self._released, self.garbage = False, True
 
     def resume_cache(self) -> None:
-        log.debug("native engine: resume_cache skipped (engine keeps its memory)")
+        """Nothing to take back: a generation allocates its own KV cache."""
+
+    def device_bytes(self) -> dict[str, int]:
+        """What the engine holds on its device now, by kind: its weights while they are not released, and the KV
+        cache of its last generation until the next release."""
+        return {"weights": 0 if self._released else self.weight_bytes, "kv_cache": self.kv_bytes}
 
     def flush_cache(self) -> None:
         pass

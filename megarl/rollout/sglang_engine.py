@@ -2,9 +2,12 @@
 
 One engine per rollout group, started by the group's first rank. On GPU it shares the devices with
 Megatron: its weights, KV cache and CUDA-graph pool are released while the trainer works, the weights
-are resumed for the weight push and the rest once the push is done. On a machine without CUDA, SGLang
-runs in its CPU mode (no memory release there: those calls are GPU-only and are skipped and logged),
-so the same code path is tested everywhere.
+are resumed for the weight push and the rest once the push is done. Released weights come back with
+undefined contents (SGLang starts without `enable_weights_cpu_backup`), so a full push must follow; an engine
+that takes a LoRA policy's adapters alone (rollout.lora_sync: adapter) keeps its base weights and releases
+its KV cache and graphs only. On a machine without CUDA, SGLang runs in its CPU mode, which has no memory
+saver: there a release frees nothing, and resuming the weights pushes NaN into every one of them instead, so
+a CPU run that generates before the next full push fails as a GPU run would (`garbage`).
 
 Weights arrive as full HF-named tensors in byte-bounded buckets (megarl.handoff). Every rank of the engine's
 group holds each tensor in full (the trainer's gathers deliver them to every rank), so each flattens the
@@ -48,6 +51,7 @@ from megarl.config import LoraConfig
 from megarl.device import host_barrier, load_cuda_driver_stand_in, on_gpu
 from megarl.models.arch import read_shape
 from megarl.models.safetensors_dir import SafetensorsDir
+from megarl.plan.memory import DTYPE_BYTES, sglang_kv_bytes_per_token
 from megarl.rollout.engine import EngineError, Generation, ResponseCallback
 from megarl.rollout import sglang_plugin
 from megarl.rollout.sglang_transfer import decode_routes, flatten_bucket, gather_payloads, ipc_exportable
@@ -63,6 +67,8 @@ READBACK_MAX_VALUES = 1 << 22
 # CPU mode: the KV pool's cap in tokens. SGLang would otherwise give the pool mem_fraction of the free host
 # memory (less the weights), which on a shared machine is gigabytes no tiny-model run needs.
 CPU_POOL_TOKENS = 8192
+# CPU mode: the buckets of NaN that stand in for resumed weights (resume_weights)
+POISON_BUCKET_BYTES = 64 * 2**20
 
 
 def engine_args(model_dir: str, *, on_gpu: bool, dtype: str, seed: int, tp_size: int, mem_fraction: float,
@@ -137,11 +143,17 @@ class SGLangEngine:
 
         self.tp_size = tp_size
         self.model_dir = model_dir
+        self.dtype = dtype
+        self.keeps_weights = lora is not None  # adapters alone arrive: the base weights under them stay
         # SGLang skips tensor names its model does not know; a push is checked against the names of the
         # checkpoint the engine was started from instead, so a wrong name table fails loudly.
         checkpoint = SafetensorsDir(model_dir)
         self.expected_names = frozenset(checkpoint.names())
-        self._sizes = {name: math.prod(shape) for name, shape in checkpoint.shapes().items()}  # read_weights
+        self._shapes = checkpoint.shapes()
+        self._sizes = {name: math.prod(shape) for name, shape in self._shapes.items()}  # read_weights
+        # What this engine holds on each of its GPUs: its TP share of the weights, and the KV pool (sized below)
+        self.weight_bytes = sum(self._sizes.values()) * DTYPE_BYTES[dtype] // tp_size
+        self._kv_bytes_per_token = sglang_kv_bytes_per_token(read_shape(model_dir), dtype=dtype, tp=tp_size)
         args = engine_args(model_dir, on_gpu=self.on_gpu, dtype=dtype, seed=seed, tp_size=tp_size,
                            mem_fraction=mem_fraction, base_gpu_id=base_gpu_id, cpu_pool_tokens=cpu_pool_tokens,
                            capture_routes=capture_routes, lora=lora)
@@ -167,6 +179,8 @@ class SGLangEngine:
             monkey_patch_torch_reductions()
         self.weight_version = 0
         self._released: set[str] = set()
+        self.garbage = False  # weights resumed and not filled by a full push since: not the policy of any version
+        self.kv_bytes = self._pool_tokens() * self._kv_bytes_per_token
         # SGLang 0.5.21+ records a weight version that it stamps on every response
         self.stamps_versions = hasattr(self.engine.tokenizer_manager, "update_weight_version")
         self._readable: bool | None = None  # whether get_weights_by_name answers (None: not asked yet)
@@ -217,6 +231,11 @@ class SGLangEngine:
         With `capture_routes`, `routes[i]` holds the experts of prompt i's tokens and of its response but
         the last token (Generation.routes).
         """
+        if self.garbage or "weights" in self._released:
+            raise EngineError(phase="generate", cause=(
+                "the engine's weights were released for the trainer and no full weight push has filled them since "
+                "(released weights come back as garbage): " + ("they are still released" if "weights" in
+                self._released else "a push of the adapters alone does not restore the base weights under them")))
         params = {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
                   "stop_token_ids": [eos_id], "ignore_eos": False}
         responses: dict[int, tuple[list[int], list[float], str]] = {}
@@ -274,6 +293,14 @@ class SGLangEngine:
 
     def update_weights(self, buckets: Iterable[list[tuple[str, Tensor]]], *, version: int) -> None:
         """Load HF-named full tensors bucket by bucket inside one SGLang weight-update session."""
+        self._load(buckets, what=f"weight push of version {version}", group=self.group)
+        self.garbage = False
+        self._stamp(version)
+
+    def _load(self, buckets: Iterable[list[tuple[str, Tensor]]], *, what: str,
+              group: dist.ProcessGroup | None) -> None:
+        """Every tensor of the model, bucket by bucket, inside one weight-update session; `group`: the ranks
+        whose own copies SGLang's TP ranks take (None: this rank serializes one for each)."""
         from sglang.srt.utils import MultiprocessingSerializer
 
         missing = set(self.expected_names)
@@ -288,11 +315,10 @@ class SGLangEngine:
                 for bucket in buckets:
                     unknown = [name for name, _ in bucket if name not in self.expected_names]
                     if unknown:
-                        raise KeyError(f"weight push of version {version}: the rollout model has no tensor "
-                                       f"{unknown[0]!r}")
+                        raise KeyError(f"{what}: the rollout model has no tensor {unknown[0]!r}")
                     missing.difference_update(name for name, _ in bucket)
-                    if self.group is not None:
-                        per_rank, flat = gather_payloads(bucket, group=self.group)
+                    if group is not None:
+                        per_rank, flat = gather_payloads(bucket, group=group)
                     else:
                         # One payload per rollout TP rank; each scheduler rank opens only its own, so the IPC
                         # reference counts drop back to zero after every bucket.
@@ -306,22 +332,21 @@ class SGLangEngine:
                     # CUDA block out of the allocator until every receiver has synchronized its stream and
                     # released its handle (ipc_collect below frees it then).
                     del per_rank, flat
-            if self.group is not None:
-                host_barrier(self.group)  # SGLang loaded the last bucket: the group's buffers may go
+            if group is not None:
+                host_barrier(group)  # SGLang loaded the last bucket: the group's buffers may go
             if session:
                 _check(self._bounded("end_weight_update", self.engine.end_weight_update), "end_weight_update")
         except EngineError:
-            if self.group is not None:  # the group's other ranks go on gathering: take their payloads to the end
+            if group is not None:  # the group's other ranks go on gathering: take their payloads to the end
                 for bucket in buckets:
-                    gather_payloads(bucket, group=self.group)
-                host_barrier(self.group)
+                    gather_payloads(bucket, group=group)
+                host_barrier(group)
             raise
         finally:
             if self.on_gpu:
                 torch.cuda.ipc_collect()  # free staging buffers whose last IPC reference just dropped
         if missing:
-            raise ValueError(f"weight push of version {version} missed tensors: {sorted(missing)[:5]}")
-        self._stamp(version)
+            raise ValueError(f"{what} missed tensors: {sorted(missing)[:5]}")
 
     def update_adapter(self, named_tensors: Iterable[tuple[str, Tensor]], *, rank: int, alpha: float,
                        version: int) -> None:
@@ -374,35 +399,63 @@ class SGLangEngine:
         if not getattr(result, "success", True):
             raise EngineError(phase="flush_cache", cause=f"SGLang refused to flush its cache: {result}")
 
-    def release_memory(self) -> None:
-        """Free SGLang's weights, KV cache and CUDA-graph pool for the trainer (GPU only). SGLang must be
-        idle: generate() has returned."""
-        if not self.on_gpu:
-            _skipped_on_cpu("sglang: release_memory")
-            return
-        tags = [t for t in WEIGHT_TAGS + CACHE_TAGS if t not in self._released]
-        if tags:
+    def release_memory(self) -> int:
+        """Free SGLang's weights (unless it keeps them), KV cache and CUDA-graph pool for the trainer; returns the
+        bytes given back on each of the engine's GPUs (weights and KV pool; the graph pool is not counted).
+        SGLang must be idle: generate() has returned. In CPU mode nothing is freed (SGLang has no memory saver
+        there) and the weights are poisoned when they are resumed (`resume_weights`)."""
+        tags = [t for t in (CACHE_TAGS if self.keeps_weights else WEIGHT_TAGS + CACHE_TAGS) if t not in self._released]
+        if not tags:
+            return 0
+        if self.on_gpu:
             self._bounded("release_memory", self.engine.release_memory_occupation, tags=tags)
-            self._released.update(tags)
+        self._released.update(tags)
+        return self.kv_bytes * ("kv_cache" in tags) + self.weight_bytes * ("weights" in tags)
 
     def resume_weights(self) -> None:
-        """Re-allocate the weight memory, ahead of the push that fills it (GPU only). Released weights
-        come back as garbage: a full push must follow before the next generate."""
-        self._resume(WEIGHT_TAGS, "resume_weights")
+        """Re-allocate the weight memory, ahead of the push that fills it. Released weights come back as garbage
+        (on a CPU: NaN): a full push must follow before the next generate."""
+        if "weights" not in self._released:
+            return
+        if self.on_gpu:
+            self._bounded("resume_weights", self.engine.resume_memory_occupation, tags=list(WEIGHT_TAGS))
+        else:
+            self._load(self._poison(), what="the CPU stand-in of resumed weights (NaN)", group=None)
+        self._released.difference_update(WEIGHT_TAGS)
+        self.garbage = True
 
     def resume_cache(self) -> None:
-        """Re-allocate the KV cache and CUDA-graph pool once the push is done (GPU only)."""
-        self._resume(CACHE_TAGS, "resume_cache")
-
-    def _resume(self, tags: tuple[str, ...], what: str) -> None:
-        if not self.on_gpu:
-            _skipped_on_cpu(f"sglang: {what}")
-            return
+        """Re-allocate the KV cache and CUDA-graph pool once the push is done."""
         # SGLang raises on resuming a tag that is not released: resume only what release_memory took.
-        tags = [t for t in tags if t in self._released]
-        if tags:
-            self._bounded(what, self.engine.resume_memory_occupation, tags=tags)
-            self._released.difference_update(tags)
+        tags = [t for t in CACHE_TAGS if t in self._released]
+        if tags and self.on_gpu:
+            self._bounded("resume_cache", self.engine.resume_memory_occupation, tags=tags)
+        self._released.difference_update(tags)
+
+    def device_bytes(self) -> dict[str, int]:
+        """What the engine holds on each of its GPUs now, by kind: its weights and its KV pool, while not released."""
+        return {"weights": 0 if "weights" in self._released else self.weight_bytes,
+                "kv_cache": 0 if "kv_cache" in self._released else self.kv_bytes}
+
+    def _poison(self) -> Iterator[list[tuple[str, Tensor]]]:
+        """Every tensor of the model filled with NaN, in buckets of at most POISON_BUCKET_BYTES (a tensor larger than
+        that alone): what a GPU engine's resumed weights hold, for SGLang's CPU mode, which cannot unmap them."""
+        dtype = getattr(torch, self.dtype)
+        bucket, nbytes = [], 0
+        for name in sorted(self.expected_names):
+            tensor = torch.full(self._shapes[name], float("nan"), dtype=dtype)
+            if bucket and nbytes + tensor.nbytes > POISON_BUCKET_BYTES:
+                yield bucket
+                bucket, nbytes = [], 0
+            bucket.append((name, tensor))
+            nbytes += tensor.nbytes
+        if bucket:
+            yield bucket
+
+    def _pool_tokens(self) -> int:
+        """The KV pool's size in tokens, as SGLang sized it (its scheduler's `max_total_num_tokens`)."""
+        info = self.engine.get_server_info()
+        return int(info.get("max_total_num_tokens") or info["internal_states"][0]["max_total_num_tokens"])
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -428,16 +481,6 @@ class SGLangEngine:
         psutil.wait_procs(doomed, timeout=30)
         for task in getattr(manager, "asyncio_tasks", ()):
             task.cancel()
-
-
-_logged_skips: set[str] = set()
-
-
-def _skipped_on_cpu(what: str) -> None:
-    """Log a GPU-only step that CPU runs skip, once per process (the step timings show it every step)."""
-    if what not in _logged_skips:
-        _logged_skips.add(what)
-        log.debug("%s skipped on CPU (GPU-only operation); logged once", what)
 
 
 @contextlib.contextmanager
