@@ -18,6 +18,8 @@ pytest.importorskip("sglang", reason="SGLang environment not installed (README: 
 
 from test_sglang import SGLANG_TIMEOUT_S, read_metrics  # noqa: E402
 
+RESERVE = 4 * 2**30  # megarl.plan.memory.RESERVE_GIB, in every phase of plan and ledger alike
+
 # ---- CPU: the RL loop ----------------------------------------------------------------------------------
 # The phases of rl_step in the order the hardware sees them; on CPU the memory phases are skipped but timed.
 STEP_PHASES = ["generate", "reward", "release_rollout", "wake_trainer", "logprobs", "advantages", "balance",
@@ -51,6 +53,30 @@ log: {{progress: false}}
         # weight is within 1e-4 of 1, so the mean is too; 1e-3 leaves a margin for float32 summation.
         assert abs(m["tis_weight_mean"] - 1.0) <= 1e-3
         assert [k[len("timing/"):-2] for k in m if k.startswith("timing/") and k.endswith("_s")] == STEP_PHASES
+        # SGLang gave back its weights and its KV pool before the trainer's phase (megarl.rollout.sglang_engine)
+        assert m["rollout/released_bytes"] > (qwen2_dir / "model.safetensors").stat().st_size
+        # the device-memory ledger counts each phase as the plan plans it (tests/test_choreography.py)
+        for phase in ("train", "push", "rollout"):
+            planned = m[f"memory/peak_planned_bytes/{phase}"] - RESERVE
+            assert abs(m[f"memory/peak_counted_bytes/{phase}"] - RESERVE - planned) <= 0.05 * planned, phase
+    assert (run_dir / "checkpoints" / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.timeout(SGLANG_TIMEOUT_S)
+def test_the_export_beside_a_resumed_sglang_engine_fails_the_ledger(qwen2_dir, arithmetic_dir, tmp_path):
+    """An earlier megarl wrote its final checkpoint, handed the devices back to SGLang (its KV pool resumed) and
+    then onloaded the whole training state for the HF export: on a GPU sized as `megarl plan` plans it (the 7B
+    recipe: 56 GB of SGLang beside 34 GB of trainer state on an 80 GB GPU) that runs out of memory after the
+    last step. That order (tests/order_worker.py) fails the CPU run in phase 'export', naming what holds the
+    memory; megarl's own order (the test above) exports beside released engines."""
+    proc = run_python(["tests/order_worker.py", "export-beside-engines", str(REPO / "recipes" / "quickstart.yaml"),
+                       f"run_dir={tmp_path / 'run'}", f"model.path={qwen2_dir}",
+                       f"data.train_path={arithmetic_dir / 'train.jsonl'}", "data.eval_path=null",
+                       "warmup.sft_steps=0", "train.steps=1", "log.progress=false", "rollout.engine=sglang"],
+                      timeout_s=SGLANG_TIMEOUT_S)
+    assert proc.returncode != 0
+    assert "MemoryOverPlan: phase 'export'" in proc.stderr, proc.stderr[-3000:]
+    assert "rollout engine kv cache" in proc.stderr and "actor optimizer state" in proc.stderr
 
 
 @pytest.mark.timeout(SGLANG_TIMEOUT_S)
@@ -149,6 +175,8 @@ def test_a_lora_policy_hands_sglang_its_adapters_alone(quickstart_out, tmp_path)
     for m in steps:
         assert m["rollout/logprob_diff_max"] <= 1e-4, m
         assert 0 < m["handoff/bytes"] < model_bytes / 5, (m["handoff/bytes"], model_bytes)
+        # its KV pool alone: the base weights under the adapters stay (rollout.lora_sync: adapter)
+        assert 0 < m["rollout/released_bytes"] < m["memory/peak_counted_bytes/rollout"] - RESERVE
         assert m["grad_norm"] > 0, m
     assert steps[0]["kl"] == 0.0 and steps[-1]["kl"] > 0  # fresh adapters, then a policy the adapters moved
 

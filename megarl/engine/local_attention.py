@@ -3,7 +3,8 @@ sequences and context parallelism, which the local `DotProductAttention` refuses
 
 Packed sequences: Megatron hands packed ("thd") query, key and value [t, heads, dim] and `PackedSeqParams`
 to the core attention; rotary embeddings were already applied per segment from `cu_seqlens` (positions
-restart at 0 in every sequence). Transformer Engine's attention takes that as is. The local one refuses it,
+restart at 0 in every sequence; a shared-prompt row is rotated here instead, by its position ids:
+`rope_at_position_ids`). Transformer Engine's attention takes that as is. The local one refuses it,
 so this one computes the same thing: each segment's causal attention over its own tokens. With the fused
 kernel (below), the segments are gathered into a batch of rows as long as the longest, attended under the
 causal mask (a row's padding comes after its segment's tokens, so the mask already hides it) and scattered
@@ -29,10 +30,11 @@ variants and attention dropout still go through it.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -62,6 +64,8 @@ class SharedPromptParams(PackedSeqParams):
 
     prefix_of: Tensor | None = None  # [segments] long
     keys: SharedKeys | None = None   # the row's keys segment by segment, for Transformer Engine's attention
+    positions: Tensor | None = None  # [t] long: each token's position id, set by `rope_at_position_ids`
+    freqs: Tensor | None = None      # [t, 1, 1, rotary dim]: rotary frequencies at `positions`, likewise
 
 
 def shared_row_inputs(key: Tensor, value: Tensor, params: SharedPromptParams) -> tuple[Tensor, Tensor, dict]:
@@ -79,22 +83,44 @@ def rope_at_position_ids(model) -> None:
     """Make GPTModel `model` rotate the queries and keys of a shared-prompt row by the position ids it is
     given (own tokens continue after their prompt), not by each segment's offset from its start.
 
-    Megatron's packed RoPE takes per-token frequencies as they are when it gets one per token of the row (its
-    "exact mapping"): a hook hands it the frequency table's rows at the position ids. The table covers
-    max_seqlen_q positions, which a shared row sets to its longest sequence."""
-    rotary = model.rotary_pos_emb
+    Megatron rotates a packed row segment by segment (`rope_utils._apply_rotary_pos_emb_thd`), reading every
+    segment's start from the device: a host sync per segment, for queries and keys, in every layer. So a
+    shared row bypasses it: the model's hook keeps the position ids in the row's `SharedPromptParams`, the
+    decoder's hook puts the frequency table's rows at those ids there instead of handing the table to
+    Megatron's attention, and the core attention rotates the row in one elementwise op (`rotate_shared_row`).
+    The table covers max_seqlen_q positions, which a shared row sets to its longest sequence."""
 
-    def remember(_module, args, kwargs):
+    def keep_positions(_module, args, kwargs):
         params = kwargs.get("packed_seq_params")
-        positions = args[1] if len(args) > 1 else kwargs.get("position_ids")
-        rotary.row_positions = positions[0] if isinstance(params, SharedPromptParams) else None
+        if not isinstance(params, SharedPromptParams):
+            return None
+        positions = args[1] if len(args) > 1 else kwargs["position_ids"]  # [1, t]
+        return args, kwargs | {"packed_seq_params": replace(params, positions=positions[0])}
 
-    def select(_module, _args, freqs):
-        positions = getattr(rotary, "row_positions", None)
-        return freqs if positions is None else freqs[positions.to(freqs.device)]
+    def frequencies_per_token(_module, args, kwargs):
+        params, table = kwargs.get("packed_seq_params"), kwargs.get("rotary_pos_emb")  # table [max, 1, 1, dim]
+        if not isinstance(params, SharedPromptParams) or table is None:
+            return None
+        freqs = table[params.positions.to(table.device)]  # [t, 1, 1, dim]
+        return args, kwargs | {"packed_seq_params": replace(params, freqs=freqs), "rotary_pos_emb": None}
 
-    model.register_forward_pre_hook(remember, with_kwargs=True)
-    rotary.register_forward_hook(select)
+    model.register_forward_pre_hook(keep_positions, with_kwargs=True)
+    model.decoder.register_forward_pre_hook(frequencies_per_token, with_kwargs=True)
+
+
+def rotate_shared_row(query: Tensor, key: Tensor, params: SharedPromptParams, config) -> tuple[Tensor, Tensor]:
+    """query [t, heads, dim] and key [t, groups, dim] of a shared row rotated by the frequencies of their
+    position ids (`params.freqs`, from `rope_at_position_ids`; as they are without it: no rotary embedding).
+
+    The op Megatron's packed RoPE ends in, on the frequencies it would gather segment by segment: the same
+    numbers, in one op over the row. Unfused, as train.share_prompts has it (model.megatron.apply_rope_fusion
+    off); GPTModel's "rope" embedding scales by 1."""
+    if params.freqs is None:
+        return query, key
+    rotate = lambda t: _apply_rotary_pos_emb_bshd(  # noqa: E731  [t, h, dim] as [t, 1, h, dim]
+        t.unsqueeze(1), params.freqs, rotary_interleaved=config.rotary_interleaved,
+        multi_latent_attention=config.multi_latent_attention).squeeze(1)
+    return rotate(query), rotate(key)
 
 
 def segment_bounds(packed_seq_params) -> Tensor:
@@ -223,6 +249,7 @@ class PackedLocalAttention(DotProductAttention):
         bounds = segment_bounds(packed_seq_params).to(query.device)
         prefix_of = getattr(packed_seq_params, "prefix_of", None)
         if prefix_of is not None:  # a shared-prompt row
+            query, key = rotate_shared_row(query, key, packed_seq_params, self.config)
             prefix_of = prefix_of.to(query.device)
             split = shared_rows(bounds, prefix_of, total) if self.fused and attention_bias is None else None
             if split is not None:

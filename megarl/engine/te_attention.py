@@ -8,10 +8,25 @@ values are gathered segment by segment (`megarl.packing.SharedKeys`): for an own
 then its own. Its query i then sees the whole prompt and its own keys up to i. A segment without a prompt (a
 prompt itself, a sample alone, padding) has equal query and key counts, where bottom-right is plain causal.
 
-The mask is supported by every TE attention backend (flash, cuDNN fused, unfused) for "thd", without context
-parallelism, which train.share_prompts refuses. Megatron's `TEDotProductAttention.forward` maps its mask enum,
-which has no bottom-right padding mask, onto TE's names, so a shared row calls TE's own forward directly.
-Everything else (padded rows, plain packed rows) goes through Megatron's forward unchanged.
+Which TE 2.11 backend runs the call (`get_attention_backend`), and what it does with it:
+- flash-attn 2 or 3 (fp16/bf16): `flash_attn_varlen_func` with both `cu_seqlens` and causal=True, which
+  flash-attn (>= 2.1) aligns bottom-right per segment;
+- cuDNN fused attention (fp16/bf16; bottom-right "thd" needs cuDNN >= 9.6 and max_seqlen_q <= max_seqlen_kv,
+  equal here): both `cu_seqlens`, the mask type as given;
+- the unfused backend (every fp32 run, and fp16/bf16 where neither of those applies): it converts the segments
+  to padded rows and builds the mask with `get_padding_mask`/`get_full_mask`, whose key bounds come from
+  `cu_seqlens_kv` only for cross-attention. Megatron builds the layer as self-attention, where they come from
+  `cu_seqlens_q`: the bottom-right offset would be 0 and an own token would see the prompt's first tokens, not
+  the whole prompt. So the shared call runs with the unfused backend set to cross-attention, as TE sets it
+  itself when it attends queries to a longer KV cache; the other two backends read the attention type only for
+  padded ("sbhd"/"bshd") calls. tests/test_shared_prompts.py checks the masks with TE 2.11's own functions.
+None of them takes the bottom-right mask with context parallelism, which train.share_prompts refuses.
+Megatron's `TEDotProductAttention.forward` maps its mask enum, which has no bottom-right padding mask, onto
+TE's names, so a shared row calls TE's own forward directly. Everything else (padded rows, plain packed rows)
+goes through Megatron's forward unchanged.
+
+Rotary embeddings: a shared row reaches this attention unrotated with its frequencies per token, and is
+rotated here in one op (megarl.engine.local_attention.rope_at_position_ids).
 
 The gather costs a copy of each prompt's keys and values per own segment, which the backward adds back into the
 prompt's (autograd of the index). The prompt's attention to itself and every linear layer, norm and MLP run on
@@ -26,7 +41,7 @@ from megatron.core.extensions.transformer_engine import TEDotProductAttention
 from torch import Tensor
 from transformer_engine.pytorch import DotProductAttention
 
-from megarl.engine.local_attention import SharedPromptParams, shared_row_inputs
+from megarl.engine.local_attention import SharedPromptParams, rotate_shared_row, shared_row_inputs
 
 
 class SharedPromptTEAttention(TEDotProductAttention):
@@ -43,9 +58,17 @@ class SharedPromptTEAttention(TEDotProductAttention):
         if self.config.qk_clip or self.config.log_max_attention_logit:
             raise ValueError("train.share_prompts does not support model.megatron.qk_clip or "
                              "log_max_attention_logit (Megatron's TE attention reads max logits per call)")
+        query, key = rotate_shared_row(query, key, packed_seq_params, self.config)
         key, value, kwargs = shared_row_inputs(key, value, packed_seq_params)
         if num_splits is None:
             num_splits = self.num_splits
         if num_splits is not None:
             kwargs["num_splits"] = num_splits
-        return DotProductAttention.forward(self, query, key, value, None, **kwargs)
+        # the unfused backend bounds each segment's keys by cu_seqlens_kv only as cross-attention (module
+        # docstring); set back after the call (the backward reuses the forward's mask), so Megatron's own
+        # calls (padded and plain packed rows) stay self-attention
+        self.unfused_attention.attention_type = "cross"
+        try:
+            return DotProductAttention.forward(self, query, key, value, None, **kwargs)
+        finally:
+            self.unfused_attention.attention_type = self.attention_type

@@ -1,13 +1,11 @@
 """The SGLang rollout engine: SGLang's offline `Engine`, co-located with the trainer.
 
-One engine per rollout group, started by the group's first rank. On GPU it shares the devices with
-Megatron: its weights, KV cache and CUDA-graph pool are released while the trainer works, the weights
-are resumed for the weight push and the rest once the push is done. Released weights come back with
-undefined contents (SGLang starts without `enable_weights_cpu_backup`), so a full push must follow; an engine
-that takes a LoRA policy's adapters alone (rollout.lora_sync: adapter) keeps its base weights and releases
-its KV cache and graphs only. On a machine without CUDA, SGLang runs in its CPU mode, which has no memory
-saver: there a release frees nothing, and resuming the weights pushes NaN into every one of them instead, so
-a CPU run that generates before the next full push fails as a GPU run would (`garbage`).
+One engine per rollout group, started by the group's first rank. On GPU it shares the devices with Megatron:
+its weights, KV cache and CUDA-graph pool are released while the trainer works, the weights are resumed for
+the weight push (with undefined contents: SGLang starts without `enable_weights_cpu_backup`) and the rest once
+the push is done. An engine that takes a LoRA policy's adapters alone (rollout.lora_sync: adapter) keeps its
+base weights. SGLang's CPU mode has no memory saver: a release frees nothing there, and resumed weights are
+pushed NaN instead, so a CPU run that generates before the next full push fails as a GPU run would.
 
 Weights arrive as full HF-named tensors in byte-bounded buckets (megarl.handoff). Every rank of the engine's
 group holds each tensor in full (the trainer's gathers deliver them to every rank), so each flattens the
@@ -49,6 +47,7 @@ from torch import Tensor
 from megarl.checkpoint import peft_adapter_config
 from megarl.config import LoraConfig
 from megarl.device import host_barrier, load_cuda_driver_stand_in, on_gpu
+from megarl.handoff import buckets
 from megarl.models.arch import read_shape
 from megarl.models.safetensors_dir import SafetensorsDir
 from megarl.plan.memory import DTYPE_BYTES, sglang_kv_bytes_per_token
@@ -181,8 +180,7 @@ class SGLangEngine:
         self._released: set[str] = set()
         self.garbage = False  # weights resumed and not filled by a full push since: not the policy of any version
         self.kv_bytes = self._pool_tokens() * self._kv_bytes_per_token
-        # SGLang 0.5.21+ records a weight version that it stamps on every response
-        self.stamps_versions = hasattr(self.engine.tokenizer_manager, "update_weight_version")
+        self.stamps_versions = hasattr(self.engine.tokenizer_manager, "update_weight_version")  # SGLang 0.5.21+
         self._readable: bool | None = None  # whether get_weights_by_name answers (None: not asked yet)
 
     def _take_over_sigquit(self) -> None:
@@ -438,24 +436,14 @@ class SGLangEngine:
                 "kv_cache": 0 if "kv_cache" in self._released else self.kv_bytes}
 
     def _poison(self) -> Iterator[list[tuple[str, Tensor]]]:
-        """Every tensor of the model filled with NaN, in buckets of at most POISON_BUCKET_BYTES (a tensor larger than
-        that alone): what a GPU engine's resumed weights hold, for SGLang's CPU mode, which cannot unmap them."""
+        """Every tensor of the model filled with NaN, in buckets of POISON_BUCKET_BYTES: what a GPU engine's resumed
+        weights hold, for SGLang's CPU mode, which cannot unmap them."""
         dtype = getattr(torch, self.dtype)
-        bucket, nbytes = [], 0
-        for name in sorted(self.expected_names):
-            tensor = torch.full(self._shapes[name], float("nan"), dtype=dtype)
-            if bucket and nbytes + tensor.nbytes > POISON_BUCKET_BYTES:
-                yield bucket
-                bucket, nbytes = [], 0
-            bucket.append((name, tensor))
-            nbytes += tensor.nbytes
-        if bucket:
-            yield bucket
+        return buckets(((name, torch.full(self._shapes[name], float("nan"), dtype=dtype))
+                        for name in sorted(self.expected_names)), bucket_bytes=POISON_BUCKET_BYTES)
 
-    def _pool_tokens(self) -> int:
-        """The KV pool's size in tokens, as SGLang sized it (its scheduler's `max_total_num_tokens`)."""
-        info = self.engine.get_server_info()
-        return int(info.get("max_total_num_tokens") or info["internal_states"][0]["max_total_num_tokens"])
+    def _pool_tokens(self) -> int:  # the KV pool's size in tokens, as SGLang's scheduler sized it
+        return int(self.engine.get_server_info()["max_total_num_tokens"])
 
     def shutdown(self) -> None:
         self.engine.shutdown()
