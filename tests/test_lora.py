@@ -487,3 +487,16 @@ def test_adapter_dropout_drops_in_training_forwards_only_and_keeps_the_expected_
     variance = p / (1 - p) * (x.pow(2) @ delta.pow(2).T)  # [s, b, out]
     assert (draws.mean(0) - undropped).abs().le(6 * (variance / n).sqrt() + 1e-7).all()
     assert draws.var(0).mean() / variance.mean() == pytest.approx(1.0, rel=0.1)
+
+
+def test_a_bf16_lora_policy_on_local_layers_keeps_its_norms_in_bf16(qwen2_dir, groups):
+    """Megatron's local layers have no Float16Module: megarl's RMSNorm takes the model's dtype itself, so bf16
+    activations meet a bf16 weight (torch's fused kernel) and a push or an export carries no fp32 norms."""
+    from megarl.config import LoraConfig, OptimConfig
+    from megarl.engine.megatron import TrainEngine
+
+    policy = TrainEngine(model_dir=str(qwen2_dir), dtype="bfloat16", megatron={}, groups=groups,
+                         lora=LoraConfig(rank=4, alpha=8.0, targets=["qkv"]), optim=OptimConfig(lr=1e-3), seed=0)
+    norms = {name: p.dtype for chunk in policy.chunks for name, p in chunk.named_parameters() if "norm" in name}
+    assert norms and set(norms.values()) == {torch.bfloat16}, norms
+    assert {t.dtype for name, t in policy.hf_tensors() if "norm" in name} == {torch.bfloat16}

@@ -27,5 +27,7 @@ class RMSNorm(torch.nn.RMSNorm):
         if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
             raise ValueError(f"megarl's local norm is a plain RMSNorm; config has normalization "
                              f"{config.normalization!r}, zero-centered gamma {config.layernorm_zero_centered_gamma}")
-        super().__init__(normalized_shape=hidden_size, eps=eps)
+        # in the model's dtype, as Transformer Engine's norms and every other weight of the layer: bf16
+        # activations reach torch's fused kernel only beside a bf16 weight, and a push carries no fp32 norms
+        super().__init__(normalized_shape=hidden_size, eps=eps, dtype=config.params_dtype)
         self.weight.sequence_parallel = bool(config.sequence_parallel and sequence_split)
