@@ -42,7 +42,7 @@ class DeviceLedger:
 
     replan: Callable[[int], Plan]    # the recipe's plan for prompts of that many tokens
     padding: int                     # bytes of DDP padding the plan leaves out (module doc)
-    activations: Callable[[int], int]  # bytes of one training pass of this rank on sequences of that many tokens
+    activations: Callable[[int], int]  # bytes of one training pass of this rank (rl.activation_tokens's tokens)
     enforce: bool = True             # False (a GPU, whose allocator is the judge): count and log only
     stand_ins: dict[str, int] = field(default_factory=dict)  # owners whose count the plan's figure replaces
     counted: dict[str, int] = field(default_factory=dict)  # each phase's largest count so far, reserve included
@@ -145,8 +145,9 @@ def run_ledger(cfg, shape, *, world: int, stage: int, models: list, sglang_on_cp
     layout = first.layout
     value_heads = [False] + ([True] if cfg.algo.name == "ppo" else [])
 
-    def activations(seq_len: int) -> int:
-        return max(training_activations(cfg, shape, layout, stage=stage, seq_len=seq_len, value_head=head)
+    def activations(tokens: int) -> int:  # a padded sequence's tokens, or with packing a packed row's
+        packed = {"packed_tokens": tokens} if cfg.train.micro_batch_tokens else {}
+        return max(training_activations(cfg, shape, layout, stage=stage, seq_len=tokens, value_head=head, **packed)
                    for head in value_heads)
 
     param_bytes = DTYPE_BYTES[cfg.model.dtype]

@@ -9,15 +9,29 @@ observed differences are 0 to ~5e-7 on logprobs of magnitude ~5.
 
 from __future__ import annotations
 
+import ast
+import fcntl
+import hashlib
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import typing
+import warnings
+import zipfile
 from functools import partial
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
-from conftest import needs_cuda
+from conftest import REPO, SUBPROCESS_TIMEOUT_S, needs_cuda
 from test_multi_turn import tool_chat_dir  # noqa: F401 - the fixture
 
-from megarl.packing import PromptGroups, prompt_units, shared_row, unit_tokens, unpack_shared
+from megarl.packing import PromptGroups, pack_shared, prompt_units, shared_row, unit_tokens, unpack_shared
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -83,11 +97,117 @@ def test_shared_row_mask_and_outputs_by_hand():
                             [0, 15, 0, 0, 0]]      # alone: token 1 from its position 5
 
 
+# ---- Transformer Engine's packed attention, as TE 2.11 defines it ------------------------------------------------
+# TE installs only beside CUDA, but the mask builders of its unfused backend are pure Python, in the
+# framework-agnostic wheel that carries the PyTorch module's Python source.
+TE_WHEEL = "transformer_engine-2.11.0-py3-none-any.whl"
+TE_WHEEL_SHA256 = "7ee1eae8fa6b0cb471c6066aa3555304fda8537174e5019929dc0c8655071df3"
+TE_MASKS_PY = "transformer_engine/pytorch/attention/dot_product_attention/utils.py"
+
+
+@pytest.fixture(scope="session")
+def te_masks():
+    """Transformer Engine 2.11's own `get_padding_mask`, `get_full_mask` and `check_set_window_size`, on the
+    CPU. Its wheel is fetched once with pip into the user's cache (~/.cache/megarl, or under XDG_CACHE_HOME),
+    checked against its sha256, and the three functions are taken from the file by name, their device "cuda"
+    read as "cpu"; nothing else of TE runs. Without the package index this fails: the check needs TE's code."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megarl" / "transformer_engine"
+    cache.mkdir(parents=True, exist_ok=True)
+    wheel = cache / TE_WHEEL
+    sha256 = lambda path: hashlib.sha256(path.read_bytes()).hexdigest()  # noqa: E731
+    with open(cache / "download.lock", "w") as lock:  # another test process or run may be fetching it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not wheel.exists() or sha256(wheel) != TE_WHEEL_SHA256:
+            with tempfile.TemporaryDirectory(dir=cache) as tmp:
+                pip = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                                      "--dest", tmp, "transformer_engine==2.11.0"],
+                                     capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S, check=False)
+                got = Path(tmp) / TE_WHEEL
+                if pip.returncode != 0 or not got.exists():
+                    pytest.fail(f"could not download {TE_WHEEL} with pip into {cache} (the test checks megarl's "
+                                f"shared rows against Transformer Engine's own mask code):\n{pip.stderr[-3000:]}")
+                if sha256(got) != TE_WHEEL_SHA256:
+                    pytest.fail(f"{TE_WHEEL} from the package index has sha256 {sha256(got)}, not the pinned "
+                                f"{TE_WHEEL_SHA256}")
+                os.replace(got, wheel)
+    with zipfile.ZipFile(wheel) as archive:
+        tree = ast.parse(archive.read(TE_MASKS_PY))
+    names = {"get_padding_mask", "get_full_mask", "check_set_window_size"}
+    functions = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in names]
+    assert {f.name for f in functions} == names, f"{TE_MASKS_PY} of {TE_WHEEL} lacks one of {names}"
+
+    class OnCpu(ast.NodeTransformer):
+        def visit_Constant(self, node):
+            return ast.copy_location(ast.Constant("cpu"), node) if node.value == "cuda" else node
+
+    code = compile(ast.fix_missing_locations(OnCpu().visit(ast.Module(body=functions, type_ignores=[]))),
+                   f"{wheel}/{TE_MASKS_PY}", "exec")
+    scope = {"torch": torch, "Tuple": typing.Tuple, "Union": typing.Union, "warnings": warnings}  # what they use
+    exec(code, scope)  # noqa: S102 - TE's published code, pinned by hash
+    return SimpleNamespace(**{name: scope[name] for name in names})
+
+
+def te_attention_on_a_stand_in(monkeypatch):
+    """megarl.engine.te_attention's SharedPromptTEAttention, over a stand-in of TE's DotProductAttention (and
+    Megatron's TEDotProductAttention) that records each call it gets: what megarl hands TE's forward, and the
+    attention type TE's unfused backend has during the call. Megatron builds the layer as self-attention."""
+
+    class RecordingDotProductAttention(torch.nn.Module):
+        attention_type = "self"
+
+        def __init__(self):
+            super().__init__()
+            self.unfused_attention = SimpleNamespace(attention_type="self")
+            self.config = SimpleNamespace(qk_clip=False, log_max_attention_logit=False)
+            self.num_splits = None
+            self.calls = []
+
+        def forward(self, query, key, value, attention_mask, **kwargs):
+            self.calls.append(dict(kwargs, query=query, key=key, value=value, attention_mask=attention_mask,
+                                   unfused_attention_type=self.unfused_attention.attention_type))
+            return query.flatten(1)
+
+    te, extension = ModuleType("transformer_engine.pytorch"), ModuleType("megatron.core.extensions.transformer_engine")
+    te.DotProductAttention = extension.TEDotProductAttention = RecordingDotProductAttention
+    monkeypatch.setitem(sys.modules, "transformer_engine", ModuleType("transformer_engine"))
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te)
+    monkeypatch.setitem(sys.modules, "megatron.core.extensions.transformer_engine", extension)
+    spec = importlib.util.spec_from_file_location("te_attention_on_a_stand_in", REPO / "megarl/engine/te_attention.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.SharedPromptTEAttention()
+
+
+def te_unfused_attention(q, k, v, call: dict, te_masks, *, attention_type: str):
+    """TE 2.11's UnfusedDotProductAttention on a "thd" `call` (the arguments of TE's forward): each segment a
+    padded row of max_seqlen_q queries and max_seqlen_kv keys, under the mask TE's own `get_padding_mask` and
+    `get_full_mask` build for `attention_type` (True: masked); scores filled with -10000 there before the
+    softmax and probabilities with 0 after, as that backend does. q [t, heads, d], k and v [t_kv, groups, d]
+    -> [t, heads, d]."""
+    cu_q, cu_kv, mask_type = call["cu_seqlens_q"], call["cu_seqlens_kv"], call["attn_mask_type"]
+    sq, skv, batch = call["max_seqlen_q"], call["max_seqlen_kv"], len(cu_q) - 1
+    padding = te_masks.get_padding_mask(batch, cu_q, cu_kv, sq, skv, attention_type)
+    _, masked, _, _ = te_masks.get_full_mask(sq, skv, attn_mask_type=mask_type, attention_mask=padding,
+                                             window_size=te_masks.check_set_window_size(mask_type, None),
+                                             attention_type=attention_type)  # [segments, 1, sq, skv]
+
+    def rows(x, cu, s):  # [t, h, d] -> [segments, h, s, d] (zero past a segment's end), and the valid [segments, s]
+        cols = torch.arange(s)
+        valid = cols[None, :] < (cu[1:] - cu[:-1]).long()[:, None]
+        index = (cu[:-1].long()[:, None] + cols).clamp(max=len(x) - 1)
+        return (x[index] * valid[..., None, None]).transpose(1, 2), valid
+
+    (qs, valid), (ks, _), (vs, _) = rows(q, cu_q, sq), rows(k, cu_kv, skv), rows(v, cu_kv, skv)
+    ks, vs = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (ks, vs))
+    scores = (qs @ ks.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(masked, -10000.0)
+    out = torch.softmax(scores, dim=-1).masked_fill(masked, 0.0) @ vs  # [segments, heads, sq, d]
+    return out.transpose(1, 2)[valid]
+
+
 def bottom_right_causal_thd(q, k, v, cu_q, cu_kv):
-    """Packed attention as Transformer Engine defines its "thd" format with the `padding_causal_bottom_right`
-    mask (transformer_engine.pytorch.attention.dot_product_attention.utils.get_full_mask, TE 2.11): segment s's
-    queries q[cu_q[s]:cu_q[s+1]] against its keys k[cu_kv[s]:cu_kv[s+1]], query i masked from key j when
-    j > i + (keys - queries). q [t, heads, d], k and v [t_kv, groups, d] -> [t, heads, d]."""
+    """flash-attn's `flash_attn_varlen_func(..., causal=True)` as it defines it (>= 2.1): segment s's queries
+    q[cu_q[s]:cu_q[s+1]] against its keys k[cu_kv[s]:cu_kv[s+1]], the causal mask aligned to the bottom right
+    (query i masked from key j when j > i + keys - queries). q [t, heads, d], k and v [t_kv, groups, d]."""
     out = []
     for s in range(len(cu_q) - 1):
         qs, ks, vs = q[cu_q[s]:cu_q[s + 1]], k[cu_kv[s]:cu_kv[s + 1]], v[cu_kv[s]:cu_kv[s + 1]]
@@ -100,15 +220,24 @@ def bottom_right_causal_thd(q, k, v, cu_q, cu_kv):
 
 
 @pytest.mark.parametrize("budget", [64, 20])
-def test_transformer_engine_keys_give_each_sample_its_prompt_and_own_earlier_tokens(budget):
+def test_transformer_engine_keys_give_each_sample_its_prompt_and_own_earlier_tokens(budget, te_masks, monkeypatch):
     """What megarl.engine.te_attention hands Transformer Engine for a shared row (keys and values gathered
-    segment by segment, `shared_row_inputs`), attended as TE defines that call, is the row's attention under
-    its shared-prompt block mask: outputs and the gradients of query, key and value within 1e-6 (fp32; the
-    same scores, summed in another order). The row: three groups with padding (budget 64, one row), or the
-    first group cut over units (budget 20)."""
-    from megarl.engine.local_attention import SharedPromptParams, block_causal_mask, shared_row_inputs
+    segment by segment), run as each backend TE 2.11 can pick for it computes it, is the row's attention
+    under its shared-prompt block mask: outputs and the gradients of query, key and value within 1e-6 (fp32;
+    the same scores, summed in another order). The row: three groups with padding (budget 64, one row), or
+    the first group cut over units (budget 20).
+
+    - flash-attn 2 or 3 (fp16/bf16): both cu_seqlens, causal aligned bottom-right per segment;
+    - cuDNN fused attention (fp16/bf16): both cu_seqlens and `padding_causal_bottom_right`, which TE defines
+      by the mask its own `get_full_mask` builds from both (cross-attention padding masks), the reference TE's
+      tests hold that backend to;
+    - the unfused backend (fp32, or where neither applies): TE's own masks for the attention type the
+      backend has during megarl's call. Under Megatron's "self" (the type before the fix) an own token sees
+      the prompt's first tokens instead: that fails, and so does a row whose keys are out of order."""
+    from megarl.engine.local_attention import SharedPromptParams, block_causal_mask
     from megarl.packing import shared_keys
 
+    attention = te_attention_on_a_stand_in(monkeypatch)
     tokens, _, _, groups, lengths = grouped_batch()
     units = prompt_units(tokens, lengths, groups, max_tokens=budget)
     rows = [units] if budget == 64 else [units[:2], units[2:]]
@@ -123,27 +252,43 @@ def test_transformer_engine_keys_give_each_sample_its_prompt_and_own_earlier_tok
                                     keys=shared_keys(row.cu_seqlens, row.shared.prefix_of))
         q = torch.randn(t, 4, 8, generator=gen, requires_grad=True)
         k, v = (torch.randn(t, 2, 8, generator=gen, requires_grad=True) for _ in range(2))
-        key, value, te_args = shared_row_inputs(k, v, params)
-        assert te_args["qkv_format"] == "thd" and te_args["attn_mask_type"] == "padding_causal_bottom_right"
-        assert te_args["cu_seqlens_kv"].dtype == torch.int32 and len(te_args["cu_seqlens_kv"]) == len(row.cu_seqlens)
-        assert te_args["max_seqlen_kv"] == int(te_args["cu_seqlens_kv"].diff().max())
-        got = bottom_right_causal_thd(q, key, value, te_args["cu_seqlens_q"].tolist(),
-                                      te_args["cu_seqlens_kv"].tolist())
+        attention(q, k, v, None, None, packed_seq_params=params)
+        call = attention.calls[-1]
+        assert attention.unfused_attention.attention_type == "self"  # set back after the call
+        # TE's forward asserts these for "thd"; no padded cu_seqlens (no padding between sequences), no
+        # num_splits, and no top-left causal mask, which would rule out flash-attn where keys outnumber queries
+        cu_q, cu_kv = call["cu_seqlens_q"], call["cu_seqlens_kv"]
+        assert call["qkv_format"] == "thd" and call["attn_mask_type"] == "padding_causal_bottom_right"
+        assert cu_q.dtype == cu_kv.dtype == torch.int32 and cu_q.shape == cu_kv.shape
+        assert call["query"] is q and call["attention_mask"] is None
+        assert not {"cu_seqlens_q_padded", "cu_seqlens_kv_padded", "num_splits"} & call.keys()
+        # cuDNN's bottom-right "thd" needs max_seqlen_q <= max_seqlen_kv; TE's unfused "self" masks need them equal
+        assert call["max_seqlen_q"] == call["max_seqlen_kv"] == int(cu_kv.diff().max())
+        key, value = call["key"], call["value"]
         allowed = ~block_causal_mask(row.cu_seqlens, t, device="cpu", prefix_of=row.shared.prefix_of)[0]
         want = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, enable_gqa=True
         ).transpose(0, 1)
-        assert (got - want).abs().max() <= TOL
+        backends = {
+            "flash-attn": bottom_right_causal_thd(q, key, value, cu_q.tolist(), cu_kv.tolist()),
+            "cuDNN fused": te_unfused_attention(q, key, value, call, te_masks, attention_type="cross"),
+            "unfused": te_unfused_attention(q, key, value, call, te_masks,
+                                            attention_type=call["unfused_attention_type"]),
+        }
         weights = torch.randn(want.shape, generator=gen)
-        grads = [torch.autograd.grad((out * weights).sum(), (q, k, v)) for out in (got, want)]
-        for g, w in zip(*grads):
-            assert (g - w).abs().max() <= TOL
+        want_grads = torch.autograd.grad((want * weights).sum(), (q, k, v))
+        for backend, got in backends.items():
+            assert (got - want).abs().max() <= TOL, backend
+            # (the outputs share the gather of megarl's keys: its graph is kept for the next)
+            for g, w in zip(torch.autograd.grad((got * weights).sum(), (q, k, v), retain_graph=True), want_grads):
+                assert (g - w).abs().max() <= TOL, backend
+        as_self = te_unfused_attention(q, key, value, call, te_masks, attention_type="self")
+        assert (as_self - want).abs().max() > 1e-2
         # a prompt's keys gathered after a sample's own would be a different attention: the check can fail
         keys = params.keys
         swapped = torch.cat([torch.cat([keys.index[a:b][-(b - a) // 2:], keys.index[a:b][:-(b - a) // 2]])
                              for a, b in zip(keys.cu_seqlens[:-1].tolist(), keys.cu_seqlens[1:].tolist())])
-        wrong = bottom_right_causal_thd(q, k[swapped], v[swapped], te_args["cu_seqlens_q"].tolist(),
-                                        te_args["cu_seqlens_kv"].tolist())
+        wrong = te_unfused_attention(q, k[swapped], v[swapped], call, te_masks, attention_type="cross")
         assert (wrong - want).abs().max() > 1e-2
 
 
@@ -184,6 +329,78 @@ def test_shared_logprobs_equal_each_sample_alone(qwen2_dir, groups):
     finally:
         local_attention.shared_rows = split
     assert (masked - padded)[ok].abs().max() <= TOL
+
+
+class TorchCalls(TorchFunctionMode):
+    """The names of the torch functions and tensor methods called inside it (`.item()`, `.tolist()`, `bool()`
+    and `int()` of a tensor among them: each a host sync on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+HOST_SYNCS = {"item", "tolist", "__bool__", "__int__", "__index__", "__float__"}
+
+
+def test_shared_rows_are_rotated_in_one_op_with_megatrons_numbers(qwen2_dir, groups, monkeypatch):
+    """A shared row's queries and keys are rotated at their position ids in one op over the row
+    (local_attention.rotate_shared_row, fed by rope_at_position_ids): bit for bit what Megatron's packed RoPE
+    computes from the same frequencies per token, which reads each segment's start on the host (an `.item()`
+    per segment, for queries and for keys, in every layer). The op makes no host sync and as many calls for
+    a row of 11 segments as for one of 5; the engine's shared rows never reach Megatron's packed RoPE, and its
+    logprobs with it put back are the same, bit for bit."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megarl.engine import local_attention
+
+    one_rank = SimpleNamespace(size=lambda: 1, rank=lambda: 0)  # context parallelism, which sharing refuses
+    per_segment = rope_utils._apply_rotary_pos_emb_thd
+
+    def megatron_rope(query, key, params, config):  # what Megatron's attention did with a shared row
+        return tuple(per_segment(t, params.cu_seqlens_q, params.freqs, rotary_interleaved=config.rotary_interleaved,
+                                 multi_latent_attention=config.multi_latent_attention, cp_group=one_rank)
+                     for t in (query, key))
+
+    tokens, _, _, prompt_groups, lengths = grouped_batch()
+    units = prompt_units(tokens, lengths, prompt_groups, max_tokens=64)
+    config = SimpleNamespace(rotary_interleaved=False, multi_latent_attention=False)
+    gen = torch.Generator().manual_seed(4)
+    counts = {}
+    for row_units in (units, units[1:2]):  # 11 segments; 5
+        row = shared_row(row_units, lengths, prompt_groups.prompt_lens,
+                         row_len=sum(unit_tokens(u, lengths, prompt_groups.prompt_lens) for u in row_units) + 3)
+        _, positions = pack_shared(tokens, row)
+        inv_freq = 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8)
+        table = torch.outer(torch.arange(float(row.max_seqlen)), inv_freq).repeat(1, 2)[:, None, None]  # [max, 1, 1, 8]
+        params = local_attention.SharedPromptParams(qkv_format="thd", cu_seqlens_q=row.cu_seqlens,
+                                                    freqs=table[positions[0]])
+        query, key = torch.randn(row.row_len, 4, 8, generator=gen), torch.randn(row.row_len, 2, 8, generator=gen)
+        with TorchCalls() as ours:
+            rotated = local_attention.rotate_shared_row(query, key, params, config)
+        with TorchCalls() as megatrons:
+            before = megatron_rope(query, key, params, config)
+        assert all(torch.equal(a, b) for a, b in zip(rotated, before))
+        segments = len(row.cu_seqlens) - 1
+        assert not HOST_SYNCS & set(ours.names) and megatrons.names.count("item") == 2 * segments
+        counts[segments] = len(ours.names)
+    assert list(counts) == [11, 5] and counts[11] == counts[5]
+
+    engine = make_engine(qwen2_dir, groups, train=False)
+    shared = dict(micro_batch_size=8, micro_batch_tokens=20, lengths=lengths, prompt_groups=prompt_groups)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a shared row reached Megatron's per-segment RoPE")
+
+    monkeypatch.setattr(rope_utils, "_apply_rotary_pos_emb_thd", refuse)
+    one_op = engine.logprobs(tokens, temperature=0.7, **shared)
+    monkeypatch.setattr(rope_utils, "_apply_rotary_pos_emb_thd", per_segment)
+    monkeypatch.setattr(local_attention, "rotate_shared_row", megatron_rope)
+    assert torch.equal(engine.logprobs(tokens, temperature=0.7, **shared), one_op)
 
 
 def pass_outputs(engine, tokens, extras, loss_fn, **micro):
@@ -250,12 +467,13 @@ def test_shared_loss_entropy_and_gradients_equal_unshared(qwen2_dir, groups, alg
 @needs_cuda
 def test_gpu_transformer_engine_attention_trains_shared_rows_as_each_sample_alone(qwen2_dir, groups):
     """On Transformer Engine's layers (megarl's GPU image), shared rows go through TE's packed attention with
-    bottom-right causal masks (megarl.engine.te_attention), RoPE unfused. In fp32 (TE's unfused backend, the
-    same math as the padded layout's in another order): GRPO's outputs, entropy, statistics and gradients within
-    1e-5, padded, packed and shared (1e-6 on CPU; TF32 is off in both, and a GPU's kernels split sums
-    differently). In bf16 (flash or cuDNN attention, what runs train on): the shared layout's logprobs differ from
-    the padded layout's by no more than twice what the plain packed layout's do, plus 1e-3: a layout change's
-    rounding."""
+    bottom-right causal masks (megarl.engine.te_attention), RoPE unfused. In fp32, which of TE's backends only
+    the unfused one takes (every call runs there; the shared rows' with its cross-attention masks, the fix of
+    megarl.engine.te_attention; the same math as the padded layout's in another order): GRPO's outputs,
+    entropy, statistics and gradients within 1e-5, padded, packed and shared (1e-6 on CPU; TF32 is off in both,
+    and a GPU's kernels split sums differently). In bf16 (flash or cuDNN attention, what runs train on): the
+    shared layout's logprobs differ from the padded layout's by no more than twice what the plain packed
+    layout's do, plus 1e-3: a layout change's rounding."""
     pytest.importorskip("transformer_engine")
     from megarl.algo.aggregate import global_loss_norm
     from megarl.config import AlgoConfig
@@ -267,13 +485,21 @@ def test_gpu_transformer_engine_attention_trains_shared_rows_as_each_sample_alon
     tokens, mask, advantages, prompt_groups, lengths = grouped_batch()
     ok = valid(lengths, tokens.shape[1])
     engine = make_engine(qwen2_dir, groups, train=True, megatron={"apply_rope_fusion": False})
-    assert any(isinstance(m, SharedPromptTEAttention) for m in engine.stage.modules())
+    layers = [m for m in engine.stage.modules() if isinstance(m, SharedPromptTEAttention)]
+    assert layers
+    backends = []  # per TE attention call: the backend that ran it, and the unfused backend's attention type
+    for layer in layers:
+        for name in ("flash_attention", "fused_attention", "unfused_attention"):
+            getattr(layer, name).register_forward_pre_hook(
+                lambda _module, _args, name=name, layer=layer: backends.append(
+                    (name, layer.unfused_attention.attention_type)))
     extras = {"response_mask": mask, "advantages": advantages,
               "row_id": torch.arange(float(len(tokens)))[:, None].expand_as(mask)}
     loss_fn = partial(policy_objective(AlgoConfig(name="grpo", entropy_coef=0.05), on_policy=True),
                       norm=global_loss_norm(mask))
     runs = policy_passes(engine, tokens, extras, loss_fn,
                          {name: layout_kwargs(name, lengths, prompt_groups) for name in LAYOUTS})
+    assert {name for name, _ in backends} == {"unfused_attention"} and ("unfused_attention", "cross") in backends
     out_p, stats_p, grads_p, entropy_p = runs["padded"]
     for name, (out, stats, grads, entropy) in runs.items():
         assert (out - out_p)[ok].abs().max() <= 1e-5 and (entropy - entropy_p)[ok].abs().max() <= 1e-5, name

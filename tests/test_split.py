@@ -69,9 +69,11 @@ def records(run_dir: Path) -> list[dict]:
 def numbers(run_dir: Path) -> list[dict]:
     """Per-step records without wall-clock figures, the split-only async/* ones, the trainer state parked
     while the engines generate (a colocated trainer's; a split one keeps its memory) and the tensors a push
-    verified (a colocated run pushes again after each checkpoint, which moves the rotation of its checks)."""
+    verified (a colocated run pushes again after each checkpoint, which moves the rotation of its checks), the
+    colocated device-memory ledger's memory/* and what its engines released (split's engines keep theirs)."""
     return [{k: v for k, v in r.items()
-             if not k.startswith(("timing/", "throughput/", "async/", "handover/", "handoff/verified"))}
+             if not k.startswith(("timing/", "throughput/", "async/", "handover/", "handoff/verified", "memory/",
+                                  "rollout/released_bytes"))}
             for r in records(run_dir)]
 
 

@@ -515,5 +515,5 @@ def check_shared_prompts(*, micro_batch_tokens: int | None, config) -> None:
         raise ValueError(f"train.share_prompts on this mixture-of-experts model: {refusal}")
     if config.apply_rope_fusion:
         raise ValueError("train.share_prompts rotates a shared row by its position ids (own tokens continue after "
-                         "their prompt); the fused RoPE kernel restarts positions at every segment: set "
-                         "model.megatron.apply_rope_fusion: false")
+                         "their prompt) with Megatron's unfused RoPE, and its padded and packed rows alike, so "
+                         "that every layout computes the same numbers: set model.megatron.apply_rope_fusion: false")

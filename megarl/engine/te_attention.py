@@ -8,19 +8,20 @@ values are gathered segment by segment (`megarl.packing.SharedKeys`): for an own
 then its own. Its query i then sees the whole prompt and its own keys up to i. A segment without a prompt (a
 prompt itself, a sample alone, padding) has equal query and key counts, where bottom-right is plain causal.
 
-Which TE 2.11 backend runs the call (`get_attention_backend`), and what it does with it:
+The backends TE 2.11 picks from (`get_attention_backend`) and what each does with the call:
 - flash-attn 2 or 3 (fp16/bf16): `flash_attn_varlen_func` with both `cu_seqlens` and causal=True, which
   flash-attn (>= 2.1) aligns bottom-right per segment;
-- cuDNN fused attention (fp16/bf16; bottom-right "thd" needs cuDNN >= 9.6 and max_seqlen_q <= max_seqlen_kv,
-  equal here): both `cu_seqlens`, the mask type as given;
-- the unfused backend (every fp32 run, and fp16/bf16 where neither of those applies): it converts the segments
-  to padded rows and builds the mask with `get_padding_mask`/`get_full_mask`, whose key bounds come from
-  `cu_seqlens_kv` only for cross-attention. Megatron builds the layer as self-attention, where they come from
-  `cu_seqlens_q`: the bottom-right offset would be 0 and an own token would see the prompt's first tokens, not
-  the whole prompt. So the shared call runs with the unfused backend set to cross-attention, as TE sets it
-  itself when it attends queries to a longer KV cache; the other two backends read the attention type only for
-  padded ("sbhd"/"bshd") calls. tests/test_shared_prompts.py checks the masks with TE 2.11's own functions.
-None of them takes the bottom-right mask with context parallelism, which train.share_prompts refuses.
+- cuDNN fused attention (fp16/bf16, where cuDNN takes bottom-right "thd"; max_seqlen_q <= max_seqlen_kv,
+  equal here): both `cu_seqlens` and the mask type as given;
+- the unfused backend (every fp32 run, and fp16/bf16 where neither applies): segments to padded rows, the
+  mask from `get_padding_mask`/`get_full_mask`, which bound each segment's keys by `cu_seqlens_kv` only for
+  cross-attention. Megatron builds the layer as self-attention, where the keys are bounded by `cu_seqlens_q`:
+  the bottom-right offset is then 0 and an own token sees the prompt's first tokens, not the whole prompt. So
+  the shared call runs the unfused backend as cross-attention, as TE does itself to attend queries to a longer
+  KV cache; flash and fused read the attention type only for padded ("sbhd", "bshd") calls.
+tests/test_shared_prompts.py checks the call against TE 2.11's own mask functions. None of the backends takes
+the bottom-right mask with context parallelism, which train.share_prompts refuses.
+
 Megatron's `TEDotProductAttention.forward` maps its mask enum, which has no bottom-right padding mask, onto
 TE's names, so a shared row calls TE's own forward directly. Everything else (padded rows, plain packed rows)
 goes through Megatron's forward unchanged.

@@ -178,11 +178,12 @@ def untrained_logprobs(run: RLRun, batch: RolloutBatch, *, multiple: int) -> Rol
 
 
 def activation_tokens(train: TrainConfig, batch: RolloutBatch) -> int:
-    """The tokens of a sequence in the largest micro-batch a training pass of `batch` runs, as the plan's
-    activation formula counts them (micro_batch_size sequences of that many): the batch's padded width, or a
-    packed micro-batch's tokens spread over micro_batch_size sequences."""
+    """What sizes the largest micro-batch a training pass of `batch` runs, as the plan's activation formula takes
+    it (megarl.plan.estimate.training_activations): the batch's padded width (micro_batch_size sequences of it),
+    or with packing the tokens of its fullest packed row (at most train.micro_batch_tokens)."""
     if train.micro_batch_tokens:
-        return -(-train.micro_batch_tokens // train.micro_batch_size)
+        lengths = sequence_lengths(batch.response_mask, batch.prompt_lens)
+        return min(train.micro_batch_tokens, int(lengths.sum()))
     return int(batch.tokens.shape[1])
 
 

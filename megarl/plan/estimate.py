@@ -244,13 +244,23 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
 
 
 def training_activations(cfg: Config, shape: ModelShape, layout: Layout, *, stage: int, seq_len: int,
-                         value_head: bool = False) -> int:
+                         value_head: bool = False, packed_tokens: int | None = None) -> int:
     """Peak activation bytes of one training pass of the recipe's micro-batches on one GPU of `stage`, on
-    sequences of `seq_len` tokens; the logprob head's unless `value_head` (a critic's scalar head)."""
+    sequences of `seq_len` tokens; the logprob head's unless `value_head` (a critic's scalar head). With
+    `train.micro_batch_tokens` a micro-batch is one packed row of `packed_tokens` tokens (default: that many, or
+    an RL step's whole share of a data-parallel rank, padded to `seq_len`, when it is smaller)."""
     logits = LOGITS_BYTES + (ENTROPY_BYTES if cfg.algo.entropy_coef > 0 else 0)
     vocab_slice = padded_vocab_size(shape.vocab_size, tp=layout.tp) // layout.tp
+    micro_batch_size = cfg.train.micro_batch_size
+    if cfg.train.micro_batch_tokens:
+        if packed_tokens is None:
+            packed_tokens = cfg.train.micro_batch_tokens
+            if cfg.algo.name not in OFFLINE_ALGOS:
+                share = cfg.data.prompts_per_step * cfg.rollout.n_samples // layout.dp * seq_len
+                packed_tokens = min(packed_tokens, share)
+        seq_len, micro_batch_size = packed_tokens, 1
     return activation_bytes(shape, layout, stage=stage, seq_len=seq_len, megatron=cfg.model.megatron,
-                            micro_batch_size=cfg.train.micro_batch_size, act_bytes=DTYPE_BYTES[cfg.model.dtype],
+                            micro_batch_size=micro_batch_size, act_bytes=DTYPE_BYTES[cfg.model.dtype],
                             head_bytes_per_token=0 if value_head else logits * vocab_slice)
 
 
