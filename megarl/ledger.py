@@ -104,9 +104,14 @@ class DeviceLedger:
 
     def metrics(self) -> dict[str, float]:
         """`memory/peak_planned_bytes/{phase}` (the plan's) and `memory/peak_counted_bytes/{phase}` (this rank's
-        largest count so far) for every phase either has."""
-        return ({f"memory/peak_planned_bytes/{phase}": float(nbytes) for phase, nbytes in self.planned.items()}
-                | {f"memory/peak_counted_bytes/{phase}": float(nbytes) for phase, nbytes in self.counted.items()})
+        largest count since the last call) for each of the plan's phases; the counts start again. Checkpoints and
+        the export are checked against the peak but not logged (a resumed run's steps log what an uninterrupted
+        run's do)."""
+        out = {f"memory/peak_planned_bytes/{phase}": float(nbytes) for phase, nbytes in self.planned.items()}
+        out |= {f"memory/peak_counted_bytes/{phase}": float(self.counted[phase])
+                for phase in self.planned if phase in self.counted}
+        self.counted, self.owners_at_peak = {}, {}
+        return out
 
 
 def model_owners(name: str, resident: dict[str, int]) -> dict[str, int]:
