@@ -46,7 +46,6 @@ class DeviceLedger:
     enforce: bool = True             # False (a GPU, whose allocator is the judge): count and log only
     stand_ins: dict[str, int] = field(default_factory=dict)  # owners whose count the plan's figure replaces
     counted: dict[str, int] = field(default_factory=dict)  # each phase's largest count so far, reserve included
-    owners_at_peak: dict[str, dict[str, int]] = field(default_factory=dict)
     over: str | None = None          # why this rank went over the plan, until `check` raises it
     prompt_tokens: int = 1
     # bytes of the largest full tensor a gather of the actor's shards makes (a fused QKV or gate/up included): a
@@ -81,8 +80,7 @@ class DeviceLedger:
         for `check`, which every rank calls at the same point."""
         owners = {name: self.stand_ins.get(name, nbytes) for name, nbytes in owners.items() if nbytes}
         total = sum(owners.values()) + self.reserve
-        if total > self.counted.get(phase, -1):
-            self.counted[phase], self.owners_at_peak[phase] = total, owners
+        self.counted[phase] = max(total, self.counted.get(phase, 0))
         if self.enforce and total > self.capacity and self.over is None:
             held = ", ".join(f"{name} {nbytes / 2**20:.1f} MiB"
                              for name, nbytes in sorted(owners.items(), key=lambda item: -item[1]))
@@ -110,7 +108,7 @@ class DeviceLedger:
         out = {f"memory/peak_planned_bytes/{phase}": float(nbytes) for phase, nbytes in self.planned.items()}
         out |= {f"memory/peak_counted_bytes/{phase}": float(self.counted[phase])
                 for phase in self.planned if phase in self.counted}
-        self.counted, self.owners_at_peak = {}, {}
+        self.counted = {}
         return out
 
 
@@ -123,13 +121,6 @@ def model_owners(name: str, resident: dict[str, int]) -> dict[str, int]:
 def engine_owners(device_bytes: dict[str, int]) -> dict[str, int]:
     """A rollout engine's `device_bytes` as ledger owners."""
     return {f"rollout engine {kind.replace('_', ' ')}": nbytes for kind, nbytes in device_bytes.items()}
-
-
-def ddp_padding_bytes(model_bytes_per_param: int, tensors: int) -> int:
-    """The bytes DDP's padding may add over what the plan counts: DDP_PADDING_ELEMENTS per parameter tensor, in
-    every buffer that holds one (`model_bytes_per_param`: the bytes per element of parameter, gradient and
-    optimizer state together)."""
-    return DDP_PADDING_ELEMENTS * tensors * model_bytes_per_param
 
 
 def run_ledger(cfg, shape, *, world: int, stage: int, models: list, sglang_on_cpu: bool,
@@ -157,9 +148,10 @@ def run_ledger(cfg, shape, *, world: int, stage: int, models: list, sglang_on_cp
 
     param_bytes = DTYPE_BYTES[cfg.model.dtype]
     trained_bytes = param_bytes + GRAD_BYTES + ADAM_BYTES + (MASTER_BYTES if cfg.model.dtype != "float32" else 0)
-    padding = sum(ddp_padding_bytes(trained_bytes if model.memory.optimizer is not None else param_bytes,
-                                    sum(1 for chunk in model.chunks for _ in chunk.parameters()))
-                  for model in models)
+    # DDP_PADDING_ELEMENTS per parameter tensor in each buffer that holds one: parameters, and for a trained
+    # model its gradients and optimizer state too
+    padding = sum(DDP_PADDING_ELEMENTS * sum(1 for chunk in model.chunks for _ in chunk.parameters())
+                  * (trained_bytes if model.memory.optimizer is not None else param_bytes) for model in models)
     stand_ins = {"rollout engine kv cache": first.rollout.kv_bytes} if sglang_on_cpu else {}
     actor = models[0]
     largest = max(p.numel() * p.element_size() for chunk in actor.chunks for p in chunk.parameters())

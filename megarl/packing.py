@@ -395,8 +395,12 @@ def zero_advantage_split(batch: RolloutBatch, *, group, multiple: int = 1) -> tu
     group whose samples all earned the same reward is one). Returns (trained, trained_frac): `equal_part`
     of the samples with a non-zero advantage, and their global fraction. Every rank of `group` must call
     this (group None: this rank alone)."""
-    live = ((batch.advantages != 0) & batch.response_mask.bool()).any(dim=-1)
-    return equal_part(batch, live, group=group, multiple=multiple)
+    return equal_part(batch, nonzero_advantage(batch), group=group, multiple=multiple)
+
+
+def nonzero_advantage(batch: RolloutBatch) -> Tensor:
+    """[B] bool: the samples with a non-zero advantage on some response token."""
+    return ((batch.advantages != 0) & batch.response_mask.bool()).any(dim=-1)
 
 
 def equal_part(batch: RolloutBatch, chosen: Tensor, *, group, multiple: int = 1) -> tuple[RolloutBatch, float]:

@@ -526,7 +526,7 @@ def test_sglang_cpu_pool_is_sized_before_the_trainer_and_agrees_with_the_plan(qw
     models and a trainer-sized allocation come after, and it is the plan's formula (megarl.plan.sglang_pool_tokens)
     of the memory free when SGLang reads it."""
     from megarl.models.arch import read_shape
-    from megarl.plan import sglang_kv_bytes_per_token, sglang_pool_tokens
+    from megarl.plan import kv_bytes_per_token, sglang_pool_tokens
 
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"""
@@ -549,7 +549,7 @@ train: {{steps: 1, micro_batch_size: 8}}
     assert r["pool_tokens_after_trainer"] == r["pool_tokens"]
 
     shape = read_shape(qwen2_dir)
-    per_token = sglang_kv_bytes_per_token(shape, dtype="float32")
+    per_token = kv_bytes_per_token(shape, dtype="float32")
     planned = sglang_pool_tokens(shape, free_bytes=r["free_before_start"], mem_fraction=r["mem_fraction"],
                                  weight_bytes=r["weight_bytes"], dtype="float32")
     assert planned * per_token == pytest.approx(POOL_TARGET_BYTES, rel=1e-3)

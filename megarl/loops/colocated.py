@@ -278,8 +278,7 @@ class ColocatedRollouts:
                     engine.offload_training_state()
         else:
             self.hand_over(run, PhaseTimer(), new_version=new_version)
-        if run.ledger is not None:
-            run.ledger.check()
+        run.check_device()
 
     # -- checkpoints: each engine's sampler RNG
     def state(self) -> dict:

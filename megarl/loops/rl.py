@@ -32,7 +32,8 @@ from megarl.loops.split_worker import serve_rollout
 from megarl.loops.warmup import sft_warmup
 from megarl.metrics import PhaseTimer, check_finite
 from megarl.objective import explained_variance
-from megarl.packing import PromptGroups, equal_part, redistribute, sequence_lengths, zero_advantage_split
+from megarl.packing import (PromptGroups, equal_part, nonzero_advantage, redistribute, sequence_lengths,
+                            zero_advantage_split)
 from megarl.rewards.code import check_test_specs
 from megarl.rewards.scorer import RewardFailure
 from megarl.rollout.multi_turn import FINISH_REASONS
@@ -84,8 +85,8 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
         e.trained = True
         raise
     metrics = batch_metrics(run, batch, trained, untrained) | distill_metrics(run, batch) | run.rollouts.metrics(run)
+    run.check_device()
     if run.ledger is not None:
-        run.ledger.check()
         metrics |= run.ledger.metrics()
     run.drift.observe(metrics["rollout/logprob_diff_mean"], tokens=metrics["rollout/logprob_diff_tokens"], step=step)
     kl_metrics = update_kl_coef(run, batch)
@@ -169,8 +170,7 @@ def untrained_logprobs(run: RLRun, batch: RolloutBatch, *, multiple: int) -> Rol
     on-policy update computes logprobs in its training forward alone, and the drift (rollout/logprob_diff)
     covers every sample, so engines generating from the wrong weights stop the run even when nothing trains.
     A forward pass over those samples."""
-    live = ((batch.advantages != 0) & batch.response_mask.bool()).any(dim=-1)
-    part, _ = equal_part(batch, ~live, group=run.groups.dp, multiple=multiple)
+    part, _ = equal_part(batch, ~nonzero_advantage(batch), group=run.groups.dp, multiple=multiple)
     routes = run.routes.training(part.routes, None)
     logprobs = run.actor.logprobs(part.tokens, temperature=run.cfg.rollout.temperature,
                                   routes=routes if routes.replay else None, **micro_batching(run.cfg.train, part))
@@ -350,6 +350,6 @@ def run_state(run: RLRun) -> RunState:
     return RunState(groups=run.groups, engines=run.trained_engines(), sampler=run.sampler,
                     rollout_engines=rollouts.engines, resident=partial(rollouts.resident, run),
                     count_device=run.count_device,
-                    check_device=run.ledger.check if run.ledger is not None else lambda: None,
+                    check_device=run.check_device,
                     extra=lambda: {"weight_version": run.weight_version, "kl": run.kl.state_dict(), **rollouts.state()},
                     load_extra=load_extra, save_files=rollouts.save, load_files=rollouts.restore)

@@ -158,19 +158,28 @@ class RLRun:
         """Sums over the data-parallel ranks of the run, in one all-reduce."""
         return group_sums(values, group=self.groups.dp)
 
+    def device_models(self) -> dict[str, TrainEngine]:
+        """Every model of the trainer on this rank's devices, by name, the actor first: those the trainer wakes and
+        parks, and the reward models, which stay."""
+        named = {"actor": self.actor, "reference": self.reference, "teacher": self.teacher, "critic": self.critic}
+        named |= {f"reward model {i}": model for i, (_, model) in enumerate(self.reward_models)}
+        return {name: model for name, model in named.items() if isinstance(model, TrainEngine)}
+
     def count_device(self, phase: str, **transient: int) -> None:
         """Count what this rank's device holds in `phase` (megarl.ledger): every trainer model's resident state,
-        the reward models, the rollout engine's memory, and `transient` bytes by owner (activations, buckets)."""
+        the rollout engine's memory, and `transient` bytes by owner (activations, buckets)."""
         if self.ledger is None:
             return
         owners = {}
-        models = [("actor", self.actor), ("reference", self.reference), ("teacher", self.teacher),
-                  ("critic", self.critic)] + [(f"reward model {i}", m) for i, (_, m) in enumerate(self.reward_models)]
-        for name, model in models:
-            if isinstance(model, TrainEngine):
-                owners |= model_owners(name, model.memory.resident_bytes())
+        for name, model in self.device_models().items():
+            owners |= model_owners(name, model.memory.resident_bytes())
         owners |= engine_owners(self.rollouts.device_bytes())
         self.ledger.count(phase, owners | {name.replace("_", " "): nbytes for name, nbytes in transient.items()})
+
+    def check_device(self) -> None:
+        """Every rank: raise MemoryOverPlan once a rank counted a phase over the plan (megarl.ledger)."""
+        if self.ledger is not None:
+            self.ledger.check()
 
 
 def check_launch(cfg: Config) -> None:
@@ -252,15 +261,8 @@ def build_run(cfg: Config, groups: ParallelGroups, *, rollouts: Rollouts, tokeni
     # the drift there is the staleness's; the weight versions and the push checks stand guard.
     stale = cfg.placement.mode == "split" and algo.max_staleness > 0
     drift = DriftGate(limit=None if stale else cfg.rollout.max_logprob_drift, patience=cfg.rollout.drift_patience)
-    ledger = None
-    if cfg.placement.mode == "colocated":
-        models = [m for m in (actor, reference, teacher, critic, *(m for _, m in reward_models))
-                  if isinstance(m, TrainEngine)]
-        ledger = run_ledger(cfg, read_shape(model_dir), world=dist.get_world_size(), stage=groups.pp_rank,
-                            models=models, sglang_on_cpu=cfg.rollout.engine == "sglang" and not on_gpu(),
-                            enforce=not on_gpu())
-    return RLRun(
-        cfg=cfg, groups=groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows, ledger=ledger,
+    run = RLRun(
+        cfg=cfg, groups=groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
         sampler=PromptSampler(len(train_rows), seed=cfg.seed, shuffle=cfg.data.shuffle, dp_rank=groups.dp_rank,
                               dp_size=groups.dp_size),
         actor=actor, reference=reference, teacher=teacher, critic=critic, rollouts=rollouts,
@@ -272,3 +274,8 @@ def build_run(cfg: Config, groups: ParallelGroups, *, rollouts: Rollouts, tokeni
         scorer=Scorer(cfg.reward if rollouts.scores_here else in_process),
         reward_models=reward_models, drift=drift, new_env=new_env, tool_schemas=new_env().tools,
         observations=observation_format(cfg.env, tokenizer), env_workers=EnvWorkers(cfg.env.tool_workers))
+    if cfg.placement.mode == "colocated":
+        run.ledger = run_ledger(cfg, read_shape(model_dir), world=dist.get_world_size(), stage=groups.pp_rank,
+                                models=list(run.device_models().values()), enforce=not on_gpu(),
+                                sglang_on_cpu=cfg.rollout.engine == "sglang" and not on_gpu())
+    return run

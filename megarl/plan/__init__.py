@@ -24,11 +24,11 @@ assumptions) and `render` (the table and the JSON). Imports no torch.
 from megarl.plan.estimate import DEFAULT_SEQ_TOKENS, Plan, PlanError, plan, read_model, sequence_tokens
 from megarl.plan.memory import (ADAM_BYTES, DEFAULT_HOST_MEM_GIB, DTYPE_BYTES, ENGINE_START_USED_GIB, GIB,
                                 GRAD_BYTES, HOST_RESERVE_GIB, HOST_USABLE_FRACTION, MASTER_BYTES, RESERVE_GIB,
-                                USABLE_FRACTION, Cluster, sglang_kv_bytes_per_token, sglang_pool_tokens,
+                                USABLE_FRACTION, Cluster, kv_bytes_per_token, sglang_pool_tokens,
                                 stage_params)
 from megarl.plan.render import render_table, to_json
 
 __all__ = ["ADAM_BYTES", "DEFAULT_HOST_MEM_GIB", "DEFAULT_SEQ_TOKENS", "DTYPE_BYTES", "ENGINE_START_USED_GIB",
            "GIB", "GRAD_BYTES", "HOST_RESERVE_GIB", "HOST_USABLE_FRACTION", "MASTER_BYTES", "RESERVE_GIB",
            "USABLE_FRACTION", "Cluster", "Plan", "PlanError", "plan", "read_model", "render_table",
-           "sequence_tokens", "sglang_kv_bytes_per_token", "sglang_pool_tokens", "stage_params", "to_json"]
+           "sequence_tokens", "kv_bytes_per_token", "sglang_pool_tokens", "stage_params", "to_json"]

@@ -271,8 +271,8 @@ class Rollout:
     samples: int  # full-length samples the KV cache holds at once
 
 
-def sglang_kv_bytes_per_token(shape: ModelShape, *, dtype: str, tp: int = 1) -> int:
-    """Bytes of one token's keys and values on one GPU of an SGLang engine of `tp` GPUs."""
+def kv_bytes_per_token(shape: ModelShape, *, dtype: str, tp: int = 1) -> int:
+    """Bytes of one token's keys and values on one GPU of a rollout engine of `tp` GPUs (the native engine: 1)."""
     kv_heads = max(1, shape.kv_heads // tp)  # replicated when tp exceeds the KV heads
     return 2 * shape.layers * kv_heads * shape.head_dim * DTYPE_BYTES[dtype]
 
@@ -288,7 +288,7 @@ def sglang_pool_tokens(shape: ModelShape, *, free_bytes: float, mem_fraction: fl
                        dtype: str, tp: int = 1) -> int:
     """Tokens SGLang's KV pool holds when it starts with `free_bytes` free (see sglang_pool_bytes)."""
     pool = sglang_pool_bytes(free_bytes=free_bytes, mem_fraction=mem_fraction, weight_bytes=weight_bytes)
-    return pool // sglang_kv_bytes_per_token(shape, dtype=dtype, tp=tp)
+    return pool // kv_bytes_per_token(shape, dtype=dtype, tp=tp)
 
 
 def rollout_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Cluster, *, seq_len: int) -> Rollout:
@@ -297,7 +297,7 @@ def rollout_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Clus
     full = stage_params(shape, tp=1, pp=1, ep=1, stage=0, padded_vocab=shape.vocab_size).total
     if cfg.rollout.engine == "sglang":
         rtp = cfg.rollout.tp
-        per_token = sglang_kv_bytes_per_token(shape, dtype=cfg.model.dtype, tp=rtp)
+        per_token = kv_bytes_per_token(shape, dtype=cfg.model.dtype, tp=rtp)
         weights = full * dtype_bytes // rtp
         # SGLang takes mem_fraction of the memory free when its scheduler starts, before the trainer's
         # models exist (megarl.loops.rl_run.build_run) or on a rollout rank's GPU, which holds no trainer
@@ -309,7 +309,7 @@ def rollout_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Clus
         tokens = sglang_pool_tokens(shape, **pool, dtype=cfg.model.dtype, tp=rtp)
     else:  # native: a whole transformers model on the first rank of every group of rollout.tp ranks
         rtp = 1
-        per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype_bytes
+        per_token = kv_bytes_per_token(shape, dtype=cfg.model.dtype)
         weights = full * dtype_bytes
         engines = len(layout.engine_ranks)
         samples = -(-cfg.data.prompts_per_step * cfg.rollout.n_samples // engines)  # the step's samples, split

@@ -46,6 +46,16 @@ class EngineError(RuntimeError):
         super().__init__(f"{phase} failed{after}: {cause}")
 
 
+def released_weights(*, still_released: bool) -> EngineError:
+    """The error of a `generate` whose engine's weights do not hold any version of the policy: released for the
+    trainer and not resumed yet, or resumed (garbage, as a GPU's remapped pages) and not filled by a full push
+    since (an engine taking adapters alone must keep its base weights)."""
+    return EngineError(phase="generate", cause=(
+        "the engine's weights were released for the trainer and no full weight push has filled them since "
+        "(released weights come back as garbage): " + ("they are still released" if still_released else
+        "a push of the adapters alone does not restore the base weights under them")))
+
+
 # An engine's call for each response as soon as it is final: (index in the call's prompts, response ids,
 # their logprobs, finish reason).
 ResponseCallback = Callable[[int, list[int], list[float], str], None]

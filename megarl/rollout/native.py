@@ -13,7 +13,6 @@ its logprob under the untempered distribution): what a judge model grading respo
 from __future__ import annotations
 
 import inspect
-import logging
 import re
 from collections.abc import Iterable, Iterator
 from functools import partial
@@ -23,10 +22,9 @@ from torch import Tensor
 
 from megarl.device import current_device
 from megarl.rollout.decode import FusedWeights, LeanDecoder, covers, fusable
-from megarl.rollout.engine import EngineError, Generation, ResponseCallback
+from megarl.rollout.engine import Generation, ResponseCallback, released_weights
 from megarl.routing import compact
 
-log = logging.getLogger(__name__)
 
 
 # transformers 5 keeps a MoE layer's experts as two stacked parameters, `mlp.experts.gate_up_proj`
@@ -180,10 +178,7 @@ class NativeEngine:
         """Sample one response per prompt (repeat a prompt to get a group). `on_response(i, ids, logprobs,
         finish_reason)` gets response i at the step it ends, while the others are still sampled."""
         if self.garbage or self._released:
-            raise EngineError(phase="generate", cause=(
-                "the engine's weights were released for the trainer and no full weight push has filled them since "
-                "(on a GPU they come back as garbage): " + ("they are still released" if self._released else
-                "a push of the adapters alone does not restore the base weights under them")))
+            raise released_weights(still_released=self._released)
         batch = len(prompts)
         width = max(len(p) for p in prompts)
         self.kv_bytes = batch * (width + max_new_tokens) * self._kv_bytes_per_token

@@ -50,8 +50,8 @@ from megarl.device import host_barrier, load_cuda_driver_stand_in, on_gpu
 from megarl.handoff import buckets
 from megarl.models.arch import read_shape
 from megarl.models.safetensors_dir import SafetensorsDir
-from megarl.plan.memory import DTYPE_BYTES, sglang_kv_bytes_per_token
-from megarl.rollout.engine import EngineError, Generation, ResponseCallback
+from megarl.plan.memory import DTYPE_BYTES, kv_bytes_per_token
+from megarl.rollout.engine import EngineError, Generation, ResponseCallback, released_weights
 from megarl.rollout import sglang_plugin
 from megarl.rollout.sglang_transfer import decode_routes, flatten_bucket, gather_payloads, ipc_exportable
 
@@ -152,7 +152,7 @@ class SGLangEngine:
         self._sizes = {name: math.prod(shape) for name, shape in self._shapes.items()}  # read_weights
         # What this engine holds on each of its GPUs: its TP share of the weights, and the KV pool (sized below)
         self.weight_bytes = sum(self._sizes.values()) * DTYPE_BYTES[dtype] // tp_size
-        self._kv_bytes_per_token = sglang_kv_bytes_per_token(read_shape(model_dir), dtype=dtype, tp=tp_size)
+        self._kv_bytes_per_token = kv_bytes_per_token(read_shape(model_dir), dtype=dtype, tp=tp_size)
         args = engine_args(model_dir, on_gpu=self.on_gpu, dtype=dtype, seed=seed, tp_size=tp_size,
                            mem_fraction=mem_fraction, base_gpu_id=base_gpu_id, cpu_pool_tokens=cpu_pool_tokens,
                            capture_routes=capture_routes, lora=lora)
@@ -230,10 +230,7 @@ class SGLangEngine:
         the last token (Generation.routes).
         """
         if self.garbage or "weights" in self._released:
-            raise EngineError(phase="generate", cause=(
-                "the engine's weights were released for the trainer and no full weight push has filled them since "
-                "(released weights come back as garbage): " + ("they are still released" if "weights" in
-                self._released else "a push of the adapters alone does not restore the base weights under them")))
+            raise released_weights(still_released="weights" in self._released)
         params = {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
                   "stop_token_ids": [eos_id], "ignore_eos": False}
         responses: dict[int, tuple[list[int], list[float], str]] = {}

@@ -15,11 +15,11 @@ memory_saver: what SGLang's release and resume (torch_memory_saver's pause and r
   holds whatever the new pages hold (the trainer wrote its own data there in between), one with a backup holds
   its weights again. On the CPU, a stand-in with the same calls (storages freed and allocated again, megarl's
   CPU release) runs the same probe, and the carried wheel's API is read without loading its CUDA library.
-pinned: the page-locked host memory behind one park of the trainer's state, as megarl's offload allocates it
-  today (torch's caching host allocator, which rounds every block up to a power of two) and as cudaHostRegister
-  of a plain buffer would (the bytes asked for); the time to pin and the copy rates both ways; then megarl's
-  TrainerMemory on the engine offload test's model: the device bytes it gave back, the host bytes its buffers
-  hold (`host_bytes`; null where TrainerMemory lacks it) and what torch's allocator pinned for them.
+pinned: the page-locked host memory behind one park of the trainer's state, in torch's caching host allocator
+  (which rounds every block up to a power of two) and in megarl's offload buffer (cudaHostRegister of a plain
+  buffer: the bytes asked for); the time to pin and the copy rates both ways; then megarl's TrainerMemory on the
+  engine offload test's model: the device bytes it gave back, the host bytes its buffers hold (`host_bytes`)
+  and what torch's allocator pinned for them (none: the buffers are registered, not allocated by torch).
 export: transformers loads an HF export and computes finite logits with it.
 """
 
@@ -363,9 +363,9 @@ def copy_rates(host: torch.Tensor, device: torch.Tensor, reps: int = 2) -> dict[
 
 
 def park(nbytes: int) -> dict:
-    """One park of `nbytes` from the device: as megarl's offload allocates its host buffer (torch's pinned
-    allocator) and as cudaHostRegister of a plain buffer would; the bytes each page-locks, its time and the
-    copy rates. Without CUDA nothing is page-locked, which the figures say."""
+    """One park of `nbytes` from the device: into torch's pinned allocator (`pin_memory=True`) and into megarl's
+    offload buffer (`megarl.engine.offload._host_buffer`: cudaHostRegister of a plain buffer); the bytes each
+    page-locks, its time and the copy rates. Without CUDA nothing is page-locked, which the figures say."""
     out = {"requested_bytes": nbytes}
     if not torch.cuda.is_available():
         return out | {"no_cuda": "nothing is page-locked on the CPU: the offload's host buffers are plain memory"}
@@ -383,18 +383,19 @@ def park(nbytes: int) -> dict:
     del host
     if hasattr(torch._C, "_host_emptyCache"):
         torch._C._host_emptyCache()  # the cached block back to the driver before the next measurement
-    cudart = torch.cuda.cudart()
-    plain = torch.empty(nbytes, dtype=torch.uint8)
+    from megarl.engine.offload import _host_buffer
+
     avail = mem_available_bytes()
     t0 = time.perf_counter()
-    err = int(cudart.cudaHostRegister(plain.data_ptr(), nbytes, 0))
+    try:
+        buffer = _host_buffer(nbytes)  # unregistered when it is freed
+    except RuntimeError as e:  # the CUDA error cudaHostRegister returned
+        out["cuda_host_register"] = {"error": str(e)}
+        return out
     register_s = time.perf_counter() - t0
-    registered = {"error": err, "register_s": round(register_s, 3), "host_left_bytes": avail - mem_available_bytes(),
-                  "is_pinned": plain.is_pinned()}
-    if err == 0:
-        registered |= copy_rates(plain, device)
-        int(cudart.cudaHostUnregister(plain.data_ptr()))
-    out["cuda_host_register"] = registered
+    plain = torch.empty(0, dtype=torch.uint8).set_(buffer)
+    out["cuda_host_register"] = {"register_s": round(register_s, 3), "host_left_bytes": avail - mem_available_bytes(),
+                                 "is_pinned": plain.is_pinned()} | copy_rates(plain, device)
     return out
 
 
@@ -431,7 +432,7 @@ def trainer_offload(work: Path) -> dict:
     memory = engine.memory
     out = {"model": "tiny qwen2 (tools/make_tiny_model.py defaults), " + ("bf16" if cuda else "fp32"),
            "freed_bytes": freed, "offloaded_bytes": memory.offloaded_bytes,
-           "host_bytes": getattr(memory, "host_bytes", None), "host_buffers": len(memory._hosts)}
+           "host_bytes": memory.host_bytes, "host_buffers": len(memory._hosts)}
     if before:
         out["pinned_bytes"] = host_stats()["held_bytes"] - before["held_bytes"]
     engine.onload()
