@@ -85,5 +85,8 @@ def test_push_weights_hands_every_bucket_to_the_engine_with_its_version():
     stats = push_weights(engine, iter(TENSORS), bucket_bytes=100, version=3)
     assert engine.version == 3 and engine.flushed
     assert [n for b in engine.received for n in b] == [n for n, _ in TENSORS]
-    assert stats == {"tensors": len(TENSORS), "bytes": sum(nbytes(t) for _, t in TENSORS),
-                     "buckets": len(engine.received), "verified": 0}  # nothing asked to be verified
+    sizes = {name: nbytes(t) for name, t in TENSORS}
+    assert stats == {"tensors": len(TENSORS), "bytes": sum(sizes.values()), "buckets": len(engine.received),
+                     "largest_bucket_bytes": max(sum(sizes[n] for n in b) for b in engine.received),
+                     "largest_tensor_bytes": max(sizes.values()),
+                     "verified": 0}  # nothing asked to be verified
