@@ -164,3 +164,24 @@ def test_the_export_onloads_the_parameters_alone(qwen2_dir, groups):
     assert engine.memory.resident_bytes() == {"params": resident["params"], "grads": 0, "optim": 0}
     engine.onload()
     assert engine.memory.resident_bytes() == resident
+
+
+def test_a_run_megarl_plan_cannot_bound_goes_on_without_the_ledger_saying_why(arithmetic_dir, tmp_path):
+    """A multi-turn environment without env.max_tokens has no length bound to plan for (megarl plan refuses it):
+    the run trains without a device-memory ledger and says so."""
+    model = tmp_path / "model"
+    made = run_python([str(REPO / "tools" / "make_tiny_model.py"), "--out", str(model), "--tool-chat"])
+    assert made.returncode == 0, made.stderr
+    run_dir = tmp_path / "run"
+    proc = run_python(["-m", "megarl", "train", str(REPO / "recipes" / "quickstart.yaml"), f"run_dir={run_dir}",
+                       f"model.path={model}", f"data.train_path={arithmetic_dir / 'train.jsonl'}",
+                       "data.eval_path=null", "data.chat_template=true", "data.prompts_per_step=4",
+                       "train.micro_batch_size=16",
+                       "env.name=envs_for_tests:CountingEnv", "env.max_turns=2", "warmup.sft_steps=0",
+                       "train.steps=1", "checkpoint.save_final=false", "log.progress=false"],
+                      cwd=REPO / "tests", timeout_s=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the device-memory ledger is off for this run: megarl plan cannot plan it: env.max_tokens is null" \
+        in proc.stderr
+    step, = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert not any(key.startswith("memory/") for key in step) and step["rollout/released_bytes"] > 0

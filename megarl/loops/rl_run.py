@@ -8,6 +8,7 @@ on the config.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -32,12 +33,16 @@ from megarl.ledger import DeviceLedger, engine_owners, model_owners, run_ledger
 from megarl.loops.faults import DriftGate
 from megarl.metrics import PhaseTimer
 from megarl.models.arch import read_shape
+from megarl.plan.estimate import PlanError
 from megarl.objective import (AdvantageFn, CriticObjective, PolicyObjective, advantage_fn, kl_controller,
                               policy_objective)
 from megarl.rewards.scorer import Scorer
 from megarl.rewards.terms import build_terms
 from megarl.rollout.multi_turn import EnvWorkers
 from megarl.routing import RoutePlan
+
+
+log = logging.getLogger(__name__)
 
 
 class Rollouts(Protocol):
@@ -275,7 +280,10 @@ def build_run(cfg: Config, groups: ParallelGroups, *, rollouts: Rollouts, tokeni
         reward_models=reward_models, drift=drift, new_env=new_env, tool_schemas=new_env().tools,
         observations=observation_format(cfg.env, tokenizer), env_workers=EnvWorkers(cfg.env.tool_workers))
     if cfg.placement.mode == "colocated":
-        run.ledger = run_ledger(cfg, read_shape(model_dir), world=dist.get_world_size(), stage=groups.pp_rank,
-                                models=list(run.device_models().values()), enforce=not on_gpu(),
-                                sglang_on_cpu=cfg.rollout.engine == "sglang" and not on_gpu())
+        try:
+            run.ledger = run_ledger(cfg, read_shape(model_dir), world=dist.get_world_size(), stage=groups.pp_rank,
+                                    models=list(run.device_models().values()), enforce=not on_gpu(),
+                                    sglang_on_cpu=cfg.rollout.engine == "sglang" and not on_gpu())
+        except PlanError as e:  # nothing to count against (a multi-turn env without env.max_tokens)
+            log.warning("the device-memory ledger is off for this run: megarl plan cannot plan it: %s", e)
     return run
