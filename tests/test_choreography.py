@@ -92,14 +92,28 @@ def test_adapters_over_released_base_weights_stop_the_run_and_kept_ones_train(qw
 @pytest.fixture(scope="module")
 def native_run(qwen2_dir, arithmetic_dir, tmp_path_factory):
     """The quickstart's GRPO from the random tiny model for 2 steps (no warm start: every reward is 0, so no
-    sample trains), a checkpoint after step 1 and the final export."""
+    sample trains), a checkpoint after step 1 and the final export; each weight push is logged
+    (tests/order_worker.py log-pushes)."""
     run_dir = tmp_path_factory.mktemp("native_run")
-    proc = run_python(["-m", "megarl", "train", str(REPO / "recipes" / "quickstart.yaml"), f"run_dir={run_dir}",
+    pushes = run_dir / "pushes.jsonl"
+    proc = run_python(["tests/order_worker.py", "log-pushes", str(REPO / "recipes" / "quickstart.yaml"),
+                       f"run_dir={run_dir}",
                        f"model.path={qwen2_dir}", f"data.train_path={arithmetic_dir / 'train.jsonl'}",
                        "data.eval_path=null", "warmup.sft_steps=0", "train.steps=2", "checkpoint.every_steps=1",
-                       "log.progress=false"], timeout_s=RUN_TIMEOUT_S)
+                       "log.progress=false"], timeout_s=RUN_TIMEOUT_S, env={"PUSH_LOG": str(pushes)})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return run_dir, [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_checkpoint_costs_no_weight_push(native_run):
+    """The periodic checkpoint is written inside the step's own residency, between the update and the push: the
+    weights go to the engines once at the start and once per step, each version once (an earlier megarl pushed
+    the whole model again after every checkpoint: two pushes of the same weights)."""
+    run_dir, _ = native_run
+    pushes = [json.loads(line) for line in (run_dir / "pushes.jsonl").read_text().splitlines()]
+    assert pushes == [{"version": 1, "step": None}, {"version": 2, "step": 1}, {"version": 3, "step": 2}]
+    saved = json.loads((run_dir / "checkpoints" / "step00000001" / "state.json").read_text())
+    assert saved["weight_version"] == 2  # the saved weights are the ones pushed as version 2
 
 
 def test_the_ledger_counts_each_phase_as_the_plan_plans_it(native_run, qwen2_dir):

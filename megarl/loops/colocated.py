@@ -150,7 +150,7 @@ class ColocatedRollouts:
                 self.engine.set_rng_state(self.rng)
             self.call(lambda engine: engine.release_memory())
         host_barrier()  # every engine has sized its KV cache before the trainer takes the devices back
-        with self.resident(run, new_version=False):
+        with self.resident(run):
             pass
         return True
 
@@ -159,7 +159,15 @@ class ColocatedRollouts:
         return draw_batch(run, timer, ColocatedRounds(run, self))
 
     def generate_now(self, run: RLRun, rows: list[PromptRow]) -> RolloutBatch | None:
+        """Samples of `rows` outside the training stream (the evaluation): the engine's sampler state is set back
+        after them, so the training samples do not depend on whether or how often the run evaluates, and a
+        checkpoint written before them (`RunState.saves_in_step`) holds the sampler state of the run's next
+        generation."""
+        rng = self.engine.rng_state() if self.engine is not None and self.failure is None else None
         batch, _, _, _ = score(run, self.placement, generate(run, self, rows, n_samples=1))
+        if rng is not None and self.engine is not None and self.failure is None:
+            self.engine.set_rng_state(rng)
+            self.rng = rng
         return batch
 
     # -- the memory and the weights
@@ -169,15 +177,15 @@ class ColocatedRollouts:
     def device_bytes(self) -> dict[str, int]:
         return self.engine.device_bytes() if self.engine is not None and self.failure is None else {}
 
-    def hand_over(self, run: RLRun, timer: PhaseTimer, *, new_version: bool = True) -> dict:
-        """The trainer's gradients and optimizer state leave the device, the weights are pushed (as the next
-        version, or again as the current one), the trainer's parameters leave too and the engines take back
+    def hand_over(self, run: RLRun, timer: PhaseTimer) -> dict:
+        """The trainer's gradients and optimizer state leave the device, the weights are pushed (as version
+        `run.weight_version`), the trainer's parameters leave too and the engines take back
         their KV cache; then every rank meets to recover engines that failed meanwhile (`recover`)."""
         with timer("sleep_trainer"):
             offloaded = sum(engine.offload_training_state() for engine in (run.actor, run.critic)
                             if engine is not None)
         with timer("push"):
-            push_stats = self.push(run, new_version=new_version)
+            push_stats = self.push(run)
         # while the last bucket is in flight: the trainer's parameters, the engine's weights, the push's buffers
         if run.ledger is not None:
             gathered = max(push_stats.get("largest_tensor_bytes", 0), run.ledger.largest_full_tensor)
@@ -189,14 +197,12 @@ class ColocatedRollouts:
         self.recover(run)
         return push_stats | {"offloaded_bytes": offloaded}
 
-    def push(self, run: RLRun, *, new_version: bool = True) -> dict:
-        """Hand the updated weights to the rollout engine (every rank of the pipeline joins the gathers); its host
-        then compares the engine's copy of the tensors `self.check` selects with the ones it pushed. A host
-        whose engine failed still takes its part in the collectives."""
+    def push(self, run: RLRun) -> dict:
+        """Hand the trainer's weights to the rollout engine as version `run.weight_version` (every rank of the
+        pipeline joins the gathers); its host then compares the engine's copy of the tensors `self.check`
+        selects with the ones it pushed. A host whose engine failed still takes its part in the collectives."""
         if self.lost:
             return {"bytes": 0, "verified": 0}
-        if new_version:
-            run.weight_version += 1
         if self.cfg.rollout.lora_sync == "adapter":
             return self.push_adapter(run)
         tensors = run.actor.pipeline_hf_tensors()
@@ -261,10 +267,11 @@ class ColocatedRollouts:
         return {"rollout/engine_restarts": float(self.restarts), "rollout/released_bytes": released}
 
     @contextlib.contextmanager
-    def resident(self, run: RLRun, *, new_version: bool = True, final: bool = False) -> Iterator[None]:
+    def resident(self, run: RLRun, *, final: bool = False) -> Iterator[None]:
         """The engines give their memory back first, as before an update: the trainer never shares the device
         with a KV cache. Their weights are released with it (unless they take adapters alone), so the end of
-        the block pushes them again (by default a new weight version, with the same weights). `final`: the run
+        the block pushes them again (the same version). A periodic checkpoint does not come here: the RL step
+        writes it before its own push (`RunState.saves_in_step`). `final`: the run
         ends after the block (its last checkpoint, then the export); the engines stay released and the trained
         models' gradients and optimizer state leave the device, so the export onloads nothing beside them."""
         self.release()
@@ -277,7 +284,7 @@ class ColocatedRollouts:
                 if engine is not None:
                     engine.offload_training_state()
         else:
-            self.hand_over(run, PhaseTimer(), new_version=new_version)
+            self.hand_over(run, PhaseTimer())
         run.check_device()
 
     # -- checkpoints: each engine's sampler RNG

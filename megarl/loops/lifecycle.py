@@ -27,7 +27,7 @@ from megarl.engine.lora import adapts_experts
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
 from megarl.loops.faults import EngineLost
-from megarl.loops.resume import RunState, restore_checkpoint, save_checkpoint
+from megarl.loops.resume import RunState, checkpoint_due, restore_checkpoint, save_checkpoint
 from megarl.loops.stop import STOP, Stopped
 from megarl.metrics import MetricsWriter
 from megarl.timeline import TIMELINE, ProfileWindow, global_rank
@@ -44,7 +44,8 @@ def run_steps(cfg: Config, state: RunState, *, step: Callable[[int], dict[str, f
               exported: str = "actor") -> Path:
     """Restore `state` from `resume_from` (when given), call `on_start()` (RL: the first weight push, of the
     restored weights), then run steps up to `steps`: metrics every
-    `log.every_steps` (and the last), a checkpoint every `checkpoint.every_steps`, and with
+    `log.every_steps` (and the last), a checkpoint every `checkpoint.every_steps` (written by the step itself
+    where `state.saves_in_step`), and with
     `checkpoint.save_final` a last checkpoint plus the model `state.engines[exported]` exported as an HF
     checkpoint (a scalar-head model as a sequence classifier). Returns the
     directory of that export. A signal (megarl.loops.stop) ends the run before its next step: the last
@@ -69,13 +70,14 @@ def run_steps(cfg: Config, state: RunState, *, step: Callable[[int], dict[str, f
     try:
         if on_start is not None:
             on_start()
-        saved, saved_step = resume_from, start
+        state.last_saved, state.last_saved_step = resume_from, start
         startup = {"timing/startup_seconds": time.time() - psutil.Process().create_time()}
         for n in range(start + 1, steps + 1):
             if exit_code := STOP.agreed():
-                if saved_step < n - 1:
-                    saved, saved_step = save_checkpoint(cfg, n - 1, state), n - 1
-                raise Stopped(step=n - 1, checkpoint=saved, exit_code=exit_code, signal_name=STOP.signal_name)
+                if state.last_saved_step < n - 1:
+                    save_checkpoint(cfg, n - 1, state, final=True)
+                raise Stopped(step=n - 1, checkpoint=state.last_saved, exit_code=exit_code,
+                              signal_name=STOP.signal_name)
             drawn = state.sampler.state_dict()
             try:
                 with TIMELINE.step(n), profile.step(n):
@@ -84,15 +86,15 @@ def run_steps(cfg: Config, state: RunState, *, step: Callable[[int], dict[str, f
                 last = n if e.trained else n - 1
                 if not e.trained and not e.keeps_prompts:
                     state.sampler.load_state_dict(drawn)
-                if saved_step < last:
-                    saved, saved_step = save_checkpoint(cfg, last, state), last
-                e.checkpoint = saved
+                if state.last_saved_step < last:
+                    save_checkpoint(cfg, last, state, final=True)
+                e.checkpoint = state.last_saved
                 raise
             if n % cfg.log.every_steps == 0 or n == steps:
                 writer.write(n, metrics | startup)
                 startup = {}
-            if cfg.checkpoint.every_steps and n % cfg.checkpoint.every_steps == 0 and n < steps:
-                saved, saved_step = save_checkpoint(cfg, n, state), n
+            if checkpoint_due(cfg, n, steps) and not state.saves_in_step:
+                save_checkpoint(cfg, n, state)
         finished = True
     finally:
         writer.close(finished=finished)

@@ -104,18 +104,33 @@ class RunState:
     # (phase, bytes by transient owner): count what the device holds (RL, colocated: megarl.ledger); then check
     count_device: Callable[..., None] = lambda phase, **transient: None
     check_device: Callable[[], None] = lambda: None
+    # the loop's step writes its periodic checkpoints itself, where its trainer's state is already on the device
+    # (RL, colocated: between the update and the weight push, so no second hand-over follows a checkpoint)
+    saves_in_step: bool = False
+    last_saved: Path | None = None  # the run's newest checkpoint (save_checkpoint records it) and its step
+    last_saved_step: int = 0
 
 
-def save_checkpoint(cfg: Config, step: int, state: RunState, *, final: bool = False) -> Path:
-    """Save a run after `step` (a collective call: every rank writes its share); returns the directory.
-    A full disk is a CheckpointError that says so and names the directory. `final`: the run's last (the
-    rollout engines are not woken after it)."""
+def checkpoint_due(cfg: Config, step: int, steps: int) -> bool:
+    """A periodic checkpoint follows `step` (`checkpoint.every_steps`; the last step's is the final one)."""
+    every = cfg.checkpoint.every_steps
+    return bool(every) and step % every == 0 and step < steps
+
+
+def save_checkpoint(cfg: Config, step: int, state: RunState, *, final: bool = False, held: bool = False) -> Path:
+    """Save a run after `step` (a collective call: every rank writes its share); returns the directory and
+    records it in `state.last_saved`. A full disk is a CheckpointError that says so and names the directory.
+    `final`: the run ends after it (the rollout engines are not woken again). `held`: the caller holds the
+    trainer's state on the device already (`state.saves_in_step`), so no `state.resident` wraps the write."""
     name = [str(temporary_dir(checkpoint_root(cfg), step)) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(name, src=0)
     tmp = Path(name[0])
     try:
-        with state.resident(final=final):
-            return _write_checkpoint(cfg, step, state, tmp)
+        if held:
+            state.count_device("checkpoint")
+        with contextlib.nullcontext() if held else state.resident(final=final):
+            state.last_saved, state.last_saved_step = _write_checkpoint(cfg, step, state, tmp), step
+            return state.last_saved
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException

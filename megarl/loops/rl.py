@@ -10,6 +10,7 @@ the same code (SPMD under torchrun). Where the samples come from and where the w
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from megarl.loops.colocated import ColocatedRollouts
 from megarl.loops.faults import EngineLost, check_versions
 from megarl.loops.launch import init_groups
 from megarl.loops.lifecycle import final_dir, run_steps
-from megarl.loops.resume import RunState, already_finished, find_resume
+from megarl.loops.resume import RunState, already_finished, checkpoint_due, find_resume, save_checkpoint
 from megarl.loops.rl_run import RLRun, Rollouts, build_run, check_launch
 from megarl.loops.split import SplitRollouts, is_rollout_rank
 from megarl.loops.split_worker import serve_rollout
@@ -41,7 +42,10 @@ from megarl.routing import compact
 
 
 # ---- one step -----------------------------------------------------------------------------------------
-def rl_step(run: RLRun, step: int) -> dict[str, float]:
+def rl_step(run: RLRun, step: int, *, save: Callable[[int], object] | None = None) -> dict[str, float]:
+    """One update; `save(step)` writes the step's checkpoint when one is due (`checkpoint_due`), after the update
+    and before the weights go to the engines (a colocated run: the trainer's state is still on the device, so
+    no hand-over of its own follows the checkpoint)."""
     cfg, timer = run.cfg, PhaseTimer()
     batch, sampling = run.rollouts.next_batch(run, step, timer)  # timed as "generate" and "reward"
     check_versions(batch, run.rollouts.versions(run, step), step=step, group=run.groups.dp)
@@ -75,8 +79,14 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
         train_metrics |= train_critic(run, trained) if run.critic is not None else {}
     run.count_device("train", activations=run.ledger.activations(activation_tokens(cfg.train, trained))
                      if run.ledger is not None else 0)
+    run.weight_version += 1
     training_moe = routing_metrics(run)  # also clears the counts of the training passes
     moe = moe or training_moe
+    metrics = batch_metrics(run, batch, trained, untrained) | distill_metrics(run, batch)
+    run.drift.observe(metrics["rollout/logprob_diff_mean"], tokens=metrics["rollout/logprob_diff_tokens"], step=step)
+    kl_metrics = update_kl_coef(run, batch)
+    if save is not None and checkpoint_due(cfg, step, cfg.train.steps):
+        save(step)  # the step is complete and the trainer's state is still on the device
     try:
         push_stats = run.rollouts.hand_over(run, timer)
         with timer("eval"):
@@ -84,12 +94,10 @@ def rl_step(run: RLRun, step: int) -> dict[str, float]:
     except EngineLost as e:  # the step has updated the trainer: the run saves it
         e.trained = True
         raise
-    metrics = batch_metrics(run, batch, trained, untrained) | distill_metrics(run, batch) | run.rollouts.metrics(run)
+    metrics |= run.rollouts.metrics(run)
     run.check_device()
     if run.ledger is not None:
         metrics |= run.ledger.metrics()
-    run.drift.observe(metrics["rollout/logprob_diff_mean"], tokens=metrics["rollout/logprob_diff_tokens"], step=step)
-    kl_metrics = update_kl_coef(run, batch)
     seconds = sum(timer.seconds.values())
     tokens, = run.global_sums([float(batch.prompt_lens.sum() + batch.response_mask.sum())])
     return {
@@ -329,7 +337,9 @@ def train(cfg: Config) -> Path:
                     eval_rows=eval_rows, model_dir=model_dir)
     try:
         # the first push hands over the trainer's own (or restored) weights, which also proves the name table
-        return run_steps(cfg, run_state(run), step=partial(rl_step, run), steps=cfg.train.steps,
+        state = run_state(run)
+        save = partial(save_checkpoint, cfg, state=state, held=True) if state.saves_in_step else None
+        return run_steps(cfg, state, step=partial(rl_step, run, save=save), steps=cfg.train.steps,
                          resume_from=resume_from, desc="rl", on_start=lambda: run.rollouts.hand_over(run, PhaseTimer()))
     finally:
         run.rollouts.close()
@@ -349,6 +359,7 @@ def run_state(run: RLRun) -> RunState:
 
     return RunState(groups=run.groups, engines=run.trained_engines(), sampler=run.sampler,
                     rollout_engines=rollouts.engines, resident=partial(rollouts.resident, run),
+                    saves_in_step=isinstance(rollouts, ColocatedRollouts),
                     count_device=run.count_device,
                     check_device=run.check_device,
                     extra=lambda: {"weight_version": run.weight_version, "kl": run.kl.state_dict(), **rollouts.state()},

@@ -140,7 +140,9 @@ class RLRun:
     reward_models: list[tuple[float, TrainEngine]]  # (weight, frozen scalar-head model) of reward_model terms
     # stops the run when the engines' logprobs stay off the trainer's (rollout.max_logprob_drift); off by default
     drift: DriftGate = dataclasses.field(default_factory=lambda: DriftGate(limit=None, patience=1))
-    weight_version: int = 0
+    # the version of the trainer's weights: 1 at the start, one more after each update; colocated placement
+    # pushes them to the engines under this number (placement split counts its own pushes)
+    weight_version: int = 1
     failed_reward_steps: int = 0  # consecutive steps in which every sample's reward failed (check_rewards)
     new_env: Callable[[], Environment] = SingleTurn  # one trajectory's environment (env.name)
     tool_schemas: list[dict] = dataclasses.field(default_factory=list)  # the environment's tools, for the prompt
