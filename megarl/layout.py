@@ -67,7 +67,7 @@ class Layout:
         """The rank that hosts each rollout engine: the first of every group of rollout_tp consecutive ranks
         of the generating ones (the whole job, or with placement split its last rollout_ranks ranks)."""
         first = self.world if self.rollout_ranks else 0
-        return list(range(first, self.job_world, self.rollout_tp))
+        return [span.start for span in engine_spans(range(first, self.job_world), self.rollout_tp)]
 
     @classmethod
     def of(cls, cfg: Config, shape: ModelShape, *, world: int, ranks_per_node: int,
@@ -130,6 +130,12 @@ class Layout:
         return cls(world=trainers, rollout_ranks=rollout_ranks, ranks_per_node=ranks_per_node, tp=par.tp,
                    pp=par.pp, cp=par.cp, ep=par.ep, dp=dp, expert_dp=trainers // (par.tp * par.ep * par.pp),
                    vpp=vpp, micro_batches=micro_batches, rollout_tp=cfg.rollout.tp)
+
+
+def engine_spans(ranks: range, rollout_tp: int) -> list[range]:
+    """The ranks of each rollout engine among the generating `ranks`: groups of `rollout_tp` consecutive ranks,
+    the first of each its host (rule 4). The one place megarl does this arithmetic."""
+    return [range(start, min(start + rollout_tp, ranks.stop)) for start in range(ranks.start, ranks.stop, rollout_tp)]
 
 
 def check_teacher_layout(teacher: ModelShape, cfg: Config, *, world: int, vpp: int) -> None:

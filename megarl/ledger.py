@@ -134,11 +134,14 @@ def run_ledger(cfg, shape, *, world: int, stage: int, models: list, sglang_on_cp
 
     cluster = Cluster(nodes=1, gpus_per_node=world)
 
+    job = None  # resolved by the first plan, for this cluster
+
     def replan(prompt_tokens: int) -> Plan:
-        return plan(cfg, shape, cluster, prompt_tokens=prompt_tokens)
+        return plan(cfg, shape, cluster, prompt_tokens=prompt_tokens, job=job)
 
     first = replan(1)
     layout = first.layout
+    job = first.job
     value_heads = [False] + ([True] if cfg.algo.name == "ppo" else [])
 
     def activations(tokens: int) -> int:  # a padded sequence's tokens, or with packing a packed row's

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 warnings.filterwarnings("ignore")
 
 from megarl.engine.megatron import TrainEngine  # noqa: E402
+from megarl.models.arch import read_shape
 from megarl.engine.parallel import init_parallel  # noqa: E402
 from parallel_worker import run_cases  # noqa: E402
 
@@ -29,7 +30,7 @@ def case_parser() -> argparse.ArgumentParser:
 
 def run_case(args: argparse.Namespace) -> None:
     groups = init_parallel(tp=args.tp, pp=args.pp, ep=args.ep)
-    engine = TrainEngine(model_dir=f"{args.ckpt}/hf", dtype="float32", megatron={}, groups=groups, load_weights=False)
+    engine = TrainEngine(model_dir=f"{args.ckpt}/hf", shape=read_shape(f"{args.ckpt}/hf"), dtype="float32", megatron={}, groups=groups, load_weights=False)
     engine.load_checkpoint(f"{args.ckpt}/actor")
     tensors = {name: t.clone() for name, t in engine.pipeline_hf_tensors()}
     if dist.get_rank() == 0:

@@ -19,6 +19,7 @@ warnings.filterwarnings("ignore")
 
 from megarl.algo.kl import reverse_kl  # noqa: E402
 from megarl.engine.megatron import TrainEngine  # noqa: E402
+from megarl.models.arch import read_shape
 from megarl.engine.parallel import init_parallel  # noqa: E402
 from parallel_worker import layout_parser, run_cases  # noqa: E402
 
@@ -37,7 +38,7 @@ def run_case(args) -> None:
     tokens, mask = fixed_batch()
     scores = {}
     for name, path in (("student", args.model), ("teacher", args.teacher)):
-        engine = TrainEngine(model_dir=path, dtype="float32", megatron={}, groups=groups)
+        engine = TrainEngine(model_dir=path, shape=read_shape(path), dtype="float32", megatron={}, groups=groups)
         scores[name] = engine.logprobs(tokens, temperature=1.0, micro_batch_size=2) * mask
     if dist.get_rank() == 0:
         out = Path(args.out)

@@ -20,6 +20,7 @@ warnings.filterwarnings("ignore")
 
 from megarl.config import OptimConfig  # noqa: E402
 from megarl.engine.megatron import TrainEngine  # noqa: E402
+from megarl.models.arch import read_shape
 from megarl.engine.parallel import init_parallel  # noqa: E402
 from megarl.packing import sequence_lengths  # noqa: E402
 from megarl.routing import RouteUse  # noqa: E402
@@ -54,7 +55,7 @@ def run_case(args: argparse.Namespace) -> None:
     megatron = {"moe_aux_loss_coeff": 0.0, **({"sequence_parallel": True} if args.tp > 1 else {})}
     if args.recompute:
         megatron.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    actor = TrainEngine(model_dir=args.model, dtype="float32", megatron=megatron, groups=groups,
+    actor = TrainEngine(model_dir=args.model, shape=read_shape(args.model), dtype="float32", megatron=megatron, groups=groups,
                         optim=OptimConfig(lr=1e-3, weight_decay=0.0, grad_clip=0.0, distributed=True))
     shape = actor.shape
     tokens, mask, lengths, routes = fixed_inputs(shape.vocab_size, layers=shape.layers, experts=shape.experts,

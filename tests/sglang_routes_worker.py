@@ -45,8 +45,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from megarl.rollout.sglang_engine import SGLangEngine
+    from megarl.models.arch import read_shape
 
-    engine = SGLangEngine(args.model, dtype="float32", seed=0, capture_routes=True)
+    engine = SGLangEngine(args.model, shape=read_shape(args.model), dtype="float32", seed=0, capture_routes=True)
     sample = dict(temperature=1.0, top_p=1.0, max_new_tokens=6, eos_id=EOS_ID, pad_id=0)
     try:
         first = engine.generate(PROMPTS, **sample)

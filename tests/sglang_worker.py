@@ -27,6 +27,7 @@ from megarl.engine.parallel import init_parallel  # noqa: E402
 from megarl.handoff import push_weights  # noqa: E402
 from megarl.rollout.native import NativeEngine  # noqa: E402
 from megarl.rollout.sglang_engine import SGLangEngine  # noqa: E402
+from megarl.models.arch import read_shape  # noqa: E402
 
 PROMPTS = [[21, 22, 15, 23, 25, 33], [30, 31, 15, 33], [24, 15, 24, 33, 4]]
 EOS_ID = 0
@@ -62,8 +63,8 @@ def stop_summary(gen, *, max_new_tokens: int) -> dict:
 
 def cpu_checks(args) -> dict:
     groups = init_parallel(tp=1, pp=1, seed=0)
-    trainer = TrainEngine(model_dir=args.trainer_model, dtype="float32", megatron={}, groups=groups)
-    engine = SGLangEngine(args.other_model, dtype="float32", seed=0)
+    trainer = TrainEngine(model_dir=args.trainer_model, shape=read_shape(args.trainer_model), dtype="float32", megatron={}, groups=groups)
+    engine = SGLangEngine(args.other_model, shape=read_shape(args.other_model), dtype="float32", seed=0)
     result = {}
     sample = dict(temperature=0.7, top_p=1.0, max_new_tokens=8, eos_id=EOS_ID, pad_id=0)
 
@@ -91,7 +92,7 @@ def cpu_checks(args) -> dict:
                                             verify=lambda index: True)["verified"]
 
     # Push the other model's own tensors back: the engine reproduces that model again.
-    other = TrainEngine(model_dir=args.other_model, dtype="float32", megatron={}, groups=groups)
+    other = TrainEngine(model_dir=args.other_model, shape=read_shape(args.other_model), dtype="float32", megatron={}, groups=groups)
     push_weights(engine, other.hf_tensors(), bucket_bytes=1 << 20, version=2)
     gen = engine.generate(PROMPTS, **sample)
     tokens, mask, lp = pack_sequences(PROMPTS, gen.response_ids, gen.logprobs, pad_id=0)
@@ -99,7 +100,7 @@ def cpu_checks(args) -> dict:
 
     # A model that emits EOS often (the test's crafted checkpoint), pushed into the same engine: SGLang and
     # the native engine must both end responses at EOS, and only there.
-    eos_model = TrainEngine(model_dir=args.eos_model, dtype="float32", megatron={}, groups=groups)
+    eos_model = TrainEngine(model_dir=args.eos_model, shape=read_shape(args.eos_model), dtype="float32", megatron={}, groups=groups)
     push_weights(engine, eos_model.hf_tensors(), bucket_bytes=1 << 20, version=3)
     eos_sample = dict(sample, temperature=1.0, max_new_tokens=12)
     eos_prompts = PROMPTS * 16
@@ -126,10 +127,10 @@ def gpu_checks(args) -> dict:
         port = s.getsockname()[1]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     groups = init_parallel(tp=1, pp=1, seed=0)
-    trainer = TrainEngine(model_dir=args.trainer_model, dtype="bfloat16", megatron={}, groups=groups)
+    trainer = TrainEngine(model_dir=args.trainer_model, shape=read_shape(args.trainer_model), dtype="bfloat16", megatron={}, groups=groups)
     result = {}
     free_before_engine = torch.cuda.mem_get_info()[0]
-    engine = SGLangEngine(args.other_model, dtype="bfloat16", seed=0, mem_fraction=0.2, base_gpu_id=0)
+    engine = SGLangEngine(args.other_model, shape=read_shape(args.other_model), dtype="bfloat16", seed=0, mem_fraction=0.2, base_gpu_id=0)
     free_serving = torch.cuda.mem_get_info()[0]
     result["engine_bytes"] = free_before_engine - free_serving
     sample = dict(temperature=0.7, top_p=1.0, max_new_tokens=8, eos_id=EOS_ID, pad_id=0)
@@ -180,7 +181,7 @@ def readback_checks(args) -> dict:
     tensors = list(load_file(os.path.join(args.trainer_model, "model.safetensors")).items())
     pushes = [[(name, t + p * 1e-3) for name, t in tensors] for p in (1, 2)]  # other values at every push
     skipped = tensors[4][0]
-    engine = SkippingEngine(SGLangEngine(args.trainer_model, dtype="float32", seed=0), name=skipped, start=2)
+    engine = SkippingEngine(SGLangEngine(args.trainer_model, shape=read_shape(args.trainer_model), dtype="float32", seed=0), name=skipped, start=2)
     every = dict(bucket_bytes=1 << 20, verify=lambda index: True, engine_name="rollout engine 0")
     result = {"tensors": len(tensors), "skipped": skipped}
     result["verified"] = push_weights(engine, iter(pushes[0]), version=1, **every)["verified"]
@@ -201,9 +202,9 @@ def lora_checks(args) -> dict:
 
     groups = init_parallel(tp=1, pp=1, seed=0)
     lora = LoraConfig(rank=4, alpha=8.0, targets=["qkv", "proj", "fc1", "fc2"])
-    trainer = TrainEngine(model_dir=args.trainer_model, dtype="float32", megatron={}, groups=groups, lora=lora,
+    trainer = TrainEngine(model_dir=args.trainer_model, shape=read_shape(args.trainer_model), dtype="float32", megatron={}, groups=groups, lora=lora,
                           optim=OptimConfig(lr=1e-2), seed=0)
-    engine = SGLangEngine(args.trainer_model, dtype="float32", seed=0, lora=lora)
+    engine = SGLangEngine(args.trainer_model, shape=read_shape(args.trainer_model), dtype="float32", seed=0, lora=lora)
     native = NativeEngine(args.trainer_model, seed=0, device="cpu")
     sample = dict(temperature=0.7, top_p=1.0, max_new_tokens=8, eos_id=EOS_ID, pad_id=0)
     generator = torch.Generator().manual_seed(0)

@@ -165,8 +165,9 @@ def test_a_phase_over_the_plan_fails_naming_the_phase_and_its_owners():
 def test_the_export_onloads_the_parameters_alone(qwen2_dir, groups):
     from megarl.config import OptimConfig
     from megarl.engine.megatron import TrainEngine
+    from megarl.models.arch import read_shape
 
-    engine = TrainEngine(model_dir=str(qwen2_dir), dtype="float32", megatron={}, groups=groups,
+    engine = TrainEngine(model_dir=str(qwen2_dir), shape=read_shape(str(qwen2_dir)), dtype="float32", megatron={}, groups=groups,
                          optim=OptimConfig(lr=1e-3))
     resident = engine.memory.resident_bytes()
     engine.offload_training_state()

@@ -38,11 +38,10 @@ def test_rank_r_holds_chunks_r_and_its_mirror():
 
 
 def test_hierarchical_exchange_is_refused_naming_the_key(qwen2_dir):
-    from megarl.config import RecipeError
     from megarl.engine.model import transformer_config
     from megarl.models.arch import read_shape
 
-    with pytest.raises(RecipeError, match=r"model.megatron.cp_comm_type = 'a2a\+p2p' .* is not supported"):
+    with pytest.raises(ValueError, match=r"model.megatron.cp_comm_type = 'a2a\+p2p' .* is not supported"):
         transformer_config(read_shape(qwen2_dir), dtype="float32", tp=1, pp=1, cp=2,
                            megatron={"cp_comm_type": "a2a+p2p"})
 
@@ -58,6 +57,7 @@ def _worker(rank: int, init_file: str, out_dir: str, model_dir: str, tokens: tor
     from megarl.engine.context_parallel import gather_sequence
     from megarl.engine.local_attention import PackedLocalAttention
     from megarl.engine.megatron import TrainEngine
+    from megarl.models.arch import read_shape
     from megarl.engine.parallel import init_parallel
 
     groups = init_parallel(tp=1, pp=1, cp=2, seed=0)
@@ -99,7 +99,7 @@ def _worker(rank: int, init_file: str, out_dir: str, model_dir: str, tokens: tor
     result["attention_ref_grads"] = [t.grad[mine] for t in full_qkv]
 
     # the engine: logprobs of whole sequences on every CP rank, columns padded from 13 to 16 inside
-    engine = TrainEngine(model_dir=model_dir, dtype="float32", megatron={}, groups=groups)
+    engine = TrainEngine(model_dir=model_dir, shape=read_shape(model_dir), dtype="float32", megatron={}, groups=groups)
     result["logprobs"] = engine.logprobs(tokens, temperature=1.0, micro_batch_size=2)
     try:
         engine.logprobs(tokens, temperature=1.0, micro_batch_size=2, micro_batch_tokens=64,

@@ -22,7 +22,8 @@ PEAK = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]).r
         "print('peak_bytes', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024); sys.exit(code)")
 SKELETON = ("import sys; sys.path.insert(0, sys.argv[2]); import convert_hf_to_megatron, convert_megatron_to_hf; "
             "import megarl.engine.lazy_checkpoint; from megarl.engine.megatron import meta_engine; "
-            "meta_engine(sys.argv[1], dtype='float32')")
+            "from megarl.models.arch import read_shape; meta_engine(sys.argv[1], shape=read_shape(sys.argv[1]), "
+            "dtype='float32')")
 
 
 def peak_bytes(args: list[str]) -> int:

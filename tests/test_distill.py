@@ -80,17 +80,19 @@ def fixed_batch(tokenizer_vocab: int = 98):
 def test_reverse_kl_per_token_equals_transformers_on_both_models(qwen2_dir, big_teacher, groups, tmp_path):
     """The loop's own phases (compute_logprobs, the distill advantage, the metrics) on a student and a larger
     teacher built by the run's engine factory, against both models in transformers on the same tokens."""
-    from megarl.engine.roles import make_engine
+    from megarl.engine.roles import build_engine
+    from megarl.job import Job
     from megarl.loops.rl import compute_logprobs, distill_metrics
     from megarl.objective import advantage_fn, policy_objective
     from megarl.routing import RoutePlan
 
     cfg = recipe(tmp_path, qwen2_dir, big_teacher, "train.micro_batch_size=2")
     assert not cfg.algo.on_policy  # the student's logprobs are needed before the update
+    job = Job.of(cfg, world=1, ranks_per_node=1)
     run = SimpleNamespace(cfg=cfg, objective=policy_objective(cfg.algo, on_policy=cfg.algo.on_policy),
                           routes=RoutePlan("none", on_policy=False), reference=None, critic=None,
-                          actor=make_engine(cfg, groups, role="actor", model_dir=str(qwen2_dir)),
-                          teacher=make_engine(cfg, groups, role="teacher", model_dir=cfg.teacher.path),
+                          actor=build_engine(job, job.role("actor"), groups),
+                          teacher=build_engine(job, job.role("teacher"), groups),
                           global_sums=lambda values: values)
     assert run.teacher.shape.hidden == 128 and run.actor.shape.hidden == 64
     batch = compute_logprobs(run, fixed_batch())
@@ -140,7 +142,7 @@ def test_distill_coef_adds_the_teacher_term_to_any_algorithm():
 def test_teacher_with_another_tokenizer_is_refused_naming_teacher_path(qwen2_dir, tmp_path):
     """A teacher whose vocabulary maps two tokens to each other's ids is refused before any model is built."""
     from megarl.config import RecipeError
-    from megarl.loops.rl_run import check_launch
+    from megarl.loops.launch import resolve_job
 
     teacher = tmp_path / "teacher"
     shutil.copytree(qwen2_dir, teacher)
@@ -150,8 +152,8 @@ def test_teacher_with_another_tokenizer_is_refused_naming_teacher_path(qwen2_dir
     (teacher / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(RecipeError, match=r"^teacher\.path: the teacher's tokenizer .* token 'a' is id \d+, the "
                                           r"student's \d+"):
-        check_launch(recipe(tmp_path, qwen2_dir, teacher))
-    check_launch(recipe(tmp_path, qwen2_dir, qwen2_dir))  # the same tokenizer passes
+        resolve_job(recipe(tmp_path, qwen2_dir, teacher))
+    resolve_job(recipe(tmp_path, qwen2_dir, qwen2_dir))  # the same tokenizer passes
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -177,7 +179,7 @@ def test_teacher_layout_is_checked_and_planned(qwen2_dir, big_teacher, tmp_path)
     """The teacher is built at the trainer's layout: a teacher whose heads TP cannot split is refused, by launch
     and by `megarl plan` alike, naming teacher.path; a teacher that fits is in the plan with its own size."""
     from megarl.layout import Layout, LayoutError
-    from megarl.loops.launch import launch_layout
+    from megarl.job import Job
     from megarl.models.arch import read_shape
     from megarl.plan.estimate import PlanError, plan
     from megarl.plan.memory import Cluster, stage_params
@@ -188,7 +190,7 @@ def test_teacher_layout_is_checked_and_planned(qwen2_dir, big_teacher, tmp_path)
     Layout.of(cfg, student, world=2, ranks_per_node=2)  # the student alone splits
     with pytest.raises(LayoutError, match=r"^teacher\.path \(qwen2, the distillation teacher.*\): attention heads 3 "
                                           r"is not divisible by parallel\.tp = 2"):
-        launch_layout(cfg, world=2, ranks_per_node=2)
+        Job.of(cfg, world=2, ranks_per_node=2)
     with pytest.raises(PlanError, match=r"^teacher\.path .*attention heads 3"):
         plan(cfg, student, Cluster(nodes=1, gpus_per_node=2))
 
@@ -209,9 +211,10 @@ def test_reverse_kl_is_the_same_at_tp2_and_pp2_as_on_one_rank(qwen2_dir, big_tea
 
     from megarl.algo.kl import reverse_kl
     from megarl.engine.megatron import TrainEngine
+    from megarl.models.arch import read_shape
 
     tokens, mask = worker_batch()
-    one_rank = {name: TrainEngine(model_dir=str(path), dtype="float32", megatron={}, groups=groups).logprobs(
+    one_rank = {name: TrainEngine(model_dir=str(path), shape=read_shape(str(path)), dtype="float32", megatron={}, groups=groups).logprobs(
                     tokens, temperature=1.0, micro_batch_size=2) * mask
                 for name, path in (("student", qwen2_dir), ("teacher", big_teacher))}
     want = {"reverse_kl": reverse_kl(one_rank["student"], one_rank["teacher"], mask),

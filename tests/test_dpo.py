@@ -33,12 +33,13 @@ def dpo_run(qwen2_dir, tiny_data, tmp_path_factory):
 def build(groups, qwen2_dir, tiny_data, *overrides):
     """An in-process DPO run of the tiny recipe on 8 pairs per step, no evaluation."""
     from megarl.config import load_config
+    from megarl.job import Job
     from megarl.loops.dpo import build_run
 
     cfg = load_config(REPO / "recipes" / "dpo_tiny.yaml", [
         f"model.path={qwen2_dir}", f"data.train_path={tiny_data / 'train_pairs.jsonl'}", "data.eval_path=null",
         "data.prompts_per_step=8", "train.micro_batch_size=4", "optim.warmup_steps=0", *overrides])
-    return build_run(cfg, groups)
+    return build_run(Job.of(cfg, world=1, ranks_per_node=1), groups)
 
 
 # ---- the loop ----------------------------------------------------------------------------------------------

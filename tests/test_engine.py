@@ -27,9 +27,10 @@ N_TOKENS = 98  # real tokens of the tiny tokenizer (the embedding is padded to 1
 def make_engine(model_dir, groups, *, train: bool, dtype: str = "float32", megatron: dict | None = None):
     from megarl.config import OptimConfig
     from megarl.engine.megatron import TrainEngine
+    from megarl.models.arch import read_shape
 
     optim = OptimConfig(lr=1e-3, weight_decay=0.0, grad_clip=1.0, distributed=True) if train else None
-    return TrainEngine(model_dir=str(model_dir), dtype=dtype, megatron=megatron or {}, groups=groups, optim=optim)
+    return TrainEngine(model_dir=str(model_dir), shape=read_shape(str(model_dir)), dtype=dtype, megatron=megatron or {}, groups=groups, optim=optim)
 
 
 def fixed_tokens(batch: int = 4, seq_len: int = 16, seed: int = 1234) -> torch.Tensor:
@@ -126,10 +127,11 @@ def test_every_megatron_parameter_has_one_name_rule(model_dir, groups):
 ], ids=["mixtral-pre-softmax", "qwen2_moe-renormalized", "qwen3_moe-pre-softmax", "qwen2_moe-ungated-shared"])
 def test_a_wrong_router_convention_breaks_parity(arch, wrong, arch_dir, groups):
     from megarl.engine.megatron import TrainEngine
+    from megarl.models.arch import read_shape
 
     model_dir = arch_dir(arch)
     tokens = fixed_tokens()
-    engine = TrainEngine(model_dir=str(model_dir), dtype="float32", megatron=wrong, groups=groups)
+    engine = TrainEngine(model_dir=str(model_dir), shape=read_shape(str(model_dir)), dtype="float32", megatron=wrong, groups=groups)
     positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand(tokens.shape[0], -1)
     with torch.no_grad():
         logits = engine.module(tokens, positions, None)[..., :N_TOKENS]
@@ -158,9 +160,10 @@ def test_moe_aux_loss_reaches_the_routers_averaged_over_micro_batches(arch_dir, 
     def grad_norm(megatron: dict, micro_batch_size: int) -> float:
         from megarl.config import OptimConfig
         from megarl.engine.megatron import TrainEngine
+        from megarl.models.arch import read_shape
 
         optim = OptimConfig(lr=1e-3, weight_decay=0.0, grad_clip=0.0, distributed=True)
-        engine = TrainEngine(model_dir=str(model_dir), dtype="float32", megatron=megatron, groups=groups, optim=optim)
+        engine = TrainEngine(model_dir=str(model_dir), shape=read_shape(str(model_dir)), dtype="float32", megatron=megatron, groups=groups, optim=optim)
         assert engine.config.moe_aux_loss_coeff == megatron.get("moe_aux_loss_coeff", 0.02)  # HF's coefficient
         return engine.train_step(tokens, {}, zero_loss, temperature=1.0, micro_batch_size=micro_batch_size)["grad_norm"]
 
@@ -627,9 +630,10 @@ def test_critic_values_equal_transformers_sequence_classifier(qwen2_dir, groups,
     from transformers import AutoModelForSequenceClassification
 
     from megarl.engine.megatron import TrainEngine
+    from megarl.models.arch import read_shape
 
     scored = with_score_head(qwen2_dir, tmp_path / "scored")
-    critic = TrainEngine(model_dir=str(scored), dtype="float32", megatron={}, groups=groups, value_head=True)
+    critic = TrainEngine(model_dir=str(scored), shape=read_shape(str(scored)), dtype="float32", megatron={}, groups=groups, value_head=True)
     tokens = fixed_tokens()
     values = critic.values(tokens, micro_batch_size=2)
     assert values.shape == tokens.shape and torch.equal(values[:, 0], torch.zeros(tokens.shape[0]))
@@ -650,9 +654,10 @@ def test_critic_without_a_score_head_starts_at_zero_and_fits_returns(qwen2_dir, 
     from megarl.algo.aggregate import global_loss_norm
     from megarl.config import OptimConfig
     from megarl.engine.megatron import TrainEngine
+    from megarl.models.arch import read_shape
     from megarl.objective import CriticObjective
 
-    critic = TrainEngine(model_dir=str(qwen2_dir), dtype="float32", megatron={}, groups=groups,
+    critic = TrainEngine(model_dir=str(qwen2_dir), shape=read_shape(str(qwen2_dir)), dtype="float32", megatron={}, groups=groups,
                          optim=OptimConfig(lr=1e-2), value_head=True)
     tokens = fixed_tokens()
     mask = response_mask(tokens)
@@ -744,10 +749,11 @@ def test_reward_model_scores_equal_transformers_sequence_classifier(qwen2_dir, g
 
     from megarl.batch import RolloutBatch
     from megarl.engine.megatron import TrainEngine
+    from megarl.models.arch import read_shape
     from megarl.loops.samples import reward_model_scores
 
     scored = with_score_head(qwen2_dir, tmp_path / "rm", seed=5)
-    model = TrainEngine(model_dir=str(scored), dtype="float32", megatron={}, groups=groups, value_head=True)
+    model = TrainEngine(model_dir=str(scored), shape=read_shape(str(scored)), dtype="float32", megatron={}, groups=groups, value_head=True)
     tokens = fixed_tokens()
     mask = response_mask(tokens)
     ends = (mask * torch.arange(tokens.shape[1])).argmax(dim=1) + 1  # one past each sequence's last token

@@ -19,9 +19,10 @@ RUN_TIMEOUT_S = 240
 def engine_of(model_dir, groups, *, train: bool, distributed: bool = True):
     from megarl.config import OptimConfig
     from megarl.engine.megatron import TrainEngine
+    from megarl.models.arch import read_shape
 
     optim = OptimConfig(lr=1e-3, weight_decay=0.0, grad_clip=1.0, distributed=distributed) if train else None
-    return TrainEngine(model_dir=str(model_dir), dtype="float32", megatron={}, groups=groups, optim=optim)
+    return TrainEngine(model_dir=str(model_dir), shape=read_shape(str(model_dir)), dtype="float32", megatron={}, groups=groups, optim=optim)
 
 
 def loss_fn(logprobs, mb):
@@ -99,10 +100,11 @@ def test_a_frozen_model_offloads_its_parameters_and_host_buffers_are_kept(qwen2_
 STARTUP_WORKER = """
 import json, os, sys, time
 from megarl.cli import main
-from megarl.loops import colocated, rl_run
+from megarl.engine import roles
+from megarl.loops import colocated
 
 events = {}
-make_rollout_engine, make_engine = colocated.make_rollout_engine, rl_run.make_engine
+make_rollout_engine, make_engine = colocated.make_rollout_engine, roles.make_engine
 
 def slow_release(*args, **kwargs):
     engine = make_rollout_engine(*args, **kwargs)
@@ -118,7 +120,7 @@ def first_model(*args, **kwargs):
     events.setdefault("first_model", time.time())
     return make_engine(*args, **kwargs)
 
-colocated.make_rollout_engine, rl_run.make_engine = slow_release, first_model
+colocated.make_rollout_engine, roles.make_engine = slow_release, first_model
 try:
     main(sys.argv[1:])
 finally:
@@ -162,16 +164,19 @@ def test_the_warm_start_gives_back_all_of_its_engine_before_the_rollout_engines_
 
     from megarl.config import load_config
     from megarl.data.prompts import load_prompts
+    from megarl.engine import roles
+    from megarl.job import Job
     from megarl.loops import warmup
 
     cfg = load_config(REPO / "recipes" / "quickstart.yaml", [
         f"model.path={qwen2_dir}", f"data.train_path={arithmetic_dir / 'train.jsonl'}", "data.eval_path=null",
         f"run_dir={tmp_path / 'run'}", "warmup.sft_steps=2", "warmup.batch_size=4", "train.micro_batch_size=4"])
     built = []
-    make_engine = warmup.make_engine
-    monkeypatch.setattr(warmup, "make_engine", lambda *a, **k: built.append(make_engine(*a, **k)) or built[-1])
+    make_engine = roles.make_engine
+    monkeypatch.setattr(roles, "make_engine", lambda *a, **k: built.append(make_engine(*a, **k)) or built[-1])
     rows = load_prompts(cfg.data.train_path, prompt_key="prompt", answer_key="answer")[:64]
-    out = warmup.sft_warmup(cfg, groups, AutoTokenizer.from_pretrained(qwen2_dir), rows)
+    out = warmup.sft_warmup(Job.of(cfg, world=1, ranks_per_node=1), groups, AutoTokenizer.from_pretrained(qwen2_dir),
+                            rows)
     assert (Path(out) / "model.safetensors").is_file()  # exported first
     (engine,) = built
     assert resident_bytes(engine) == {"params": 0, "grads": 0, "optim": 0}

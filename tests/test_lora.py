@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.config import LoraConfig, OptimConfig, RecipeError
+from megarl.config import LoraConfig, OptimConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,9 +25,10 @@ N_TOKENS = 98  # real tokens of the tiny tokenizer
 def make_engine(model_dir, groups, *, lora: LoraConfig | None = LORA, lr: float = 1e-2, seed: int = 0):
     """A LoRA policy engine (or, with `lora` None, the frozen base model)."""
     from megarl.engine.megatron import TrainEngine
+    from megarl.models.arch import read_shape
 
     optim = OptimConfig(lr=lr, weight_decay=0.0, grad_clip=1e9, distributed=True) if lora else None
-    return TrainEngine(model_dir=str(model_dir), dtype="float32", megatron={}, groups=groups, optim=optim,
+    return TrainEngine(model_dir=str(model_dir), shape=read_shape(str(model_dir)), dtype="float32", megatron={}, groups=groups, optim=optim,
                        lora=lora, seed=seed)
 
 
@@ -237,6 +238,7 @@ def test_expert_adapter_gradients_equal_a_plain_pytorch_lora_on_transformers(arc
     from transformers import AutoModelForCausalLM
 
     from megarl.engine.megatron import TrainEngine
+    from megarl.models.arch import read_shape
     from megarl.models import layout
 
     model_dir = arch_dir("qwen2_moe")
@@ -244,7 +246,7 @@ def test_expert_adapter_gradients_equal_a_plain_pytorch_lora_on_transformers(arc
     lora = LoraConfig(rank=4, alpha=8.0, targets=["fc1", "fc2"])
     # the load-balancing loss off: its gradient would reach layer 0's adapters through layer 1's router, and
     # transformers adds none without output_router_logits
-    policy = TrainEngine(model_dir=str(model_dir), dtype="float32", megatron={"moe_aux_loss_coeff": 0.0},
+    policy = TrainEngine(model_dir=str(model_dir), shape=read_shape(str(model_dir)), dtype="float32", megatron={"moe_aux_loss_coeff": 0.0},
                          groups=groups, optim=OptimConfig(lr=1e-2, weight_decay=0.0, grad_clip=1e9, distributed=True),
                          lora=lora)
     gen = torch.Generator().manual_seed(3)
@@ -316,18 +318,18 @@ def test_adapters_are_drawn_from_the_seed(qwen2_dir, groups):
 
 
 def test_what_cannot_take_adapters_is_refused_naming_the_key(arch_dir):
-    from megarl.engine.lora import check_lora
+    from megarl.job import check_lora
     from megarl.models.arch import read_shape
 
     moe, dense = read_shape(arch_dir("mixtral")), read_shape(arch_dir("qwen2"))
     check_lora(LORA, moe, te=False)  # experts at expert tensor parallelism 1 (any expert parallelism): fine
-    with pytest.raises(RecipeError, match=r"model\.lora\.targets.*experts' linears \(fc1, fc2\).*expert tensor "
+    with pytest.raises(ValueError, match=r"model\.lora\.targets.*experts' linears \(fc1, fc2\).*expert tensor "
                                           r"parallelism 1 only \(here 2"):
         check_lora(LORA, moe, te=False, expert_tp=2)
     check_lora(LoraConfig(targets=["qkv", "proj"]), moe, te=False, expert_tp=2)  # attention alone: fine
-    with pytest.raises(RecipeError, match=r"model\.lora.*Transformer Engine"):
+    with pytest.raises(ValueError, match=r"model\.lora.*Transformer Engine"):
         check_lora(LORA, dense, te=True)
-    with pytest.raises(RecipeError, match=r"model\.lora.*critic"):
+    with pytest.raises(ValueError, match=r"model\.lora.*critic"):
         check_lora(LORA, dense, te=False, value_head=True)
 
 
@@ -340,6 +342,7 @@ def test_plan_counts_a_lora_actors_memory_as_the_engine_holds_it(dtype, qwen2_di
 
     from megarl.config import load_config
     from megarl.engine.megatron import TrainEngine
+    from megarl.models.arch import read_shape
     from megarl.plan import Cluster, plan, read_model
 
     recipe = tmp_path / "tiny.yaml"
@@ -349,7 +352,7 @@ def test_plan_counts_a_lora_actors_memory_as_the_engine_holds_it(dtype, qwen2_di
     cfg = load_config(recipe, check_paths=False)
     models = plan(cfg, read_model(qwen2_dir / "config.json"), Cluster(nodes=1, gpus_per_node=1)).models
     assert [m.name for m in models] == ["actor"]
-    engine = TrainEngine(model_dir=str(qwen2_dir), dtype=dtype, megatron={}, groups=groups,
+    engine = TrainEngine(model_dir=str(qwen2_dir), shape=read_shape(str(qwen2_dir)), dtype=dtype, megatron={}, groups=groups,
                          optim=OptimConfig(lr=1e-3, distributed=cfg.optim.distributed), lora=cfg.model.lora)
     train(engine, *tokens_and_mask(2, 8), steps=1)
     real, actor = measured_state(engine), models[0]
@@ -407,23 +410,21 @@ def test_peft_adapter_directory_applied_to_the_base_model_gives_the_merged_expor
 def test_a_run_that_needs_the_local_layers_gets_them_where_transformer_engine_is_installed(key, qwen2_dir, tmp_path,
                                                                                           monkeypatch, caplog):
     """On a GPU with Transformer Engine installed (megarl's image) a run builds on TE's layers. model.lora runs on
-    Megatron's local layers only, so launch (megarl.loops.launch.choose_layers) builds such a run's models on
-    those, with a warning naming the key, instead of refusing the run. train.share_prompts keeps TE's layers
-    (megarl.engine.te_attention) with RoPE unfused, and refuses a recipe that asks for the fused kernel. Stood in:
-    the GPU (megarl.engine.model.on_gpu) and an importable transformer_engine."""
+    Megatron's local layers only, so launch (megarl.job resolves the layer spec once for the run's models) builds
+    such a run's models on those, with a warning naming the key, instead of refusing the run. train.share_prompts
+    keeps TE's layers (megarl.engine.te_attention) with RoPE unfused, and refuses a recipe that asks for the fused
+    kernel. The recipe as written is left as it was. Stood in: the GPU (megarl.engine.model.on_gpu) and an
+    importable transformer_engine."""
     import logging
     import sys
     import types
 
     from megarl.config import RecipeError, load_config
     from megarl.engine import model
-    from megarl.engine.lora import check_lora
-    from megarl.loops.launch import choose_layers
-    from megarl.models.arch import read_shape
+    from megarl.loops.launch import resolve_job
 
     monkeypatch.setattr(model, "on_gpu", lambda: True)
     monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
-    monkeypatch.setattr(model, "_local_layers", None)  # restored after the test: the choice is per process
     assert model.uses_transformer_engine()
 
     recipe = tmp_path / "recipe.yaml"
@@ -432,20 +433,20 @@ def test_a_run_that_needs_the_local_layers_gets_them_where_transformer_engine_is
     overrides = {None: [], "model.lora": ["model.lora.rank=4"], "train.share_prompts": ["train.share_prompts=true"]}
     cfg = load_config(recipe, overrides[key], check_paths=False)
     with caplog.at_level(logging.WARNING, logger="megarl.loops.launch"):
-        choose_layers(cfg)
+        job = resolve_job(cfg)
+    assert cfg.model.megatron == {}  # the recipe as the user wrote it
     if key != "model.lora":
-        assert model.uses_transformer_engine() and not caplog.records
-        assert cfg.model.megatron == ({"apply_rope_fusion": False} if key else {})
+        assert job.te_layers and not caplog.records
+        assert job.megatron == ({"apply_rope_fusion": False} if key else {})
         if key:
             fused = load_config(recipe, [*overrides[key], "model.megatron.apply_rope_fusion=true"], check_paths=False)
             with pytest.raises(RecipeError, match="model.megatron.apply_rope_fusion: true cannot be combined with "
                                                   "train.share_prompts"):
-                choose_layers(fused)
+                resolve_job(fused)
         return
-    assert not model.uses_transformer_engine()
+    assert not job.te_layers  # and the adapters' check passed on the local layers
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
     assert caplog.records[0].getMessage().startswith(f"{key} runs on Megatron's local layer spec"), caplog.text
-    check_lora(cfg.model.lora, read_shape(qwen2_dir), te=model.uses_transformer_engine())  # not refused
 
 
 def test_adapter_dropout_drops_in_training_forwards_only_and_keeps_the_expected_output(qwen2_dir, groups):
@@ -494,8 +495,9 @@ def test_a_bf16_lora_policy_on_local_layers_keeps_its_norms_in_bf16(qwen2_dir, g
     activations meet a bf16 weight (torch's fused kernel) and a push or an export carries no fp32 norms."""
     from megarl.config import LoraConfig, OptimConfig
     from megarl.engine.megatron import TrainEngine
+    from megarl.models.arch import read_shape
 
-    policy = TrainEngine(model_dir=str(qwen2_dir), dtype="bfloat16", megatron={}, groups=groups,
+    policy = TrainEngine(model_dir=str(qwen2_dir), shape=read_shape(str(qwen2_dir)), dtype="bfloat16", megatron={}, groups=groups,
                          lora=LoraConfig(rank=4, alpha=8.0, targets=["qkv"]), optim=OptimConfig(lr=1e-3), seed=0)
     norms = {name: p.dtype for chunk in policy.chunks for name, p in chunk.named_parameters() if "norm" in name}
     assert norms and set(norms.values()) == {torch.bfloat16}, norms

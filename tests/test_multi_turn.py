@@ -42,6 +42,7 @@ def make_run(model_dir, groups, engine, *, env: EnvConfig, max_new_tokens: int, 
 
     from megarl.config import RewardConfig
     from megarl.envs.tool_format import observation_format
+    from megarl.job import Job
     from megarl.loops.colocated import ColocatedRollouts
     from megarl.loops.rl_run import RLRun
     from megarl.rewards.scorer import Scorer
@@ -53,7 +54,7 @@ def make_run(model_dir, groups, engine, *, env: EnvConfig, max_new_tokens: int, 
                  rollout=RolloutConfig(max_new_tokens=max_new_tokens, max_engine_restarts=0), env=env)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     new_env = environment_factory(env)
-    rollouts = ColocatedRollouts(cfg, groups)  # one engine, on this rank
+    rollouts = ColocatedRollouts(Job.of(cfg, world=1, ranks_per_node=1), groups)  # one engine, on this rank
     rollouts.engine = engine
     return RLRun(cfg=cfg, groups=groups, tokenizer=tokenizer, train_rows=[], eval_rows=[], sampler=None,
                  actor=None, reference=None, critic=None, rollouts=rollouts, prompts_per_rank=0, objective=None,
@@ -113,6 +114,7 @@ class RecordingEngine:
 def test_trajectory_is_generated_then_observation_tokens_and_the_trainer_scores_them(tool_chat_dir, groups):
     from megarl.algo.advantages import grpo_advantages
     from megarl.engine.megatron import TrainEngine
+    from megarl.models.arch import read_shape
     from megarl.data.prompts import encode_prompt
     from megarl.loops.colocated import generate
     from megarl.objective import advantage_fn
@@ -157,7 +159,7 @@ def test_trajectory_is_generated_then_observation_tokens_and_the_trainer_scores_
 
     # The trainer, unchanged: Megatron's logprobs on the generated ids equal the engine's (fp32, contract 2),
     # which holds only if every generated id sits where it was sampled, after the observation tokens.
-    actor = TrainEngine(model_dir=str(tool_chat_dir), dtype="float32", megatron={}, groups=groups)
+    actor = TrainEngine(model_dir=str(tool_chat_dir), shape=read_shape(str(tool_chat_dir)), dtype="float32", megatron={}, groups=groups)
     old = actor.logprobs(batch.tokens, temperature=1.0, micro_batch_size=8) * batch.response_mask
     assert (old - batch.rollout_logprobs).abs().max() <= 1e-4
     # Group advantages (groups of four trajectories here) reach every generated token of a trajectory and

@@ -269,9 +269,10 @@ def valid(lengths: torch.Tensor, width: int) -> torch.Tensor:
 def make_engine(model_dir, groups, *, train: bool, value_head: bool = False):
     from megarl.config import OptimConfig
     from megarl.engine.megatron import TrainEngine
+    from megarl.models.arch import read_shape
 
     optim = OptimConfig(lr=1e-3, weight_decay=0.0, grad_clip=1.0, distributed=True) if train else None
-    return TrainEngine(model_dir=str(model_dir), dtype="float32", megatron={}, groups=groups, optim=optim,
+    return TrainEngine(model_dir=str(model_dir), shape=read_shape(str(model_dir)), dtype="float32", megatron={}, groups=groups, optim=optim,
                        value_head=value_head)
 
 
@@ -402,7 +403,7 @@ def test_packed_critic_values_and_train_step_equal_padded(qwen2_dir, groups):
 # ---- layouts the engine refuses ------------------------------------------------------------------------------
 def test_bad_virtual_stage_count_is_refused_naming_the_key():
     from megarl.config import RecipeError
-    from megarl.engine.model import check_megatron_fields
+    from megarl.job import check_megatron_fields
 
     with pytest.raises(RecipeError, match=r"model.megatron.virtual_pipeline_model_parallel_size = 0: the number "
                                           r"of virtual pipeline stages per pipeline rank must be a whole number"):

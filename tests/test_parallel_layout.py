@@ -1,6 +1,6 @@
 """One layout: `megarl plan` and the launch judge every parallel layout alike. Each row of the table is a recipe
 on a cluster (colocated and split, dense and MoE, RL, SFT and DPO, valid and not); the plan's check (megarl.plan,
-in this process) and the launch's (megarl.loops.launch.launch_layout with the ranks torchrun would give) must
+in this process) and the launch's (megarl.job.Job.of with the ranks torchrun would give) must
 both accept it, or both refuse it with the same text, the one the row expects."""
 
 from __future__ import annotations
@@ -122,10 +122,10 @@ def plan_verdict(cfg, nodes: int, gpus_per_node: int) -> str | None:
 def launch_verdict(cfg, nodes: int, gpus_per_node: int) -> str | None:
     """What the launch says of the layout under torchrun on NODES nodes of GPUS ranks: None, or its error."""
     from megarl.config import RecipeError
-    from megarl.loops.launch import launch_layout
+    from megarl.job import Job
 
     try:
-        launch_layout(cfg, world=nodes * gpus_per_node, ranks_per_node=gpus_per_node)
+        Job.of(cfg, world=nodes * gpus_per_node, ranks_per_node=gpus_per_node)
     except RecipeError as e:
         return str(e)
     return None

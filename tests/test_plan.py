@@ -316,6 +316,7 @@ def one_train_step(engine) -> None:
 def test_estimate_equals_measured_memory_of_the_tiny_model(arch, dtype, request, groups, tmp_path):
     from megarl.config import OptimConfig, load_config
     from megarl.engine.megatron import TrainEngine
+    from megarl.models.arch import read_shape
     from megarl.plan import Cluster, plan, read_model
 
     model_dir = request.getfixturevalue(f"{arch}_dir")
@@ -326,7 +327,7 @@ def test_estimate_equals_measured_memory_of_the_tiny_model(arch, dtype, request,
     shape = read_model(Path(model_dir) / "config.json")
     actor = plan(cfg, shape, Cluster(nodes=1, gpus_per_node=1)).models[0]
 
-    engine = TrainEngine(model_dir=str(model_dir), dtype=dtype, megatron={}, groups=groups,
+    engine = TrainEngine(model_dir=str(model_dir), shape=read_shape(str(model_dir)), dtype=dtype, megatron={}, groups=groups,
                          optim=OptimConfig(lr=1e-3, distributed=cfg.optim.distributed))
     one_train_step(engine)
     real = measured_state(engine)

@@ -24,6 +24,13 @@ FP32_TOL = 1e-4  # DESIGN contract 1: two fp32 implementations of one function (
 pytestmark = pytest.mark.timeout(240)
 
 
+def rm_job(*args, **kwargs):
+    """`rm_config(...)` resolved for one rank (megarl.job)."""
+    from megarl.job import Job
+
+    return Job.of(rm_config(*args, **kwargs), world=1, ranks_per_node=1)
+
+
 def rm_config(qwen2_dir, tiny_data, run_dir, *overrides):
     from megarl.config import load_config
 
@@ -58,7 +65,7 @@ def test_step_and_heldout_metrics_equal_a_transformers_computation(groups, qwen2
     from megarl.loops.rm import build_run, evaluate, pair_scores, rm_step
 
     scored = with_score_head(qwen2_dir, tmp_path / "scored", seed=7)
-    run = build_run(rm_config(scored, tiny_data, tmp_path / "run", "data.prompts_per_step=16", "data.eval_prompts=16",
+    run = build_run(rm_job(scored, tiny_data, tmp_path / "run", "data.prompts_per_step=16", "data.eval_prompts=16",
                               "train.micro_batch_size=8", "rm.center_coef=0.05"), groups)
     saved = run.sampler.state_dict()
     batch = [run.train_pairs[i] for i in run.sampler.next_batch(16)]  # what the step will draw
@@ -87,7 +94,7 @@ def test_a_fresh_head_starts_at_log_2_and_chance(groups, qwen2_dir, tiny_data, t
     log 2 to fp32 rounding, every pair a tie (accuracy 0.5) and the margin 0; the head still gets a gradient."""
     from megarl.loops.rm import build_run, rm_step
 
-    run = build_run(rm_config(qwen2_dir, tiny_data, tmp_path / "run", "data.prompts_per_step=8",
+    run = build_run(rm_job(qwen2_dir, tiny_data, tmp_path / "run", "data.prompts_per_step=8",
                               "train.micro_batch_size=8"), groups)
     metrics = rm_step(run)
     assert metrics["loss"] == pytest.approx(math.log(2.0), rel=1e-7)
@@ -133,7 +140,9 @@ def test_export_is_a_sequence_classifier_with_the_trained_scores(rm_run, tiny_da
     from megarl.batch import RolloutBatch
     from megarl.data.supervised import encode_pair, load_preference_pairs
     from megarl.engine.roles import make_engine
+    from megarl.job import ModelRole
     from megarl.loops.samples import reward_model_scores
+    from megarl.models.arch import read_shape
 
     final = rm_run / "checkpoints" / "final"
     config = json.loads((final / "config.json").read_text())
@@ -152,8 +161,8 @@ def test_export_is_a_sequence_classifier_with_the_trained_scores(rm_run, tiny_da
 
     # The reward_model term (megarl.loops.rl_run builds it this way) on the same sequences as a rollout batch:
     # prompt, response and EOS, right-padded, the response mask on the response and its EOS.
-    cfg = rm_config(final, tiny_data, tmp_path)
-    term = make_engine(cfg, groups, role="reward_model", model_dir=str(final))
+    role = ModelRole("reward_model", "reward.terms[0].path", str(final), read_shape(final), value_head=True)
+    term = make_engine(role, groups, dtype="float32", megatron={}, te_layers=False, seed=0)
     examples = [example for pair in pairs[:16] for example in pair]
     width = max(len(e.ids) for e in examples)
     tokens = torch.tensor([e.ids + [tokenizer.pad_token_id] * (width - len(e.ids)) for e in examples])
@@ -273,7 +282,7 @@ def test_a_malformed_pair_stops_the_run_naming_file_and_line(groups, qwen2_dir, 
     bad = write_lines(tmp_path / "bad.jsonl", ['{"prompt": "1+1=", "chosen": "2", "rejected": "3"}',
                                                '{"prompt": "1+1=", "chosen": "2"}'])
     with pytest.raises(DataError, match=rf"{bad}:2: missing key 'rejected'"):
-        build_run(rm_config(qwen2_dir, tiny_data, tmp_path / "run", f"data.train_path={bad}"), groups)
+        build_run(rm_job(qwen2_dir, tiny_data, tmp_path / "run", f"data.train_path={bad}"), groups)
 
 
 def test_plan_counts_the_trained_scalar_head_model_alone(capsys):

@@ -38,9 +38,11 @@ def test_each_engine_implements_every_method_with_the_protocol_arguments(cls):
 
 def test_a_native_engine_is_a_rollout_engine(qwen2_dir):
     from megarl.config import RolloutConfig
+    from megarl.models.arch import read_shape
     from megarl.rollout.backends import make_rollout_engine
 
-    engine = make_rollout_engine(RolloutConfig(engine="native"), str(qwen2_dir), dtype="float32", seed=0)
+    engine = make_rollout_engine(RolloutConfig(engine="native"), str(qwen2_dir), shape=read_shape(qwen2_dir),
+                                 dtype="float32", seed=0)
     assert isinstance(engine, RolloutEngine)
     assert engine.weight_version == 0
 

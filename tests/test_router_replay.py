@@ -83,10 +83,11 @@ def test_a_dense_model_has_no_routes(qwen2_dir):
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
 def test_the_trainer_replays_given_routes_token_by_token(arch, arch_dir, groups):
     from megarl.engine.megatron import TrainEngine
+    from megarl.models.arch import read_shape
     from megarl.routing import RouteUse
 
     model_dir = arch_dir(arch)
-    actor = TrainEngine(model_dir=str(model_dir), dtype="float32", megatron={}, groups=groups)
+    actor = TrainEngine(model_dir=str(model_dir), shape=read_shape(str(model_dir)), dtype="float32", megatron={}, groups=groups)
     shape = actor.shape
     tokens, mask, lengths, routes = fixed_inputs(shape.vocab_size, layers=shape.layers, experts=shape.experts,
                                                  top_k=shape.topk)
@@ -114,6 +115,7 @@ def test_the_trainer_replays_given_routes_token_by_token(arch, arch_dir, groups)
 def test_r3_with_the_engines_routes_gives_the_engines_logprobs(arch, arch_dir, groups):
     from megarl.batch import pack_sequences
     from megarl.engine.megatron import TrainEngine
+    from megarl.models.arch import read_shape
     from megarl.routing import RouteUse
     from megarl.rollout.native import NativeEngine
 
@@ -122,7 +124,7 @@ def test_r3_with_the_engines_routes_gives_the_engines_logprobs(arch, arch_dir, g
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [15, 16, 17, 18]]
     gen = engine.generate(prompts, temperature=1.0, top_p=1.0, max_new_tokens=8, eos_id=0, pad_id=0)
     tokens, mask, rollout_logprobs = pack_sequences(prompts, gen.response_ids, gen.logprobs, pad_id=0)
-    actor = TrainEngine(model_dir=str(model_dir), dtype="float32", megatron={}, groups=groups)
+    actor = TrainEngine(model_dir=str(model_dir), shape=read_shape(str(model_dir)), dtype="float32", megatron={}, groups=groups)
     replayed = actor.logprobs(tokens, temperature=1.0, micro_batch_size=2,
                               routes=RouteUse(routes=gen.routes, replay=True))
     assert actor.routing_agreement() == 1.0  # same weights: the trainer would have chosen the same experts
@@ -131,10 +133,11 @@ def test_r3_with_the_engines_routes_gives_the_engines_logprobs(arch, arch_dir, g
 
 def test_r2_records_the_trainers_own_routing(arch_dir, groups):
     from megarl.engine.megatron import TrainEngine
+    from megarl.models.arch import read_shape
     from megarl.routing import RouteUse
 
     model_dir = arch_dir("qwen3_moe")
-    actor = TrainEngine(model_dir=str(model_dir), dtype="float32", megatron={}, groups=groups)
+    actor = TrainEngine(model_dir=str(model_dir), shape=read_shape(str(model_dir)), dtype="float32", megatron={}, groups=groups)
     shape = actor.shape
     tokens, _, lengths, _ = fixed_inputs(shape.vocab_size, layers=shape.layers, experts=shape.experts,
                                          top_k=shape.topk)
@@ -214,6 +217,7 @@ def test_recomputed_layers_replay_the_routes_of_their_forward(arch_dir, groups):
     2.6881, so a rel 1e-6 bound tells them apart."""
     from megarl.config import OptimConfig
     from megarl.engine.megatron import TrainEngine
+    from megarl.models.arch import read_shape
     from megarl.routing import RouteUse
 
     norms = []
@@ -221,7 +225,7 @@ def test_recomputed_layers_replay_the_routes_of_their_forward(arch_dir, groups):
         megatron = {"moe_aux_loss_coeff": 0.0}
         if recompute:
             megatron.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        actor = TrainEngine(model_dir=str(arch_dir("mixtral")), dtype="float32", megatron=megatron, groups=groups,
+        actor = TrainEngine(model_dir=str(arch_dir("mixtral")), shape=read_shape(str(arch_dir("mixtral"))), dtype="float32", megatron=megatron, groups=groups,
                             optim=OptimConfig(lr=1e-3, weight_decay=0.0, grad_clip=0.0, distributed=True))
         shape = actor.shape
         tokens, mask, _, routes = fixed_inputs(shape.vocab_size, layers=shape.layers, experts=shape.experts,

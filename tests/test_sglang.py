@@ -46,6 +46,7 @@ def test_trainer_offload_round_trip_under_the_torch_of_gpu_runs(qwen2_dir):
 import torch
 from megarl.config import OptimConfig
 from megarl.engine.megatron import TrainEngine
+from megarl.models.arch import read_shape
 from megarl.engine.parallel import init_parallel
 groups = init_parallel(tp=1, pp=1)
 tokens = torch.randint(3, 30, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -54,7 +55,7 @@ def loss_fn(logprobs, mb):
     loss = -(logprobs * mb["mask"]).mean()
     return loss, {{"loss": loss.detach()}}
 for distributed in (True, False):
-    engine = TrainEngine(model_dir={str(qwen2_dir)!r}, dtype="float32", megatron={{}}, groups=groups,
+    engine = TrainEngine(model_dir={str(qwen2_dir)!r}, shape=read_shape({str(qwen2_dir)!r}), dtype="float32", megatron={{}}, groups=groups,
                          optim=OptimConfig(distributed=distributed))
     engine.train_step(tokens, {{"mask": mask}}, loss_fn, temperature=1.0, micro_batch_size=2)
     want = engine.logprobs(tokens, temperature=1.0, micro_batch_size=2)
@@ -276,8 +277,9 @@ def test_capture_routes_is_refused_for_a_dense_model(qwen2_dir):
     # Refused before SGLang starts: a scheduler dying at start-up would take the caller with it.
     code = f"""
 from megarl.rollout.sglang_engine import SGLangEngine
+from megarl.models.arch import read_shape
 try:
-    SGLangEngine({str(qwen2_dir)!r}, capture_routes=True)
+    SGLangEngine({str(qwen2_dir)!r}, shape=read_shape({str(qwen2_dir)!r}), capture_routes=True)
 except ValueError as e:
     print("dense:", e)
 """
@@ -451,7 +453,7 @@ from megarl.config import load_config
 from megarl.data.prompts import load_prompts
 from megarl.engine import roles
 from megarl.loops import colocated, rl_run
-from megarl.loops.launch import init_groups
+from megarl.loops.launch import launch
 from megarl.models.arch import read_shape
 from megarl.plan import DTYPE_BYTES, stage_params
 from megarl.rollout import sglang_engine
@@ -476,7 +478,7 @@ def info_log(*args, **kwargs):
 
 engine_args, sglang_engine.engine_args = sglang_engine.engine_args, info_log
 
-def start_engine(rollout_cfg, model_dir, *, dtype, seed, capture_routes, group, lora):
+def start_engine(rollout_cfg, model_dir, *, shape, dtype, seed, capture_routes, group, lora):
     assert not capture_routes and group is None and lora is None  # a dense model; rollout.tp = 1; no LoRA
     result["built"].append("rollout")
     # the host to this process while it reads the free memory and SGLang sizes its pool (tests/conftest.py)
@@ -484,25 +486,25 @@ def start_engine(rollout_cfg, model_dir, *, dtype, seed, capture_routes, group, 
     with host_to_itself(Path(locks) if locks else None, alone=True):
         free = free_bytes()
         fraction = (target + weights) / free
-        engine = SGLangEngine(model_dir, dtype=dtype, seed=seed, mem_fraction=fraction, cpu_pool_tokens=None)
+        engine = SGLangEngine(model_dir, shape=shape, dtype=dtype, seed=seed, mem_fraction=fraction,
+                              cpu_pool_tokens=None)
     info = engine.engine.get_server_info()
     result.update(free_before_start=free, mem_fraction=fraction, rss_after_start=rss(),
                   pool_tokens=info["max_total_num_tokens"], memory_usage=info["internal_states"][0]["memory_usage"])
     engines.append(engine)
     return engine
 
-def build_engine(cfg, groups, *, role, model_dir):
-    result["built"].append(role)
-    return make_engine(cfg, groups, role=role, model_dir=model_dir)
+def build_engine(role, groups, **build):
+    result["built"].append(role.name)
+    return make_engine(role, groups, **build)
 
 make_engine = roles.make_engine
-# build_run makes the engines itself and through roles.reference_policy (the reference of a run without LoRA)
-colocated.make_rollout_engine, rl_run.make_engine, roles.make_engine = start_engine, build_engine, build_engine
-groups = init_groups(cfg)
+# every train engine of the run's cast is built through megarl.engine.roles.build_engine
+colocated.make_rollout_engine, roles.make_engine = start_engine, build_engine
+job, groups = launch(cfg)
 rows = load_prompts(cfg.data.train_path)
-run = rl_run.build_run(cfg, groups, rollouts=colocated.ColocatedRollouts(cfg, groups),
-                       tokenizer=AutoTokenizer.from_pretrained(cfg.model.path), train_rows=rows, eval_rows=[],
-                       model_dir=cfg.model.path)
+run = rl_run.build_run(job, groups, rollouts=colocated.ColocatedRollouts(job, groups),
+                       tokenizer=AutoTokenizer.from_pretrained(cfg.model.path), train_rows=rows, eval_rows=[])
 hog = torch.ones(hog_bytes // 4)  # written, so the pages are really taken
 state = engines[0].engine.get_server_info()["internal_states"][0]["memory_usage"]
 result.update(pool_tokens_after_trainer=state["token_capacity"], rss_after_trainer=rss())

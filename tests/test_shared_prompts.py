@@ -13,6 +13,7 @@ import ast
 import fcntl
 import hashlib
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -297,9 +298,10 @@ def make_engine(model_dir, groups, *, train: bool, value_head: bool = False, dty
                 megatron: dict | None = None):
     from megarl.config import OptimConfig
     from megarl.engine.megatron import TrainEngine
+    from megarl.models.arch import read_shape
 
     optim = OptimConfig(lr=1e-3, weight_decay=0.0, grad_clip=1.0, distributed=True) if train else None
-    return TrainEngine(model_dir=str(model_dir), dtype=dtype, megatron=megatron or {}, groups=groups, optim=optim,
+    return TrainEngine(model_dir=str(model_dir), shape=read_shape(str(model_dir)), dtype=dtype, megatron=megatron or {}, groups=groups, optim=optim,
                        value_head=value_head)
 
 
@@ -613,8 +615,7 @@ def test_the_quickstart_with_shared_prompts_computes_what_it_computes_without(qu
 def test_share_prompts_is_refused_where_it_cannot_share_or_is_not_exact(tmp_path, monkeypatch, qwen2_dir, groups,
                                                                          arch_dir):
     from megarl.config import ConfigError, RecipeError, load_config
-    from megarl.loops.rl_run import check_share_prompts
-    from megarl.models.arch import read_shape
+    from megarl.job import Job
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "model").mkdir()
@@ -632,7 +633,11 @@ def test_share_prompts_is_refused_where_it_cannot_share_or_is_not_exact(tmp_path
     load_config(recipe, on)  # GRPO, 4 samples a prompt: fine
     # MoE: whatever counts a micro-batch's tokens per expert would count a shared prompt once (the tiny Mixtral's
     # router_aux_loss_coef is 0.02)
-    mixtral = read_shape(arch_dir("mixtral"))
+    def check_share_prompts(model, megatron: dict) -> None:  # the run megarl.job resolves
+        settings = [f"model.megatron.{key}={json.dumps(value)}" for key, value in megatron.items()]
+        Job.of(load_config(recipe, [*on, f"model.path={model}", *settings]), world=1, ranks_per_node=1)
+
+    mixtral = arch_dir("mixtral")
     moe_cases = {"load-balancing loss": {}, "router z-loss": {"moe_aux_loss_coeff": 0.0, "moe_z_loss_coeff": 1e-3},
                  "expert capacity": {"moe_aux_loss_coeff": 0.0, "moe_expert_capacity_factor": 1.0},
                  "expert bias": {"moe_aux_loss_coeff": 0.0, "moe_router_enable_expert_bias": True}}
@@ -641,7 +646,7 @@ def test_share_prompts_is_refused_where_it_cannot_share_or_is_not_exact(tmp_path
             check_share_prompts(mixtral, megatron)
     check_share_prompts(mixtral, {"moe_aux_loss_coeff": 0.0})
     check_share_prompts(mixtral, {"moe_router_load_balancing_type": "none"})
-    check_share_prompts(read_shape(qwen2_dir), {})
+    check_share_prompts(qwen2_dir, {})
     # the engine refuses a shared layout without packing, naming the key
     engine = make_engine(qwen2_dir, groups, train=False)
     tokens, _, _, prompt_groups, lengths = grouped_batch()
@@ -742,12 +747,13 @@ def test_moe_shared_prompts_replay_record_and_train_as_each_sample_alone(arch_di
     from megarl.algo.aggregate import global_loss_norm
     from megarl.config import AlgoConfig, OptimConfig
     from megarl.engine.megatron import TrainEngine
+    from megarl.models.arch import read_shape
     from megarl.objective import policy_objective
     from megarl.routing import RouteUse
 
     model_dir = arch_dir("qwen2_moe")
     optim = OptimConfig(lr=1e-3, weight_decay=0.0, grad_clip=1.0, distributed=True)
-    engine = TrainEngine(model_dir=str(model_dir), dtype="float32", megatron={"moe_aux_loss_coeff": 0.0},
+    engine = TrainEngine(model_dir=str(model_dir), shape=read_shape(str(model_dir)), dtype="float32", megatron={"moe_aux_loss_coeff": 0.0},
                          groups=groups, optim=optim)
     shape = engine.shape
     tokens, mask, advantages, prompt_groups, lengths = grouped_batch()
@@ -794,6 +800,6 @@ def test_moe_shared_prompts_replay_record_and_train_as_each_sample_alone(arch_di
     experts = [name for name in runs["padded"][2] if "local_experts" in name]
     assert experts and all(runs["shared"][2][name].abs().max() > 0 for name in experts[:1])
 
-    with_aux = TrainEngine(model_dir=str(model_dir), dtype="float32", megatron={}, groups=groups, optim=None)
+    with_aux = TrainEngine(model_dir=str(model_dir), shape=read_shape(str(model_dir)), dtype="float32", megatron={}, groups=groups, optim=None)
     with pytest.raises(ValueError, match="load-balancing loss"):
         with_aux.logprobs(tokens, temperature=1.0, **shared)

@@ -146,8 +146,9 @@ def make_engine(kind: str, model_dir: Path, *, dtype: str, device: str):
     match kind:
         case "sglang":
             from megarl.rollout.sglang_engine import SGLangEngine
+            from megarl.models.arch import read_shape
 
-            return SGLangEngine(str(model_dir), dtype=dtype, seed=0, mem_fraction=0.3)
+            return SGLangEngine(str(model_dir), shape=read_shape(str(model_dir)), dtype=dtype, seed=0, mem_fraction=0.3)
         case "native":
             from megarl.rollout.native import NativeEngine
 

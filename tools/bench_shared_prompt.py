@@ -76,11 +76,12 @@ def main(argv=None) -> list[dict]:
     torch.set_num_threads(1)
 
     from megarl.engine.megatron import TrainEngine
+    from megarl.models.arch import read_shape
     from megarl.engine.parallel import init_parallel
 
     model_dir = make_model(Path(args.work_dir) / "qwen2_quickstart_shape")
     optim = OptimConfig(lr=1e-6, weight_decay=0.0, grad_clip=1.0, distributed=False)
-    engine = TrainEngine(model_dir=str(model_dir), dtype="float32", megatron={},
+    engine = TrainEngine(model_dir=str(model_dir), shape=read_shape(str(model_dir)), dtype="float32", megatron={},
                          groups=init_parallel(tp=1, pp=1, seed=0), optim=optim)
     print(f"model {model_dir}, {torch.get_num_threads()} thread, micro_batch_tokens {args.micro_batch_tokens}, "
           f"median of {args.reps} after {args.warmup} warmup")

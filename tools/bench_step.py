@@ -72,7 +72,7 @@ class MegarlStep:
 
         from megarl.config import load_config
         from megarl.data.prompts import load_prompts
-        from megarl.loops.launch import init_groups
+        from megarl.loops.launch import launch
         from megarl.loops.colocated import ColocatedRollouts
         from megarl.loops.rl import rl_step
         from megarl.loops.rl_run import build_run
@@ -83,11 +83,10 @@ class MegarlStep:
             "warmup.sft_steps=0", f"data.prompts_per_step={prompts}", f"rollout.n_samples={samples}",
             f"rollout.max_new_tokens={new_tokens}", f"train.micro_batch_size={prompts * samples}",
             "log.progress=false", *overrides])
-        groups = init_groups(cfg)
+        job, groups = launch(cfg)
         rows = load_prompts(cfg.data.train_path, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key)
-        self.run = build_run(cfg, groups, rollouts=ColocatedRollouts(cfg, groups),
-                             tokenizer=AutoTokenizer.from_pretrained(model), train_rows=rows, eval_rows=[],
-                             model_dir=str(model))
+        self.run = build_run(job, groups, rollouts=ColocatedRollouts(job, groups),
+                             tokenizer=AutoTokenizer.from_pretrained(model), train_rows=rows, eval_rows=[])
         self.run.rollouts.hand_over(self.run, PhaseTimer())
         self._step, self.steps, self.trained_frac = rl_step, 0, 1.0
 

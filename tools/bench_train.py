@@ -161,13 +161,14 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
 
     from megarl.engine.megatron import TrainEngine
+    from megarl.models.arch import read_shape
     from megarl.engine.parallel import init_parallel
 
     model_dir = args.model or str(make_model(args.size, Path(args.work_dir) / f"qwen2_{args.size}"))
     groups = init_parallel(tp=1, pp=1, seed=0)
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     optim = OptimConfig(lr=1e-6, weight_decay=0.0, grad_clip=1.0, distributed=False)
-    engine = TrainEngine(model_dir=model_dir, dtype=dtype, megatron={}, groups=groups, optim=optim)
+    engine = TrainEngine(model_dir=model_dir, shape=read_shape(model_dir), dtype=dtype, megatron={}, groups=groups, optim=optim)
     params = sum(p.numel() for p in engine.module.parameters())
     vocab, mbs, seq_len = engine.shape.vocab_size, args.micro_batch_size, args.seq_len
     print(f"model {model_dir}: {params / 1e6:.1f}M parameters, batch {args.batch} x {seq_len}, micro-batch {mbs}, "

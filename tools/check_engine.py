@@ -165,7 +165,7 @@ def check_engine(model_dir: Path, *, dtype: str, timeout_s: float, report: Repor
               else reference.config.eos_token_id[0])
     sample = dict(temperature=0.7, top_p=1.0, max_new_tokens=8, eos_id=eos, pad_id=0)
     moe = read_shape(str(model_dir)).is_moe
-    engine = SGLangEngine(str(model_dir), dtype=dtype, seed=0, timeout_s=max(timeout_s, 300.0),
+    engine = SGLangEngine(str(model_dir), shape=read_shape(str(model_dir)), dtype=dtype, seed=0, timeout_s=max(timeout_s, 300.0),
                           capture_routes=moe)
     engine.generate(PROMPTS, **sample)  # the first call is slow on a busy CPU; the timeout check shortens it
     state: dict = {}
@@ -245,7 +245,7 @@ def check_engine(model_dir: Path, *, dtype: str, timeout_s: float, report: Repor
                  and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
         if alive:
             return "FAIL", f"processes {alive} outlived abandon", {}
-        again = SGLangEngine(str(model_dir), dtype=dtype, seed=1)
+        again = SGLangEngine(str(model_dir), shape=read_shape(str(model_dir)), dtype=dtype, seed=1)
         try:
             push_weights(again, iter(pushed.items()), bucket_bytes=1 << 26, version=5)
             gen = again.generate(PROMPTS, **sample)

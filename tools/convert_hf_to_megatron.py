@@ -44,9 +44,10 @@ def main() -> None:
     from tqdm import tqdm
 
     from megarl.engine.megatron import meta_engine
+    from megarl.models.arch import read_shape
 
     try:
-        engine = meta_engine(args.hf, dtype=args.dtype, tp=args.tp, pp=args.pp, ep=args.ep)
+        engine = meta_engine(args.hf, shape=read_shape(args.hf), dtype=args.dtype, tp=args.tp, pp=args.pp, ep=args.ep)
     except ValueError as e:
         sys.exit(f"convert: {e}")
     rank0 = dist.get_rank() == 0

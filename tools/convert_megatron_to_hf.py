@@ -51,10 +51,11 @@ def main() -> None:
     from tqdm import tqdm
 
     from megarl.engine.megatron import meta_engine
+    from megarl.models.arch import read_shape
 
     shard_bytes = int(args.shard_gb * 2**30)
     try:
-        engine = meta_engine(ckpt / "hf", dtype=args.dtype or _config_dtype(ckpt / "hf"))
+        engine = meta_engine(ckpt / "hf", shape=read_shape(ckpt / "hf"), dtype=args.dtype or _config_dtype(ckpt / "hf"))
         tensors = engine.hf_tensors(checkpoint=ckpt / "actor", bucket_bytes=min(shard_bytes, 2**30))
         save_hf(tqdm(tensors, desc="convert", unit="tensor"), source_dir=ckpt / "hf", out_dir=out,
                 shard_bytes=shard_bytes, meta={"converted_from": str(ckpt)})

@@ -505,7 +505,7 @@ def check_shared_prompts(*, micro_batch_tokens: int | None, config) -> None:
     """Refuse a shared-prompt layout (train.share_prompts) that the engine cannot compute exactly (`config`:
     the model's TransformerConfig). Both core attentions megarl builds take shared rows (megarl.engine.model.
     build_gpt: the local one, or Transformer Engine's through megarl.engine.te_attention)."""
-    from megarl.engine.model import shared_prompt_moe_refusal
+    from megarl.job import shared_prompt_moe_refusal
 
     if not micro_batch_tokens:
         raise ValueError("train.share_prompts lays a group out as one packed row: it needs sequence packing "

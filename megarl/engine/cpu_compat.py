@@ -22,9 +22,7 @@ import types
 
 import torch
 
-from megarl.config import RecipeError
 
-_installed = False
 _CPU = torch.device("cpu")
 _CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor",
                     "torch.HalfTensor": "torch.cuda.HalfTensor",
@@ -59,24 +57,13 @@ TRANSFORMER_CONFIG = dict(bias_activation_fusion=False, bias_dropout_fusion=Fals
                           use_cpu_initialization=True)
 
 
-def check_virtual_pipeline_p2p(*, batch_p2p_comm: bool, pp: int) -> None:
-    """With virtual pipeline stages and pp = 2, a rank's previous and next stage are the same peer; batched
-    into one batch_isend_irecv, gloo pairs the messages each way by posting order, so activations land in
-    gradient buffers (measured: wrong losses, no error). NCCL matches them correctly."""
-    if pp == 2 and batch_p2p_comm:
-        raise RecipeError("model.megatron.batch_p2p_comm: true with virtual pipeline stages and parallel.pp = 2 "
-                          "mixes up activations and gradients on gloo (both go to the same peer); leave it unset")
-
-
 def is_installed() -> bool:
-    return _installed
+    return install.cache_info().currsize > 0
 
 
+@functools.cache  # once per process: the patches are the libraries' own functions, replaced
 def install() -> None:
     """Redirect megatron-core's CUDA-only calls to the CPU. Idempotent; an error on a CUDA machine."""
-    global _installed
-    if _installed:
-        return
     if torch.cuda.is_available():
         raise RuntimeError("megarl.engine.cpu_compat must not be installed on a machine with a usable CUDA device")
     _patch_torch_cuda()
@@ -86,7 +73,6 @@ def install() -> None:
     _patch_cuda_type_asserts()
     _patch_moe_without_te()
     _patch_adam_step_restore()
-    _installed = True
 
 
 class _Stream:

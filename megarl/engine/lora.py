@@ -24,45 +24,18 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from megarl.config import LoraConfig, RecipeError
+from megarl.config import LoraConfig
 from megarl.models import layout
-from megarl.models.arch import ModelShape
 
 if TYPE_CHECKING:
     from megarl.engine.megatron import TrainEngine
 
 ADAPTER_PARAMS = ("lora_a", "lora_b")
-MLP_TARGETS = ("fc1", "fc2")  # model.lora.targets that wrap the MLP: a MoE model's experts and shared experts
 
 
 def is_adapter(name: str) -> bool:
     """Whether parameter `name` (any prefix) is an adapter factor."""
     return name.rsplit(".", 1)[-1] in ADAPTER_PARAMS
-
-
-def check_lora(lora: LoraConfig, shape: ModelShape, *, te: bool, value_head: bool = False,
-               expert_tp: int = 1) -> None:
-    """RecipeError, naming the key and the reason, for adapters this engine cannot build (`expert_tp`: the
-    tensor-parallel size of the experts' linears)."""
-    if value_head:
-        raise RecipeError("model.lora adapts the policy only: a critic or reward model (scalar head) trains or "
-                          "scores with all of its weights")
-    if te:
-        raise RecipeError("model.lora wraps Megatron's local linear layers (ColumnParallelLinear, RowParallelLinear); "
-                          "Transformer Engine's fused layers (norm and linear in one module) have no adapter here. "
-                          "Build the engine after megarl.engine.model.use_local_layers('model.lora'), as megarl's "
-                          "launch does (megarl.loops.launch.choose_layers)")
-    if adapts_experts(lora, shape) and expert_tp > 1:
-        mlp = [t for t in lora.targets if t in MLP_TARGETS]
-        raise RecipeError(f"model.lora.targets = {lora.targets}: the experts' linears ({', '.join(mlp)}) of a "
-                          f"mixture-of-experts model ({shape.arch}) take adapters at expert tensor parallelism 1 only "
-                          f"(here {expert_tp}: Megatron's dispatcher, not the layer, sums their tensor-parallel "
-                          "parts); use parallel.tp = 1 with parallel.ep, or target qkv and proj")
-
-
-def adapts_experts(lora: LoraConfig | None, shape: ModelShape) -> bool:
-    """Whether `lora` puts adapters on a MoE model's experts (and shared experts): targets fc1 or fc2."""
-    return lora is not None and shape.is_moe and any(t in MLP_TARGETS for t in lora.targets)
 
 
 def adapt_layer_spec(layer_spec, lora: LoraConfig) -> None:

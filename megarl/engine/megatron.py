@@ -32,7 +32,7 @@ from megarl.engine.offload import TrainerMemory
 from megarl.engine.parallel import ParallelGroups, init_parallel
 from megarl.engine.router_replay import ModelRouting
 from megarl.layout import check_layout
-from megarl.models.arch import read_shape
+from megarl.models.arch import ModelShape
 from megarl.packing import PromptGroups
 from megarl.routing import RouteUse
 
@@ -50,16 +50,19 @@ class TrainEngine:
     With `lora` (a megarl.config.LoraConfig, trained engines only) the base weights are frozen and only the
     adapters train (megarl.engine.lora; `seed` draws them); `hf_tensors` then gives the merged weights.
 
+    `shape` is the checkpoint's architecture (megarl.job reads it once per run); `te_layers`, whether the layers
+    are Transformer Engine's (None: wherever it is usable, megarl.engine.model.uses_transformer_engine).
+
     With virtual pipeline stages (`model.megatron.virtual_pipeline_model_parallel_size`) this rank holds
     one model chunk per virtual stage (`chunks`, `models`) and runs Megatron's interleaved schedule;
     weights, handoff and checkpoints name every layer by its global index either way.
     """
 
-    def __init__(self, *, model_dir: str, dtype: str, megatron: dict, groups: ParallelGroups, optim=None,
-                 value_head: bool = False, load_weights: bool = True, lora: LoraConfig | None = None,
-                 seed: int = 0):
-        self.stage: StageModel = build_stage_model(model_dir, dtype=dtype, megatron=megatron, groups=groups,
-                                                   value_head=value_head, lora=lora)
+    def __init__(self, *, model_dir: str, shape: ModelShape, dtype: str, megatron: dict, groups: ParallelGroups,
+                 optim=None, value_head: bool = False, load_weights: bool = True, lora: LoraConfig | None = None,
+                 seed: int = 0, te_layers: bool | None = None):
+        self.stage: StageModel = build_stage_model(shape, dtype=dtype, megatron=megatron, groups=groups,
+                                                   value_head=value_head, lora=lora, te_layers=te_layers)
         if load_weights:  # False: the weights come from a distributed checkpoint (`load_checkpoint`)
             hf_weights.load_hf(self.stage, model_dir)
         if lora is not None:
@@ -335,18 +338,19 @@ def fuse_torch_adam(optimizer) -> None:
                     adam.state[param]["step"] = step.to(param.device, torch.float32)
 
 
-def meta_engine(model_dir: str | Path, *, dtype: str, tp: int = 1, pp: int = 1, ep: int = 1) -> TrainEngine:
+def meta_engine(model_dir: str | Path, *, shape: ModelShape, dtype: str, tp: int = 1, pp: int = 1,
+                ep: int = 1) -> TrainEngine:
     """A frozen TrainEngine whose model lives on the meta device: Megatron's names, shapes and sharding at
     this layout, no weights, for the conversion tools to stream tensors through (`save_checkpoint(hf_dir=)`,
     `hf_tensors(checkpoint=)`). ValueError, naming the numbers, when the layout does not split the model
     or the torchrun world."""
     import warnings
 
-    shape = read_shape(model_dir)
     check_layout(shape, tp=tp, pp=pp, cp=1, ep=ep, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     # Without GPU-only Apex / Transformer Engine megatron warns at import about its fallbacks, which are the
     # intended code on CPU; a conversion's output is its progress.
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
     groups = init_parallel(tp=tp, pp=pp, ep=ep)
     with torch.device("meta"):
-        return TrainEngine(model_dir=str(model_dir), dtype=dtype, megatron={}, groups=groups, load_weights=False)
+        return TrainEngine(model_dir=str(model_dir), shape=shape, dtype=dtype, megatron={}, groups=groups,
+                           load_weights=False)

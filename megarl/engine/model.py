@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -15,27 +15,31 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from megarl.config import LoraConfig, RecipeError
+from megarl.config import LoraConfig
 from megarl.device import current_device, on_gpu
 from megarl.engine import cpu_compat, lora as adapters
 from megarl.engine.parallel import ParallelGroups
+from megarl.job import check_lora, check_megatron_fields, check_virtual_pipeline_p2p, moe_settings
 from megarl.layout import check_virtual_stages, virtual_stage_count
-from megarl.models.arch import ModelShape, padded_vocab_size, read_shape
+from megarl.models.arch import ModelShape, padded_vocab_size
 from megarl.models.names import NameTable, name_rules
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megatron: dict, ep: int = 1,
-                       cp: int = 1):
-    """Megatron TransformerConfig for an HF architecture; `megatron` holds extra fields from the recipe."""
+                       cp: int = 1, te_layers: bool | None = None):
+    """Megatron TransformerConfig for an HF architecture; `megatron` holds extra fields from the recipe.
+    `te_layers`: the layers are Transformer Engine's (None: wherever it is usable, `uses_transformer_engine`)."""
     from megatron.core.transformer import TransformerConfig
+
+    te = uses_transformer_engine() if te_layers is None else te_layers
 
     check_megatron_fields(megatron)
     comm = megatron.get("cp_comm_type")
     if cp > 1 and (comm == "a2a+p2p" or isinstance(comm, list) and "a2a+p2p" in comm):
         # the hierarchical exchange needs hierarchical_context_parallel_sizes at parallel-state init
-        raise RecipeError("model.megatron.cp_comm_type = 'a2a+p2p' (hierarchical context parallelism) is not "
+        raise ValueError("model.megatron.cp_comm_type = 'a2a+p2p' (hierarchical context parallelism) is not "
                           "supported; use 'p2p', 'all_gather' or 'a2a'")
     torch_dtype = _DTYPES[dtype]
     kwargs = dict(
@@ -55,8 +59,8 @@ def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megat
         perform_initialization=True,
     )
     if shape.is_moe:
-        kwargs.update(moe_settings(shape))
-    kwargs.update(fused_kernels(te=uses_transformer_engine()) if on_gpu() else cpu_compat.TRANSFORMER_CONFIG)
+        kwargs.update(moe_settings(shape, te_layers=te))
+    kwargs.update(fused_kernels(te=te) if on_gpu() else cpu_compat.TRANSFORMER_CONFIG)
     vpp = virtual_stage_count(megatron)
     if vpp > 1:
         # What Megatron's own training scripts pick for the interleaved schedule: separate isend/irecv calls,
@@ -71,88 +75,8 @@ def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megat
         # (and its micro-batch rules) for nothing.
         kwargs["virtual_pipeline_model_parallel_size"] = None
     elif not on_gpu():
-        cpu_compat.check_virtual_pipeline_p2p(batch_p2p_comm=kwargs["batch_p2p_comm"], pp=pp)
+        check_virtual_pipeline_p2p(batch_p2p_comm=kwargs["batch_p2p_comm"], pp=pp)
     return TransformerConfig(**kwargs)
-
-
-def moe_settings(shape: ModelShape) -> dict:
-    """TransformerConfig MoE fields that route exactly as transformers does (megarl.models.arch).
-
-    Megatron's default router takes the top-k logits and softmaxes over those k: the renormalized top-k
-    probabilities of `norm_topk`. Without renormalization, `moe_router_pre_softmax` softmaxes over all
-    experts before the top-k. Dropless (no capacity factor): every token reaches its k experts, as in HF.
-    """
-    return dict(
-        num_moe_experts=shape.experts, moe_router_topk=shape.topk, moe_ffn_hidden_size=shape.moe_ffn,
-        moe_router_pre_softmax=not shape.norm_topk, moe_router_score_function="softmax",
-        moe_shared_expert_intermediate_size=shape.shared_ffn or None, moe_shared_expert_gate=shape.shared_ffn > 0,
-        # Switch-Transformer load balancing per micro-batch, summed over layers; HF adds it only when
-        # `output_router_logits` and over all layers' tokens at once (and with top-k times Megatron's scale),
-        # so the coefficient means the same strength only roughly. A recipe can override it (model.megatron).
-        moe_router_load_balancing_type="aux_loss" if shape.aux_loss_coeff > 0 else "none",
-        moe_aux_loss_coeff=shape.aux_loss_coeff, moe_expert_capacity_factor=None,
-        # Grouped GEMM needs the CUDA-only grouped_gemm / Transformer Engine kernels.
-        moe_grouped_gemm=uses_transformer_engine(),
-    )
-
-
-def shared_prompt_moe_refusal(setting: Callable[[str], object]) -> str | None:
-    """Why a MoE model would not train a shared-prompt row (train.share_prompts) as its samples alone; None where
-    it would. `setting(name)` is the model's TransformerConfig field `name` (None when unset): the built config's,
-    or at launch moe_settings with the recipe's model.megatron over them. Megatron's routers count the tokens of
-    their micro-batch, and a shared row holds a prompt's tokens once instead of once per sample: what counts
-    tokens changes, what routes each token alone does not."""
-    def on(name: str) -> bool:
-        value = setting(name)
-        return any(v for v in value) if isinstance(value, (list, tuple)) else bool(value)
-
-    if not setting("num_moe_experts"):
-        return None
-    if on("moe_aux_loss_coeff") and (setting("moe_router_load_balancing_type") or "aux_loss") != "none":
-        return (f"the load-balancing loss (moe_aux_loss_coeff = {setting('moe_aux_loss_coeff')}) would count a "
-                "shared prompt's tokens once instead of once per sample; set model.megatron.moe_aux_loss_coeff: 0")
-    if on("moe_z_loss_coeff"):
-        return (f"the router z-loss (moe_z_loss_coeff = {setting('moe_z_loss_coeff')}) would count a shared "
-                "prompt's tokens once instead of once per sample; leave model.megatron.moe_z_loss_coeff unset")
-    if setting("moe_expert_capacity_factor") is not None:
-        return ("expert capacity (moe_expert_capacity_factor) drops tokens by how many reach an expert, which "
-                "holding a prompt once changes")
-    if on("moe_router_enable_expert_bias"):
-        return ("the expert bias (moe_router_enable_expert_bias) follows how many tokens reach each expert, which "
-                "holding a prompt once changes")
-    return None
-
-
-# Megatron settings the engine cannot honour, refused when set to anything but Megatron's default.
-_CUDA_GRAPHS = ("CUDA graphs replay the device addresses and shapes they captured, but every step's micro-batches "
-                "have shapes of their own, and the co-located trainer offloads its parameters, gradients and "
-                "optimizer state between steps and brings them back at new addresses (megarl.engine.offload)")
-_QUANTIZED_PARAMS = ("fp8/fp4 parameters are held as Transformer Engine's quantized tensors, which the HF checkpoint "
-                     "load, the weight push to the rollout engine and the HF export do not read or write")
-
-
-def _unsupported(name: str) -> str | None:
-    """Why the engine cannot honour TransformerConfig field `name` (None: it can)."""
-    if "cuda_graph" in name:  # enable_cuda_graph, external_cuda_graph, cuda_graph_impl, cuda_graph_scope, ...
-        return _CUDA_GRAPHS
-    if name in ("fp8_param", "fp4_param"):
-        return _QUANTIZED_PARAMS
-    return None
-
-
-def check_megatron_fields(megatron: dict) -> None:
-    """The recipe's `model.megatron` keys must be TransformerConfig fields the engine can honour."""
-    from megatron.core.transformer import TransformerConfig
-
-    fields = {f.name: f for f in dataclasses.fields(TransformerConfig)}
-    unknown = sorted(set(megatron) - set(fields))
-    if unknown:
-        raise RecipeError(f"model.megatron: unknown TransformerConfig field(s): {', '.join(unknown)}")
-    for name, value in megatron.items():
-        reason = _unsupported(name)
-        if reason is not None and value != fields[name].default:
-            raise RecipeError(f"model.megatron.{name} = {value!r} is not supported: {reason}")
-    virtual_stage_count(megatron)  # a whole number >= 1 (megarl.layout)
 
 
 def fused_kernels(*, te: bool) -> dict:
@@ -186,22 +110,10 @@ def has_apex_wgrad_kernel() -> bool:
     return layers._grad_accum_fusion_available
 
 
-_local_layers: str | None = None  # why this process builds on the local spec where TE is installed (use_local_layers)
-
-
-def use_local_layers(reason: str) -> None:
-    """Build every model of this process on Megatron's local layer spec, Transformer Engine installed or not:
-    for what runs on the local spec only (`reason`, the recipe key: model.lora's adapters wrap the local
-    linears). Called before any model is built
-    (megarl.loops.launch.choose_layers), so the policy, its reference, critic and teacher share one spec."""
-    global _local_layers
-    _local_layers = reason
-
-
 def uses_transformer_engine() -> bool:
-    """Transformer Engine layers when TE imports and a GPU is present, unless the run asked for the local spec
-    (use_local_layers); the local spec otherwise."""
-    if not on_gpu() or _local_layers is not None:
+    """Whether Transformer Engine's layers are usable here: TE imports and a GPU is present. A run's models use
+    them unless the run needs the local spec (megarl.job resolves which, once, for all of its models)."""
+    if not on_gpu():
         return False
     try:
         import transformer_engine  # noqa: F401
@@ -211,10 +123,11 @@ def uses_transformer_engine() -> bool:
 
 
 def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: int | None = None,
-              lora: LoraConfig | None = None):
+              lora: LoraConfig | None = None, te_layers: bool = False):
     """One GPTModel chunk of this pipeline stage (weights uninitialized): the whole stage, or with virtual
     pipeline stages the chunk of virtual stage `vp_stage`, whose layers Megatron picks from the config;
-    with `lora`, adapters on the targeted linears (megarl.engine.lora, local spec only)."""
+    `te_layers`: Transformer Engine's layer spec, else Megatron's local one; with `lora`, adapters on the targeted
+    linears (megarl.engine.lora, local spec only)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                           get_gpt_layer_with_transformer_engine_spec)
@@ -223,7 +136,7 @@ def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: in
     from megarl.engine.local_attention import rope_at_position_ids
 
     experts = shape.experts or None
-    if uses_transformer_engine():
+    if te_layers:
         from megarl.engine.te_attention import SharedPromptTEAttention
 
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm,
@@ -369,28 +282,29 @@ def only_chunk(chunks: list):
     return chunks[0]
 
 
-def build_stage_model(model_dir: str, *, dtype: str, megatron: dict, groups: ParallelGroups,
-                      value_head: bool, lora: LoraConfig | None = None) -> StageModel:
-    """This rank's chunks of the model in HF checkpoint directory `model_dir`, weights uninitialized
-    (megarl.engine.hf_weights.load_hf fills them). A critic's (`value_head`) embeddings are never tied.
-    `lora`: adapters on the policy's linears, RecipeError where they cannot be built."""
+def build_stage_model(shape: ModelShape, *, dtype: str, megatron: dict, groups: ParallelGroups,
+                      value_head: bool, lora: LoraConfig | None = None, te_layers: bool | None = None) -> StageModel:
+    """This rank's chunks of a model of `shape`, weights uninitialized (megarl.engine.hf_weights.load_hf fills
+    them). A critic's (`value_head`) embeddings are never tied. `lora`: adapters on the policy's linears,
+    ValueError where they cannot be built. `te_layers`: Transformer Engine's layer spec (None: wherever it is
+    usable)."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    shape = read_shape(model_dir)
+    te = uses_transformer_engine() if te_layers is None else te_layers
     if value_head:
         shape = dataclasses.replace(shape, tied_embeddings=False)
     config = transformer_config(shape, dtype=dtype, tp=groups.tp_size, pp=groups.pp_size, ep=groups.ep_size,
-                                cp=groups.cp_size, megatron=megatron)
+                                cp=groups.cp_size, megatron=megatron, te_layers=te)
     vpp = config.virtual_pipeline_model_parallel_size
     stages = [None] if vpp is None else list(range(vpp))
     if lora is not None:
-        adapters.check_lora(lora, shape, te=uses_transformer_engine(), value_head=value_head,
+        check_lora(lora, shape, te=te, value_head=value_head,
                             expert_tp=config.expert_tensor_parallel_size or groups.tp_size)
-    chunks = [build_gpt(shape, config, groups=groups, vp_stage=v, lora=lora) for v in stages]
+    chunks = [build_gpt(shape, config, groups=groups, vp_stage=v, lora=lora, te_layers=te) for v in stages]
     if value_head and groups.is_pp_last:
         sp_group = groups.tp if config.sequence_parallel else None
         chunks[-1].output_layer = ValueHead(shape.hidden, config.params_dtype, sequence_parallel_group=sp_group)
     return StageModel(shape=shape, config=config, groups=groups, chunks=chunks,
                       layer_offsets=[get_transformer_layer_offset(config, vp_stage=v) for v in stages],
-                      names=NameTable(name_rules(shape, te_spec=uses_transformer_engine())), value_head=value_head,
+                      names=NameTable(name_rules(shape, te_spec=te)), value_head=value_head,
                       lora=lora)

@@ -1,49 +1,30 @@
-"""The one place a recipe's models become train engines: actor, reference, critic, reward model (frozen, or
-trained by the reward-model loop), distillation teacher and the supervised warm start's model, each with the
-optimizer (or none) its role needs."""
+"""The one place a run's models become train engines. Which models a run has, and each one's checkpoint, shape,
+optimizer and head, is resolved once (megarl.job: the run's cast of `ModelRole`s); `build_engine` builds one of
+them with the run's dtype, Megatron settings and layer spec."""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Literal
-
-from megarl.config import Config
 from megarl.engine.lora import BasePolicy
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
-
-# actor: the trained policy; reference: frozen policy for the KL; critic: PPO's value model (scalar head,
-# its own learning rate); reward_model: a frozen scalar head scoring whole sequences; rm: the scalar-head
-# model the reward-model loop trains (the recipe's optimizer); warmup: the policy of the supervised warm start
-# (its own learning rate, no learning-rate warmup); teacher: the frozen model of on-policy distillation (its own
-# checkpoint, built like the reference).
-Role = Literal["actor", "reference", "critic", "reward_model", "rm", "warmup", "teacher"]
+from megarl.job import Job, ModelRole
 
 
-def make_engine(cfg: Config, groups: ParallelGroups, *, role: Role, model_dir: str) -> TrainEngine:
-    """A TrainEngine for `role` over the HF checkpoint in `model_dir`, at the recipe's dtype and Megatron
-    settings."""
-    common = dict(model_dir=model_dir, dtype=cfg.model.dtype, megatron=cfg.model.megatron, groups=groups)
-    match role:
-        case "actor":
-            return TrainEngine(**common, optim=cfg.optim, lora=cfg.model.lora, seed=cfg.seed)
-        case "reference" | "teacher":
-            return TrainEngine(**common)
-        case "critic":
-            return TrainEngine(**common, optim=dataclasses.replace(cfg.optim, lr=cfg.critic.lr), value_head=True)
-        case "reward_model":
-            return TrainEngine(**common, value_head=True)
-        case "rm":
-            return TrainEngine(**common, optim=cfg.optim, value_head=True)
-        case "warmup":
-            return TrainEngine(**common, optim=dataclasses.replace(cfg.optim, lr=cfg.warmup.lr, warmup_steps=0))
-    raise ValueError(f"unknown engine role {role!r}")
+def make_engine(role: ModelRole, groups: ParallelGroups, *, dtype: str, megatron: dict, te_layers: bool,
+                seed: int) -> TrainEngine:
+    """A TrainEngine for `role` at dtype `dtype`, with TransformerConfig fields `megatron`, on Transformer
+    Engine's layers or Megatron's local ones (`te_layers`); `seed` draws a LoRA actor's adapters."""
+    if role.shares_actor:
+        raise ValueError(f"the {role.name} of this run is the actor with its adapters off: it has no engine of its own")
+    return TrainEngine(model_dir=role.checkpoint, shape=role.shape, dtype=dtype, megatron=megatron, groups=groups,
+                       optim=role.optim, value_head=role.value_head, lora=role.lora, seed=seed, te_layers=te_layers)
 
 
-def reference_policy(cfg: Config, groups: ParallelGroups, actor: TrainEngine, *,
-                     model_dir: str) -> TrainEngine | BasePolicy:
-    """The frozen policy a KL term or DPO compares with: a model of its own, or with model.lora the actor with
-    its adapters off, which is the base model exactly and costs no memory."""
-    if cfg.model.lora is not None:
+def build_engine(job: Job, role: ModelRole, groups: ParallelGroups, *,
+                 actor: TrainEngine | None = None) -> TrainEngine | BasePolicy:
+    """The train engine of `role`, a model of `job`'s cast, on this rank's share of the layout. The reference of a
+    LoRA run (`role.shares_actor`) is `actor` with its adapters off: the base model exactly, at no memory."""
+    if role.shares_actor:
         return BasePolicy(actor)
-    return make_engine(cfg, groups, role="reference", model_dir=model_dir)
+    return make_engine(role, groups, dtype=job.cfg.model.dtype, megatron=job.megatron, te_layers=job.te_layers,
+                       seed=job.cfg.seed)

@@ -30,17 +30,16 @@ import torch.distributed as dist
 
 from megarl.algo.aggregate import group_sums
 from megarl.batch import RolloutBatch
-from megarl.config import Config
 from megarl.data.prompts import PromptRow
 from megarl.device import host_barrier
 from megarl.engine.parallel import ParallelGroups
 from megarl.handoff import WeightCheck, push_weights
+from megarl.job import Job
 from megarl.loops.faults import EngineLost
 from megarl.loops.rl_run import RLRun
 from megarl.loops.sampling import draw_batch
 from megarl.loops.samples import EnginePart, build_batch, encode_rows, pooled_samples, with_rewards
 from megarl.metrics import PhaseTimer
-from megarl.models.arch import read_shape
 from megarl.packing import balanced_partition
 from megarl.rewards.scorer import Scoring
 from megarl.rollout.backends import make_rollout_engine, make_rollout_peer
@@ -56,8 +55,9 @@ class ColocatedRollouts:
 
     scores_here = True
 
-    def __init__(self, cfg: Config, groups: ParallelGroups):
-        self.cfg, self.groups = cfg, groups
+    def __init__(self, job: Job, groups: ParallelGroups):
+        cfg = job.cfg
+        self.cfg, self.groups, self.shape = cfg, groups, job.shape
         self.placement = place_rollout(rollout_tp=cfg.rollout.tp, replica=groups.mp, timeout=groups.timeout)
         self.engines = self.placement.engines
         self.engine: RolloutEngine | None = None  # this rank's: on the first rank of every group of rollout.tp ranks
@@ -91,9 +91,9 @@ class ColocatedRollouts:
         """This rank's engine over `model_dir`; a restarted one samples from a stream of its own."""
         cfg, place = self.cfg, self.placement
         # MoE: every run captures the engines' routing, for moe/routing_agreement and r3
-        return make_rollout_engine(cfg.rollout, self.model_dir, dtype=cfg.model.dtype,
+        return make_rollout_engine(cfg.rollout, self.model_dir, shape=self.shape, dtype=cfg.model.dtype,
                                    seed=cfg.seed + place.engine_index + self.restarts * self.engines,
-                                   capture_routes=read_shape(self.model_dir).is_moe,
+                                   capture_routes=self.shape.is_moe,
                                    group=place.engine_group,
                                    lora=cfg.model.lora if cfg.rollout.lora_sync == "adapter" else None)
 

@@ -30,8 +30,9 @@ from megarl.data.supervised import Example, encode_pair, load_preference_pairs, 
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
 from megarl.engine.lora import BasePolicy
-from megarl.engine.roles import make_engine, reference_policy
-from megarl.loops.launch import init_groups
+from megarl.engine.roles import build_engine
+from megarl.job import Job
+from megarl.loops.launch import launch
 from megarl.loops.lifecycle import final_dir, run_steps
 from megarl.loops.resume import RunState, already_finished, find_resume
 from megarl.loops.sft import offline_step, total_steps
@@ -113,15 +114,16 @@ def evaluate(run: DPORun) -> dict[str, float]:
 
 
 # ---- the run -----------------------------------------------------------------------------------------------
-def build_run(cfg: Config, groups: ParallelGroups) -> DPORun:
+def build_run(job: Job, groups: ParallelGroups) -> DPORun:
     """Tokenize the pairs (a malformed one stops here, before any model is built) and build both engines."""
     from transformers import AutoTokenizer
 
+    cfg = job.cfg
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     train_pairs, eval_pairs = encoded_pairs(cfg, tokenizer)
-    actor = make_engine(cfg, groups, role="actor", model_dir=cfg.model.path)
-    return DPORun(cfg=cfg, groups=groups, actor=actor, reference=reference_policy(cfg, groups, actor,
-                                                                                 model_dir=cfg.model.path),
+    actor = build_engine(job, job.role("actor"), groups)
+    reference = build_engine(job, job.role("reference"), groups, actor=actor)
+    return DPORun(cfg=cfg, groups=groups, actor=actor, reference=reference,
                   train_pairs=train_pairs, eval_pairs=eval_pairs[groups.dp_rank::groups.dp_size],
                   sampler=pair_sampler(cfg, groups, len(train_pairs)),
                   pairs_per_rank=cfg.data.prompts_per_step // groups.dp_size,  # they divide (megarl.layout)
@@ -162,5 +164,5 @@ def train_on_pairs(cfg: Config, run, *, step, evaluate, engines: dict[str, Train
 
 def train(cfg: Config) -> Path:
     """Run a DPO recipe; returns the directory of the final checkpoint."""
-    run = build_run(cfg, init_groups(cfg))  # a checkpoint saves the actor; the reference is rebuilt
+    run = build_run(*launch(cfg))  # a checkpoint saves the actor; the reference is rebuilt
     return train_on_pairs(cfg, run, step=dpo_step, evaluate=evaluate, engines={"actor": run.actor}, desc="dpo")

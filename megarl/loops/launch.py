@@ -1,6 +1,6 @@
-"""Starting a run: the model and the parallel layout are checked against this launch before anything is
-built, then Megatron's parallel state starts. Shared by the RL, SFT and DPO loops, and by the rollout ranks of
-placement split (megarl.loops.split), which check the same layout."""
+"""Starting a run: the run is resolved against this launch (megarl.job) before anything is built, then
+Megatron's parallel state starts. Shared by the RL, SFT, DPO and RM loops, and by the rollout ranks of
+placement split (megarl.loops.split), which resolve the same run."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
+import yaml
 
-from megarl.config import Config, RecipeError
-from megarl.engine import model
-from megarl.engine.model import check_megatron_fields
+from megarl.config import OFFLINE_ALGOS, Config, RecipeError
+from megarl.engine.model import uses_transformer_engine
 from megarl.engine.parallel import ParallelGroups, init_parallel
-from megarl.layout import Layout
-from megarl.models.arch import read_shape
+from megarl.envs.environment import environment_factory
+from megarl.job import Job, check_same_tokenizer
+from megarl.rewards.terms import build_terms
 
 log = logging.getLogger(__name__)
 
@@ -45,64 +46,51 @@ def job_world(cfg: Config) -> tuple[int, int]:
     return world, int(os.environ.get("LOCAL_WORLD_SIZE", world))
 
 
-def launch_layout(cfg: Config, *, world: int, ranks_per_node: int) -> Layout:
-    """The recipe's layout on a job of `world` ranks, `ranks_per_node` to a node (megarl.layout.Layout.of, the
-    check `megarl plan` makes too): a LayoutError (a RecipeError) names the keys and both numbers, and a model
-    whose config.json cannot be read is a RecipeError naming model.path (teacher.path for the teacher's)."""
-    shapes = {}
-    for key, path in (("model.path", cfg.model.path), ("teacher.path", cfg.teacher.path)):
-        try:
-            shapes[key] = read_shape(path) if path is not None else None
-        except ValueError as e:
-            raise RecipeError(f"{key}: {e}") from None
-    return Layout.of(cfg, shapes["model.path"], world=world, ranks_per_node=ranks_per_node,
-                     teacher=shapes["teacher.path"])
-
-
-def init_groups(cfg: Config) -> ParallelGroups:
-    """Check the model and the parallel layout against this launch, then start the parallel state.
-    A mismatch is a RecipeError naming the keys, raised before any model is built, and so is a run_dir
-    that cannot be written. With placement split the training ranks meet as a world of their own, through
-    their prefix of torchrun's store."""
+def resolve_job(cfg: Config) -> Job:
+    """The run of `cfg` on this launch's ranks (`job_world`), resolved once (megarl.job.Job.of: the check `megarl
+    plan` makes too), on this machine's Transformer Engine where it is usable; then the code the recipe names
+    must import (an RL run's reward terms and environment) and a distillation teacher must share the student's
+    tokenizer. A RecipeError names the keys and the numbers."""
     world, ranks_per_node = job_world(cfg)
-    layout = launch_layout(cfg, world=world, ranks_per_node=ranks_per_node)
-    trainer_store = None
-    if layout.rollout_ranks and not dist.is_initialized():
-        store, rank, _ = job_store(cfg.parallel.timeout_minutes)
-        trainer_store = (dist.PrefixStore("megarl/trainer/", store), rank, layout.world)
-    check_megatron_fields(cfg.model.megatron)
-    check_run_dir(cfg.run_dir)
-    choose_layers(cfg)
-    par = cfg.parallel
-    try:
-        return init_parallel(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, seed=cfg.seed,
-                             timeout=timedelta(minutes=par.timeout_minutes), trainer_store=trainer_store)
-    except ValueError as e:
-        raise RecipeError(f"parallel: {e}") from None
-
-
-def choose_layers(cfg: Config) -> None:
-    """The layers and kernels of this run's models, before any is built.
-
-    - model.lora: Megatron's local layer spec, where Transformer Engine's would be used otherwise (a GPU with TE
-      installed, as in megarl's image): the adapters wrap the local linears. Said once, since the local layers
-      are slower on a GPU than TE's fused ones.
-    - train.share_prompts: RoPE unfused (model.megatron.apply_rope_fusion false): a shared row is rotated by its
-      position ids, own tokens continuing after their prompt, where the fused kernel restarts them at every
-      segment. Its attention is megarl's local one or TE's (megarl.engine.te_attention)."""
-    if cfg.train.share_prompts:
-        if cfg.model.megatron.get("apply_rope_fusion"):
-            raise RecipeError("model.megatron.apply_rope_fusion: true cannot be combined with train.share_prompts "
-                              "(the fused RoPE kernel restarts positions at every segment of a packed row, where a "
-                              "shared row's own tokens continue after their prompt)")
-        cfg.model.megatron["apply_rope_fusion"] = False
-    if cfg.model.lora is None:
-        return
-    te = model.uses_transformer_engine()
-    model.use_local_layers("model.lora")
-    if te:
+    job = Job.of(cfg, world=world, ranks_per_node=ranks_per_node, transformer_engine=uses_transformer_engine())
+    if cfg.algo.name not in OFFLINE_ALGOS:
+        build_terms(cfg.reward)  # a custom reward that does not import stops here, before any work
+        environment_factory(cfg.env)  # and so does an environment
+        if cfg.teacher.path is not None:
+            check_same_tokenizer(cfg.model.path, cfg.teacher.path)
+    if cfg.model.lora is not None and uses_transformer_engine():
         log.warning("model.lora runs on Megatron's local layer spec: Transformer Engine is installed but not used "
                     "by this run (its fused norm-and-linear layers take no adapters)")
+    return job
+
+
+def launch(cfg: Config) -> tuple[Job, ParallelGroups]:
+    """Resolve the run (`resolve_job`), then start the parallel state (`start_parallel`)."""
+    job = resolve_job(cfg)
+    return job, start_parallel(job)
+
+
+def start_parallel(job: Job) -> ParallelGroups:
+    """Megarl's parallel state for the resolved `job`; `run_dir/job.yaml` records what was resolved. A run_dir
+    that cannot be written is a RecipeError naming it, raised before any model is built. With placement split
+    the training ranks meet as a world of their own, through their prefix of torchrun's store."""
+    cfg = job.cfg
+    trainer_store = None
+    if job.layout.rollout_ranks and not dist.is_initialized():
+        store, rank, _ = job_store(cfg.parallel.timeout_minutes)
+        trainer_store = (dist.PrefixStore("megarl/trainer/", store), rank, job.layout.world)
+    check_run_dir(cfg.run_dir)
+    par = cfg.parallel
+    try:
+        groups = init_parallel(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, seed=cfg.seed,
+                               timeout=timedelta(minutes=par.timeout_minutes), trainer_store=trainer_store)
+    except ValueError as e:
+        raise RecipeError(f"parallel: {e}") from None
+    if dist.get_rank() == 0:
+        (Path(cfg.run_dir) / "job.yaml").write_text(
+            "# what megarl resolved for this run (megarl.job): the recipe as written is recipe.yaml\n"
+            + yaml.safe_dump(job.resolved(), sort_keys=False))
+    return groups
 
 
 def check_run_dir(run_dir: str) -> None:

@@ -24,10 +24,10 @@ from megarl.config import Config, SandboxConfig, TrainConfig
 from megarl.data.prompts import load_prompts
 from megarl.loops.colocated import ColocatedRollouts
 from megarl.loops.faults import EngineLost, check_versions
-from megarl.loops.launch import init_groups
+from megarl.loops.launch import resolve_job, start_parallel
 from megarl.loops.lifecycle import final_dir, run_steps
 from megarl.loops.resume import RunState, already_finished, checkpoint_due, find_resume, save_checkpoint
-from megarl.loops.rl_run import RLRun, Rollouts, build_run, check_launch
+from megarl.loops.rl_run import RLRun, Rollouts, build_run
 from megarl.loops.split import SplitRollouts, is_rollout_rank
 from megarl.loops.split_worker import serve_rollout
 from megarl.loops.warmup import sft_warmup
@@ -307,19 +307,19 @@ def train(cfg: Config) -> Path:
     """Run the recipe; returns the directory of the final checkpoint."""
     from transformers import AutoTokenizer
 
+    job = resolve_job(cfg)
     match cfg.placement.mode:
         case "colocated":
             make_rollouts: type[Rollouts] = ColocatedRollouts
         case "split":
-            if is_rollout_rank(cfg):
-                serve_rollout(cfg)  # until the training ranks are done
+            if is_rollout_rank(job):
+                serve_rollout(job)  # until the training ranks are done
                 return final_dir(cfg)
             make_rollouts = SplitRollouts
-    groups = init_groups(cfg)  # placement split: the training ranks meet as a world of their own
-    check_launch(cfg)
+    groups = start_parallel(job)  # placement split: the training ranks meet as a world of their own
     resume_from, done = find_resume(cfg)
     if already_finished(cfg, resume_from, done, cfg.train.steps):
-        make_rollouts(cfg, groups).close()  # placement split: the rollout ranks wait for a command
+        make_rollouts(job, groups).close()  # placement split: the rollout ranks wait for a command
         return final_dir(cfg)
     data = cfg.data
     fields = dict(prompt_key=data.prompt_key, answer_key=data.answer_key, metadata_key=data.metadata_key,
@@ -332,9 +332,10 @@ def train(cfg: Config) -> Path:
         check_test_specs(train_rows, where=data.train_path, output_bytes=output_bytes)
         check_test_specs(eval_rows, where=data.eval_path, output_bytes=output_bytes)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    model_dir = sft_warmup(cfg, groups, tokenizer, train_rows) if cfg.warmup.sft_steps else cfg.model.path
-    run = build_run(cfg, groups, rollouts=make_rollouts(cfg, groups), tokenizer=tokenizer, train_rows=train_rows,
-                    eval_rows=eval_rows, model_dir=model_dir)
+    if job.warm_start is not None:
+        job = job.from_warm_start(sft_warmup(job, groups, tokenizer, train_rows))
+    run = build_run(job, groups, rollouts=make_rollouts(job, groups), tokenizer=tokenizer, train_rows=train_rows,
+                    eval_rows=eval_rows)
     try:
         # the first push hands over the trainer's own (or restored) weights, which also proves the name table
         state = run_state(run)

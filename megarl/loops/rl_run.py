@@ -20,24 +20,22 @@ import torch.distributed as dist
 from megarl.algo.advantages import AdaptiveKLController, FixedKLController
 from megarl.algo.aggregate import group_sums
 from megarl.batch import RolloutBatch
-from megarl.config import Config, RecipeError
+from megarl.config import Config
 from megarl.data.prompts import PromptRow, PromptSampler
 from megarl.device import on_gpu
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
-from megarl.engine.lora import BasePolicy, adapts_experts
-from megarl.engine.roles import make_engine, reference_policy
+from megarl.engine.roles import BasePolicy, build_engine
 from megarl.envs.environment import Environment, SingleTurn, environment_factory
 from megarl.envs.tool_format import ObservationFormat, observation_format
+from megarl.job import Job
 from megarl.ledger import DeviceLedger, engine_owners, model_owners, run_ledger
 from megarl.loops.faults import DriftGate
 from megarl.metrics import PhaseTimer
-from megarl.models.arch import read_shape
 from megarl.plan.estimate import PlanError
 from megarl.objective import (AdvantageFn, CriticObjective, PolicyObjective, advantage_fn, kl_controller,
                               policy_objective)
 from megarl.rewards.scorer import Scorer
-from megarl.rewards.terms import build_terms
 from megarl.rollout.multi_turn import EnvWorkers
 from megarl.routing import RoutePlan
 
@@ -189,79 +187,21 @@ class RLRun:
             self.ledger.check()
 
 
-def check_launch(cfg: Config) -> None:
-    """What the recipe needs besides its parallel layout (checked by megarl.loops.launch.init_groups): the reward
-    terms and the environment import, and router replay suits the model and the engine; RecipeError names the
-    keys."""
-    build_terms(cfg.reward)  # a custom reward that does not import stops here, before any work
-    environment_factory(cfg.env)  # and so does an environment
-    if cfg.teacher.path is not None:
-        check_same_tokenizer(cfg.model.path, cfg.teacher.path)
-    shape = read_shape(cfg.model.path)
-    if cfg.algo.router_replay != "none" and not shape.is_moe:
-        raise RecipeError(f"algo.router_replay = {cfg.algo.router_replay!r} replays mixture-of-experts routing; the "
-                          f"model in model.path ({shape.arch}) has no experts: set it to 'none'")
-    if cfg.train.share_prompts:
-        check_share_prompts(shape, cfg.model.megatron)
-    if cfg.rollout.lora_sync == "adapter" and adapts_experts(cfg.model.lora, shape):
-        raise RecipeError(f"rollout.lora_sync = 'adapter' with model.lora.targets {cfg.model.lora.targets} on a "
-                          f"mixture-of-experts model ({shape.arch}): adapters on experts go to the rollout engines "
-                          "merged into their weights only (rollout.lora_sync: merged, or target qkv and proj)")
-    if cfg.algo.router_replay != "none" and cfg.model.megatron.get("moe_router_fusion"):
-        raise RecipeError("algo.router_replay needs Megatron's unfused router: the fused top-k kernel "
-                          "(model.megatron.moe_router_fusion: true) has no replay hook")
-
-
-def check_same_tokenizer(model_path: str, teacher_path: str) -> None:
-    """The teacher scores the student's token ids: both checkpoints must map every token to the same id and
-    agree on the special tokens; RecipeError names teacher.path and the first difference."""
-    from transformers import AutoTokenizer
-
-    student, teacher = AutoTokenizer.from_pretrained(model_path), AutoTokenizer.from_pretrained(teacher_path)
-    ours, theirs = student.get_vocab(), teacher.get_vocab()
-    differs = None
-    if len(ours) != len(theirs):
-        differs = f"a vocabulary of {len(theirs)} tokens, the student's {len(ours)}"
-    elif ours != theirs:
-        token = min(t for t in ours if ours[t] != theirs.get(t))
-        differs = (f"token {token!r} is id {theirs[token]}, the student's {ours[token]}" if token in theirs
-                   else f"token {token!r} (the student's id {ours[token]}) is not in its vocabulary")
-    else:
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            if getattr(student, name) != getattr(teacher, name):
-                differs = f"{name} {getattr(teacher, name)}, the student's {getattr(student, name)}"
-                break
-    if differs:
-        raise RecipeError(f"teacher.path: the teacher's tokenizer ({teacher_path}) is not the student's (model.path: "
-                          f"{model_path}): {differs}; distillation scores the student's token ids with the teacher")
-
-
-def check_share_prompts(shape, megatron: dict) -> None:
-    """train.share_prompts on what the engine computes exactly: dense models, and MoE models whose routers count
-    no tokens (megarl.engine.model.shared_prompt_moe_refusal)."""
-    from megarl.engine.model import moe_settings, shared_prompt_moe_refusal
-
-    refusal = shared_prompt_moe_refusal((moe_settings(shape) | megatron).get) if shape.is_moe else None
-    if refusal:
-        raise RecipeError(f"train.share_prompts on a mixture-of-experts model ({shape.arch}): {refusal}")
-
-
-def build_run(cfg: Config, groups: ParallelGroups, *, rollouts: Rollouts, tokenizer, train_rows: list[PromptRow],
-              eval_rows: list[PromptRow], model_dir: str) -> RLRun:
+def build_run(job: Job, groups: ParallelGroups, *, rollouts: Rollouts, tokenizer, train_rows: list[PromptRow],
+              eval_rows: list[PromptRow]) -> RLRun:
     """The rollout engines first (`rollouts.start`: SGLang sizes its KV cache from the device memory free when it
-    starts), then the train engines: actor; reference when algo.kl_coef > 0 (with model.lora, the actor with
-    its adapters off); the distillation teacher; critic for PPO; the reward models, which stay on the device
-    the whole step because their scores are needed as generation ends."""
-    algo = cfg.algo
-    rollouts.start(model_dir)
-    actor = make_engine(cfg, groups, role="actor", model_dir=model_dir)
-    reference = reference_policy(cfg, groups, actor, model_dir=model_dir) if algo.kl_coef > 0 else None
-    teacher = make_engine(cfg, groups, role="teacher", model_dir=cfg.teacher.path) if cfg.teacher.path else None
-    critic = None
-    if algo.name == "ppo":
-        critic = make_engine(cfg, groups, role="critic", model_dir=cfg.critic.path or model_dir)
-    reward_models = [(term.weight, make_engine(cfg, groups, role="reward_model", model_dir=term.path))
-                     for term in cfg.reward.terms if term.kind == "reward_model"]
+    starts), then the train engines of the run's cast (megarl.job), in its order: actor; reference when
+    algo.kl_coef > 0 (with model.lora, the actor with its adapters off); the distillation teacher; critic for
+    PPO; the reward models, which stay on the device the whole step because their scores are needed as
+    generation ends."""
+    cfg, algo = job.cfg, job.cfg.algo
+    actor_role = job.role("actor")
+    rollouts.start(actor_role.checkpoint)  # the warm start's export, when the run has one
+    actor = build_engine(job, actor_role, groups)
+    built = {role.name: build_engine(job, role, groups, actor=actor) for role in job.cast if role.name in
+             ("reference", "teacher", "critic")}
+    weights = [term.weight for term in cfg.reward.terms if term.kind == "reward_model"]
+    reward_models = list(zip(weights, [build_engine(job, role, groups) for role in job.roles("reward_model")]))
     new_env = environment_factory(cfg.env)
     in_process = dataclasses.replace(cfg.reward, workers=0)
     # No drift gate where older weights generate the batch by design (placement split, algo.max_staleness > 0):
@@ -272,10 +212,11 @@ def build_run(cfg: Config, groups: ParallelGroups, *, rollouts: Rollouts, tokeni
         cfg=cfg, groups=groups, tokenizer=tokenizer, train_rows=train_rows, eval_rows=eval_rows,
         sampler=PromptSampler(len(train_rows), seed=cfg.seed, shuffle=cfg.data.shuffle, dp_rank=groups.dp_rank,
                               dp_size=groups.dp_size),
-        actor=actor, reference=reference, teacher=teacher, critic=critic, rollouts=rollouts,
+        actor=actor, reference=built.get("reference"), teacher=built.get("teacher"), critic=built.get("critic"),
+        rollouts=rollouts,
         prompts_per_rank=cfg.data.prompts_per_step // groups.dp_size,
         objective=policy_objective(algo, on_policy=algo.on_policy),
-        critic_objective=CriticObjective(value_clip=cfg.critic.value_clip) if critic is not None else None,
+        critic_objective=CriticObjective(value_clip=cfg.critic.value_clip) if "critic" in built else None,
         routes=RoutePlan(algo.router_replay, on_policy=algo.on_policy),
         advantages=advantage_fn(algo, group=groups.dp), kl=kl_controller(algo),
         scorer=Scorer(cfg.reward if rollouts.scores_here else in_process),
@@ -283,7 +224,7 @@ def build_run(cfg: Config, groups: ParallelGroups, *, rollouts: Rollouts, tokeni
         observations=observation_format(cfg.env, tokenizer), env_workers=EnvWorkers(cfg.env.tool_workers))
     if cfg.placement.mode == "colocated":
         try:
-            run.ledger = run_ledger(cfg, read_shape(model_dir), world=dist.get_world_size(), stage=groups.pp_rank,
+            run.ledger = run_ledger(cfg, job.shape, world=dist.get_world_size(), stage=groups.pp_rank,
                                     models=list(run.device_models().values()), enforce=not on_gpu(),
                                     sglang_on_cpu=cfg.rollout.engine == "sglang" and not on_gpu())
         except PlanError as e:  # nothing to count against (a multi-turn env without env.max_tokens)

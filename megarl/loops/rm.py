@@ -30,9 +30,10 @@ from megarl.config import Config
 from megarl.data.prompts import PromptSampler
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
-from megarl.engine.roles import make_engine
+from megarl.engine.roles import build_engine
 from megarl.loops.dpo import Pair, encoded_pairs, interleave, pair_sampler, train_on_pairs
-from megarl.loops.launch import init_groups
+from megarl.job import Job
+from megarl.loops.launch import launch
 
 EVAL_KEYS = ("loss", "accuracy", "margin")
 
@@ -106,13 +107,14 @@ def evaluate(run: RMRun) -> dict[str, float]:
 
 
 # ---- the run -----------------------------------------------------------------------------------------------
-def build_run(cfg: Config, groups: ParallelGroups) -> RMRun:
+def build_run(job: Job, groups: ParallelGroups) -> RMRun:
     """Tokenize the pairs (a malformed one stops here, before the model is built) and build the model."""
     from transformers import AutoTokenizer
 
+    cfg = job.cfg
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     train_pairs, eval_pairs = encoded_pairs(cfg, tokenizer)
-    return RMRun(cfg=cfg, groups=groups, model=make_engine(cfg, groups, role="rm", model_dir=cfg.model.path),
+    return RMRun(cfg=cfg, groups=groups, model=build_engine(job, job.role("reward_model"), groups),
                  train_pairs=train_pairs, eval_pairs=eval_pairs[groups.dp_rank::groups.dp_size],
                  sampler=pair_sampler(cfg, groups, len(train_pairs)),
                  pairs_per_rank=cfg.data.prompts_per_step // groups.dp_size,  # they divide (megarl.layout)
@@ -121,6 +123,6 @@ def build_run(cfg: Config, groups: ParallelGroups) -> RMRun:
 
 def train(cfg: Config) -> Path:
     """Run a reward-model recipe; returns the directory of the exported sequence classifier."""
-    run = build_run(cfg, init_groups(cfg))
+    run = build_run(*launch(cfg))
     return train_on_pairs(cfg, run, step=rm_step, evaluate=evaluate, engines={"reward_model": run.model},
                           desc="rm", exported="reward_model")

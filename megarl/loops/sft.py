@@ -22,8 +22,8 @@ from megarl.data.prompts import PromptSampler
 from megarl.data.supervised import Example, encode_sft_row, load_sft_rows, pad_examples
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
-from megarl.engine.roles import make_engine
-from megarl.loops.launch import init_groups
+from megarl.engine.roles import build_engine
+from megarl.loops.launch import launch
 from megarl.loops.lifecycle import final_dir, run_steps
 from megarl.loops.resume import RunState, already_finished, find_resume
 from megarl.loops.supervised import packing, supervised_step
@@ -59,7 +59,7 @@ def train(cfg: Config) -> Path:
     """Run an SFT recipe; returns the directory of the final checkpoint."""
     from transformers import AutoTokenizer
 
-    groups = init_groups(cfg)
+    job, groups = launch(cfg)
     per_rank = cfg.data.prompts_per_step // groups.dp_size  # they divide (megarl.layout, at launch)
     data = cfg.data
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -75,7 +75,7 @@ def train(cfg: Config) -> Path:
     if already_finished(cfg, resume_from, done, steps):
         return final_dir(cfg)
 
-    engine = make_engine(cfg, groups, role="actor", model_dir=cfg.model.path)
+    engine = build_engine(job, job.role("actor"), groups)
     sampler = PromptSampler(len(train_set), seed=cfg.seed, shuffle=data.shuffle, dp_rank=groups.dp_rank,
                             dp_size=groups.dp_size)
     step_kwargs = dict(pad_id=tokenizer.pad_token_id, micro_batch_size=cfg.train.micro_batch_size,

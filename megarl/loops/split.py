@@ -62,14 +62,13 @@ from torch import Tensor
 
 from megarl.batch import RolloutBatch
 from megarl.checkpoint import CheckpointError
-from megarl.config import Config
+from megarl.job import Job
 from megarl.data.prompts import PromptRow
 from megarl.device import current_device, host_barrier, on_gpu
 from megarl.engine.parallel import ParallelGroups
 from megarl.handoff import WeightCheck, buckets, fingerprinted, flatten
-from megarl.layout import Layout
 from megarl.loops.faults import EngineLost
-from megarl.loops.launch import job_store, job_world, launch_layout
+from megarl.loops.launch import job_store
 from megarl.loops.rl_run import RLRun
 from megarl.loops.samples import build_batch, encode_rows, with_rewards
 from megarl.loops.sampling import draw_batch
@@ -81,17 +80,10 @@ from megarl.rollout.multi_turn import Trajectory
 # ---- the job ----------------------------------------------------------------------------------------------
 
 
-def job(cfg: Config) -> tuple[dist.Store, int, Layout]:
-    """(store, rank, the training ranks' layout), the layout checked (megarl.loops.launch.launch_layout) on
-    every rank of the job, the rollout ranks too."""
-    store, rank, _ = job_store(cfg.parallel.timeout_minutes)
-    world, ranks_per_node = job_world(cfg)
-    return store, rank, launch_layout(cfg, world=world, ranks_per_node=ranks_per_node)
-
-
-def is_rollout_rank(cfg: Config) -> bool:
-    _, rank, layout = job(cfg)
-    return rank >= layout.world
+def is_rollout_rank(job: Job) -> bool:
+    """Whether this process is one of the job's rollout ranks (torchrun's rank past the training world)."""
+    _, rank, _ = job_store(job.cfg.parallel.timeout_minutes)
+    return rank >= job.layout.world
 
 
 class Links:
@@ -118,11 +110,12 @@ class SplitRollouts:
 
     scores_here = False  # the workers score what they generate
 
-    def __init__(self, cfg: Config, groups: ParallelGroups):
-        store, _, _ = job(cfg)
+    def __init__(self, job: Job, groups: ParallelGroups):
+        cfg = job.cfg
+        store, _, _ = job_store(cfg.parallel.timeout_minutes)
         timeout = timedelta(minutes=cfg.parallel.timeout_minutes)
         self.cfg, self.groups, self.box = cfg, groups, Mailbox(store, timeout)
-        self.workers = cfg.placement.rollout_ranks // cfg.rollout.tp
+        self.workers = len(job.layout.engine_ranks)
         self.engines = self.workers
         self.lead = dist.get_rank() == 0  # sends the commands and the weights
         self.writer = dist.get_rank() == groups.mp_src_global_rank  # sends and takes its replica's messages

@@ -24,14 +24,15 @@ import torch
 from torch import Tensor
 
 from megarl.config import Config
+from megarl.job import Job
 from megarl.device import current_device, on_gpu
 from megarl.envs.environment import environment_factory
 from megarl.envs.tool_format import observation_format
 from megarl.handoff import unflatten, verify_engine
 from megarl.loops.samples import EnginePart, pooled_samples
-from megarl.loops.split import Links, job
+from megarl.loops.launch import job_store
+from megarl.loops.split import Links
 from megarl.loops.transport import Mailbox, own_group, receive_header
-from megarl.models.arch import read_shape
 from megarl.packing import balanced_partition
 from megarl.rewards.scorer import Scorer
 from megarl.rollout.backends import make_rollout_engine
@@ -57,31 +58,32 @@ class RolloutRank:
     env_workers: EnvWorkers
 
 
-def serve_rollout(cfg: Config) -> None:
+def serve_rollout(job: Job) -> None:
     """A rollout rank's whole run: build the engine, then run the training rank 0's commands in order until it
     says stop."""
     from transformers import AutoTokenizer
 
-    store, rank, layout = job(cfg)
+    cfg, layout = job.cfg, job.layout
+    store, rank, _ = job_store(cfg.parallel.timeout_minutes)
     timeout = timedelta(minutes=cfg.parallel.timeout_minutes)
     box = Mailbox(store, timeout)
-    local, workers = rank - layout.world, cfg.placement.rollout_ranks // cfg.rollout.tp
-    if local % cfg.rollout.tp:  # beside a worker: its engine spans this device; nothing to run here
+    hosts = layout.engine_ranks
+    workers = len(hosts)
+    if rank not in hosts:  # beside a worker: its engine spans this device; nothing to run here
         box.take("done", keep=True)
         return
-    index = local // cfg.rollout.tp
+    index = hosts.index(rank)
     if on_gpu():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     # the groups meet when first used (a run that turns out to be finished uses none)
     bridge = functools.partial(own_group, store, "weights", member=1 + index, size=1 + workers, timeout=timeout)
     links = functools.partial(Links, store, member=layout.dp + index, size=layout.dp + workers, timeout=timeout)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    moe = read_shape(cfg.model.path).is_moe
 
     def new_engine(restarts: int) -> RolloutEngine:  # a restarted one samples from a stream of its own
-        return make_rollout_engine(cfg.rollout, cfg.model.path, dtype=cfg.model.dtype,
+        return make_rollout_engine(cfg.rollout, cfg.model.path, shape=job.shape, dtype=cfg.model.dtype,
                                    seed=cfg.seed + index + restarts * workers,
-                                   capture_routes=moe)
+                                   capture_routes=job.shape.is_moe)
 
     new_env = environment_factory(cfg.env)
     worker = Worker(box, bridge, links, index=index, workers=workers, replicas=layout.dp, new_engine=new_engine,

@@ -11,12 +11,12 @@ from pathlib import Path
 import torch.distributed as dist
 from tqdm import tqdm
 
-from megarl.config import Config
+from megarl.job import Job
 from megarl.data.prompts import PromptRow, PromptSampler, encode_prompt
 from megarl.data.supervised import completion_example
 from megarl.device import release_cached_blocks
 from megarl.engine.parallel import ParallelGroups
-from megarl.engine.roles import make_engine
+from megarl.engine.roles import build_engine
 from megarl.loops.lifecycle import export_policy
 from megarl.loops.supervised import supervised_step
 from megarl.metrics import ProgressLines
@@ -24,7 +24,7 @@ from megarl.metrics import ProgressLines
 log = logging.getLogger(__name__)
 
 
-def sft_warmup(cfg: Config, groups: ParallelGroups, tokenizer, rows: list[PromptRow]) -> str:
+def sft_warmup(job: Job, groups: ParallelGroups, tokenizer, rows: list[PromptRow]) -> str:
     """Supervised steps on the train set's answers; returns the HF directory RL starts from.
 
     Each example is the prompt as RL encodes it, then the answer and EOS, as a rollout should end. Steps
@@ -32,11 +32,12 @@ def sft_warmup(cfg: Config, groups: ParallelGroups, tokenizer, rows: list[Prompt
     `warmup.stop_answer_prob`. The result is exported to RUN_DIR/warmup, so the actor, the reference and the
     rollout engine all start from the same weights, and a rerun reuses it instead of training again.
     """
+    cfg = job.cfg
     out = Path(cfg.run_dir) / "warmup"
     if (out / "megarl_checkpoint.json").exists():
         log.info("reusing supervised warm start in %s", out)
         return str(out)
-    engine = make_engine(cfg, groups, role="warmup", model_dir=cfg.model.path)
+    engine = build_engine(job, job.warm_start, groups)
     sampler = PromptSampler(len(rows), seed=cfg.seed + 1, dp_rank=groups.dp_rank, dp_size=groups.dp_size)
     per_rank = cfg.warmup.batch_size // groups.dp_size
     console = cfg.log.progress and dist.get_rank() == 0

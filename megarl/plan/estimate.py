@@ -8,9 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from megarl.config import OFFLINE_ALGOS, Config
-from megarl.layout import Layout, LayoutError
-from megarl.models.arch import ModelShape, padded_vocab_size, read_shape
+from megarl.config import OFFLINE_ALGOS, Config, RecipeError
+from megarl.job import Job, ModelRole, model_shape
+from megarl.layout import Layout
+from megarl.models.arch import ModelShape, padded_vocab_size
 from megarl.plan.memory import (DTYPE_BYTES, ENGINE_START_USED_GIB, ENTROPY_BYTES, GIB, HOST_RESERVE_GIB,
                                 HOST_USABLE_FRACTION, LOGITS_BYTES, RESERVE_GIB, USABLE_FRACTION, Cluster,
                                 HostMemory, ModelMemory, Rollout, Routing, activation_bytes, host_memory,
@@ -28,8 +29,8 @@ def read_model(config_json: Path) -> ModelShape:
     """The shape of the model whose HF config is `config_json`; PlanError names the file when it is not
     one megarl supports."""
     try:
-        return read_shape(config_json.parent)
-    except ValueError as e:
+        return model_shape(config_json.parent)
+    except RecipeError as e:
         raise PlanError(str(e)) from None
 
 
@@ -63,6 +64,7 @@ def sequence_tokens(cfg: Config, *, prompt_tokens: int, seq_tokens: int | None) 
 class Plan:
     recipe: str
     cluster: Cluster
+    job: Job  # the run as launch resolves it on the cluster (megarl.job)
     model: dict  # what the estimate read from config.json
     layout: Layout
     seq_len: int  # tokens per padded sequence (`sequence_tokens`)
@@ -117,60 +119,34 @@ class Plan:
         return not self.problems
 
 
-def trainer_roles(cfg: Config) -> list[tuple[str, bool, bool]]:
-    """(name, trainable, value_head) of every model the recipe's loop builds on each GPU (megarl.loops)."""
-    own_reference = cfg.model.lora is None  # with LoRA the reference is the actor with its adapters off
-    match cfg.algo.name:
-        case "sft":
-            return [("actor", True, False)]
-        case "dpo":
-            return [("actor", True, False)] + ([("reference", False, False)] if own_reference else [])
-        case "rm":
-            return [("reward_model", True, True)]
-    roles = [("actor", True, False)]
-    if cfg.algo.kl_coef > 0 and own_reference:
-        roles.append(("reference", False, False))
-    if cfg.teacher.path is not None:
-        roles.append(("teacher", False, False))
-    if cfg.algo.name == "ppo":
-        roles.append(("critic", True, True))
-    return roles
+def trainer_models(job: Job) -> list[ModelRole]:
+    """The models of the run's cast (megarl.job) that the trainer wakes and parks: every one but the reward
+    models an RL run scores with (frozen, resident in every phase) and the LoRA reference, which is the actor."""
+    return [role for role in job.cast if not role.shares_actor and (role.name != "reward_model" or role.trainable)]
 
 
-def reward_model_shapes(cfg: Config, shape: ModelShape) -> list[tuple[str, ModelShape]]:
-    """(name, shape) of every reward-model term (`reward.terms[i]`, kind reward_model): its checkpoint's
-    config.json when the checkpoint is on this machine, else the policy's architecture."""
-    out = []
-    for i, term in enumerate(cfg.reward.terms):
-        if term.kind == "reward_model":
-            config = Path(term.path or "") / "config.json"
-            out.append((f"reward_model (reward.terms[{i}])", read_model(config) if config.is_file() else shape))
-    return out
-
-
-def teacher_shape(cfg: Config, shape: ModelShape) -> ModelShape | None:
-    """The distillation teacher's shape: its checkpoint's config.json when the checkpoint is on this machine,
-    else the policy's architecture (an assumption line says so); None without a teacher."""
-    if cfg.teacher.path is None:
-        return None
-    config = Path(cfg.teacher.path) / "config.json"
-    return read_model(config) if config.is_file() else shape
+def judges(job: Job) -> list[ModelRole]:
+    """The frozen reward models of an RL run's reward terms."""
+    return [role for role in job.cast if role.name == "reward_model" and not role.trainable]
 
 
 def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
-         prompt_tokens: int = 1024, seq_tokens: int | None = None) -> Plan:
+         prompt_tokens: int = 1024, seq_tokens: int | None = None, job: Job | None = None) -> Plan:
     """Check the layout (PlanError) and estimate every phase's bytes per GPU on the most-loaded stage, and
     the host memory of the fullest node.
 
-    PPO's critic is planned with the policy's architecture (its default checkpoint) and a value head. Reward
-    models are frozen scalar-head models at the trainer's layout that stay on the device in every phase
-    (megarl.loops.rl_run.build_run: their scores are needed as generation ends); they are not offloaded."""
+    The models are the run's cast (megarl.job.Job.of, as launch resolves it on this cluster's ranks; `job`: one
+    already resolved for them), each at its checkpoint's architecture where its config.json is on this machine
+    and the policy's otherwise. Reward models are frozen scalar-head models at the trainer's layout that stay on
+    the device in every phase (megarl.loops.rl_run.build_run: their scores are needed as generation ends); they
+    are not offloaded."""
     seq_len, seq_source = sequence_tokens(cfg, prompt_tokens=prompt_tokens, seq_tokens=seq_tokens)
-    teacher = teacher_shape(cfg, shape)
-    try:  # the check launch makes, on this cluster's ranks
-        layout = Layout.of(cfg, shape, world=cluster.world, ranks_per_node=cluster.gpus_per_node, teacher=teacher)
-    except LayoutError as e:
+    try:  # the run launch resolves, on this cluster's ranks
+        job = job or Job.of(cfg, world=cluster.world, ranks_per_node=cluster.gpus_per_node, shape=shape,
+                            planning=True)
+    except RecipeError as e:
         raise PlanError(str(e)) from None
+    layout = job.layout
     dtype, optim = cfg.model.dtype, cfg.optim
     dtype_bytes = DTYPE_BYTES[dtype]
     rollout = None if cfg.algo.name in OFFLINE_ALGOS else rollout_memory(cfg, shape, layout, cluster, seq_len=seq_len)
@@ -183,16 +159,16 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
     # one bucket in flight: rollout.bucket_bytes, or the whole model where it is smaller
     bucket = min(cfg.rollout.bucket_bytes, stage_params(shape, tp=1, pp=1, ep=1, stage=0,
                                                         padded_vocab=shape.vocab_size).total * dtype_bytes)
-    reward_shapes = [] if rollout is None else reward_model_shapes(cfg, shape)
 
     stages, buffers, best = [], [], None
     for stage in range(layout.pp):
         models, largest_buffer = [], 0
-        for name, trainable, value_head in trainer_roles(cfg):
-            counts = stage_params(teacher if name == "teacher" else shape, tp=layout.tp, pp=layout.pp, ep=layout.ep, stage=stage,
+        for role in trainer_models(job):
+            name, trainable, value_head = role.name, role.trainable, role.value_head
+            counts = stage_params(role.shape, tp=layout.tp, pp=layout.pp, ep=layout.ep, stage=stage,
                                   value_head=value_head)
             adapters = 0
-            if name == "actor" and cfg.model.lora is not None:
+            if role.lora is not None:
                 adapters = lora_params(shape, cfg.model.lora, tp=layout.tp, pp=layout.pp, ep=layout.ep)
             params, grads, opt = model_state(counts, trainable=trainable, adapters=adapters, **state_args)
             acts = training_activations(cfg, shape, layout, stage=stage, seq_len=seq_len, value_head=value_head) \
@@ -204,10 +180,11 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
                 largest_buffer = max(largest_buffer, counts.dense * dtype_bytes, counts.expert * dtype_bytes)
         stages.append(models)  # what the offload moves to the host
         buffers.append(largest_buffer)
-        judges = [ModelMemory(name, stage_params(rshape, tp=layout.tp, pp=layout.pp, ep=layout.ep, stage=stage,
-                                                 value_head=True).total * dtype_bytes, 0, 0, 0)
-                  for name, rshape in reward_shapes]
-        resident = sum(m.params for m in judges)  # in every phase
+        scorers = [ModelMemory(f"reward_model ({role.key.removesuffix('.path')})",
+                               stage_params(role.shape, tp=layout.tp, pp=layout.pp, ep=layout.ep, stage=stage,
+                                            value_head=True).total * dtype_bytes, 0, 0, 0)
+                   for role in judges(job)]
+        resident = sum(m.params for m in scorers)  # in every phase
         states = sum(m.state for m in models)
         trainer_params = sum(m.params for m in models)
         if rollout is None:  # SFT, DPO: the trainer alone, never offloaded
@@ -222,7 +199,7 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
                       "rollout": rollout.static + reserve}
         phases = {name: nbytes + resident for name, nbytes in phases.items()}
         if best is None or max(phases.values()) > max(best[2].values()):
-            best = (stage, models + judges, phases)
+            best = (stage, models + scorers, phases)
     stage, models, phases = best
     rollout_phases = {}
     if layout.rollout_ranks:  # an engine's GPU, SGLang or native: its static memory, and a bucket in the push
@@ -232,7 +209,7 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
     model = dict(arch=shape.arch, params=total, layers=shape.layers, hidden=shape.hidden, heads=shape.heads,
                  kv_heads=shape.kv_heads, vocab_size=shape.vocab_size, experts=shape.experts,
                  topk=shape.topk, moe_ffn=shape.moe_ffn, shared_ffn=shape.shared_ffn)
-    return Plan(recipe=recipe, cluster=cluster, model=model, layout=layout, seq_len=seq_len, stage=stage,
+    return Plan(recipe=recipe, cluster=cluster, job=job, model=model, layout=layout, seq_len=seq_len, stage=stage,
                 models=models, rollout=rollout, routing=routing, phases=phases, rollout_phases=rollout_phases,
                 limit=int(USABLE_FRACTION * cluster.gpu_mem_gib * GIB),
                 host=host_memory(cfg, cluster, layout, stages, buffers,

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from megarl.config import LoraConfig, RecipeError, RolloutConfig
 from megarl.device import current_device, on_gpu
+from megarl.models.arch import ModelShape
 from megarl.rollout.engine import RolloutEngine, RolloutPeer
 
 
-def make_rollout_engine(cfg: RolloutConfig, model_dir: str, *, dtype: str, seed: int,
+def make_rollout_engine(cfg: RolloutConfig, model_dir: str, *, shape: ModelShape, dtype: str, seed: int,
                         capture_routes: bool = False, group=None, lora: LoraConfig | None = None) -> RolloutEngine:
-    """The recipe's rollout engine (`rollout.engine`) over the HF checkpoint `model_dir`, sampling with `seed`;
+    """The recipe's rollout engine (`rollout.engine`) over the HF checkpoint `model_dir` (of architecture
+    `shape`), sampling with `seed`;
     with `capture_routes` (MoE models) it returns each token's experts (Generation.routes). `group`: the
     trainer ranks on the engine's devices, this one first, which hand SGLang their own copies of the pushed
     weights (`make_rollout_peer` on the others); None when the engine is fed from this rank alone. `lora`: the
@@ -24,7 +26,7 @@ def make_rollout_engine(cfg: RolloutConfig, model_dir: str, *, dtype: str, seed:
         case "sglang":
             from megarl.rollout.sglang_engine import SGLangEngine
 
-            return SGLangEngine(model_dir, dtype=dtype, seed=seed, tp_size=cfg.tp, mem_fraction=cfg.mem_fraction,
+            return SGLangEngine(model_dir, shape=shape, dtype=dtype, seed=seed, tp_size=cfg.tp, mem_fraction=cfg.mem_fraction,
                                 base_gpu_id=current_device().index if on_gpu() else 0,
                                 capture_routes=capture_routes, group=group, timeout_s=cfg.engine_timeout_s,
                                 lora=lora)

@@ -16,6 +16,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from megarl.layout import engine_spans
+
 
 @dataclass(frozen=True)
 class RolloutPlacement:
@@ -40,7 +42,8 @@ def place_rollout(*, rollout_tp: int, replica: dist.ProcessGroup, timeout: timed
     replica (ParallelGroups.mp); `timeout`, how long a collective of the exchange groups waits. A collective
     call: every rank creates every exchange group, in one order."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world % rollout_tp:
+    spans = engine_spans(range(world), rollout_tp)
+    if len(spans[-1]) != rollout_tp:
         raise ValueError(f"rollout.tp = {rollout_tp} does not divide the world size {world}")
     replicas: list[tuple[int, ...] | None] = [None] * world
     dist.all_gather_object(replicas, tuple(dist.get_process_group_ranks(replica)))
@@ -54,19 +57,19 @@ def place_rollout(*, rollout_tp: int, replica: dist.ProcessGroup, timeout: timed
             if ranks == mine:
                 exchange = group
     if rollout_tp > 1:
-        for start in range(0, world, rollout_tp):
-            group = dist.new_group(list(range(start, start + rollout_tp)), timeout=timeout)
-            if start <= rank < start + rollout_tp:
+        for span in spans:
+            group = dist.new_group(list(span), timeout=timeout)
+            if rank in span:
                 engine_group = group
-    return RolloutPlacement(tp=rollout_tp, engines=world // rollout_tp,
-                            engine_index=rank // rollout_tp if rank % rollout_tp == 0 else None,
+    hosts = [span.start for span in spans]
+    return RolloutPlacement(tp=rollout_tp, engines=len(spans), engine_index=hosts.index(rank) if rank in hosts else None,
                             exchange=exchange, exchange_ranks=mine,
-                            exchange_engines=tuple(r for r in mine if r % rollout_tp == 0), engine_group=engine_group)
+                            exchange_engines=tuple(r for r in mine if r in hosts), engine_group=engine_group)
 
 
 def exchange_groups(replicas: list[tuple[int, ...]], *, rollout_tp: int) -> list[tuple[int, ...]]:
     """The exchange groups of a job whose rank r belongs to replica `replicas[r]` (its ranks) and to the
-    rollout group of ranks r // rollout_tp * rollout_tp ... + rollout_tp - 1: the sets of ranks linked
+    rollout group of `rollout_tp` consecutive ranks (megarl.layout.engine_spans): the sets of ranks linked
     through either kind of group (union-find), each ascending, in order of their first rank."""
     world = len(replicas)
     parent = list(range(world))
@@ -78,7 +81,7 @@ def exchange_groups(replicas: list[tuple[int, ...]], *, rollout_tp: int) -> list
         return r
 
     linked = [list(ranks) for ranks in set(replicas)]
-    linked += [list(range(start, start + rollout_tp)) for start in range(0, world, rollout_tp)]
+    linked += [list(span) for span in engine_spans(range(world), rollout_tp)]
     for members in linked:
         for other in members[1:]:
             parent[root(other)] = root(members[0])

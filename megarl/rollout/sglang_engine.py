@@ -48,7 +48,7 @@ from megarl.checkpoint import peft_adapter_config
 from megarl.config import LoraConfig
 from megarl.device import host_barrier, load_cuda_driver_stand_in, on_gpu
 from megarl.handoff import buckets
-from megarl.models.arch import read_shape
+from megarl.models.arch import ModelShape
 from megarl.models.safetensors_dir import SafetensorsDir
 from megarl.plan.memory import DTYPE_BYTES, kv_bytes_per_token
 from megarl.rollout.engine import EngineError, Generation, ResponseCallback, released_weights
@@ -110,13 +110,14 @@ def engine_args(model_dir: str, *, on_gpu: bool, dtype: str, seed: int, tp_size:
 class SGLangEngine:
     """Generate with SGLang; take weights pushed by the trainer; release and resume device memory."""
 
-    def __init__(self, model_dir: str, *, dtype: str = "float32", seed: int = 0, tp_size: int = 1,
-                 mem_fraction: float = 0.5, base_gpu_id: int = 0, cpu_pool_tokens: int | None = CPU_POOL_TOKENS,
-                 capture_routes: bool = False, group: dist.ProcessGroup | None = None, timeout_s: float = 1800.0,
-                 lora: LoraConfig | None = None):
-        """`group`: the trainer ranks on the engine's devices, this one first (its SGLang TP ranks, in order),
-        each of which serializes its own copy of every pushed bucket (`SGLangPeer` on the others); None: this
-        rank serializes its copy for every TP rank. `timeout_s`: how long a call may go without progress.
+    def __init__(self, model_dir: str, *, shape: ModelShape, dtype: str = "float32", seed: int = 0,
+                 tp_size: int = 1, mem_fraction: float = 0.5, base_gpu_id: int = 0,
+                 cpu_pool_tokens: int | None = CPU_POOL_TOKENS, capture_routes: bool = False,
+                 group: dist.ProcessGroup | None = None, timeout_s: float = 1800.0, lora: LoraConfig | None = None):
+        """`shape`: the checkpoint's architecture (megarl.job reads it once per run). `group`: the trainer ranks
+        on the engine's devices, this one first (its SGLang TP ranks, in order), each of which serializes its own
+        copy of every pushed bucket (`SGLangPeer` on the others); None: this rank serializes its copy for every
+        TP rank. `timeout_s`: how long a call may go without progress.
         `lora`: the policy's adapters (model.lora) arrive by `update_adapter` and every request uses them."""
         self.on_gpu = on_gpu()
         if group is not None and group.size() != tp_size:
@@ -130,11 +131,10 @@ class SGLangEngine:
 
         self.capture_routes = capture_routes
         if capture_routes:
-            shape = read_shape(model_dir)
             if not shape.is_moe:
                 raise ValueError(f"capture_routes needs a mixture-of-experts model; {model_dir} is a dense "
                                  f"{shape.arch}")
-            # read_shape refuses dense layers between MoE layers, so SGLang's per-layer rows (one per
+            # megarl.models.arch.read_shape refuses dense layers between MoE layers, so SGLang's per-layer rows (one per
             # hidden layer) are exactly the MoE layers, in order.
             self.route_layers, self.route_top_k, self.route_experts = shape.layers, shape.topk, shape.experts
             if not self.on_gpu:
@@ -152,7 +152,7 @@ class SGLangEngine:
         self._sizes = {name: math.prod(shape) for name, shape in self._shapes.items()}  # read_weights
         # What this engine holds on each of its GPUs: its TP share of the weights, and the KV pool (sized below)
         self.weight_bytes = sum(self._sizes.values()) * DTYPE_BYTES[dtype] // tp_size
-        self._kv_bytes_per_token = kv_bytes_per_token(read_shape(model_dir), dtype=dtype, tp=tp_size)
+        self._kv_bytes_per_token = kv_bytes_per_token(shape, dtype=dtype, tp=tp_size)
         args = engine_args(model_dir, on_gpu=self.on_gpu, dtype=dtype, seed=seed, tp_size=tp_size,
                            mem_fraction=mem_fraction, base_gpu_id=base_gpu_id, cpu_pool_tokens=cpu_pool_tokens,
                            capture_routes=capture_routes, lora=lora)

@@ -408,6 +408,7 @@ def trainer_offload(work: Path) -> dict:
 
     from megarl.config import OptimConfig
     from megarl.engine.megatron import TrainEngine
+    from megarl.models.arch import read_shape
     from megarl.engine.parallel import init_parallel
 
     cuda = torch.cuda.is_available()
@@ -416,7 +417,7 @@ def trainer_offload(work: Path) -> dict:
     optim = OptimConfig(lr=1e-3, weight_decay=0.0, grad_clip=1.0, distributed=True)
     # Megatron's compiled fusions off: they change no buffer, and their compile would eat the stage's budget.
     fusions = ("bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion", "gradient_accumulation_fusion")
-    engine = TrainEngine(model_dir=str(model_dir), dtype="bfloat16" if cuda else "float32",
+    engine = TrainEngine(model_dir=str(model_dir), shape=read_shape(str(model_dir)), dtype="bfloat16" if cuda else "float32",
                          megatron=dict.fromkeys(fusions, False), groups=groups, optim=optim)
     tokens = torch.randint(3, 98, (4, 16), generator=torch.Generator().manual_seed(1234))
     mask = torch.zeros(tokens.shape)
