@@ -60,9 +60,8 @@ def field_docs(cls: type) -> dict[str, str]:
     body = ast.parse(source).body[0].body
     fields = [(i, node) for i, node in enumerate(body)
               if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)]
-    docs: dict[str, str] = {}
-    previous_trailing = False  # the field before had an end-of-line comment
-    previous_end = 0
+    docs: dict[str, list[str]] = {}
+    previous = None  # (name, last line) of the field before, when it has an end-of-line comment
     for i, node in fields:
         trailing = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments and n in code_lines]
         above: list[str] = []
@@ -72,17 +71,15 @@ def field_docs(cls: type) -> dict[str, str]:
             line -= 1
         # A comment block right under a field with an end-of-line comment, above a field with one of its own,
         # continues the first field's comment.
-        if above and trailing and previous_trailing and line == previous_end:
-            name = fields[[j for j, _ in fields].index(i) - 1][1].target.id
-            docs[name] = f"{docs[name]} {' '.join(above)}"
+        if above and trailing and previous is not None and line == previous[1]:
+            docs[previous[0]] += above
             above = []
-        parts = above + trailing
+        docs[node.target.id] = above + trailing
         after = body[i + 1] if i + 1 < len(body) else None
         if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
-            parts.append(inspect.cleandoc(after.value.value))
-        docs[node.target.id] = " ".join(" ".join(parts).split())
-        previous_trailing, previous_end = bool(trailing), node.end_lineno
-    return docs
+            docs[node.target.id].append(inspect.cleandoc(after.value.value))
+        previous = (node.target.id, node.end_lineno) if trailing else None
+    return {name: " ".join(" ".join(parts).split()) for name, parts in docs.items()}
 
 
 def type_name(tp: Any) -> str:
@@ -113,7 +110,7 @@ def default_text(f: dataclasses.Field) -> str:
         return "required"
     if dataclasses.is_dataclass(value):
         return "(section)"
-    if dataclasses.is_dataclass(type(value[0]) if isinstance(value, list) and value else None):
+    if isinstance(value, list) and any(dataclasses.is_dataclass(item) for item in value):  # reward.terms
         return json.dumps([{k: v for k, v in dataclasses.asdict(item).items() if v is not None} for item in value])
     return json.dumps(value)
 
@@ -137,20 +134,15 @@ def sections(cls: type, path: str = "") -> list[Section]:
     for f in dataclasses.fields(cls):
         key = f"{path}.{f.name}" if path else f.name
         found = section_types(hints[f.name])
-        if found is not None and path == "" and found[1] == "" and typing.get_origin(hints[f.name]) is None:
-            nested.append((found[0], key))  # a top-level section: its own table only
+        if not path and dataclasses.is_dataclass(hints[f.name]):
+            nested.append((hints[f.name], key))  # a top-level section: its own table only
             continue
         keys.append(Key(key, type_name(hints[f.name]), default_text(f), docs.get(f.name, "")))
         if found is not None:
             nested.append((found[0], key + found[1]))
-    own = Section(path, inspect.cleandoc(cls.__doc__) if _own_docstring(cls) else "", keys)
-    return [own] + [s for sub_cls, sub_path in nested for s in sections(sub_cls, sub_path)]
-
-
-def _own_docstring(cls: type) -> bool:
-    """Whether the class has a docstring of its own (dataclasses writes a signature into __doc__ otherwise)."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    return bool(body) and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+    # the class's own docstring, read from its source: dataclasses writes a signature into a missing __doc__
+    doc = ast.get_docstring(ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]) or ""
+    return [Section(path, doc, keys)] + [s for sub_cls, sub_path in nested for s in sections(sub_cls, sub_path)]
 
 
 def cell(text: str) -> str:
@@ -166,10 +158,10 @@ def render() -> str:
         "",
         f"<!-- Written by `{COMMAND}` from megarl/config.py; edit the comments there, not this page. -->",
         "",
-        "Every key a recipe may set, section by section, with its type, its default and the comment its field has "
-        "in `megarl/config.py`. A key is written `section.key` in an override on the command line "
-        "(`rollout.temperature=0.7`) and nested in the YAML file; `[]` stands for each item of a list. How the "
-        "sections fit together is in [Recipes](recipes.md).",
+        ("Every key a recipe may set, section by section, with its type, its default and the comment its field has "
+         "in `megarl/config.py`. A key is written `section.key` in an override on the command line "
+         "(`rollout.temperature=0.7`) and nested in the YAML file; `[]` stands for each item of a list. How the "
+         "sections fit together is in [Recipes](recipes.md)."),
     ]
     for section in sections(Config):
         title = section.path or "Top level"
