@@ -196,7 +196,7 @@ def _tiny_model_tool():
 @pytest.fixture(scope="session")
 def isolated() -> str:
     """The code sandbox's isolation mode here (megarl.rewards.sandbox): a test that runs generated code asks for
-    it. Without isolation such a test is skipped, except under CI=true, where it fails (README "Tests")."""
+    it. Without isolation such a test is skipped, except under CI=true, where it fails (docs/testing.md)."""
     from megarl.rewards.sandbox import SandboxUnavailable, sandbox_mode
 
     try:
@@ -278,7 +278,7 @@ def groups():
         dist.destroy_process_group()
 
 
-QUICKSTART_TIMEOUT_S = 900  # ~2.5 min on 2 cores; the README promises at most 10
+QUICKSTART_TIMEOUT_S = 900  # ~2.5 min on 2 cores (docs/quickstart.md: 1-3 minutes on a quiet one)
 
 
 def quickstart(out: Path, *args: str, timeout_s: float = QUICKSTART_TIMEOUT_S) -> subprocess.CompletedProcess:
