@@ -1,4 +1,4 @@
-# megarl images (commands also in the README, "Docker").
+# megarl images (commands also in docs/cluster.md, "Docker").
 #   GPU (default target):  docker build -t megarl:gpu .
 #                          docker run --gpus all --ipc=host -v $PWD/runs:/workspace/megarl/runs megarl:gpu \
 #                              launch/torchrun.sh recipes/quickstart.yaml
@@ -27,7 +27,7 @@ ARG MAX_JOBS=8
 # ---- CPU: the README's test commands, verbatim, on a bare Python 3.11 ----
 FROM python:3.11-slim AS cpu
 ENV PIP_NO_CACHE_DIR=1
-# The code sandbox (README "Code sandbox"): bubblewrap and libseccomp at the base distribution's own
+# The code sandbox (docs/rewards.md, "Code sandbox"): bubblewrap and libseccomp at the base distribution's own
 # versions (a pin would name a release another base image does not carry).
 # hadolint ignore=DL3008
 RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap libseccomp2 && rm -rf /var/lib/apt/lists/*
@@ -57,7 +57,7 @@ ENV PIP_CONSTRAINT="" \
     CUDA_DEVICE_MAX_CONNECTIONS=1 \
     NCCL_CUMEM_ENABLE=0
 WORKDIR /workspace/megarl
-# The code sandbox (README "Code sandbox"): bubblewrap and libseccomp at the base distribution's own
+# The code sandbox (docs/rewards.md, "Code sandbox"): bubblewrap and libseccomp at the base distribution's own
 # versions (a pin would name a release another base image does not carry).
 # hadolint ignore=DL3008
 RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap libseccomp2 && rm -rf /var/lib/apt/lists/*

@@ -72,6 +72,7 @@ FILE_SECONDS = {
     "test_stop.py": 55, "test_distill.py": 160, "test_rlhf.py": 100, "test_process_groups.py": 48, "test_dpo.py": 47,
     "test_rm.py": 42, "test_handover.py": 29, "test_sandbox_attacks.py": 28, "test_packing.py": 27,
     "test_convert_memory.py": 27, "test_shared_prompts.py": 25, "test_trackers.py": 22, "test_rewards_scorer.py": 22,
+    "test_extending.py": 35,
 }
 
 
@@ -196,7 +197,7 @@ def _tiny_model_tool():
 @pytest.fixture(scope="session")
 def isolated() -> str:
     """The code sandbox's isolation mode here (megarl.rewards.sandbox): a test that runs generated code asks for
-    it. Without isolation such a test is skipped, except under CI=true, where it fails (README "Tests")."""
+    it. Without isolation such a test is skipped, except under CI=true, where it fails (docs/testing.md)."""
     from megarl.rewards.sandbox import SandboxUnavailable, sandbox_mode
 
     try:
@@ -278,7 +279,7 @@ def groups():
         dist.destroy_process_group()
 
 
-QUICKSTART_TIMEOUT_S = 900  # ~2.5 min on 2 cores; the README promises at most 10
+QUICKSTART_TIMEOUT_S = 900  # ~2.5 min on 2 cores (docs/quickstart.md: 1-3 minutes on a quiet one)
 
 
 def quickstart(out: Path, *args: str, timeout_s: float = QUICKSTART_TIMEOUT_S) -> subprocess.CompletedProcess:

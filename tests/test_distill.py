@@ -249,7 +249,7 @@ def test_distillation_brings_the_warm_start_toward_the_quickstart_teacher(quicks
     last 6 (steps 125-150, 384 prompts); the reverse KL is the mean of the first and of the last 10 steps.
 
     Measured at one thread on a 2-core CPU: held-out reward 0.180 -> 0.549 against the teacher's 0.603 (91%),
-    reverse KL 0.443 -> 0.032 (its own run of the recipe on 256 prompts: 80% at step 90, 86% at 120: README,
+    reverse KL 0.443 -> 0.032 (its own run of the recipe on 256 prompts: 80% at step 90, 86% at 120: docs/algorithms.md,
     "On-policy distillation"). Bars: 80% of the teacher, as the issue asks, 2.6 standard errors of the end's
     mean (~0.026 at p ~ 0.55 over 384 prompts; 4% of the teacher) below the measured 91%; a rise of at least 0.2
     (measured 0.37); the reverse KL down to a quarter of its start at most (measured 7%). A student that learned

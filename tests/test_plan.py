@@ -94,11 +94,12 @@ def test_7b_recipe_fits_the_node_its_header_names(recipe, capsys, monkeypatch):
     assert re.search(r"one node of 8 H(100|200)", header)  # the cluster the command plans
 
 
-def test_readme_table_gives_the_planned_engines_and_kv_cache(capsys, monkeypatch):
-    """The README's table of GPU recipes states each one's rollout engines and KV cache per GPU as planned."""
+def test_docs_table_gives_the_planned_engines_and_kv_cache(capsys, monkeypatch):
+    """The table of GPU recipes in docs/parallelism.md states each one's rollout engines and KV cache per GPU as
+    planned."""
     monkeypatch.chdir(REPO)
     rows = re.findall(r"^\| `([\w.-]+)` \|.*\| (\d+) x (\d+) GPUs \| ([\d.]+) GiB \|$",
-                      (REPO / "README.md").read_text(), flags=re.M)
+                      (REPO / "docs" / "parallelism.md").read_text(), flags=re.M)
     assert {name for name, *_ in rows} == {"qwen2.5-7b-grpo-gsm8k", "llama-3.3-70b-grpo", "llama-3.3-70b-ppo",
                                            "llama-3.3-70b-lora-grpo", "qwen3-30b-a3b-dapo", "qwen3-235b-a22b-grpo"}
     for name, engines, gpus, kv_gib in rows:

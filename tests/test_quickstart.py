@@ -1,4 +1,4 @@
-"""The quickstart does what the README says: on CPU, GRPO raises the held-out reward by at least 0.2."""
+"""The quickstart does what docs/quickstart.md says: on CPU, GRPO raises the held-out reward by at least 0.2."""
 
 from __future__ import annotations
 

@@ -100,7 +100,7 @@ def test_lora_recipe_raises_reward_from_its_base(quickstart_out):
     """recipes/lora_tiny.yaml (rank-8 adapters, the base frozen, KL to the base through the adapters-off actor)
     over 100 steps. Measured at one thread on a busy 2-core machine (a warm start of 503 steps): reward 0.233 over
     the first 10 steps, 0.376 over steps 91-100 (a rise of 0.143; 0.067 after 60 steps, which is why this runs
-    100); held-out reward 0.180 -> 0.428 over 200 steps (README, LoRA). The bar is half the measured rise."""
+    100); held-out reward 0.180 -> 0.428 over 200 steps (docs/lora.md). The bar is half the measured rise."""
     name = "lora_tiny"
     (quickstart_out / name).mkdir(exist_ok=True)
     shutil.copytree(quickstart_out / "run" / "warmup", quickstart_out / name / "warmup", dirs_exist_ok=True)

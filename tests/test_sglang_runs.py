@@ -1,7 +1,7 @@
 """Whole runs (`megarl train`) with SGLang rollouts: the RL loop with truncated importance weights, a MoE
 policy replaying SGLang's routes, the quickstart through a killed scheduler, multi-turn trajectories, a LoRA
 policy whose adapters alone reach SGLang, and (on a CUDA machine) bf16 GRPO steps. The engine-level checks are in test_sglang.py; both files
-run in the SGLang environment (README, "Tests with SGLang")."""
+run in the SGLang environment (README "Tests", the SGLang command; docs/testing.md)."""
 
 from __future__ import annotations
 

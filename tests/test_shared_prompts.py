@@ -583,7 +583,7 @@ def test_the_quickstart_with_shared_prompts_computes_what_it_computes_without(qu
     grad_norm by 1e-5 relative (observed 3.8e-7), and rollout/logprob_diff_*, which measure that noise itself
     (trainer vs rollout engine, ~1e-6), the mean by 1e-5 absolute (observed 3.2e-6) and the max, the largest
     single-token difference, by 1e-4 (observed 3.2e-6 on one CPU, 1.6e-5 on another; honest runs' largest
-    single token is 1.8e-5, README "Weight hand-off and engine faults"). The shared run trains fewer tokens
+    single token is 1.8e-5, docs/rollouts.md "Weight hand-off and engine faults"). The shared run trains fewer tokens
     (timing/train_s: 0.10 s against 0.21 s a step, measured; not asserted, timings depend on the machine's load).
     """
     import json

@@ -19,8 +19,8 @@ N the whole comparison is repeated with fresh models and the median of the N rat
 Per-phase times are megarl's own `timing/*` metrics and, for the plain step, generate / reward / train
 (wall clock both). `--clock cpu` times whole steps by the process's CPU time instead of the wall clock.
 
-megarl trains only on the samples with a non-zero advantage (`train.skip_zero_advantage`, README
-"Algorithms"); the plain step trains on all of them, and the share megarl trained on is printed. A new random
+megarl trains only on the samples with a non-zero advantage (`train.skip_zero_advantage`,
+docs/algorithms.md); the plain step trains on all of them, and the share megarl trained on is printed. A new random
 model earns no reward, so every group is all wrong and megarl trains on one sample: the ratio is then that of
 the easiest case. For the ratio of a real run's mix, start both from a model that earns some reward
 (`--model runs/quickstart/run/warmup`, the quickstart's warm start); `--set train.skip_zero_advantage=false`

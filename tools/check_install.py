@@ -1,14 +1,14 @@
-"""Every install line of the README resolves, and the GPU image's pins sit inside the ranges their packages
-declare. Nothing is installed: each line goes through pip's resolver with `--dry-run --ignore-installed
---report`, which reads package metadata only (no multi-GB CUDA wheel is downloaded).
+"""Every install line of the README and of the docs/ pages resolves, and the GPU image's pins sit inside the ranges
+their packages declare. Nothing is installed: each line goes through pip's resolver with `--dry-run
+--ignore-installed --report`, which reads package metadata only (no multi-GB CUDA wheel is downloaded).
 
     python tools/check_install.py            # a few minutes; needs the package index
     python tools/check_install.py --list     # the commands it would resolve, and nothing else
 
 Checked:
-1. every `pip install` command in the README's bash blocks resolves with no missing extra, installs no
-   distribution named `apex` (PyPI's is another project) and, with `-c constraints.txt`, the CPU torch pinned
-   there;
+1. every `pip install` command in the bash blocks of README.md and docs/*.md resolves with no missing extra,
+   installs no distribution named `apex` (PyPI's is another project) and, with `-c constraints.txt`, the CPU
+   torch pinned there;
 2. `pip install -e .` accepts the torch of a GPU container (GPU_TORCHES): pip keeps it instead of replacing it;
 3. the Dockerfile's pins: Transformer Engine exists, its metapackage's extras name the distributions the
    image installs by name at its version, and it is inside megatron-core's declared range; the `wheel` its
@@ -42,9 +42,15 @@ GPU_TORCHES = ("2.11.0", "2.14.1")
 TIMEOUT_S = 600
 
 
-def readme_pip_commands(readme: Path) -> list[list[str]]:
-    """argv of every `pip install` command in the README's ```bash blocks, in order, without repeats."""
-    blocks = re.findall(r"```bash\n(.*?)```", readme.read_text(encoding="utf-8"), re.S)
+def doc_pages() -> list[Path]:
+    """The README and the manual's pages, where the install commands are written."""
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def pip_commands(pages: list[Path]) -> list[list[str]]:
+    """argv of every `pip install` command in the ```bash blocks of `pages`, in order, without repeats."""
+    blocks = [block for page in pages
+              for block in re.findall(r"```bash\n(.*?)```", page.read_text(encoding="utf-8"), re.S)]
     commands: list[list[str]] = []
     for block in blocks:
         for line in block.replace("\\\n", " ").splitlines():
@@ -98,7 +104,7 @@ def resolve(argv: list[str], errors: list[str]) -> dict[str, dict]:
                 for item in json.loads(report.read_text())["install"]}
 
 
-def check_readme_line(argv: list[str], errors: list[str]) -> dict[str, dict]:
+def check_install_line(argv: list[str], errors: list[str]) -> dict[str, dict]:
     installed = resolve(argv, errors)
     if "apex" in installed:
         errors.append(f"{shlex.join(argv)}: installs PyPI's `apex`, which is not NVIDIA apex")
@@ -173,22 +179,24 @@ def check_image_pins(args: dict[str, str], sglang_meta: dict | None, errors: lis
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--list", action="store_true", help="print the commands it would resolve and exit")
-    parser.add_argument("--readme", type=Path, default=REPO / "README.md")
+    parser.add_argument("--pages", type=Path, nargs="+", default=None,
+                        help="the Markdown files to read (default: README.md and docs/*.md)")
     args = parser.parse_args(argv)
-    commands = readme_pip_commands(args.readme)
+    pages = args.pages or doc_pages()
+    commands = pip_commands(pages)
     container = [["pip", "install", "-e", ".", f"torch=={v}"] for v in GPU_TORCHES]
     if args.list:
         for cmd in commands + container:
             print(shlex.join(cmd))
         return 0
     if not commands:
-        print(f"{args.readme}: no `pip install` command in a bash block", file=sys.stderr)
+        print(f"{', '.join(map(str, pages))}: no `pip install` command in a bash block", file=sys.stderr)
         return 1
 
     # The resolver mostly waits on the index: the commands run side by side, each with its own error list.
     def check(cmd: list[str]) -> tuple[list[str], list[str], dict[str, dict]]:
         cmd_errors: list[str] = []
-        return cmd, cmd_errors, check_readme_line(cmd, cmd_errors)
+        return cmd, cmd_errors, check_install_line(cmd, cmd_errors)
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         checked = list(pool.map(check, commands + container))
@@ -201,7 +209,7 @@ def main(argv=None) -> int:
         torch_version = installed.get("torch", {}).get("version", "-")
         print(f"{status:6s} {shlex.join(cmd)}   ({len(installed)} distributions, torch {torch_version})")
     if sglang_meta is None:
-        errors.append("no README line installs SGLang: the Dockerfile's torch pin was not checked against it")
+        errors.append("no install line installs SGLang: the Dockerfile's torch pin was not checked against it")
     for note in check_image_pins(dockerfile_args(REPO / "Dockerfile"), sglang_meta, errors):
         print(f"ok     {note}")
     for error in errors:

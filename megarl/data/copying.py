@@ -17,7 +17,7 @@ chosen the answer, rejected a wrong response of one of three kinds (REJECTED_KIN
 A reward model trained on the arithmetic pairs (megarl.data.arithmetic) would have to learn addition to rank
 a policy's near misses; here it has to compare each digit of the response with the prompt's digit in the same
 place, which two attention layers can do. That is what lets an RL run with a trained reward model as its only
-reward be checked against the exact answer (README, "Reward models").
+reward be checked against the exact answer (docs/sft-dpo-rm.md, "RLHF: PPO on a trained reward model").
 """
 
 from __future__ import annotations
