@@ -7,8 +7,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from torch import Tensor
+
 from megarl.config import Config
-from megarl.engine.lora import BasePolicy
+from megarl.engine.lora import adapters_off
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
 
@@ -47,3 +49,16 @@ def reference_policy(cfg: Config, groups: ParallelGroups, actor: TrainEngine, *,
     if cfg.model.lora is not None:
         return BasePolicy(actor)
     return make_engine(cfg, groups, role="reference", model_dir=model_dir)
+
+
+class BasePolicy:
+    """The reference policy of a LoRA run: the actor with its adapters off, computed by the actor's engine.
+    It answers what a frozen reference engine answers (`logprobs`) and holds no memory of its own."""
+
+    def __init__(self, actor: TrainEngine):
+        self.actor = actor
+
+    def logprobs(self, tokens: Tensor, **kwargs) -> Tensor:
+        """The base model's token logprobs [B, T] (TrainEngine.logprobs)."""
+        with adapters_off(self.actor.chunks):
+            return self.actor.logprobs(tokens, **kwargs)

@@ -29,8 +29,7 @@ from megarl.data.prompts import PromptSampler
 from megarl.data.supervised import Example, encode_pair, load_preference_pairs, pad_examples
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
-from megarl.engine.lora import BasePolicy
-from megarl.engine.roles import make_engine, reference_policy
+from megarl.engine.roles import BasePolicy, make_engine, reference_policy
 from megarl.loops.launch import init_groups
 from megarl.loops.lifecycle import final_dir, run_steps
 from megarl.loops.resume import RunState, already_finished, find_resume

@@ -25,8 +25,8 @@ from megarl.data.prompts import PromptRow, PromptSampler
 from megarl.device import on_gpu
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
-from megarl.engine.lora import BasePolicy, adapts_experts
-from megarl.engine.roles import make_engine, reference_policy
+from megarl.engine.lora import adapts_experts
+from megarl.engine.roles import BasePolicy, make_engine, reference_policy
 from megarl.envs.environment import Environment, SingleTurn, environment_factory
 from megarl.envs.tool_format import ObservationFormat, observation_format
 from megarl.ledger import DeviceLedger, engine_owners, model_owners, run_ledger
