@@ -29,6 +29,7 @@ from megarl.engine.lora import adapts_experts
 from megarl.engine.roles import BasePolicy, make_engine, reference_policy
 from megarl.envs.environment import Environment, SingleTurn, environment_factory
 from megarl.envs.tool_format import ObservationFormat, observation_format
+from megarl.envs.trajectories import EnvWorkers
 from megarl.ledger import DeviceLedger, engine_owners, model_owners, run_ledger
 from megarl.loops.faults import DriftGate
 from megarl.metrics import PhaseTimer
@@ -38,7 +39,6 @@ from megarl.objective import (AdvantageFn, CriticObjective, PolicyObjective, adv
                               policy_objective)
 from megarl.rewards.scorer import Scorer
 from megarl.rewards.terms import build_terms
-from megarl.rollout.multi_turn import EnvWorkers
 from megarl.routing import RoutePlan
 
 

@@ -37,7 +37,7 @@ def sequence_tokens(cfg: Config, *, prompt_tokens: int, seq_tokens: int | None) 
     """Tokens of the longest sequence a step can hold, and where the number comes from.
 
     One turn: the prompt and rollout.max_new_tokens. A multi-turn environment: the prompt and env.max_tokens,
-    which bounds the generated and observation tokens of all turns together (megarl.rollout.multi_turn). SFT
+    which bounds the generated and observation tokens of all turns together (megarl.envs.trajectories). SFT
     and DPO: the longest tokenized row, `seq_tokens` (their loops pad to it and truncate nothing)."""
     offline = cfg.algo.name in OFFLINE_ALGOS
     if seq_tokens is not None and not offline:
