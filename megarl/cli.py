@@ -26,7 +26,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from megarl.config import ConfigError, RecipeError, load_config
+from megarl.config import RecipeError, load_config
+from megarl.dataclass_yaml import ConfigError
 from megarl.plan import DEFAULT_HOST_MEM_GIB, DEFAULT_SEQ_TOKENS
 
 
