@@ -117,14 +117,14 @@ def run_train(args: argparse.Namespace) -> int:
     from megarl.loops.faults import EngineFault, EngineLost
     from megarl.rewards.scorer import RewardFailure
 
-    match cfg.algo.name:
+    match cfg.algo.traits.loop:
         case "sft":
             from megarl.loops.sft import train
         case "dpo":
             from megarl.loops.dpo import train
         case "rm":
             from megarl.loops.rm import train
-        case _:  # every policy-gradient algorithm
+        case "rl":  # every policy-gradient algorithm
             from megarl.loops.rl import train
 
     import torch.distributed as dist

@@ -19,20 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from megarl.algo.traits import ALGOS, AlgoName, AlgoTraits
 from megarl.dataclass_yaml import FieldError, load_dataclass
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-AlgoName = Literal["ppo", "grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
-                   "distill", "dpo", "sft", "rm"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-# Algorithms whose baseline is computed within a group of samples of the same prompt.
-GROUP_BASELINE_ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp_baseline")
-# Algorithms whose advantages are per token, so a KL penalty can be folded into the token rewards.
-TOKEN_REWARD_ALGOS = ("ppo", "reinforce_pp")
-# Algorithms trained on a fixed data set: no rollout engine, `rollout:` is unused.
-OFFLINE_ALGOS = ("dpo", "sft", "rm")
-# Offline algorithms that train on preference pairs, each pair's two sequences side by side in a micro-batch.
-PAIR_ALGOS = ("dpo", "rm")
 PROMPT_FILE_SUFFIXES = (".jsonl", ".parquet")
 
 
@@ -238,7 +229,7 @@ class AlgoConfig:
 
     def check(self) -> None:
         _at_least(self, 0, "clip_low", "clip_high", "kl_coef", "entropy_coef", "max_staleness", "distill_coef")
-        if self.name == "distill" and self.distill_coef:
+        if self.traits.distills and self.distill_coef:
             raise FieldError("distill_coef", "adds the teacher's term to another algorithm; algo.name = 'distill' "
                                              "already trains on it alone: leave distill_coef at 0")
         _at_least(self, 1, "epochs", "max_sampling_rounds", "kl_horizon")
@@ -259,13 +250,14 @@ class AlgoConfig:
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 raise FieldError(name, f"must be in [0, 1], got {getattr(self, name)}")
-        if self.kl_in_reward and self.name not in TOKEN_REWARD_ALGOS:
-            raise ValueError(f"algo.kl_in_reward needs per-token advantages ({', '.join(TOKEN_REWARD_ALGOS)}); "
+        if self.kl_in_reward and not self.traits.token_rewards:
+            token_rewards = ", ".join(name for name, traits in ALGOS.items() if traits.token_rewards)
+            raise ValueError(f"algo.kl_in_reward needs per-token advantages ({token_rewards}); "
                              f"algo.name = {self.name!r} takes the KL as a loss term (kl_in_reward: false)")
         if self.kl_target is not None and not (self.kl_in_reward and self.kl_coef > 0):
             raise ValueError("algo.kl_target adapts the KL coefficient in the reward: it needs "
                              "algo.kl_in_reward: true and algo.kl_coef > 0 (the initial coefficient)")
-        if self.name == "gspo":
+        if self.traits.surrogate == "gspo":
             if self.loss_agg != "seq-mean-token-mean":
                 raise ValueError(f"algo.name = 'gspo' optimizes a mean over sequences of the sequence-level "
                                  f"ratio: algo.loss_agg must be seq-mean-token-mean, got {self.loss_agg!r}")
@@ -277,8 +269,13 @@ class AlgoConfig:
                                  "ratio of algo.name = 'gspo'; set algo.mis_level: sequence")
 
     @property
+    def traits(self) -> AlgoTraits:
+        """What `name` is: its row of megarl.algo.traits.ALGOS."""
+        return ALGOS[self.name]
+
+    @property
     def uses_dynamic_sampling(self) -> bool:
-        return self.name == "dapo" if self.dynamic_sampling is None else self.dynamic_sampling
+        return self.traits.dynamic_sampling if self.dynamic_sampling is None else self.dynamic_sampling
 
     @property
     def on_policy(self) -> bool:
@@ -292,7 +289,7 @@ class AlgoConfig:
     def distills(self) -> bool:
         """Whether a teacher scores the samples: the reverse KL (student - teacher logprob per token) is the
         advantage (distill) or a term of it (distill_coef), so the student's logprobs are needed before the update."""
-        return self.name == "distill" or self.distill_coef > 0
+        return self.traits.distills or self.distill_coef > 0
 
 
 @dataclass(frozen=True)
@@ -747,19 +744,20 @@ class Config:
 
     def check(self) -> None:
         n, prompts, micro = self.rollout.n_samples, self.data.prompts_per_step, self.train.micro_batch_size
-        if self.algo.name in PAIR_ALGOS and micro % 2:
+        traits = self.algo.traits
+        if traits.pairs and micro % 2:
             # pairs are interleaved (chosen, rejected) in the batch; an odd micro-batch would split one
             raise ValueError(f"algo.name = {self.algo.name!r} needs an even train.micro_batch_size (a pair is two "
                              f"sequences kept in one micro-batch), got {micro}")
         self.check_teacher()
-        if self.model.lora is not None and self.algo.name == "rm":
+        if self.model.lora is not None and traits.scalar_head:
             raise ValueError("model.lora: adapters go on the policy; algo.name = 'rm' trains a scalar-head model, "
                              "all of it (remove model.lora)")
-        if self.algo.name in OFFLINE_ALGOS:
+        if traits.offline:
             if self.placement.mode == "split":
                 raise ValueError(f"placement.mode = 'split' gives generation ranks of their own; algo.name = "
                                  f"{self.algo.name!r} generates nothing: use placement.mode: colocated")
-            if self.train.micro_batch_tokens and self.algo.name != "sft":
+            if self.train.micro_batch_tokens and not traits.packs:
                 raise ValueError(f"train.micro_batch_tokens (sequence packing) is for the RL and SFT loops; "
                                  f"algo.name = {self.algo.name!r} uses train.micro_batch_size")
             self.check_packing_layout()
@@ -780,19 +778,19 @@ class Config:
                 f"rollout.n_samples * data.prompts_per_step = {n} * {prompts} = {n * prompts} samples per step"
                 f" is not divisible by train.micro_batch_size = {micro}"
             )
-        if (self.algo.name in GROUP_BASELINE_ALGOS or self.algo.uses_dynamic_sampling) and n < 2:
+        if (traits.groups or self.algo.uses_dynamic_sampling) and n < 2:
             raise ValueError(
                 f"algo.name = {self.algo.name!r} compares samples within a group and needs"
                 f" rollout.n_samples >= 2, got {n}"
             )
 
     def check_teacher(self) -> None:
-        if self.algo.name in OFFLINE_ALGOS and (self.algo.distill_coef or self.teacher.path is not None):
+        if self.algo.traits.offline and (self.algo.distill_coef or self.teacher.path is not None):
             key = "algo.distill_coef" if self.algo.distill_coef else "teacher.path"
             raise ValueError(f"{key}: on-policy distillation scores generated samples; algo.name = "
                              f"{self.algo.name!r} generates none")
         if self.algo.distills and self.teacher.path is None:
-            what = "algo.name = 'distill'" if self.algo.name == "distill" else "algo.distill_coef > 0"
+            what = "algo.name = 'distill'" if self.algo.traits.distills else "algo.distill_coef > 0"
             raise ValueError(f"{what} distills from a teacher: set teacher.path (an HF checkpoint)")
         if self.teacher.path is not None and not self.algo.distills:
             raise ValueError("teacher.path is set but nothing reads it: set algo.name: distill, or algo.distill_coef "

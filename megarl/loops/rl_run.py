@@ -258,7 +258,7 @@ def build_run(cfg: Config, groups: ParallelGroups, *, rollouts: Rollouts, tokeni
     reference = reference_policy(cfg, groups, actor, model_dir=model_dir) if algo.kl_coef > 0 else None
     teacher = make_engine(cfg, groups, role="teacher", model_dir=cfg.teacher.path) if cfg.teacher.path else None
     critic = None
-    if algo.name == "ppo":
+    if algo.traits.critic:
         critic = make_engine(cfg, groups, role="critic", model_dir=cfg.critic.path or model_dir)
     reward_models = [(term.weight, make_engine(cfg, groups, role="reward_model", model_dir=term.path))
                      for term in cfg.reward.terms if term.kind == "reward_model"]
