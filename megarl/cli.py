@@ -26,7 +26,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from megarl.config import ConfigError, RecipeError, load_config
+from megarl.config import RecipeError, load_config
+from megarl.dataclass_yaml import ConfigError
 from megarl.plan import DEFAULT_HOST_MEM_GIB, DEFAULT_SEQ_TOKENS
 
 
@@ -116,14 +117,14 @@ def run_train(args: argparse.Namespace) -> int:
     from megarl.loops.faults import EngineFault, EngineLost
     from megarl.rewards.scorer import RewardFailure
 
-    match cfg.algo.name:
+    match cfg.algo.traits.loop:
         case "sft":
             from megarl.loops.sft import train
         case "dpo":
             from megarl.loops.dpo import train
         case "rm":
             from megarl.loops.rm import train
-        case _:  # every policy-gradient algorithm
+        case "rl":  # every policy-gradient algorithm
             from megarl.loops.rl import train
 
     import torch.distributed as dist

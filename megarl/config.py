@@ -1,68 +1,35 @@
-"""Recipe configuration: a YAML file mapped one-to-one onto a tree of small frozen dataclasses.
+"""Recipe configuration: the tree of small frozen dataclasses a YAML recipe maps onto one-to-one, each section
+with its checks.
 
     cfg = load_config("recipes/grpo_tiny.yaml", ["rollout.temperature=0.7", "optim.lr=1e-5"])
     dump_config(cfg, Path(cfg.run_dir) / "recipe.yaml")   # loading it back gives an equal Config
 
-Every mistake in a recipe is a ConfigError that names the file and the dotted key, and the override when
-one set it:
-
-    recipes/q.yaml: rollout.temprature: unknown key (did you mean 'temperature'?)
-    recipes/q.yaml: override 'train.steps=ten': train.steps: expected int, got 'ten' (str)
-
-The loader is generic over the dataclass tree. A field's annotation is its type check (int, float, str,
-bool, Literal[...], X | None, list[...], dict[str, ...], Any, nested dataclasses); `field(metadata=
-{"path": "dir"})` or `{"path": "file"}` marks a path that must exist; a dataclass may define
-`check(self)` that raises FieldError(field, message) for one bad field or ValueError(message) for a
-relation between fields, whose message then names them. Imports only the standard library and yaml.
+The loader (megarl.dataclass_yaml) is generic over the tree: a field's annotation is its type check, an
+unknown key is a ConfigError naming the file and the dotted key, and a section's `check(self)` raises
+FieldError(field, message) for one bad field or ValueError(message) for a relation between fields.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import math
-import os
 import re
 import string
-import types
-import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
+from megarl.algo.traits import ALGOS, AlgoName, AlgoTraits
+from megarl.dataclass_yaml import FieldError, load_dataclass
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-AlgoName = Literal["ppo", "grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
-                   "distill", "dpo", "sft", "rm"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-# Algorithms whose baseline is computed within a group of samples of the same prompt.
-GROUP_BASELINE_ALGOS = ("grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp_baseline")
-# Algorithms whose advantages are per token, so a KL penalty can be folded into the token rewards.
-TOKEN_REWARD_ALGOS = ("ppo", "reinforce_pp")
-# Algorithms trained on a fixed data set: no rollout engine, `rollout:` is unused.
-OFFLINE_ALGOS = ("dpo", "sft", "rm")
-# Offline algorithms that train on preference pairs, each pair's two sequences side by side in a micro-batch.
-PAIR_ALGOS = ("dpo", "rm")
 PROMPT_FILE_SUFFIXES = (".jsonl", ".parquet")
-
-
-class ConfigError(Exception):
-    """A recipe that cannot be run; the message names the file, the dotted key and the problem."""
 
 
 class RecipeError(ValueError):
     """A recipe value that cannot work with this launch or model (world size, model architecture), found
     when the run starts but before any work. The message names the keys; the CLI adds the file."""
-
-
-class FieldError(ValueError):
-    """Raised by a section's `check()` when one field has an impossible value."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
 
 
 def _at_least(section: Any, minimum: int | float, *names: str) -> None:
@@ -262,7 +229,7 @@ class AlgoConfig:
 
     def check(self) -> None:
         _at_least(self, 0, "clip_low", "clip_high", "kl_coef", "entropy_coef", "max_staleness", "distill_coef")
-        if self.name == "distill" and self.distill_coef:
+        if self.traits.distills and self.distill_coef:
             raise FieldError("distill_coef", "adds the teacher's term to another algorithm; algo.name = 'distill' "
                                              "already trains on it alone: leave distill_coef at 0")
         _at_least(self, 1, "epochs", "max_sampling_rounds", "kl_horizon")
@@ -283,13 +250,14 @@ class AlgoConfig:
         for name in ("gamma", "lam"):
             if not 0 <= getattr(self, name) <= 1:
                 raise FieldError(name, f"must be in [0, 1], got {getattr(self, name)}")
-        if self.kl_in_reward and self.name not in TOKEN_REWARD_ALGOS:
-            raise ValueError(f"algo.kl_in_reward needs per-token advantages ({', '.join(TOKEN_REWARD_ALGOS)}); "
+        if self.kl_in_reward and not self.traits.token_rewards:
+            token_rewards = ", ".join(name for name, traits in ALGOS.items() if traits.token_rewards)
+            raise ValueError(f"algo.kl_in_reward needs per-token advantages ({token_rewards}); "
                              f"algo.name = {self.name!r} takes the KL as a loss term (kl_in_reward: false)")
         if self.kl_target is not None and not (self.kl_in_reward and self.kl_coef > 0):
             raise ValueError("algo.kl_target adapts the KL coefficient in the reward: it needs "
                              "algo.kl_in_reward: true and algo.kl_coef > 0 (the initial coefficient)")
-        if self.name == "gspo":
+        if self.traits.surrogate == "gspo":
             if self.loss_agg != "seq-mean-token-mean":
                 raise ValueError(f"algo.name = 'gspo' optimizes a mean over sequences of the sequence-level "
                                  f"ratio: algo.loss_agg must be seq-mean-token-mean, got {self.loss_agg!r}")
@@ -301,8 +269,13 @@ class AlgoConfig:
                                  "ratio of algo.name = 'gspo'; set algo.mis_level: sequence")
 
     @property
+    def traits(self) -> AlgoTraits:
+        """What `name` is: its row of megarl.algo.traits.ALGOS."""
+        return ALGOS[self.name]
+
+    @property
     def uses_dynamic_sampling(self) -> bool:
-        return self.name == "dapo" if self.dynamic_sampling is None else self.dynamic_sampling
+        return self.traits.dynamic_sampling if self.dynamic_sampling is None else self.dynamic_sampling
 
     @property
     def on_policy(self) -> bool:
@@ -316,7 +289,7 @@ class AlgoConfig:
     def distills(self) -> bool:
         """Whether a teacher scores the samples: the reverse KL (student - teacher logprob per token) is the
         advantage (distill) or a term of it (distill_coef), so the student's logprobs are needed before the update."""
-        return self.name == "distill" or self.distill_coef > 0
+        return self.traits.distills or self.distill_coef > 0
 
 
 @dataclass(frozen=True)
@@ -771,19 +744,20 @@ class Config:
 
     def check(self) -> None:
         n, prompts, micro = self.rollout.n_samples, self.data.prompts_per_step, self.train.micro_batch_size
-        if self.algo.name in PAIR_ALGOS and micro % 2:
+        traits = self.algo.traits
+        if traits.pairs and micro % 2:
             # pairs are interleaved (chosen, rejected) in the batch; an odd micro-batch would split one
             raise ValueError(f"algo.name = {self.algo.name!r} needs an even train.micro_batch_size (a pair is two "
                              f"sequences kept in one micro-batch), got {micro}")
         self.check_teacher()
-        if self.model.lora is not None and self.algo.name == "rm":
+        if self.model.lora is not None and traits.scalar_head:
             raise ValueError("model.lora: adapters go on the policy; algo.name = 'rm' trains a scalar-head model, "
                              "all of it (remove model.lora)")
-        if self.algo.name in OFFLINE_ALGOS:
+        if traits.offline:
             if self.placement.mode == "split":
                 raise ValueError(f"placement.mode = 'split' gives generation ranks of their own; algo.name = "
                                  f"{self.algo.name!r} generates nothing: use placement.mode: colocated")
-            if self.train.micro_batch_tokens and self.algo.name != "sft":
+            if self.train.micro_batch_tokens and not traits.packs:
                 raise ValueError(f"train.micro_batch_tokens (sequence packing) is for the RL and SFT loops; "
                                  f"algo.name = {self.algo.name!r} uses train.micro_batch_size")
             self.check_packing_layout()
@@ -804,19 +778,19 @@ class Config:
                 f"rollout.n_samples * data.prompts_per_step = {n} * {prompts} = {n * prompts} samples per step"
                 f" is not divisible by train.micro_batch_size = {micro}"
             )
-        if (self.algo.name in GROUP_BASELINE_ALGOS or self.algo.uses_dynamic_sampling) and n < 2:
+        if (traits.groups or self.algo.uses_dynamic_sampling) and n < 2:
             raise ValueError(
                 f"algo.name = {self.algo.name!r} compares samples within a group and needs"
                 f" rollout.n_samples >= 2, got {n}"
             )
 
     def check_teacher(self) -> None:
-        if self.algo.name in OFFLINE_ALGOS and (self.algo.distill_coef or self.teacher.path is not None):
+        if self.algo.traits.offline and (self.algo.distill_coef or self.teacher.path is not None):
             key = "algo.distill_coef" if self.algo.distill_coef else "teacher.path"
             raise ValueError(f"{key}: on-policy distillation scores generated samples; algo.name = "
                              f"{self.algo.name!r} generates none")
         if self.algo.distills and self.teacher.path is None:
-            what = "algo.name = 'distill'" if self.algo.name == "distill" else "algo.distill_coef > 0"
+            what = "algo.name = 'distill'" if self.algo.traits.distills else "algo.distill_coef > 0"
             raise ValueError(f"{what} distills from a teacher: set teacher.path (an HF checkpoint)")
         if self.teacher.path is not None and not self.algo.distills:
             raise ValueError("teacher.path is set but nothing reads it: set algo.name: distill, or algo.distill_coef "
@@ -851,278 +825,13 @@ class Config:
                              f"rollout.tp = {self.rollout.tp}: every rollout engine spans rollout.tp of them")
 
 
-# ---------------------------------------------------------------------------------------------- YAML
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that reads `1e-5` as a float, only true / false as booleans, and rejects a key given twice in
-    one mapping.
-
-    YAML 1.1 (PyYAML) needs a dot in a float (`1.0e-5`); the spelling everyone writes for a learning rate
-    would otherwise arrive as the string '1e-5'. It also reads yes / no / on / off as booleans, which would
-    turn a choice such as `verify_weights: off` into false (YAML 1.2 reads them as strings, as here). A
-    repeated key would silently drop the first section.
-    """
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if isinstance(key_node, yaml.ScalarNode):
-                if key_node.value in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key {key_node.value!r}", key_node.start_mark
-                    )
-                seen.add(key_node.value)
-        return super().construct_mapping(node, deep=deep)
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."),
-)
-_Loader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
-    for first, resolvers in _Loader.yaml_implicit_resolvers.items()}
-_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                              list("tTfF"))
-
-
-def _yaml_error_text(err: yaml.YAMLError) -> str:
-    mark = getattr(err, "problem_mark", None)
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    problem = getattr(err, "problem", None) or str(err)
-    context, start = getattr(err, "context", None), getattr(err, "context_mark", None)
-    if context and start is not None and (mark is None or start.line != mark.line):
-        problem += f" ({context} that starts on line {start.line + 1})"
-    return f"{where}invalid YAML: {problem}"
-
-
-# ---------------------------------------------------------------------------------------------- loading
-
-
-@dataclass
-class _Source:
-    """Where values came from, so that an error names the file and, when it applies, the override."""
-
-    file: str
-    overrides: list[tuple[tuple, str]]  # (key path, override text), in the order applied
-    check_paths: bool = True  # False: path fields are taken as written, the disk is not looked at
-
-    def error(self, key: tuple, message: str, *, beneath: bool = True) -> ConfigError:
-        # An override is to blame when it set this key or a section containing it, or something beneath
-        # it (`rolout.temperature=1` creates the unknown key `rolout`). A section's own check() names
-        # no one field, so there only an override of the whole section is to blame.
-        blamed = None
-        for path, text in self.overrides:
-            if key[: len(path)] == path or (beneath and path[: len(key)] == key):
-                blamed = text
-        where = f"override {blamed!r}: " if blamed else ""
-        dotted = f"{_dotted(key)}: " if key else ""
-        return ConfigError(f"{self.file}: {where}{dotted}{message}")
-
-
-def _dotted(key: tuple) -> str:
-    out = ""
-    for part in key:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-def _show(value: Any) -> str:
-    if value is None:
-        return "null"
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{text} ({type(value).__name__})"
-
-
-def _type_name(tp: Any) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is type(None):
-        return "null"
-    if tp is Any:
-        return "Any"
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in args)
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in args)
-    if dataclasses.is_dataclass(tp):
-        return "a mapping"
-    if origin is not None:
-        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
-    return getattr(tp, "__name__", repr(tp))
-
-
-def _convert(tp: Any, value: Any, key: tuple, src: _Source) -> Any:
-    """`value` read from YAML, checked against the annotation `tp` and converted (int -> float, dicts ->
-    dataclasses)."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-
-    def mismatch() -> ConfigError:
-        hint = ""
-        if origin is Literal and isinstance(value, str):
-            close = difflib.get_close_matches(value, [a for a in args if isinstance(a, str)], n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-        return src.error(key, f"expected {_type_name(tp)}, got {_show(value)}{hint}")
-
-    if tp is Any:
-        return value
-    if dataclasses.is_dataclass(tp):
-        if value is None:  # a section whose keys are all commented out
-            value = {}
-        if not isinstance(value, dict):
-            raise mismatch()
-        return _build(tp, value, key, src)
-    if origin is Literal:
-        if not any(value == a and type(value) is type(a) for a in args):
-            raise mismatch()
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        arms = [a for a in args if a is not type(None)]
-        if len(arms) == 1:  # X | None: report X's own error, which is more precise
-            return _convert(arms[0], value, key, src)
-        for arm in arms:
-            try:
-                return _convert(arm, value, key, src)
-            except ConfigError:
-                pass
-        raise mismatch()
-    if origin is list:
-        if not isinstance(value, list):
-            raise mismatch()
-        return [_convert(args[0], v, (*key, i), src) for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise mismatch()
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise src.error(key, f"keys must be str, got {_show(k)}")
-            out[k] = _convert(args[1], v, (*key, k), src)
-        return out
-    if tp is bool:  # no coercion: `1` is not a bool
-        if type(value) is not bool:
-            raise mismatch()
-        return value
-    if tp is int:
-        if type(value) is not int:
-            raise mismatch()
-        return value
-    if tp is float:
-        if type(value) not in (int, float):
-            raise mismatch()
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise mismatch()
-        return value
-    raise TypeError(f"{_dotted(key)}: the config loader does not support the annotation {tp!r}")
-
-
-def _check_path(kind: str, value: str, key: tuple, src: _Source) -> str:
-    path = os.path.abspath(os.path.expanduser(value))
-    noun = "directory" if kind == "dir" else "file"
-    if not os.path.exists(path):
-        raise src.error(key, f"{noun} not found: {path}")
-    if not (os.path.isdir(path) if kind == "dir" else os.path.isfile(path)):
-        raise src.error(key, f"not a {noun}: {path}")
-    return path
-
-
-def _build(cls: type, data: dict, key: tuple, src: _Source) -> Any:
-    """One dataclass from one YAML mapping: known keys only, types checked, paths found, `check()` passed."""
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    for name in data:
-        if name not in fields:
-            close = difflib.get_close_matches(str(name), list(fields), n=1)
-            hint = f"did you mean {close[0]!r}?" if close else "known keys: " + ", ".join(fields)
-            raise src.error((*key, str(name)), f"unknown key ({hint})")
-    kwargs = {}
-    for name, f in fields.items():
-        fkey = (*key, name)
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        if name not in data and not required:
-            continue
-        if name not in data and not dataclasses.is_dataclass(hints[name]):
-            raise src.error(fkey, f"required key missing (expected {_type_name(hints[name])})")
-        # A required section left out is built empty, so the error names the key inside it that is missing.
-        value = _convert(hints[name], data.get(name), fkey, src)
-        if "path" in f.metadata and value is not None and src.check_paths:
-            value = _check_path(f.metadata["path"], value, fkey, src)
-        kwargs[name] = value
-    try:
-        obj = cls(**kwargs)
-        if hasattr(obj, "check"):
-            obj.check()
-    except FieldError as err:
-        raise src.error((*key, err.field), str(err)) from None
-    except ValueError as err:
-        raise src.error(key, str(err), beneath=False) from None
-    return obj
-
-
-def _apply_override(tree: dict, text: str, src: _Source) -> None:
-    name, eq, raw = text.partition("=")
-    path = tuple(name.strip().split("."))
-    if not eq or not all(path):
-        raise ConfigError(f"{src.file}: override {text!r}: expected key.path=value")
-    try:
-        value = yaml.load(raw, Loader=_Loader)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{src.file}: override {text!r}: {_yaml_error_text(err)}") from None
-    src.overrides.append((path, text))
-    node = tree
-    for i, part in enumerate(path[:-1]):
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise src.error(path[: i + 1], f"is {_show(child)}, not a section")
-        node = child
-    node[path[-1]] = value
-
-
 def load_config(path: str | Path, overrides: Sequence[str] = (), *, check_paths: bool = True) -> Config:
-    """Read a recipe, apply `key.path=value` overrides (values parsed as YAML), and build a checked Config.
+    """Read a recipe, apply `key.path=value` overrides (values parsed as YAML), and build a checked Config
+    (megarl.dataclass_yaml.load_dataclass).
 
     Path fields come back absolute (resolved against the current directory). Raises ConfigError.
     `check_paths=False` checks everything but the existence of the files and directories the recipe names,
     and leaves those paths as written: `megarl plan` validates a recipe for a cluster whose checkpoints and
     data this machine does not have.
     """
-    file = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{file}: recipe file not found") from None
-    except OSError as err:
-        raise ConfigError(f"{file}: cannot read recipe: {err.strerror}") from None
-    try:
-        tree = yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{file}: {_yaml_error_text(err)}") from None
-    if tree is None:
-        tree = {}
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{file}: a recipe is a mapping of sections, got {_show(tree)}")
-    src = _Source(file, [], check_paths)
-    for override in overrides:
-        _apply_override(tree, override, src)
-    return _build(Config, tree, (), src)
-
-
-def config_to_dict(cfg: Any) -> dict:
-    """The config as plain dicts, lists and scalars, ready for yaml.safe_dump."""
-    return dataclasses.asdict(cfg)
-
-
-def dump_config(cfg: Any, path: str | Path) -> None:
-    """Write the resolved recipe as YAML (creating parent directories); load_config reads it back equal."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), encoding="utf-8")
+    return load_dataclass(Config, path, overrides, check_paths=check_paths)

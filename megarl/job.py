@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from megarl.config import OFFLINE_ALGOS, Config, LoraConfig, OptimConfig, RecipeError
+from megarl.config import Config, LoraConfig, OptimConfig, RecipeError
 from megarl.layout import Layout, virtual_stage_count
 from megarl.models.arch import ModelShape, read_shape
 
@@ -120,7 +120,7 @@ class Job:
             # the hierarchical exchange needs hierarchical_context_parallel_sizes at parallel-state init
             raise RecipeError("model.megatron.cp_comm_type = 'a2a+p2p' (hierarchical context parallelism) is not "
                               "supported; use 'p2p', 'all_gather' or 'a2a'")
-        if cfg.algo.name not in OFFLINE_ALGOS:
+        if not cfg.algo.traits.offline:
             if cfg.algo.router_replay != "none" and not shape.is_moe:
                 raise RecipeError(f"algo.router_replay = {cfg.algo.router_replay!r} replays mixture-of-experts "
                                   f"routing; the model in model.path ({shape.arch}) has no experts: set it to 'none'")
@@ -179,22 +179,18 @@ def cast_of(cfg: Config, shape: ModelShape, *, shape_of) -> tuple[tuple[ModelRol
     RL: the actor; the reference when algo.kl_coef > 0 (with model.lora the actor with its adapters off); the
     distillation teacher; PPO's critic; the reward models of reward.terms. SFT: the actor. DPO: the actor and
     its reference. RM: the scalar-head model it trains. `shape_of(path, key)` reads a checkpoint's shape."""
-    policy = cfg.model.path
-    actor = ModelRole("actor", "model.path", policy, shape, optim=cfg.optim, lora=cfg.model.lora)
-    reference = ModelRole("reference", "model.path", policy, shape, shares_actor=cfg.model.lora is not None)
-    match cfg.algo.name:
-        case "sft":
-            return (actor,), None
-        case "dpo":
-            return (actor, reference), None
-        case "rm":
-            return (ModelRole("reward_model", "model.path", policy, shape, optim=cfg.optim, value_head=True),), None
-    cast = [actor]
-    if cfg.algo.kl_coef > 0:
-        cast.append(reference)
+    policy, traits = cfg.model.path, cfg.algo.traits
+    if traits.scalar_head:  # the reward-model loop: the one model it trains
+        return (ModelRole("reward_model", "model.path", policy, shape, optim=cfg.optim, value_head=True),), None
+    cast = [ModelRole("actor", "model.path", policy, shape, optim=cfg.optim, lora=cfg.model.lora)]
+    # an offline loop builds what its algorithm needs; the RL loop also a reference for the KL, and a teacher
+    if traits.reference or not traits.offline and cfg.algo.kl_coef > 0:
+        cast.append(ModelRole("reference", "model.path", policy, shape, shares_actor=cfg.model.lora is not None))
+    if traits.offline:
+        return tuple(cast), None
     if cfg.teacher.path is not None:
         cast.append(ModelRole("teacher", "teacher.path", cfg.teacher.path, shape_of(cfg.teacher.path, "teacher.path")))
-    if cfg.algo.name == "ppo":
+    if traits.critic:
         path, key = (cfg.critic.path, "critic.path") if cfg.critic.path else (policy, "model.path")
         cast.append(ModelRole("critic", key, path, shape_of(path, key) if cfg.critic.path else shape,
                               optim=dataclasses.replace(cfg.optim, lr=cfg.critic.lr), value_head=True))

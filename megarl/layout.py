@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megarl.config import OFFLINE_ALGOS, Config, RecipeError
+from megarl.config import Config, RecipeError
 from megarl.models.arch import ModelShape
 
 VPP_KEY = "model.megatron.virtual_pipeline_model_parallel_size"
@@ -102,13 +102,12 @@ class Layout:
         prompts, micro = cfg.data.prompts_per_step, cfg.train.micro_batch_size
         _divides(prompts, dp, f"data.prompts_per_step {prompts}", f"the data-parallel size {dp} ({dp_from})")
         # sequences per prompt: RL's samples, SFT's row, a pair's chosen and rejected (DPO, RM)
-        match cfg.algo.name:
-            case "sft":
-                per_prompt, what, times = 1, "sequences", ""
-            case "dpo" | "rm":
-                per_prompt, what, times = 2, "sequences", " * 2 (chosen and rejected)"
-            case _:
-                per_prompt, what, times = cfg.rollout.n_samples, "samples", " * rollout.n_samples"
+        if cfg.algo.traits.pairs:
+            per_prompt, what, times = 2, "sequences", " * 2 (chosen and rejected)"
+        elif cfg.algo.traits.offline:
+            per_prompt, what, times = 1, "sequences", ""
+        else:
+            per_prompt, what, times = cfg.rollout.n_samples, "samples", " * rollout.n_samples"
         sequences = prompts // dp * per_prompt
         micro_batches = -(-sequences // micro)
         if not cfg.train.micro_batch_tokens:  # packed micro-batches are cut by tokens: any count of sequences
@@ -117,7 +116,7 @@ class Layout:
                      f"{times}{named_dp})", f"train.micro_batch_size = {micro}")
             check_schedule(micro_batches, megatron, pp=par.pp, vpp=vpp, what="micro-batches per data-parallel rank")
 
-        if cfg.algo.name not in OFFLINE_ALGOS:
+        if not cfg.algo.traits.offline:
             if cfg.warmup.sft_steps:
                 rows = cfg.warmup.batch_size
                 _divides(rows, dp, f"warmup.batch_size {rows}", f"the data-parallel size {dp} ({dp_from})")

@@ -142,7 +142,7 @@ def run_ledger(cfg, shape, *, world: int, stage: int, models: list, sglang_on_cp
     first = replan(1)
     layout = first.layout
     job = first.job
-    value_heads = [False] + ([True] if cfg.algo.name == "ppo" else [])
+    value_heads = [False] + ([True] if cfg.algo.traits.critic else [])
 
     def activations(tokens: int) -> int:  # a padded sequence's tokens, or with packing a packed row's
         packed = {"packed_tokens": tokens} if cfg.train.micro_batch_tokens else {}

@@ -152,7 +152,7 @@ def policy_objective(algo: AlgoConfig, *, on_policy: bool = False) -> PolicyObje
     come from the training forward, not the batch."""
     kl_in_loss = algo.kl_coef > 0 and not algo.kl_in_reward
     return PolicyObjective(
-        surrogate="gspo" if algo.name == "gspo" else "ppo", loss_agg=algo.loss_agg,
+        surrogate=algo.traits.surrogate, loss_agg=algo.loss_agg,
         clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip, tis_cap=algo.tis_cap,
         mis_low=algo.mis_low, mis_high=algo.mis_high, mis_level=algo.mis_level,
         kl_coef=algo.kl_coef if kl_in_loss else 0.0, kl_estimator=algo.kl_estimator,
@@ -223,8 +223,8 @@ def advantage_fn(algo: AlgoConfig, *, group) -> AdvantageFn:
         return lambda batch, kl_coef: (
             broadcast_to_tokens(estimator(rewards(batch), batch.group_ids), batch.response_mask), None)
 
-    match algo.name:
-        case "ppo":
+    match algo.traits.estimator:
+        case "gae":
             def ppo(batch: RolloutBatch, kl_coef: float) -> tuple[Tensor, Tensor]:
                 adv, returns = gae(token_rewards(batch, kl_coef), batch.values, batch.response_mask,
                                    gamma=algo.gamma, lam=algo.lam)
@@ -236,7 +236,7 @@ def advantage_fn(algo: AlgoConfig, *, group) -> AdvantageFn:
                                                                    group=group), None)
         case "distill":
             return lambda batch, kl_coef: (distill_term(batch), None)
-        case "grpo" | "dapo" | "gspo":
+        case "grpo":
             estimate = per_sequence(partial(grpo_advantages, std_norm=algo.std_norm))
         case "dr_grpo":
             estimate = per_sequence(partial(grpo_advantages, std_norm=False))

@@ -18,7 +18,8 @@ import logging
 import subprocess
 from pathlib import Path
 
-from megarl.config import Config, MlflowConfig, WandbConfig, config_to_dict
+from megarl.config import Config, MlflowConfig, WandbConfig
+from megarl.dataclass_yaml import config_to_dict
 
 log = logging.getLogger(__name__)
 

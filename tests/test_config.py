@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import Config, ConfigError, config_to_dict, dump_config, load_config
+from megarl.config import Config, load_config
+from megarl.dataclass_yaml import ConfigError, config_to_dict, dump_config
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -168,7 +168,7 @@ def test_teacher_with_another_tokenizer_is_refused_naming_teacher_path(qwen2_dir
     (("teacher.path=/nonexistent/teacher",), r"teacher\.path: directory not found"),
 ])
 def test_config_errors_name_the_key(qwen2_dir, tmp_path, overrides, message):
-    from megarl.config import ConfigError
+    from megarl.dataclass_yaml import ConfigError
 
     overrides = tuple(o.replace("TEACHER", str(qwen2_dir)) for o in overrides)
     with pytest.raises(ConfigError, match=message):

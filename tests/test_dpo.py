@@ -120,7 +120,8 @@ def test_micro_batch_size_does_not_change_loss_or_grad_norm(groups, qwen2_dir, t
     (["dpo.loss=ipo", "dpo.label_smoothing=0.1"], "dpo.label_smoothing: applies to loss 'sigmoid' only"),
 ])
 def test_dpo_recipe_errors_name_file_and_key(qwen2_dir, tiny_data, overrides, message):
-    from megarl.config import ConfigError, load_config
+    from megarl.config import load_config
+    from megarl.dataclass_yaml import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         load_config(REPO / "recipes" / "dpo_tiny.yaml", [

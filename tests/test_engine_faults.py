@@ -115,7 +115,8 @@ def test_an_engine_that_holds_the_weights_in_a_narrower_dtype_is_compared_in_its
 
 def test_recipe_keys_of_the_checks(tmp_path):
     """`off` is a choice, not YAML 1.1's false; a bad value is an error naming the key."""
-    from megarl.config import ConfigError, load_config
+    from megarl.config import load_config
+    from megarl.dataclass_yaml import ConfigError
 
     path = tmp_path / "q.yaml"
     path.write_text("model:\n  path: model\ndata:\n  train_path: train.jsonl\nrollout:\n  verify_weights: off\n")

@@ -10,8 +10,9 @@ import json
 import pytest
 
 from conftest import REPO
-from megarl.config import ConfigError, EnvConfig, RecipeError, load_config
+from megarl.config import EnvConfig, RecipeError, load_config
 from megarl.data.multiplication import demonstration
+from megarl.dataclass_yaml import ConfigError
 from megarl.envs.documents import DocumentIndex, write_document_set
 from megarl.envs.environment import SingleTurn, ToolEnvironment, environment_factory
 from megarl.envs.tool_format import ObservationFormat, ToolCall, parse_tool_calls

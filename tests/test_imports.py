@@ -1,7 +1,7 @@
-"""How megarl's modules import each other: none of them loads a heavy backend at import time (STYLE 6: those
-are imported lazily, inside the functions that drive them), and the import graph has no cycle, counting
-imports inside functions too (a lazy import is still a dependency: a circle of them means two modules
-that cannot be understood, or split, apart)."""
+"""What importing megarl's modules costs: none of them loads a heavy backend at import time (STYLE 6: those
+are imported lazily, inside the functions that drive them), megatron's compiled functions compile at their
+first call, and no module grows past what a reader takes in. Which module may import which (no cycle, the
+rooms' order) is tests/test_structure.py."""
 
 from __future__ import annotations
 
@@ -45,63 +45,6 @@ def test_importing_megarl_modules_loads_no_heavy_backend():
     result = run_python(["-c", code], timeout_s=60)
     assert result.returncode == 0, result.stderr
     assert "HEAVY []" in result.stdout, result.stdout
-
-
-def imported_modules(path: Path, modules: set[str]) -> set[str]:
-    """The megarl modules `path` imports anywhere in its body (module level or inside functions), except
-    under `if TYPE_CHECKING:`, which never runs."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    type_checking = [branch for branch in ast.walk(tree)
-                     if isinstance(branch, ast.If) and ast.unparse(branch.test).endswith("TYPE_CHECKING")]
-    skipped = {id(node) for branch in type_checking for stmt in branch.body for node in ast.walk(stmt)}
-    found = set()
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            # `from megarl.engine import cpu_compat` imports a module; `from megarl.config import X` a name
-            found.update(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
-                         for alias in node.names)
-    return {name for name in found if name in modules}
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import cycle of `graph` (module -> modules it imports) as a path that ends where it starts."""
-    state: dict[str, str] = {}  # "open" while on the current path, "done" once fully explored
-
-    def visit(node: str, path: list[str]) -> list[str] | None:
-        state[node] = "open"
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == "open":
-                return path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt]
-            if nxt not in state and (cycle := visit(nxt, path + [nxt])):
-                return cycle
-        state[node] = "done"
-        return None
-
-    for start in sorted(graph):
-        if start not in state and (cycle := visit(start, [start])):
-            return cycle
-    return None
-
-
-def test_the_import_graph_has_no_cycle():
-    modules = set(module_names())
-    graph = {}
-    for name in modules:
-        path = PACKAGE.parent / Path(*name.split("."))
-        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
-        graph[name] = imported_modules(path, modules) - {name}
-    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
-
-
-def test_the_cycle_finder_finds_a_cycle():
-    # the check above must be able to fail: a lazy import back into an importer is a cycle
-    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
-    assert find_cycle(graph) == ["a", "b", "c", "a"]
-    assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
 @pytest.mark.timeout(90)

@@ -95,7 +95,7 @@ def test_training_moves_only_the_adapters_and_the_optimizer_holds_only_them(qwen
 
 def test_merged_weights_after_training_give_the_adapted_models_logprobs(qwen2_dir, groups, tmp_path):
     from megarl.checkpoint import save_hf
-    from megarl.engine.lora import BasePolicy
+    from megarl.engine.roles import BasePolicy
 
     tokens, mask = tokens_and_mask()
     policy, base = make_engine(qwen2_dir, groups), make_engine(qwen2_dir, groups, lora=None)

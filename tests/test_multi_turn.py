@@ -21,7 +21,7 @@ from megarl.batch import pack_sequences
 from megarl.config import Config, DataConfig, EnvConfig, ModelConfig, RolloutConfig
 from megarl.envs.environment import environment_factory
 from megarl.envs.tool_format import ObservationFormat
-from megarl.rollout.multi_turn import run_trajectories
+from megarl.envs.trajectories import run_trajectories
 from megarl.rollout.engine import Generation
 from megarl.rollout.native import NativeEngine
 

@@ -18,7 +18,8 @@ LN = math.log
 from megarl.algo.aggregate import LossNorm, aggregate
 from megarl.algo.losses import ppo_clip_loss
 from megarl.batch import RolloutBatch
-from megarl.config import AlgoConfig, ConfigError, load_config
+from megarl.config import AlgoConfig, load_config
+from megarl.dataclass_yaml import ConfigError
 from megarl.objective import advantage_fn, kl_controller, policy_objective
 
 

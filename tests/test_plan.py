@@ -110,7 +110,8 @@ def test_docs_table_gives_the_planned_engines_and_kv_cache(capsys, monkeypatch):
 
 
 def test_shipped_recipes_stop_on_placeholder_paths_but_load_for_planning():
-    from megarl.config import ConfigError, load_config
+    from megarl.config import load_config
+    from megarl.dataclass_yaml import ConfigError
 
     for recipe in GPU_RECIPES:
         with pytest.raises(ConfigError, match=r"model.path: directory not found: /SET-ME/"):

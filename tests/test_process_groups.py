@@ -49,7 +49,8 @@ def test_a_collective_times_out_after_the_configured_wait_naming_the_phase(tmp_p
 
 
 def test_the_recipe_key_is_checked(tmp_path):
-    from megarl.config import ConfigError, load_config
+    from megarl.config import load_config
+    from megarl.dataclass_yaml import ConfigError
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model:\n  path: m\ndata:\n  train_path: t.jsonl\nparallel:\n  timeout_minutes: 90\n")

@@ -201,7 +201,8 @@ def test_requests_in_flight_never_exceed_max_concurrency(server, limit):
     ("{url: 'http://h/v1', path: /ckpt/judge}", r"judge: set one of url .* and path .*, not both"),
 ])
 def test_judge_recipe_errors_name_file_and_key(judge, message):
-    from megarl.config import ConfigError, load_config
+    from megarl.config import load_config
+    from megarl.dataclass_yaml import ConfigError
 
     with pytest.raises(ConfigError, match=r"grpo_tiny\.yaml: .*" + message):
         load_config(REPO / "recipes" / "grpo_tiny.yaml", [f"reward.terms=[{{kind: judge, judge: {judge}}}]"],
@@ -317,7 +318,8 @@ def test_a_local_judge_without_a_chat_template_is_refused_for_chat_naming_the_ke
 
 
 def test_a_local_judge_path_that_does_not_exist_is_named(tmp_path):
-    from megarl.config import ConfigError, load_config
+    from megarl.config import load_config
+    from megarl.dataclass_yaml import ConfigError
 
     rows = tmp_path / "train.jsonl"
     rows.write_text('{"prompt": "1+1=", "answer": "2"}\n')

@@ -269,7 +269,7 @@ def test_steps_and_export_are_the_same_at_tp2_and_pp2_as_on_one_rank(groups, qwe
     (["model.lora.rank=8"], "model.lora: adapters go on the policy; algo.name = 'rm' trains a scalar-head model"),
 ])
 def test_rm_recipe_errors_name_file_and_key(qwen2_dir, tiny_data, tmp_path, overrides, message):
-    from megarl.config import ConfigError
+    from megarl.dataclass_yaml import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         rm_config(qwen2_dir, tiny_data, tmp_path, *overrides)

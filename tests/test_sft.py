@@ -208,7 +208,8 @@ QWEN25_7B = {  # config.json of the Qwen2.5-7B layout (no weights are needed to 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name,train_file", [("sft_7b", "train.jsonl"), ("dpo_7b", "train_pairs.jsonl")])
 def test_full_size_recipe_placeholders_fail_and_layout_fits_one_8_gpu_node(name, train_file, tiny_data, tmp_path):
-    from megarl.config import ConfigError, load_config
+    from megarl.config import load_config
+    from megarl.dataclass_yaml import ConfigError
     from megarl.engine.model import transformer_config
     from megarl.layout import Layout
     from megarl.models.arch import read_shape

@@ -614,7 +614,8 @@ def test_the_quickstart_with_shared_prompts_computes_what_it_computes_without(qu
 # ---- what is refused ---------------------------------------------------------------------------------------------
 def test_share_prompts_is_refused_where_it_cannot_share_or_is_not_exact(tmp_path, monkeypatch, qwen2_dir, groups,
                                                                          arch_dir):
-    from megarl.config import ConfigError, RecipeError, load_config
+    from megarl.config import RecipeError, load_config
+    from megarl.dataclass_yaml import ConfigError
     from megarl.job import Job
 
     monkeypatch.chdir(tmp_path)

@@ -61,7 +61,8 @@ def test_the_profiler_window_traces_its_steps_only(traced_run):
 
 @pytest.mark.parametrize("window", ["[3, 2]", "[0, 1]", "[2]"])
 def test_a_bad_profile_window_is_an_error_naming_the_key(window, tmp_path, qwen2_dir, arithmetic_dir):
-    from megarl.config import ConfigError, load_config
+    from megarl.config import load_config
+    from megarl.dataclass_yaml import ConfigError
 
     recipe = write_recipe(tmp_path / "tiny.yaml", model_dir=qwen2_dir, data_dir=arithmetic_dir, run_dir=tmp_path)
     with pytest.raises(ConfigError, match=r"tiny.yaml.*log.profile_steps: must be \[first, last\] steps"):

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from megarl.config import ConfigError, load_config
+from megarl.config import load_config
+from megarl.dataclass_yaml import ConfigError
 from megarl.trackers import open_trackers
 from test_cli import megarl_train, read_metrics, write_recipe
 

@@ -6,8 +6,8 @@ layer, the base weights frozen.
   gradient buffers and the (distributed) optimizer holds state for them alone.
 - A is drawn per adapter from the run's seed and the adapter's global name, whole, then cut to this rank's
   shard: the same adapters at every parallel layout. B starts at zero, so a fresh policy is the base model.
-- The base model is the policy with its adapters off (`adapters_off`, `BasePolicy`): the reference policy of a
-  LoRA run is the actor's own engine, not a second model.
+- The base model is the policy with its adapters off (`adapters_off`; megarl.engine.roles.BasePolicy): the
+  reference policy of a LoRA run is the actor's own engine, not a second model.
 - What leaves the trainer as HF weights (the push to the rollout engines, the HF export) is the merged weight
   W + (alpha / rank) B A, computed on each rank's shards before they are gathered (megarl.engine.hf_weights).
 - Checkpoints hold the adapters and their optimizer state; the frozen base is read from model.path again.
@@ -19,16 +19,11 @@ import math
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
 
 from megarl.config import LoraConfig
 from megarl.models import layout
-
-if TYPE_CHECKING:
-    from megarl.engine.megatron import TrainEngine
 
 ADAPTER_PARAMS = ("lora_a", "lora_b")
 
@@ -118,15 +113,3 @@ def adapters_off(chunks: list):
         for layer in layers:
             layer.adapter_on = True
 
-
-class BasePolicy:
-    """The reference policy of a LoRA run: the actor with its adapters off, computed by the actor's engine.
-    It answers what a frozen reference engine answers (`logprobs`) and holds no memory of its own."""
-
-    def __init__(self, actor: TrainEngine):
-        self.actor = actor
-
-    def logprobs(self, tokens: Tensor, **kwargs) -> Tensor:
-        """The base model's token logprobs [B, T] (TrainEngine.logprobs)."""
-        with adapters_off(self.actor.chunks):
-            return self.actor.logprobs(tokens, **kwargs)

@@ -4,7 +4,9 @@ them with the run's dtype, Megatron settings and layer spec."""
 
 from __future__ import annotations
 
-from megarl.engine.lora import BasePolicy
+from torch import Tensor
+
+from megarl.engine.lora import adapters_off
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
 from megarl.job import Job, ModelRole
@@ -28,3 +30,16 @@ def build_engine(job: Job, role: ModelRole, groups: ParallelGroups, *,
         return BasePolicy(actor)
     return make_engine(role, groups, dtype=job.cfg.model.dtype, megatron=job.megatron, te_layers=job.te_layers,
                        seed=job.cfg.seed)
+
+
+class BasePolicy:
+    """The reference policy of a LoRA run: the actor with its adapters off, computed by the actor's engine.
+    It answers what a frozen reference engine answers (`logprobs`) and holds no memory of its own."""
+
+    def __init__(self, actor: TrainEngine):
+        self.actor = actor
+
+    def logprobs(self, tokens: Tensor, **kwargs) -> Tensor:
+        """The base model's token logprobs [B, T] (TrainEngine.logprobs)."""
+        with adapters_off(self.actor.chunks):
+            return self.actor.logprobs(tokens, **kwargs)

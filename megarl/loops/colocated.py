@@ -33,6 +33,7 @@ from megarl.batch import RolloutBatch
 from megarl.data.prompts import PromptRow
 from megarl.device import host_barrier
 from megarl.engine.parallel import ParallelGroups
+from megarl.envs.trajectories import Trajectory
 from megarl.handoff import WeightCheck, push_weights
 from megarl.job import Job
 from megarl.loops.faults import EngineLost
@@ -44,7 +45,6 @@ from megarl.packing import balanced_partition
 from megarl.rewards.scorer import Scoring
 from megarl.rollout.backends import make_rollout_engine, make_rollout_peer
 from megarl.rollout.engine import EngineError, RolloutEngine, RolloutPeer
-from megarl.rollout.multi_turn import Trajectory
 from megarl.rollout.placement import RolloutPlacement, place_rollout
 
 log = logging.getLogger(__name__)
@@ -356,7 +356,7 @@ class Generated:
 
 def generate(run: RLRun, rollouts: ColocatedRollouts, rows: list[PromptRow], *, n_samples: int,
              first_group: int = 0) -> Generated:
-    """Sample `n_samples` trajectories for each row, each with its own environment (megarl.rollout.multi_turn;
+    """Sample `n_samples` trajectories for each row, each with its own environment (megarl.envs.trajectories;
     with the single_turn environment, one response per sample), on the engines of this rank's exchange
     group: the group's replicas pool their prompts, the samples are split over the engines by prompt tokens,
     and every rank receives its replica's batch, its groups numbered from `first_group`. Each response the

@@ -29,8 +29,7 @@ from megarl.data.prompts import PromptSampler
 from megarl.data.supervised import Example, encode_pair, load_preference_pairs, pad_examples
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups
-from megarl.engine.lora import BasePolicy
-from megarl.engine.roles import build_engine
+from megarl.engine.roles import BasePolicy, build_engine
 from megarl.job import Job
 from megarl.loops.launch import launch
 from megarl.loops.lifecycle import final_dir, run_steps

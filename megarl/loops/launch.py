@@ -14,7 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 import yaml
 
-from megarl.config import OFFLINE_ALGOS, Config, RecipeError
+from megarl.config import Config, RecipeError
 from megarl.engine.model import uses_transformer_engine
 from megarl.engine.parallel import ParallelGroups, init_parallel
 from megarl.envs.environment import environment_factory
@@ -53,7 +53,7 @@ def resolve_job(cfg: Config) -> Job:
     tokenizer. A RecipeError names the keys and the numbers."""
     world, ranks_per_node = job_world(cfg)
     job = Job.of(cfg, world=world, ranks_per_node=ranks_per_node, transformer_engine=uses_transformer_engine())
-    if cfg.algo.name not in OFFLINE_ALGOS:
+    if not cfg.algo.traits.offline:
         build_terms(cfg.reward)  # a custom reward that does not import stops here, before any work
         environment_factory(cfg.env)  # and so does an environment
         if cfg.teacher.path is not None:

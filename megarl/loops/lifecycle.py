@@ -22,7 +22,8 @@ import psutil
 import torch.distributed as dist
 
 from megarl.checkpoint import classifier_config, save_hf, save_peft_adapter
-from megarl.config import Config, dump_config
+from megarl.config import Config
+from megarl.dataclass_yaml import dump_config
 from megarl.job import adapts_experts
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups

@@ -31,8 +31,9 @@ import torch.distributed as dist
 
 from megarl.checkpoint import (CheckpointError, copy_side_files, disk_full_error, latest_checkpoint, publish,
                                step_dir_name, temporary_dir)
-from megarl.config import Config, RecipeError, dump_config
+from megarl.config import Config, RecipeError
 from megarl.data.prompts import PromptSampler
+from megarl.dataclass_yaml import dump_config
 from megarl.engine.dist_checkpoint import set_trainer_rng_state, trainer_rng_state
 from megarl.engine.megatron import TrainEngine
 from megarl.engine.parallel import ParallelGroups

@@ -22,6 +22,7 @@ from megarl.algo.kl import kl_estimate, reverse_kl
 from megarl.batch import RolloutBatch
 from megarl.config import Config, SandboxConfig, TrainConfig
 from megarl.data.prompts import load_prompts
+from megarl.envs.trajectories import FINISH_REASONS
 from megarl.loops.colocated import ColocatedRollouts
 from megarl.loops.faults import EngineLost, check_versions
 from megarl.loops.launch import resolve_job, start_parallel
@@ -37,7 +38,6 @@ from megarl.packing import (PromptGroups, equal_part, nonzero_advantage, redistr
                             zero_advantage_split)
 from megarl.rewards.code import check_test_specs
 from megarl.rewards.scorer import RewardFailure
-from megarl.rollout.multi_turn import FINISH_REASONS
 from megarl.routing import compact
 
 

@@ -28,6 +28,7 @@ from megarl.engine.parallel import ParallelGroups
 from megarl.engine.roles import BasePolicy, build_engine
 from megarl.envs.environment import Environment, SingleTurn, environment_factory
 from megarl.envs.tool_format import ObservationFormat, observation_format
+from megarl.envs.trajectories import EnvWorkers
 from megarl.job import Job
 from megarl.ledger import DeviceLedger, engine_owners, model_owners, run_ledger
 from megarl.loops.faults import DriftGate
@@ -36,7 +37,6 @@ from megarl.plan.estimate import PlanError
 from megarl.objective import (AdvantageFn, CriticObjective, PolicyObjective, advantage_fn, kl_controller,
                               policy_objective)
 from megarl.rewards.scorer import Scorer
-from megarl.rollout.multi_turn import EnvWorkers
 from megarl.routing import RoutePlan
 
 

@@ -2,7 +2,7 @@
 (megarl.loops.colocated) or a rollout rank of placement split (megarl.loops.split).
 
 `encode_rows` makes the engines' prompt ids, `pooled_samples` lays out a round's samples, `EnginePart`
-runs an engine's share of them (each with its own environment, megarl.rollout.multi_turn; again on a new
+runs an engine's share of them (each with its own environment, megarl.envs.trajectories; again on a new
 engine after a failure) and hands every final response to the scorer, `build_batch` packs a replica's
 trajectories into a RolloutBatch and `with_rewards` adds the rewards a training rank computes (reward models,
 the environment's).
@@ -24,10 +24,10 @@ from megarl.data.prompts import PromptRow, encode_prompt
 from megarl.engine.megatron import TrainEngine
 from megarl.envs.environment import Environment
 from megarl.envs.tool_format import ObservationFormat
+from megarl.envs.trajectories import LIMITS, EnvWorkers, Trajectory, TrajectoryRun
 from megarl.rewards.scorer import Scorer, Scoring
 from megarl.rewards.terms import Sample
 from megarl.rollout.engine import EngineError, RolloutEngine
-from megarl.rollout.multi_turn import LIMITS, EnvWorkers, Trajectory, TrajectoryRun
 
 
 class SampleContext(Protocol):

@@ -66,6 +66,7 @@ from megarl.job import Job
 from megarl.data.prompts import PromptRow
 from megarl.device import current_device, host_barrier, on_gpu
 from megarl.engine.parallel import ParallelGroups
+from megarl.envs.trajectories import Trajectory
 from megarl.handoff import WeightCheck, buckets, fingerprinted, flatten
 from megarl.loops.faults import EngineLost
 from megarl.loops.launch import job_store
@@ -74,7 +75,6 @@ from megarl.loops.samples import build_batch, encode_rows, with_rewards
 from megarl.loops.sampling import draw_batch
 from megarl.loops.transport import Link, Mailbox, own_group, send_header
 from megarl.metrics import PhaseTimer
-from megarl.rollout.multi_turn import Trajectory
 
 
 # ---- the job ----------------------------------------------------------------------------------------------

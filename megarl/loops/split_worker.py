@@ -28,6 +28,7 @@ from megarl.job import Job
 from megarl.device import current_device, on_gpu
 from megarl.envs.environment import environment_factory
 from megarl.envs.tool_format import observation_format
+from megarl.envs.trajectories import EnvWorkers
 from megarl.handoff import unflatten, verify_engine
 from megarl.loops.samples import EnginePart, pooled_samples
 from megarl.loops.launch import job_store
@@ -37,7 +38,6 @@ from megarl.packing import balanced_partition
 from megarl.rewards.scorer import Scorer
 from megarl.rollout.backends import make_rollout_engine
 from megarl.rollout.engine import EngineError, RolloutEngine
-from megarl.rollout.multi_turn import EnvWorkers
 from megarl.rollout.partial import VersionedEngine
 
 log = logging.getLogger(__name__)

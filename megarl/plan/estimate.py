@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from megarl.config import OFFLINE_ALGOS, Config, RecipeError
+from megarl.config import Config, RecipeError
 from megarl.job import Job, ModelRole, model_shape
 from megarl.layout import Layout
 from megarl.models.arch import ModelShape, padded_vocab_size
@@ -38,9 +38,9 @@ def sequence_tokens(cfg: Config, *, prompt_tokens: int, seq_tokens: int | None) 
     """Tokens of the longest sequence a step can hold, and where the number comes from.
 
     One turn: the prompt and rollout.max_new_tokens. A multi-turn environment: the prompt and env.max_tokens,
-    which bounds the generated and observation tokens of all turns together (megarl.rollout.multi_turn). SFT
+    which bounds the generated and observation tokens of all turns together (megarl.envs.trajectories). SFT
     and DPO: the longest tokenized row, `seq_tokens` (their loops pad to it and truncate nothing)."""
-    offline = cfg.algo.name in OFFLINE_ALGOS
+    offline = cfg.algo.traits.offline
     if seq_tokens is not None and not offline:
         raise PlanError(f"--seq-tokens is for SFT and DPO recipes; a sequence of algo.name {cfg.algo.name} is "
                         "--prompt-tokens + rollout.max_new_tokens (env.max_tokens with a multi-turn env)")
@@ -149,7 +149,7 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
     layout = job.layout
     dtype, optim = cfg.model.dtype, cfg.optim
     dtype_bytes = DTYPE_BYTES[dtype]
-    rollout = None if cfg.algo.name in OFFLINE_ALGOS else rollout_memory(cfg, shape, layout, cluster, seq_len=seq_len)
+    rollout = None if cfg.algo.traits.offline else rollout_memory(cfg, shape, layout, cluster, seq_len=seq_len)
     routing = routing_memory(cfg, shape, layout, cluster, seq_len=seq_len)
     route_device = routing.device_train if routing is not None else 0
     state_args = dict(dtype=dtype, distributed=optim.distributed, dp=layout.dp * layout.cp,
@@ -216,8 +216,8 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
                                  routes=routing.host_per_rank if routing is not None else 0),
                 assumptions=assumptions(cfg, layout, seq_source=seq_source, experts=shape.is_moe,
                                         routing=routing)
-                + ([] if cfg.algo.name in OFFLINE_ALGOS else [trained_tokens(cfg, layout, prompt_tokens=prompt_tokens,
-                                                                             seq_len=seq_len)]))
+                + ([] if cfg.algo.traits.offline else [trained_tokens(cfg, layout, prompt_tokens=prompt_tokens,
+                                                                      seq_len=seq_len)]))
 
 
 def training_activations(cfg: Config, shape: ModelShape, layout: Layout, *, stage: int, seq_len: int,
@@ -232,7 +232,7 @@ def training_activations(cfg: Config, shape: ModelShape, layout: Layout, *, stag
     if cfg.train.micro_batch_tokens:
         if packed_tokens is None:
             packed_tokens = cfg.train.micro_batch_tokens
-            if cfg.algo.name not in OFFLINE_ALGOS:
+            if not cfg.algo.traits.offline:
                 share = cfg.data.prompts_per_step * cfg.rollout.n_samples // layout.dp * seq_len
                 packed_tokens = min(packed_tokens, share)
         seq_len, micro_batch_size = packed_tokens, 1
@@ -262,10 +262,10 @@ def assumptions(cfg: Config, layout: Layout, *, seq_source: str, experts: bool,
     recompute = megatron.get("recompute_granularity") or "none"
     if recompute == "full":
         recompute += f" ({megatron.get('recompute_method')}, units of {megatron.get('recompute_num_layers')} layer(s))"
-    offline, split = cfg.algo.name in OFFLINE_ALGOS, layout.rollout_ranks > 0
+    offline, split = cfg.algo.traits.offline, layout.rollout_ranks > 0
     if offline:
         phases = (f"{cfg.algo.name} has no rollout engine: one phase, train, with every model resident"
-                  + (" (the frozen reference beside the actor)" if cfg.algo.name == "dpo" else ""))
+                  + (" (the frozen reference beside the actor)" if cfg.algo.traits.reference else ""))
         host = f"host: nothing offloaded; {HOST_RESERVE_GIB:g} GiB per GPU for the processes"
     elif split:
         phases = (f"placement split, nothing offloaded: training GPUs ({rank_range(0, layout.world)}) hold every "

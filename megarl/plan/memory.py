@@ -75,7 +75,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megarl.config import OFFLINE_ALGOS, Config, LoraConfig
+from megarl.config import Config, LoraConfig
 from megarl.layout import Layout
 from megarl.models.arch import ModelShape, padded_vocab_size
 from megarl.routing import route_bytes_per_token
@@ -336,7 +336,7 @@ def routing_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Clus
                    seq_len: int) -> Routing | None:
     """The step's MoE routes per GPU and per node, samples padded to `seq_len` tokens; None for a dense model or
     an offline recipe (no rollout)."""
-    if not shape.is_moe or cfg.algo.name in OFFLINE_ALGOS:
+    if not shape.is_moe or cfg.algo.traits.offline:
         return None
     per_token = route_bytes_per_token(moe_layers=shape.layers, top_k=shape.topk, experts=shape.experts)
     tokens = cfg.data.prompts_per_step * cfg.rollout.n_samples // layout.dp * seq_len
@@ -370,7 +370,7 @@ def host_memory(cfg: Config, cluster: Cluster, layout: Layout, stages: list[list
     neither does placement split, whose rollout GPUs hold only the processes' reserve."""
     limit = int(HOST_USABLE_FRACTION * cluster.host_mem_gib * GIB)
     reserve = int(HOST_RESERVE_GIB * GIB)
-    if cfg.algo.name in OFFLINE_ALGOS:
+    if cfg.algo.traits.offline:
         return HostMemory(params=0, optim=0, first_offload=0, routes=0, per_node=cluster.gpus_per_node * reserve,
                           limit=limit)
     if layout.rollout_ranks:  # placement split: the trainer's state never leaves its GPUs
