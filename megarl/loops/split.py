@@ -146,8 +146,11 @@ class SplitRollouts:
             self.box.put(f"cmd/{w}/{self.sent[w]}", command)
             self.sent[w] += 1
 
-    def _request(self, run: RLRun, key: str, rows: list[PromptRow], *, n_samples: int) -> None:
-        self._command("generate", key, n_samples)  # first: the workers make the links when they run it
+    def _request(self, run: RLRun, key: str, rows: list[PromptRow], *, n_samples: int,
+                 evaluation: bool = False) -> None:
+        """Ask every worker for `n_samples` of each of `rows` under `key`; an `evaluation`'s samples leave the
+        workers' samplers where they were."""
+        self._command("generate", key, n_samples, evaluation)  # first: the workers make the links when they run it
         if self.writer:
             prompts = (rows, encode_rows(run, rows))
             for w in range(self.workers):
@@ -240,10 +243,11 @@ class SplitRollouts:
                        "async/rollout_wait_s": float(worst[1]), "async/train_wait_s": float(worst[2])}
 
     def generate_now(self, run: RLRun, rows: list[PromptRow]) -> RolloutBatch | None:
-        """One sample of each of `rows` with the latest weights, after every batch requested so far (evaluation)."""
+        """One sample of each of `rows` with the latest weights, after every batch requested so far (evaluation):
+        outside the training stream, so the workers set their samplers back after it, as colocated engines do."""
         key = f"e{self.evals}"
         self.evals += 1
-        self._request(run, key, rows, n_samples=1)
+        self._request(run, key, rows, n_samples=1, evaluation=True)
         batch, _, _ = self._collect(run, key, rows, n_samples=1)
         return batch
 

@@ -130,8 +130,8 @@ class Worker:
             self.next += 1
             self.waited += time.monotonic() - start
             if command == "generate":
-                key, n_samples = args
-                self.generate(me, key, n_samples=n_samples)
+                key, n_samples, evaluation = args
+                self.generate(me, key, n_samples=n_samples, evaluation=evaluation)
                 self.waited = 0.0
             elif command == "weights":
                 self.load_weights(*args)
@@ -212,9 +212,10 @@ class Worker:
             self.next += 1
             self.load_weights(*args)
 
-    def generate(self, me: RolloutRank, key: str, *, n_samples: int) -> None:
+    def generate(self, me: RolloutRank, key: str, *, n_samples: int, evaluation: bool = False) -> None:
         """Generate and score this worker's share of request `key` (the pooled prompts of every replica, split
-        over the workers by prompt tokens as colocated engines split them), and send each replica its samples."""
+        over the workers by prompt tokens as colocated engines split them), and send each replica its samples.
+        An `evaluation` sets the engine's sampler back after it: the training samples do not depend on it."""
         links = self.links()
         shares = {dp: tuple(links.prompts.receive(dp)) for dp in range(self.replicas)}
         samples = pooled_samples(shares, n_samples=n_samples)
@@ -228,6 +229,8 @@ class Worker:
                 if not self.restart(error):  # its samples go on from their last finished turn
                     break
             else:
+                if evaluation:
+                    me.rollout.set_rng_state(self.rng)
                 self.rng = me.rollout.rng_state()  # what a restart before the next generation starts from
                 trajectories, scoring = engine_part.result()
                 rewards, failures, hidden = scoring.result()
