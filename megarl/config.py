@@ -129,7 +129,7 @@ class RolloutConfig:
     verify_period: int = 4  # sampled: every tensor is verified again within this many pushes
     # Stop the run when the mean |rollout - trainer| logprob per generated token (rollout/logprob_diff_mean)
     # stays above this for drift_patience steps in a row; null: never. Honest quickstart runs measured at most
-    # 2e-7 (fp32) and 8e-3 (bf16), an engine left on old weights 0.26 after three updates and up to 3.9:
+    # 3.7e-7 (fp32) and 8e-3 (bf16), an engine left on old weights 0.26 after three updates and up to 3.9:
     # docs/rollouts.md, "Weight hand-off and engine faults"
     max_logprob_drift: float | None = 0.25
     drift_patience: int = 3  # steps in a row above max_logprob_drift that stop the run (fewer: a warning)

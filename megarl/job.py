@@ -169,8 +169,16 @@ class Job:
             "models": [{"name": role.name, "key": role.key, "checkpoint": role.checkpoint, "arch": role.shape.arch,
                         "trainable": role.trainable, "value_head": role.value_head, "adapters": role.lora is not None,
                         "shares_actor": role.shares_actor} for role in self.cast],
-            "warm_start": None if self.warm_start is None else self.warm_start.checkpoint,
+            # the warm start trains from `from` and exports to `to`; the models above that start from model.path
+            # then start from that export (`from_warm_start`)
+            "warm_start": None if self.warm_start is None else {"from": self.warm_start.checkpoint,
+                                                                "to": str(warm_start_dir(self.cfg))},
         }
+
+
+def warm_start_dir(cfg: Config) -> Path:
+    """Where RL's supervised warm start exports the policy the run then starts from."""
+    return Path(cfg.run_dir) / "warmup"
 
 
 def cast_of(cfg: Config, shape: ModelShape, *, shape_of) -> tuple[tuple[ModelRole, ...], ModelRole | None]:

@@ -30,6 +30,7 @@ from megarl.batch import RolloutBatch  # noqa: E402
 from megarl.config import AlgoConfig, LoraConfig, OptimConfig  # noqa: E402
 from megarl.engine.megatron import TrainEngine  # noqa: E402
 from megarl.engine.parallel import init_parallel  # noqa: E402
+from megarl.models.arch import read_shape  # noqa: E402
 from megarl.objective import CriticObjective, policy_objective  # noqa: E402
 from megarl.packing import PromptGroups, redistribute, sequence_lengths  # noqa: E402
 from megarl.routing import RouteUse  # noqa: E402
@@ -222,7 +223,8 @@ def run_case(args: argparse.Namespace) -> None:
     megatron = {"virtual_pipeline_model_parallel_size": args.vpp} if args.vpp > 1 else {}
     if args.sequence_parallel:
         megatron["sequence_parallel"] = True
-    engine = partial(TrainEngine, model_dir=args.model, dtype="float32", megatron=megatron, groups=groups)
+    engine = partial(TrainEngine, model_dir=args.model, shape=read_shape(args.model), dtype="float32", megatron=megatron,
+                     groups=groups)
     lora = LoraConfig(rank=4, alpha=8.0) if args.lora else None
     actor = engine(optim=optim, lora=lora)
     reference = engine()

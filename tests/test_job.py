@@ -24,7 +24,8 @@ from conftest import REPO
 PACKAGE = REPO / "megarl"
 RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))
 # the recipes whose models are built here (the others' checkpoints are a cluster's): RL, DPO and RM loops
-BUILT_HERE = [p for p in RECIPES if p.parent.name == "recipes" and "tiny" in p.stem and "sft" not in p.stem]
+BUILT_HERE = [p for p in RECIPES if p.parent.name == "recipes" and ("tiny" in p.stem or p.stem == "quickstart")
+              and "sft" not in p.stem]
 
 
 def sources(folder: Path = PACKAGE) -> list[Path]:

@@ -6,12 +6,11 @@ from __future__ import annotations
 import logging
 import math
 import sys
-from pathlib import Path
 
 import torch.distributed as dist
 from tqdm import tqdm
 
-from megarl.job import Job
+from megarl.job import Job, warm_start_dir
 from megarl.data.prompts import PromptRow, PromptSampler, encode_prompt
 from megarl.data.supervised import completion_example
 from megarl.device import release_cached_blocks
@@ -33,7 +32,7 @@ def sft_warmup(job: Job, groups: ParallelGroups, tokenizer, rows: list[PromptRow
     rollout engine all start from the same weights, and a rerun reuses it instead of training again.
     """
     cfg = job.cfg
-    out = Path(cfg.run_dir) / "warmup"
+    out = warm_start_dir(cfg)
     if (out / "megarl_checkpoint.json").exists():
         log.info("reusing supervised warm start in %s", out)
         return str(out)
