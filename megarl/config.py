@@ -425,6 +425,10 @@ class SandboxConfig:
     output_bytes: int = 65536  # most bytes of stdout, and of stderr, read back; the pipe is closed past it
     insecure: bool = False  # run WITHOUT isolation (no bubblewrap): local debugging only, logged as a warning
     service_url: str | None = None  # run code on this external sandbox service (HTTP POST) instead of here
+    # a trainer that is not root starts every run as its own uid, and the kernel counts some limits per uid
+    # (file descriptors in flight, pipe buffer pages): false runs its sandboxes one at a time, true at once,
+    # where one run can make another's calls fail. A root trainer gives each run a uid of its own either way
+    share_uid: bool = False
 
     def check(self) -> None:
         _positive(self, "cpu_s", "wall_s", "memory_mb", "max_processes", "disk_mb", "output_bytes")

@@ -70,7 +70,7 @@ FILE_SECONDS = {
     "test_convert.py": 182, "test_resume.py": 151, "test_router_replay.py": 136, "test_parallel.py": 122,
     "test_placement.py": 117, "test_cli.py": 112, "test_device_check.py": 105, "test_sft.py": 69, "test_choreography.py": 55,
     "test_stop.py": 55, "test_distill.py": 160, "test_rlhf.py": 100, "test_process_groups.py": 48, "test_dpo.py": 47,
-    "test_rm.py": 42, "test_handover.py": 29, "test_sandbox_attacks.py": 28, "test_packing.py": 27,
+    "test_rm.py": 42, "test_handover.py": 29, "test_sandbox_attacks.py": 130, "test_packing.py": 27,
     "test_convert_memory.py": 27, "test_shared_prompts.py": 25, "test_trackers.py": 22, "test_rewards_scorer.py": 22,
     "test_extending.py": 35,
 }

@@ -10,6 +10,8 @@ left on the machine.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import fcntl
 import json
 import os
 import signal
@@ -17,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -164,9 +167,10 @@ def attack_outlive_through_the_init_process():
     # the run's first process is what the trainer kills the run through; the code rewrites that process's
     # memory (/proc/1/mem, no ptrace needed) so that it stays alive, and leaves a daemon behind (run()
     # checks that none outlives the run)
-    out = run("import os, sys, time\n"
+    out = run("import contextlib, os, sys, time\n"
               "SLEEPER = [sys.executable, '-c', 'import time; time.sleep(60)', 'MARKER']\n"
-              "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        os.execv(sys.executable, SLEEPER)\n"
+              "if os.fork() == 0:\n    with contextlib.suppress(OSError):  # refused\n        os.setsid()\n"
+              "    if os.fork() == 0:\n        os.execv(sys.executable, SLEEPER)\n"
               "    os._exit(0)\n"
               "time.sleep(0.5)\n"
               "try:\n    mem = open('/proc/1/mem', 'r+b', buffering=0)\n    print('OPENED')\n"
@@ -223,6 +227,42 @@ def attack_memory_outside_the_address_space():
                         "    with contextlib.suppress(OSError):\n        fcntl.fcntl(w, 1031, 1 << 20)\n"
                         "    os.set_blocking(w, False)\n    sent = 0\n    with contextlib.suppress(BlockingIOError):\n"
                         "        while True:\n            sent += os.write(w, CHUNK[:65536])\n    return sent\n",
+        # pages pinned in a pipe by vmsplice outlive their mapping: with huge pages, 2 MiB per pipe slot
+        "vmsplice huge pages": "import re\nlibc.mmap.restype = ctypes.c_void_p\n"
+                               "libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, "
+                               "ctypes.c_int, ctypes.c_long]\n"
+                               "libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]\n"
+                               "libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]\n"
+                               "def huge_kb():\n    return int(re.search(r'AnonHugePages:\\s+(\\d+)', "
+                               "open('/proc/self/smaps_rollup').read()).group(1))\n"
+                               "def step():\n    r, w = os.pipe()\n    keep.extend((r, w))\n    pinned = 0\n"
+                               "    for _ in range(16):\n"
+                               "        a = libc.mmap(None, 4 << 20, 3, 0x22, -1, 0)\n"
+                               "        huge = (a + (2 << 20) - 1) & ~((2 << 20) - 1)\n"
+                               "        libc.madvise(huge, 2 << 20, 14)  # MADV_HUGEPAGE\n"
+                               "        ctypes.memset(huge, 1, 2 << 20)\n        is_huge = huge_kb() > 0\n"
+                               "        iov = (ctypes.c_size_t * 2)(huge, 4096)\n"
+                               "        if libc.vmsplice(w, iov, 1, 0) <= 0:\n"
+                               "            raise OSError(ctypes.get_errno(), 'vmsplice')\n"
+                               "        libc.munmap(a, 4 << 20)\n        pinned += (2 << 20) if is_huge else 4096\n"
+                               "    return pinned\n",
+        # extended attributes on the run's own tmpfs: kernel memory apart from the file's size
+        "xattrs on the tmpfs": "def step():\n    name = os.urandom(8).hex()\n    open(name, 'w').close()\n"
+                               "    held = 0\n    for i in range(64):\n"
+                               "        os.setxattr(name, f'user.v{i}', CHUNK[:60000])\n        held += 60000\n"
+                               "    return held\n",
+        # datagrams queued at a unix socket stay there after their sender is closed
+        "unix datagrams of closed senders": "receivers = []\ndef step():\n"
+                                            "    r = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+                                            "    r.bind(f'\\0{os.urandom(8).hex()}')\n    keep.append(r)\n"
+                                            "    sent = 0\n    for _ in range(32):\n"
+                                            "        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+                                            "        s.setblocking(False)\n"
+                                            "        with contextlib.suppress(BlockingIOError):\n"
+                                            "            while True:\n"
+                                            "                sent += s.sendto(CHUNK[:200000], r.getsockname())\n"
+                                            "        s.close()\n"
+                                            "    return sent\n",
     }
     held = {}
     for channel, step in fill.items():
@@ -292,14 +332,17 @@ def attack_take_the_machines_ptys():
 
 # ---- processes and limits ------------------------------------------------------------------------------------
 def attack_spawn_and_daemonize():
-    # a double-forked daemon, a new session, posix_spawn and spawnv_passfds (no audit event): all must die
-    # with the run (run() checks no process with the marker is left)
-    out = run("import os, subprocess, sys, time, _posixsubprocess\n"
+    # a double-forked daemon, a new session (refused) and a new process group, posix_spawn and spawnv_passfds
+    # (no audit event): all must die with the run (run() checks no process with the marker is left)
+    out = run("import contextlib, os, subprocess, sys, time, _posixsubprocess\n"
               "SLEEPER = [sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
               "time.sleep(60)', 'MARKER']\n"
-              "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        os.execv(sys.executable, SLEEPER)\n"
+              "if os.fork() == 0:\n    with contextlib.suppress(OSError):  # refused\n        os.setsid()\n"
+              "    if os.fork() == 0:\n        os.execv(sys.executable, SLEEPER)\n"
               "    os._exit(0)\n"
-              "subprocess.Popen(SLEEPER, start_new_session=True)\n"
+              "with contextlib.suppress(OSError):  # a new session is refused\n"
+              "    subprocess.Popen(SLEEPER, start_new_session=True)\n"
+              "subprocess.Popen(SLEEPER, process_group=0)\n"
               "os.posix_spawn(sys.executable, SLEEPER, {})\n"
               "time.sleep(0.5)\nprint('spawned')\n")
     assert "spawned" in out, out  # processes may be started; what matters is that none outlives the run
@@ -447,11 +490,206 @@ def attack_two_samples_at_once():
     assert outs == ["found []\n", "found []\n"], outs
 
 
+# ---- between concurrent runs --------------------------------------------------------------------------------
+# Both runs see the same host files under /usr: the solver signals the 16 bits of its answer by locking (set
+# bits) or not locking one file each, with flock and fcntl's locks, and by opening them; the copier reads the
+# locks and watches the files with inotify, and answers with what it read.
+RELAY_FILES = ("import os\nFILES = []\nfor name in sorted(os.listdir('/usr/bin')):\n"
+               "    path = os.path.join('/usr/bin', name)\n"
+               "    if os.path.isfile(path) and not os.path.islink(path) and os.access(path, os.R_OK):\n"
+               "        FILES.append(path)\nFILES = FILES[:16]\nRELAY_S = 4.0\n")
+RELAY_SOLVER = RELAY_FILES + """
+import contextlib, fcntl, struct, time
+def solve(x):
+    answer = (x * 6062) % 65536
+    held = []
+    for bit, path in enumerate(FILES):
+        if answer >> bit & 1:
+            fd = os.open(path, os.O_RDONLY)
+            held.append(fd)
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(fd, fcntl.F_SETLK, struct.pack('hhqqi4x', fcntl.F_RDLCK, 0, 0, 0, 0))
+    end = time.time() + RELAY_S
+    while time.time() < end:
+        for bit, path in enumerate(FILES):
+            if answer >> bit & 1:
+                os.close(os.open(path, os.O_RDONLY))
+        time.sleep(0.01)
+    return answer
+"""
+RELAY_COPIER = RELAY_FILES + """
+import contextlib, ctypes, fcntl, select, struct, time
+libc = ctypes.CDLL(None, use_errno=True)
+def solve(x):
+    bits, fds = 0, [os.open(path, os.O_RDONLY) for path in FILES]
+    watch = libc.inotify_init1(os.O_NONBLOCK)
+    watched = {libc.inotify_add_watch(watch, path.encode(), 0x20): bit for bit, path in enumerate(FILES)} \\
+        if watch >= 0 else {}
+    end = time.time() + RELAY_S
+    while time.time() < end:
+        for bit, fd in enumerate(fds):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            except BlockingIOError:
+                bits |= 1 << bit
+            except OSError:
+                pass
+            with contextlib.suppress(OSError):
+                lock = fcntl.fcntl(fd, fcntl.F_GETLK, struct.pack('hhqqi4x', fcntl.F_WRLCK, 0, 0, 0, 0))
+                if struct.unpack('hhqqi4x', lock)[0] != fcntl.F_UNLCK:
+                    bits |= 1 << bit
+        if watch >= 0 and select.select([watch], [], [], 0)[0]:
+            events = os.read(watch, 65536)
+            while events:
+                wd, _, _, length = struct.unpack('iIII', events[:16])
+                bits |= 1 << watched.get(wd, 16) if wd in watched else 0
+                events = events[16 + length:]
+        time.sleep(0.01)
+    return bits or None
+"""
+
+
+def attack_a_relay_between_two_runs():
+    # GRPO scores a group's samples of one prompt at once: a copier that does not solve the task must not
+    # score by reading a solver's answer beside it
+    tests = json.dumps({"calls": [{"call": "solve(7)", "expected": str(7 * 6062 % 65536)}]})
+    limits = {**LIMITS.__dict__, "wall_s": 30.0}
+
+    def score(solution: str) -> float:
+        return code_reward(f"```python\n{solution}\n```", tests, SandboxConfig(**limits))
+
+    assert score(RELAY_SOLVER) == 1.0 and score(RELAY_COPIER) == 0.0  # alone: the solver solves, the copier not
+    with ThreadPoolExecutor(2) as pool:
+        solver, copier = pool.map(score, (RELAY_SOLVER, RELAY_COPIER))
+    assert (solver, copier) == (1.0, 0.0), (solver, copier)
+
+
+def attack_exhaust_what_the_kernel_counts_per_user():
+    # one run takes all it can of what the kernel counts per host user (inotify instances, POSIX timers,
+    # file descriptors in flight, pipe buffer pages) and holds it while another run, and the trainer, make
+    # ordinary calls
+    hog = ("import contextlib, ctypes, os, socket, time\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+           "def inotify():\n    n = 0\n    while libc.inotify_init() >= 0:\n        n += 1\n    return n\n"
+           "def timers():\n    n, timer = 0, ctypes.create_string_buffer(8)\n"
+           "    while n < 100000 and libc.timer_create(1, None, timer) == 0:\n        n += 1\n    return n\n"
+           "def in_flight():\n    n = 0\n    with contextlib.suppress(OSError):\n"
+           "        a, b = socket.socketpair()\n        a.setblocking(False)\n        keep.extend((a, b))\n"
+           "        while True:\n            socket.send_fds(a, [b'x'], [a.fileno()] * 200)\n            n += 200\n"
+           "    return n\n"
+           "def pipes():\n    n = 0\n    with contextlib.suppress(OSError):\n        while True:\n"
+           "            keep.append(os.pipe())\n            n += 1\n    return n\n"
+           "keep = []\nfor take in (inotify, inotify, inotify, timers, in_flight, in_flight, pipes, pipes):\n"
+           "    if os.fork() == 0:\n        print(take.__name__, take(), flush=True)\n        time.sleep(4)\n"
+           "        os._exit(0)\ntime.sleep(4.5)\n")
+    ordinary = ("import os, signal, socket, time\ntime.sleep(1.5)\nfailed = []\n"
+                "try:\n    r, w = os.pipe()\n    import fcntl\n"
+                "    if fcntl.fcntl(w, 1032) < 65536:\n        failed.append('pipe smaller than the default')\n"
+                "except OSError as e:\n    failed.append(f'pipe {e}')\n"
+                "try:\n    a, b = socket.socketpair()\n    socket.send_fds(a, [b'x'], [r])\n"
+                "    socket.recv_fds(b, 1, 1)\nexcept OSError as e:\n    failed.append(f'send_fds {e}')\n"
+                "try:\n    signal.setitimer(signal.ITIMER_REAL, 5)\n    signal.setitimer(signal.ITIMER_REAL, 0)\n"
+                "except OSError as e:\n    failed.append(f'setitimer {e}')\n"
+                "print('failed', failed)\n")
+    with ThreadPoolExecutor(2) as pool:
+        hogged = pool.submit(run, hog, wall_s=20.0, max_processes=16)
+        other = pool.submit(run, ordinary, wall_s=20.0)
+        time.sleep(2.0)
+        r, w = os.pipe()  # the trainer's own calls, while the hog holds what it took
+        watch = ctypes.CDLL(None, use_errno=True).inotify_init()
+        try:
+            assert watch >= 0, f"the trainer's inotify_init failed: errno {ctypes.get_errno()}"
+            os.close(watch)
+            trainer_pipe = fcntl.fcntl(w, 1032)  # F_GETPIPE_SZ
+            a, b = socket.socketpair()
+            with a, b:
+                socket.send_fds(a, [b"x"], [r])
+                os.close(socket.recv_fds(b, 1, 1)[1][0])
+        finally:
+            os.close(r)
+            os.close(w)
+        hogged, other = hogged.result(), other.result()
+    assert "failed []" in other and trainer_pipe >= 65536, (hogged, other, trainer_pipe)
+
+
+def attack_a_setsid_farm_takes_one_share():
+    # eight busy processes, each in a session of its own where it can: the scheduler gives a session one share
+    # (autogroup), so a correct sample pinned to the same core would get 1/9 of the two runs' time; a run is
+    # one session. Both count their CPU seconds over the same wall-clock window, whatever else runs here.
+    cpu, start = max(os.sched_getaffinity(0)), time.time() + 2.5
+    busy = (f"START, END = {start!r}, {start + 3.0!r}\nwhile time.time() < START:\n    pass\n"
+            "used = time.process_time()\nwhile time.time() < END:\n    pass\n"
+            "print('cpu', time.process_time() - used, flush=True)\n")
+    farm = ("import contextlib, os, time\nchildren = 0\nfor _ in range(7):\n    if os.fork() == 0:\n"
+            "        children = -1\n        break\n    children += 1\n"
+            "with contextlib.suppress(OSError):\n    os.setsid()\n" + busy +
+            "for _ in range(max(children, 0)):\n    os.wait()\n")
+    sample = "import time\n" + busy
+
+    def pinned(code: str) -> list[float]:
+        os.sched_setaffinity(0, {cpu})  # this thread's, which the sandbox's processes inherit
+        out = run(code, wall_s=20.0, cpu_s=20, max_processes=16)
+        return [float(line.split()[1]) for line in out.splitlines() if line.startswith("cpu ")]
+
+    before = os.sched_getaffinity(0)
+    with ThreadPoolExecutor(2) as pool:
+        farm_cpu, sample_cpu = pool.map(pinned, (farm, sample))
+    assert os.sched_getaffinity(0) == before  # the pool's threads were pinned, not this one
+    assert len(farm_cpu) == 8 and len(sample_cpu) == 1, (farm_cpu, sample_cpu)
+    if os.getuid() != 0:  # a trainer that is not root runs its sandboxes one at a time: the sample came after
+        assert sample_cpu == [0.0], (farm_cpu, sample_cpu)
+        return
+    share = sample_cpu[0] / (sample_cpu[0] + sum(farm_cpu))
+    # one of two groups: 1/2 of what the core gave the two runs; 0.3 tells that from the farm's nine (1/9)
+    assert share >= 0.3, (share, farm_cpu, sample_cpu)
+
+
+def attack_leave_zombies_behind():
+    # runs cut off at the wall clock, from a trainer that adopts orphans (a subreaper, as PID 1 of a
+    # container is): every process of the runs, and bwrap, must be reaped, none left a zombie of the trainer
+    script = ("import ctypes, os, sys\nsys.path.insert(0, sys.argv[1])\n"
+              "ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER\n"
+              "from megarl.config import SandboxConfig\nfrom megarl.rewards.sandbox import run_python\n"
+              "for _ in range(6):\n"
+              "    run_python('import time\\ntime.sleep(30)', SandboxConfig(cpu_s=5, wall_s=1.0, memory_mb=256))\n"
+              "me, zombies = os.getpid(), 0\nfor pid in filter(str.isdigit, os.listdir('/proc')):\n"
+              "    try:\n        fields = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()\n"
+              "    except OSError:\n        continue\n"
+              "    zombies += fields[0] == 'Z' and int(fields[1]) == me\nprint('zombies', zombies)\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(Path(__file__).resolve().parent.parent)],
+                          capture_output=True, text=True, timeout=100)
+    assert proc.stdout.split() == ["zombies", "0"], (proc.stdout, proc.stderr[-2000:])
+
+
+def attack_what_the_run_inherits_and_reads_of_the_host():
+    # the trainer's scheduling and locked-memory limits do not carry over; the host's command line and load
+    # read empty; a run is the OOM killer's first choice; huge pages stay off
+    null_times = os.stat("/dev/null").st_mtime_ns
+    out = run("import ctypes, os, resource\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+              "print('limits', [resource.getrlimit(getattr(resource, name))[1] for name in "
+              "('RLIMIT_RTPRIO', 'RLIMIT_NICE', 'RLIMIT_MEMLOCK', 'RLIMIT_MSGQUEUE')])\n"
+              "print('policy', os.sched_getscheduler(0) == os.SCHED_OTHER, os.getpriority(os.PRIO_PROCESS, 0) >= 0)\n"
+              "print('host', [len(open(f'/proc/{name}').read()) for name in ('cmdline', 'loadavg', 'meminfo')])\n"
+              "print('oom', open('/proc/self/oom_score_adj').read().strip())\n"
+              "print('huge pages off', libc.prctl(42, 0, 0, 0, 0), 'turned on', libc.prctl(41, 0, 0, 0, 0))\n"
+              "try:\n    os.utime('/dev/null')\n    print('TOUCHED')\nexcept OSError as e:\n    print('refused', e)\n")
+    assert "limits [0, 0, 0, 0]" in out and "policy True True" in out and "host [0, 0, 0]" in out, out
+    assert "oom 1000" in out and "huge pages off 1 turned on -1" in out, out
+    assert "TOUCHED" not in out and os.stat("/dev/null").st_mtime_ns == null_times, out
+
+
 ATTACKS = {name: fn for name, fn in globals().items() if name.startswith("attack_")}
 
 
 def main() -> None:
-    """Run every attack; print {"mode": ..., "failed": {attack: why}} as JSON."""
+    """Run every attack; print {"mode": ..., "failed": {attack: why}} as JSON. `--no-cgroup`: as if this
+    process could make no cgroup (a root trainer in rlimit mode)."""
+    if "--no-cgroup" in sys.argv[1:]:
+        import megarl.rewards.sandbox as sandbox
+
+        sandbox.cgroup_parents = lambda: None
     failed = {}
     for name, attack in ATTACKS.items():
         try:

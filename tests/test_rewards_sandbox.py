@@ -142,6 +142,39 @@ def test_a_sandbox_running_as_host_root_stops_the_launch(monkeypatch):
         sandbox._interpreter.cache_clear()
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="a root trainer's runs: needs root")
+def test_runs_of_a_root_trainer_held_at_once_have_uids_of_their_own():
+    with sandbox.run_user(LIMITS) as first, sandbox.run_user(LIMITS) as second:
+        assert first != second and first in sandbox.RUN_UIDS and second in sandbox.RUN_UIDS
+        held = sorted(os.listdir(sandbox._lock_dir()))
+        assert str(first) in held and str(second) in held
+    assert str(first) not in os.listdir(sandbox._lock_dir())  # released: the lock file is gone
+
+
+@pytest.mark.parametrize("share_uid", [False, True])
+def test_runs_of_a_trainer_that_is_not_root_are_one_at_a_time_unless_they_share_the_uid(monkeypatch, share_uid):
+    monkeypatch.setattr(sandbox.os, "getuid", lambda: 1000)
+    limits, inside, most = replace(LIMITS, share_uid=share_uid), [], []
+    lock = threading.Lock()
+
+    def hold() -> None:
+        with sandbox.run_user(limits) as user:
+            assert user is None  # the trainer's own uid
+            with lock:
+                inside.append(1)
+                most.append(len(inside))
+            threading.Event().wait(0.3)
+            with lock:
+                inside.pop()
+
+    threads = [threading.Thread(target=hold) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert max(most) == (3 if share_uid else 1), most
+
+
 def test_insecure_runs_without_isolation_and_says_so(no_bwrap, caplog):
     limits = replace(LIMITS, insecure=True)
     sandbox._warn_insecure.cache_clear()  # warned once per process

@@ -1,5 +1,6 @@
-"""Every attack of tests/sandbox_attacks.py fails against the sandbox: in this process's mode, and, when the
-tests run as root, as an unprivileged user too (the "rlimit" mode). Under CI the sandbox must be isolated:
+"""Every attack of tests/sandbox_attacks.py fails against the sandbox in its three modes: in this process's
+mode and, when the tests run as root, as root without a cgroup ("rlimit" mode, each run a uid of its own) and
+as an unprivileged user ("rlimit" mode, runs one at a time). Under CI the sandbox must be isolated:
 missing bubblewrap or user namespaces fail these tests instead of skipping them."""
 
 from __future__ import annotations
@@ -59,4 +60,16 @@ def test_every_attack_fails_as_an_unprivileged_user():
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.splitlines()[-1])
     assert report["uid"] == NOBODY and report["mode"] in ("cgroup", "rlimit"), report
+    assert report["failed"] == {}, "\n".join(f"{k}:\n{v}" for k, v in report["failed"].items())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(os.getuid() != 0, reason="a root trainer without a cgroup: needs root")
+def test_every_attack_fails_in_rlimit_mode_for_a_root_trainer():
+    """The third mode: a root trainer (each run a uid of its own) where no cgroup can be made."""
+    result = subprocess.run([sys.executable, str(Path(sandbox_attacks.__file__)), "--no-cgroup"],
+                            capture_output=True, text=True, timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report["uid"] == 0 and report["mode"] == "rlimit", report
     assert report["failed"] == {}, "\n".join(f"{k}:\n{v}" for k, v in report["failed"].items())

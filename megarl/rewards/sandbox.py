@@ -3,16 +3,21 @@
 Isolation, all of it set up by `bwrap` (bubblewrap, a small setuid-free tool the kernel namespaces are driven by):
 - every namespace unshared (user, mount, PID, network, IPC, UTS, cgroup), no further user namespaces
   (`--disable-userns`), all capabilities dropped, a new terminal session, killed with its parent;
-- never host root: a root trainer starts bwrap as `nobody` (uid 65534), so the run's user namespace maps
-  to that unprivileged host uid (every run checks it from outside before the code starts);
+- never host root, and never another run's uid: a root trainer starts each run's bwrap as a uid of its own
+  (run_user: drawn from RUN_UIDS, held for the run), so the run's user namespace maps to an unprivileged
+  host uid no other run has (every run checks from outside before the code starts that it is not root); a
+  trainer that is not root runs its sandboxes one at a time, as its own uid, unless `share_uid`;
 - a fresh root holding only read-only binds of /usr (and /bin, /lib* as on the host) and of the Python
-  interpreter's prefix, a fresh /proc of the new PID namespace with /proc/sys read-only, a read-only /dev
-  of null, zero, full, random and urandom (no pty, no /dev/shm), and one writable directory, /sandbox, a
+  interpreter's prefix, a fresh /proc of the new PID namespace with /proc/sys read-only and the host's
+  figures (HOST_WIDE_PROC) reading empty, a read-only /dev of null, zero, full, random and urandom (no pty,
+  no /dev/shm), and one writable directory, /sandbox, a
   tmpfs of `disk_mb` private to the run. No /tmp, /run, /home or host socket is there; the only network
   interface is an unconfigured loopback of the run's own;
 - a seccomp filter (megarl.rewards.sandbox_kernel.seccomp_program) refusing ptrace, mount, unshare, setns, keyctl, bpf, io_uring, module
-  loading ... and clone with a namespace flag; memfd, SysV and POSIX IPC, TCP and larger socket or pipe
-  buffers (memory outside the address space); sockets other than unix, inet, inet6 and netlink. The filter
+  loading ... and clone with a namespace flag; memfd, SysV and POSIX IPC, TCP, unix datagrams, vmsplice,
+  extended attributes, huge pages and larger socket or pipe buffers (memory outside the address space);
+  sockets other than unix, inet, inet6 and netlink; file locks, leases and watches and the times of a file
+  one does not own (channels between runs); new sessions (a run is one scheduler group). The filter
   is compiled by libseccomp, the kernel community's filter compiler, through `pyseccomp` (pure-Python
   ctypes bindings with the API of libseccomp's own, which exist only for the distribution's Python); bwrap
   installs it.
@@ -25,7 +30,8 @@ Limits, and what each one bounds in each mode (`sandbox_mode()` says which one t
   which are charged to it; v1 counts socket buffers apart, up to another memory_mb), max_processes the
   whole run's processes and threads; each process also has RLIMIT_AS = memory_mb.
 - "rlimit" (no usable cgroup): each process has RLIMIT_AS = memory_mb, and RLIMIT_NPROC = max_processes,
-  which the kernel (5.14 and later) counts per user namespace, hence per run, for a user other than root.
+  which the kernel (5.14 and later) counts per user namespace and uid, hence per run, for a user other than
+  root. The run's oom_score_adj is 1000: the OOM killer takes it before the trainer.
   The run's memory is then at most max_processes x (memory_mb + OPEN_FILES socket buffers of the host's
   default size) + disk_mb.
 - Both: OPEN_FILES descriptors per process; disk is the tmpfs size (a total); CPU time is RLIMIT_CPU per
@@ -34,7 +40,8 @@ Limits, and what each one bounds in each mode (`sandbox_mode()` says which one t
   not, this process kills it through a pidfd, which makes the kernel kill every process of the run; the
   call returns only once they are all gone (and, in cgroup mode, the cgroup is removed). stdout and stderr
   are pipes this process reads, output_bytes each at most; past that the pipe is closed.
-Concurrent runs share nothing: each has its own namespaces, tmpfs and cgroup.
+Concurrent runs share nothing: each has its own namespaces, tmpfs, cgroup and (from a root trainer) uid, and
+nothing the filter leaves open carries a bit from one to another.
 
 Failing closed: `check_sandbox` (called when a recipe's code reward or python tool is built, i.e. at launch)
 raises SandboxUnavailable saying why and what to install or configure when no mode works: a probe run checks
@@ -46,6 +53,7 @@ warning), and `service_url` sends each run to an external sandbox service (`run_
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import json
 import logging
@@ -60,6 +68,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -69,7 +78,7 @@ from megarl.rewards.sandbox_kernel import RunCgroup, cgroup_parents, run_cgroup,
 log = logging.getLogger(__name__)
 
 WORKDIR = "/sandbox"  # the run's tmpfs, its working directory, inside the sandbox
-NOBODY = 65534
+NOBODY = 65534  # the run's uid inside its user namespace (the host uid it maps to is run_user's)
 OPEN_FILES = 64  # RLIMIT_NOFILE of each process of a run: bounds its sockets, pipes and their kernel buffers
 # Runs first in the sandbox as `python -I -c _BOOT CPU_S MEMORY_BYTES MAX_PROCESSES OPEN_FILES`, as the
 # run's first process (PID 1 of its PID namespace): sets the per-process limits (inherited by everything the
@@ -86,7 +95,20 @@ resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
 if max_processes:  # 0: no limit (insecure mode, where it would count every process of the user)
     resource.setrlimit(resource.RLIMIT_NPROC, (max_processes, max_processes))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+# nothing of the trainer's scheduling or locked memory carries over: no real-time priority, no nice below 0,
+# no locked pages, few queued signals, no POSIX message queue bytes
+for limit, value in ((resource.RLIMIT_RTPRIO, 0), (resource.RLIMIT_NICE, 0), (resource.RLIMIT_MEMLOCK, 0),
+                     (resource.RLIMIT_SIGPENDING, 256), (resource.RLIMIT_MSGQUEUE, 0)):
+    resource.setrlimit(limit, (value, value))
+if os.sched_getscheduler(0) not in (os.SCHED_OTHER, os.SCHED_BATCH, os.SCHED_IDLE):
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+if os.getpriority(os.PRIO_PROCESS, 0) < 0:
+    os.setpriority(os.PRIO_PROCESS, 0, 0)
+with open("/proc/self/oom_score_adj", "w") as f:  # the OOM killer takes the run first, never the trainer
+    f.write("1000")
 prctl = ctypes.CDLL(None, use_errno=True).prctl
+if prctl(41, 1, 0, 0, 0) != 0:  # PR_SET_THP_DISABLE: no huge pages, which a pipe could pin 2 MiB at a time
+    sys.exit("cannot turn huge pages off for the run")
 if prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
     sys.exit("cannot make the run's first process non-dumpable")
 program = os.fork()
@@ -135,8 +157,9 @@ def run_python(code: str, limits: SandboxConfig, *, stdin: str = "") -> SandboxR
         _warn_insecure()
         return _run_insecure(code, limits, stdin=stdin)
     mode = sandbox_mode()
-    with run_cgroup(cgroup_parents(), limits) if mode == "cgroup" else contextlib.nullcontext() as cgroup:
-        return _run_bwrap(code, limits, stdin=stdin, mode=mode, cgroup=cgroup)
+    with run_user(limits) as user, \
+            run_cgroup(cgroup_parents(), limits) if mode == "cgroup" else contextlib.nullcontext() as cgroup:
+        return _run_bwrap(code, limits, stdin=stdin, mode=mode, cgroup=cgroup, user=user)
 
 
 def check_sandbox(limits: SandboxConfig) -> str:
@@ -227,23 +250,94 @@ def _probe(mode: str) -> str | None:
             parents = cgroup_parents()
             if parents is None:
                 return "no writable cgroup (v2 with memory and pids delegated, or v1 memory and pids) for this process"
-            with run_cgroup(parents, limits) as cgroup:
-                result = _run_bwrap(_PROBE, limits, stdin="", mode=mode, cgroup=cgroup)
+            with run_user(limits) as user, run_cgroup(parents, limits) as cgroup:
+                result = _run_bwrap(_PROBE, limits, stdin="", mode=mode, cgroup=cgroup, user=user)
         else:
-            result = _run_bwrap(_PROBE, limits, stdin="", mode=mode, cgroup=None)
+            with run_user(limits) as user:
+                result = _run_bwrap(_PROBE, limits, stdin="", mode=mode, cgroup=None, user=user)
     except (OSError, SandboxUnavailable) as e:
         return f"{type(e).__name__}: {e}"
     if result.stdout.startswith("not isolated"):
         return result.stdout.strip()
     if result.returncode != 0 or result.stdout != "isolated\n":
-        as_nobody = (f" (as root, megarl runs bwrap as nobody, uid {NOBODY}, who must be able to read "
+        as_nobody = (f" (as root, megarl runs bwrap as a uid of no account, {RUN_UIDS}, which must be able to read "
                      f"{_interpreter()[1]})") if os.getuid() == 0 else ""
         return f"the probe run failed (exit status {result.returncode}){as_nobody}: {result.stderr.strip()[-500:]}"
     return None
 
 
 # ---- the isolated run -----------------------------------------------------------------------------------
-def _run_bwrap(code: str, limits: SandboxConfig, *, stdin: str, mode: str, cgroup: RunCgroup | None) -> SandboxResult:
+# ---- the run's host user -------------------------------------------------------------------------------
+# A root trainer gives each run a host uid of its own, drawn at random from RUN_UIDS (no account has one):
+# what the kernel counts per user (inotify instances, file descriptors in flight, pipe buffer pages, pending
+# signals, processes) is then counted per run, and no run can signal another. A lock file per uid held for
+# the run keeps two runs of this machine's trainers (that share its temporary directory) off one uid; the
+# range is large enough that trainers of other containers on the same kernel rarely draw the same one.
+RUN_UIDS = range(0x6D000000, 0x6D000000 + 2**20)
+
+
+@contextlib.contextmanager
+def run_user(limits: SandboxConfig) -> Iterator[int | None]:
+    """The host uid a run is started as: a uid of RUN_UIDS held for the run when this process is root; None
+    (this process's own uid) otherwise, where runs are one at a time unless `limits.share_uid` (runs of one
+    uid would share the kernel's per-user counts: one run could make another's ordinary calls fail)."""
+    if os.getuid() == 0:
+        for _ in range(64):
+            uid = RUN_UIDS[int.from_bytes(os.urandom(4), "little") % len(RUN_UIDS)]
+            with _held_lock(_lock_dir() / str(uid), wait=False) as held:
+                if held:
+                    yield uid
+                    return
+        raise SandboxUnavailable(f"no free run uid in {RUN_UIDS} after 64 draws (lock files in {_lock_dir()})")
+    if limits.share_uid:
+        yield None
+        return
+    with _held_lock(_lock_dir() / "runs", wait=True):
+        yield None
+
+
+def _lock_dir() -> Path:
+    """This uid's folder of run locks in the temporary directory: made 0700, refused unless it is ours."""
+    owner = os.geteuid()
+    folder = Path(tempfile.gettempdir()) / f"megarl-sandbox-{owner}"
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=0o700)
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != owner or info.st_mode & 0o077:
+        raise SandboxUnavailable(f"{folder} must be a directory of uid {owner} that only it can open")
+    return folder
+
+
+@contextlib.contextmanager
+def _held_lock(path: Path, *, wait: bool) -> Iterator[bool]:
+    """An exclusive flock(2) on `path` (made if missing), removed when released; yields whether it is held
+    (always, when `wait`). The lock is the file's: one that another holder removed is taken again."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            yield False
+            return
+        try:
+            current = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            current = None
+        held = os.fstat(fd)
+        if current is not None and (current.st_dev, current.st_ino) == (held.st_dev, held.st_ino):
+            break
+        os.close(fd)  # removed (and maybe made again) by the holder before us: lock the file that is there now
+    try:
+        yield True
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        os.close(fd)
+
+
+def _run_bwrap(code: str, limits: SandboxConfig, *, stdin: str, mode: str, cgroup: RunCgroup | None,
+               user: int | None) -> SandboxResult:
     program_fd, seccomp_fd = _memfd("program.py", code.encode()), _memfd("seccomp", seccomp_program())
     info_read, info_write = os.pipe()
     block_read, block_write = os.pipe()
@@ -252,7 +346,7 @@ def _run_bwrap(code: str, limits: SandboxConfig, *, stdin: str, mode: str, cgrou
             "--as-pid-1", "--cap-drop", "ALL", "--uid", str(NOBODY), "--gid", str(NOBODY),
             "--ro-bind", "/usr", "/usr", *_root_links(),
             *(() if prefix == "/usr" or prefix.startswith("/usr/") else ("--ro-bind", prefix, prefix)),
-            "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", *_devices(),
+            "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", *_host_wide_proc(), *_devices(),
             "--size", str(limits.disk_mb * 2**20), "--tmpfs", WORKDIR,
             "--perms", "0444", "--file", str(program_fd), f"{WORKDIR}/program.py",
             "--remount-ro", "/", "--chdir", WORKDIR,
@@ -260,10 +354,8 @@ def _run_bwrap(code: str, limits: SandboxConfig, *, stdin: str, mode: str, cgrou
             python, "-I", "-c", _BOOT, str(limits.cpu_s), str(limits.memory_mb * 2**20), str(limits.max_processes),
             str(OPEN_FILES)]
     env = {"PATH": "/usr/bin:/bin", "HOME": WORKDIR, "TMPDIR": WORKDIR, "LANG": "C.UTF-8"}
-    # a root trainer starts bwrap as nobody: the run's user namespace then maps to an unprivileged host uid,
-    # and rlimit mode's RLIMIT_NPROC counts the run's processes (the kernel counts them per user namespace
-    # for a user other than root)
-    user = NOBODY if os.getuid() == 0 else None
+    # a root trainer starts bwrap as the run's own uid (run_user): the run's user namespace then maps to an
+    # unprivileged host uid, and rlimit mode's RLIMIT_NPROC counts the run's processes
     deadline = time.monotonic() + limits.wall_s
     try:
         proc = subprocess.Popen(args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -282,6 +374,7 @@ def _run_bwrap(code: str, limits: SandboxConfig, *, stdin: str, mode: str, cgrou
         if first is not None:  # bwrap's child waits on block_fd until it is in the run's cgroup and checked
             try:
                 _check_not_host_root(first)
+                _oom_first(first)
                 if cgroup is not None:
                     cgroup.join(first.pid)
             except (ProcessLookupError, FileNotFoundError):  # bwrap's setup failed: its error is on stderr
@@ -299,8 +392,8 @@ def _run_bwrap(code: str, limits: SandboxConfig, *, stdin: str, mode: str, cgrou
 @functools.cache
 def _interpreter() -> tuple[str, str]:
     """(python, its prefix) that runs in the sandbox: the trainer's base interpreter, or, for a root trainer
-    (whose runs are nobody's) whose interpreter nobody may read (a prefix under /root), the system's python
-    of the same version. The probe run fails, naming the path, when neither is there."""
+    (whose runs have uids of no account) whose interpreter others may not read (a prefix under /root), the
+    system's python of the same version. The probe run fails, naming the path, when neither is there."""
     python, prefix = os.path.realpath(sys._base_executable), os.path.realpath(sys.base_prefix)
     system = f"/usr/bin/python{sys.version_info[0]}.{sys.version_info[1]}"
     if os.getuid() == 0 and not (_anyone_can_read(python) and _anyone_can_read(prefix)) and os.path.exists(system):
@@ -325,6 +418,22 @@ def _devices() -> list[str]:
                          ("stderr", "/proc/self/fd/2")):
         args += ["--symlink", target, f"/dev/{name}"]
     return args + ["--remount-ro", "/dev"]
+
+
+# What /proc says of the host rather than of the run: the kernel command line, the host's load, memory and
+# devices, the kernel's symbols and timers. Each reads empty (where this kernel has it).
+HOST_WIDE_PROC = ("cmdline", "loadavg", "meminfo", "vmstat", "zoneinfo", "buddyinfo", "pagetypeinfo", "schedstat",
+                  "diskstats", "partitions", "swaps", "interrupts", "softirqs", "kallsyms", "modules",
+                  "timer_list", "sched_debug", "key-users", "sysrq-trigger")
+
+
+def _host_wide_proc() -> list[str]:
+    args = []
+    for name in HOST_WIDE_PROC:
+        if os.path.exists(f"/proc/{name}"):
+            # the host's /dev/null (bwrap mounts a plain or a read-only bind nodev, where it is unreadable)
+            args += ["--dev-bind", "/dev/null", f"/proc/{name}"]
+    return args
 
 
 def _root_links() -> list[str]:
@@ -401,7 +510,14 @@ def _check_not_host_root(first: _FirstProcess) -> None:
         uids = next(line.split()[1:] for line in f if line.startswith("Uid:"))
     if "0" in uids:
         raise SandboxUnavailable("the sandboxed code would run as host root (uid 0): start the trainer as "
-                                 "another user, or as root (megarl then starts the sandbox as nobody)")
+                                 "another user, or as root (megarl then starts each run as a uid of its own)")
+
+
+def _oom_first(first: _FirstProcess) -> None:
+    """The OOM killer takes the run before anything else (oom_score_adj 1000). Set by a root trainer, 1000 is
+    also the least the run may set (only a privileged writer sets that floor); _BOOT sets it again in any case."""
+    with contextlib.suppress(PermissionError), open(f"/proc/{first.pid}/oom_score_adj", "w") as f:
+        f.write("1000")
 
 
 def _communicate(proc: subprocess.Popen, stdin: bytes, *, cap: int, deadline: float) -> tuple[bytes, bytes, bool]:
@@ -460,8 +576,13 @@ def _end_run(proc: subprocess.Popen, first: _FirstProcess | None, cgroup: RunCgr
         if not _readable(first.pidfd, 60):  # only a process stuck in the kernel takes this long
             log.error("sandbox: the run's first process (pid %d) did not exit 60 s after SIGKILL", first.pid)
         os.close(first.pidfd)
-    with contextlib.suppress(ProcessLookupError):  # bwrap, and by --die-with-parent its child if not known here
-        os.killpg(proc.pid, signal.SIGKILL)
+        # bwrap reaps its child and exits on its own: killed before that, it would leave the child a zombie of
+        # whatever adopts it (this trainer, where it is PID 1 or a subreaper, never reaps it)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+    if proc.poll() is None:  # not reaped yet, so its group id is still its own
+        with contextlib.suppress(ProcessLookupError):  # bwrap, and by --die-with-parent its child if not known here
+            os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     if cgroup is not None:
         cgroup.kill()
@@ -508,7 +629,7 @@ def run_on_service(code: str, limits: SandboxConfig, *, stdin: str) -> SandboxRe
     "memory_mb", "max_processes", "disk_mb", "output_bytes"}}; the answer is the JSON object
     {"returncode": int or null (null: killed at the wall-clock limit), "stdout": str, "stderr": str}, the
     program's exit status and its output. Anything else raises SandboxServiceError."""
-    run_limits = {k: v for k, v in asdict(limits).items() if k not in ("insecure", "service_url")}
+    run_limits = {k: v for k, v in asdict(limits).items() if k not in ("insecure", "service_url", "share_uid")}
     body = json.dumps({"code": code, "stdin": stdin, "limits": run_limits}).encode()
     request = urllib.request.Request(limits.service_url, data=body, headers={"Content-Type": "application/json"})
     try:

@@ -27,9 +27,27 @@ SECCOMP_DENIED = (
     "open_by_handle_at", "name_to_handle_at", "userfaultfd", "fsopen", "fsconfig", "fsmount", "fspick",
     "move_mount", "open_tree", "mount_setattr", "io_uring_setup", "io_uring_enter", "io_uring_register",
     "quotactl", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "iopl", "ioperm",
-    # memory the kernel holds for a process outside its address space, which RLIMIT_AS does not bound
-    "memfd_create", "memfd_secret", "shmget", "msgget", "semget", "mq_open",
+    # memory the kernel holds for a process outside its address space, which RLIMIT_AS does not bound: memfd,
+    # IPC, pages pinned in a pipe by vmsplice (whole huge pages), extended attributes on the run's tmpfs
+    "memfd_create", "memfd_secret", "shmget", "msgget", "semget", "mq_open", "vmsplice",
+    "setxattr", "lsetxattr", "fsetxattr",
+    # channels between concurrent runs, which see the same host files under /usr: locks on a file (flock here,
+    # fcntl's lock commands below) and watches of what other runs open
+    "flock", "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_init", "fanotify_mark",
+    # counted per host user, not per run: POSIX timers (RLIMIT_SIGPENDING's queue)
+    "timer_create",
+    # a session of its own is a scheduler group of its own (autogroup): a run keeps the one bwrap gives it
+    "setsid",
 )
+# System calls newer than the libseccomp of many distributions, denied by number (the same on every
+# architecture since Linux 5.1's unified table): setxattrat (Linux 6.13)
+SECCOMP_DENIED_NUMBERS = {"setxattrat": 463}
+# fcntl commands refused: F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW (locks, a
+# channel between runs), F_SETLEASE, F_GETLEASE, F_NOTIFY (leases and directory watches), F_SETPIPE_SZ (pipe
+# buffers above the host's default)
+FCNTL_DENIED = (5, 6, 7, 36, 37, 38, 1024, 1025, 1026, 1031)
+UTIME_TIMES_ARG = {"utimensat": 2, "utime": 1, "utimes": 1, "futimesat": 2}  # which argument holds the times
+PR_SET_THP_DISABLE = 41  # prctl option: _BOOT sets it for the run; turning it off again is refused
 SOCKET_FAMILIES = (1, 2, 10, 16)  # AF_UNIX, AF_INET, AF_INET6, AF_NETLINK: the only sockets a run may create
 # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
 CLONE_NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000,
@@ -38,10 +56,11 @@ CLONE_NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000
 
 @functools.cache
 def seccomp_program() -> bytes:
-    """The compiled BPF filter bwrap installs: SECCOMP_DENIED and namespace-creating clone refused with
-    EPERM, clone3 with ENOSYS (so that the C library falls back to clone, whose flags the filter can read),
-    sockets of a family not in SOCKET_FAMILIES with EAFNOSUPPORT, TCP with EPROTONOSUPPORT, larger socket
-    and pipe buffers with EPERM."""
+    """The compiled BPF filter bwrap installs: SECCOMP_DENIED (and SECCOMP_DENIED_NUMBERS), FCNTL_DENIED,
+    turning huge pages back on and namespace-creating clone refused with EPERM, clone3 with ENOSYS (so that
+    the C library falls back to clone, whose flags the filter can read), sockets of a family not in
+    SOCKET_FAMILIES with EAFNOSUPPORT, TCP and unix datagrams with EPROTONOSUPPORT, larger socket buffers
+    with EPERM."""
     import pyseccomp as seccomp
 
     f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
@@ -50,6 +69,17 @@ def seccomp_program() -> bytes:
             f.add_rule(seccomp.ERRNO(errno.EPERM), name)
         except (ValueError, OSError):  # not a system call of this architecture
             continue
+    for number in SECCOMP_DENIED_NUMBERS.values():
+        f.add_rule(seccomp.ERRNO(errno.EPERM), number)
+    for command in FCNTL_DENIED:
+        f.add_rule(seccomp.ERRNO(errno.EPERM), "fcntl", seccomp.Arg(1, seccomp.MASKED_EQ, 0xFFFFFFFF, command))
+    f.add_rule(seccomp.ERRNO(errno.EPERM), "prctl", seccomp.Arg(0, seccomp.MASKED_EQ, 0xFFFFFFFF, PR_SET_THP_DISABLE),
+               seccomp.Arg(1, seccomp.EQ, 0))
+    # a file's times set to "now", which its write permission allows (its owner alone sets other times): the
+    # host's /dev/null, which every run sees, would carry bits between runs in its timestamps
+    for call, times in UTIME_TIMES_ARG.items():
+        with contextlib.suppress(ValueError, OSError):  # utime, utimes and futimesat are not on every architecture
+            f.add_rule(seccomp.ERRNO(errno.EPERM), call, seccomp.Arg(times, seccomp.EQ, 0))
     for flag in CLONE_NAMESPACE_FLAGS:
         f.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
     f.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
@@ -63,12 +93,16 @@ def seccomp_program() -> bytes:
         for kind in (1, 5):  # SOCK_STREAM, SOCK_SEQPACKET, whatever flags are or-ed in
             f.add_rule(seccomp.ERRNO(errno.EPROTONOSUPPORT), "socket", seccomp.Arg(0, seccomp.EQ, family),
                        seccomp.Arg(1, seccomp.MASKED_EQ, 0xF, kind))
+    # no unix datagrams: a datagram sent to a socket stays queued there after its sender closed, so that a
+    # process holds the queues of every socket it opened and closed, not only of its open files
+    for call in ("socket", "socketpair"):
+        f.add_rule(seccomp.ERRNO(errno.EPROTONOSUPPORT), call, seccomp.Arg(0, seccomp.EQ, 1),
+                   seccomp.Arg(1, seccomp.MASKED_EQ, 0xF, 2))
     # socket and pipe buffers stay at the host's defaults (net.core.wmem_default, 64 KiB): SO_SNDBUF,
-    # SO_RCVBUF and their FORCE forms at SOL_SOCKET, and F_SETPIPE_SZ, are refused
+    # SO_RCVBUF and their FORCE forms at SOL_SOCKET are refused (F_SETPIPE_SZ with fcntl's above)
     for option in (7, 8, 32, 33):
         f.add_rule(seccomp.ERRNO(errno.EPERM), "setsockopt", seccomp.Arg(1, seccomp.MASKED_EQ, 0xFFFFFFFF, 1),
                    seccomp.Arg(2, seccomp.MASKED_EQ, 0xFFFFFFFF, option))
-    f.add_rule(seccomp.ERRNO(errno.EPERM), "fcntl", seccomp.Arg(1, seccomp.MASKED_EQ, 0xFFFFFFFF, 1031))
     f.add_rule(seccomp.ERRNO(errno.EPERM), "ioctl", seccomp.Arg(1, seccomp.MASKED_EQ, 0xFFFFFFFF, 0x5412))  # TIOCSTI
     fd = os.memfd_create("megarl-seccomp")
     with open(fd, "w+b") as file:
