@@ -6,6 +6,12 @@ naming the newest complete one (replaced atomically, after the rename), and `fin
 finished policy. A crash at any moment leaves either the previous `latest` or the new one, never a
 half-written checkpoint that resume would load; stale `.tmp-*` directories are removed at the next save.
 
+Each step directory holds `manifest.json`: every other file's size and (with `checkpoint.checksums`) sha256,
+computed by all ranks in parallel once every rank has finished writing. Resume checks a checkpoint against it
+before loading anything: a truncated or damaged file (a disk that filled up under a writer that did not
+notice, a bad copy, a flipped bit) is named, its checkpoint moved aside as `.corrupt-stepN`, and the run
+resumes from the newest one that is whole.
+
 HF exports are written to a temporary sibling directory and published with one rename too; config and
 tokenizer files are copied from the source model.
 """
@@ -13,6 +19,7 @@ tokenizer files are copied from the source model.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -170,6 +177,78 @@ def disk_full_error(exc: BaseException, path: Path) -> CheckpointError | None:
                            f"run again to resume from the last complete checkpoint")
 
 
+MANIFEST = "manifest.json"
+
+
+def checkpoint_files(root: Path) -> list[str]:
+    """The files under checkpoint directory `root` that its manifest describes (all but the manifest)."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def describe_files(root: Path, names: Iterable[str], *, checksums: bool) -> dict[str, dict]:
+    """Each named file's size in bytes and, with `checksums`, its sha256: a share of the manifest."""
+    described = {}
+    for name in names:
+        path = root / name
+        described[name] = {"bytes": path.stat().st_size}
+        if checksums:
+            described[name]["sha256"] = _sha256(path)
+    return described
+
+
+def check_files(root: Path, manifest: dict, names: Iterable[str]) -> list[str]:
+    """What is wrong with the named files of checkpoint `root` against its `manifest` (empty: nothing)."""
+    problems = []
+    for name in names:
+        want, path = manifest["files"][name], root / name
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+        elif (size := path.stat().st_size) != want["bytes"]:
+            problems.append(f"{path}: {size} bytes, written with {want['bytes']}")
+        elif "sha256" in want and _sha256(path) != want["sha256"]:
+            problems.append(f"{path}: its sha256 differs from the one written with it")
+    return problems
+
+
+def read_manifest(root: Path) -> dict | None:
+    """The manifest of checkpoint `root`; None for a checkpoint written before manifests; CheckpointError when
+    it cannot be read."""
+    path = root / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+        if not isinstance(manifest.get("files"), dict):
+            raise ValueError("no 'files' object")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+    return manifest
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def set_latest(root: Path, name: str) -> None:
+    """Point `root/latest` at step directory `name`, atomically."""
+    pointer_tmp = root / f".{LATEST}.tmp"
+    pointer_tmp.write_text(name + "\n")
+    with open(pointer_tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(pointer_tmp, root / LATEST)
+
+
+def set_aside(path: Path) -> Path:
+    """Move a damaged checkpoint out of resume's way, kept for inspection as `.corrupt-NAME` (numbered when
+    there is one already)."""
+    target, n = path.with_name(f".corrupt-{path.name}"), 1
+    while target.exists():
+        target, n = path.with_name(f".corrupt-{path.name}.{n}"), n + 1
+    os.rename(path, target)
+    return target
+
+
 def step_dir_name(step: int) -> str:
     return f"step{step:08d}"
 
@@ -211,11 +290,7 @@ def publish(tmp: Path, *, step: int, keep_last: int) -> Path:
         shutil.rmtree(old)
     else:
         os.rename(tmp, final)
-    pointer_tmp = root / f".{LATEST}.tmp"
-    pointer_tmp.write_text(final.name + "\n")
-    with open(pointer_tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(pointer_tmp, root / LATEST)
+    set_latest(root, final.name)
     if keep_last:
         steps = sorted(p for p in root.glob("step*") if p.is_dir())
         for old in steps[:-keep_last]:

@@ -671,6 +671,9 @@ class CheckpointConfig:
     save_final: bool = True  # at the end: a resumable checkpoint and the HF export RUN_DIR/checkpoints/final
     keep_last: int = 2  # resumable checkpoints kept on disk, newest first; 0 = keep all
     resume: str = "auto"  # "auto": continue from checkpoints/latest when there is one; "never"; or a checkpoint dir
+    # the manifest of each checkpoint holds every file's sha256 beside its size (hashed by all ranks in
+    # parallel, at save and before a resume); false: sizes only, which catch truncation but not damage
+    checksums: bool = True
 
     def check(self) -> None:
         _at_least(self, 0, "every_steps", "keep_last")

@@ -165,6 +165,58 @@ def test_a_latest_pointer_to_a_missing_checkpoint_is_an_error_naming_it(recipe, 
     assert "latest names step00000099, which has no state.json" in result.stderr
 
 
+def largest_file(checkpoint: Path) -> Path:
+    return max((p for p in checkpoint.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def test_a_damaged_checkpoint_is_named_set_aside_and_the_one_before_resumed(recipe, uninterrupted, tmp_path):
+    """The newest checkpoint's largest file cut short (a disk that filled under a writer that did not notice):
+    resume names the file, moves the checkpoint aside and continues from the one before, and the run ends as
+    the uninterrupted one did (steps 5 and 6 recomputed exactly)."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(uninterrupted, run_dir)
+    root = run_dir / "checkpoints"
+    manifest = json.loads((root / f"step{STEPS:08d}" / "manifest.json").read_text())
+    assert manifest["files"] and all(len(f["sha256"]) == 64 for f in manifest["files"].values())
+    damaged = largest_file(root / f"step{STEPS:08d}")
+    half = damaged.stat().st_size // 2
+    with open(damaged, "r+b") as f:
+        f.truncate(half)
+    result = run_python(train_args(recipe, run_dir), cwd=tmp_path, timeout_s=RUN_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert f"{damaged}: {half} bytes, written with {2 * half}" in result.stderr or \
+        f"{damaged}: {half} bytes, written with {2 * half + 1}" in result.stderr, result.stderr[-3000:]
+    assert f"resuming from {root / f'step{4:08d}'}" in result.stderr
+    aside = root / f".corrupt-step{STEPS:08d}"
+    assert (aside / damaged.relative_to(root / f"step{STEPS:08d}")).stat().st_size == half  # kept to inspect
+    assert (root / "latest").read_text().strip() == f"step{STEPS:08d}"  # saved again by the resumed run
+    assert_same_run(run_dir, uninterrupted)
+
+
+def test_no_whole_checkpoint_stops_the_run_naming_each_damaged_file(recipe, uninterrupted, tmp_path):
+    """One byte changed in each kept checkpoint, sizes intact: the sha256s tell, and nothing is loaded."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(uninterrupted, run_dir)
+    root = run_dir / "checkpoints"
+    damaged = [largest_file(root / f"step{step:08d}") for step in (4, STEPS)]
+    for path in damaged:
+        with open(path, "r+b") as f:
+            f.seek(path.stat().st_size // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    result = run_python(train_args(recipe, run_dir), cwd=tmp_path, timeout_s=RUN_TIMEOUT_S)
+    assert result.returncode != 0
+    assert f"no checkpoint under {root} is whole" in result.stderr, result.stderr[-3000:]
+    for path, step in zip(damaged, (4, STEPS)):
+        assert f"{path}: its sha256 differs" in result.stderr
+        assert (root / f".corrupt-step{step:08d}").is_dir()
+
+
 def test_resume_at_another_layout_continues_with_the_same_metrics(recipe, tmp_path):
     """Saved at TP=2, resumed at PP=2 (two ranks each, one data-parallel replica): steps 3 and 4 match a run
     that stayed at TP=2. The sampled tokens are the same (the rollout RNG is per replica); the numbers

@@ -10,6 +10,7 @@ A checkpoint directory (see megarl.checkpoint for how it is published atomically
   rank{r}.pt           per rank: torch and Megatron RNG states (restored when the layout is unchanged)
   recipe.yaml          the recipe of the run
   hf/                  the model's config and tokenizer files, so conversion tools need nothing else
+  manifest.json        every other file's size and sha256 (checked before a resume loads anything)
 
 Everything is restored, so a resumed run draws the same prompts, samples the same responses (native engine;
 SGLang's sampler state cannot be saved) and computes the same metrics as one never interrupted.
@@ -29,8 +30,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint import (CheckpointError, copy_side_files, disk_full_error, latest_checkpoint, publish,
-                               step_dir_name, temporary_dir)
+from megarl.checkpoint import (MANIFEST, CheckpointError, check_files, checkpoint_files, copy_side_files,
+                               describe_files, disk_full_error, latest_checkpoint, publish, read_manifest,
+                               set_aside, set_latest, step_dir_name, temporary_dir)
 from megarl.config import Config, RecipeError
 from megarl.data.prompts import PromptSampler
 from megarl.dataclass_yaml import dump_config
@@ -53,6 +55,8 @@ def find_resume(cfg: Config) -> tuple[Path | None, int]:
     root = checkpoint_root(cfg)
     if resume == "auto":
         path = latest_checkpoint(root)
+        if path is not None:
+            path = newest_whole(root, path)
     elif resume == "never":
         if latest_checkpoint(root) is not None:
             raise RecipeError(f"checkpoint.resume: 'never', but {root} holds checkpoints of an earlier run; "
@@ -62,9 +66,60 @@ def find_resume(cfg: Config) -> tuple[Path | None, int]:
         path = Path(resume)
         if not (path / "state.json").is_file():
             raise RecipeError(f"checkpoint.resume: {path} is not a checkpoint directory (no state.json)")
+        problems = damage(path)
+        if problems:
+            raise CheckpointError(f"checkpoint.resume: {path} is damaged: " + "; ".join(problems))
     if path is None:
         return None, 0
     return path, int(json.loads((path / "state.json").read_text())["step"])
+
+
+def damage(path: Path) -> list[str]:
+    """What is wrong with checkpoint `path` against its manifest, checked by every rank in parallel (a
+    collective call); empty when it is whole or was written before manifests."""
+    world, rank = _world()
+    manifest = read_manifest(path)
+    if manifest is None:
+        log.info("%s has no %s (written before checkpoints carried one): not checked", path, MANIFEST)
+        return []
+    names = sorted(manifest["files"])
+    mine = check_files(path, manifest, names[rank::world])
+    if world == 1:
+        return mine
+    found: list[list[str] | None] = [None] * world
+    dist.all_gather_object(found, mine)
+    return [problem for problems in found for problem in problems]
+
+
+def newest_whole(root: Path, latest: Path) -> Path:
+    """`latest`, or, when it is damaged, the newest older checkpoint under `root` that is whole; each damaged
+    one is named in the log and moved aside (`.corrupt-stepN`), and `latest` points at the one returned.
+    CheckpointError when none is whole."""
+    older = sorted((p for p in root.glob("step*") if p.is_dir() and p.name < latest.name), reverse=True)
+    seen = []
+    for path in [latest, *older]:
+        problems = damage(path)
+        if not problems:
+            if path != latest and _world()[1] == 0:
+                set_latest(root, path.name)
+            _barrier()
+            return path
+        seen.append(f"{path.name}: " + "; ".join(problems))
+        if _world()[1] == 0:
+            aside = set_aside(path)
+            log.error("checkpoint %s is damaged (%s): moved to %s; resuming from an older one",
+                      path, "; ".join(problems), aside)
+        _barrier()
+    raise CheckpointError(f"no checkpoint under {root} is whole: " + " | ".join(seen))
+
+
+def _world() -> tuple[int, int]:
+    return (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def already_finished(cfg: Config, path: Path | None, step: int, steps: int) -> bool:
@@ -158,12 +213,26 @@ def _write_checkpoint(cfg: Config, step: int, state: RunState, tmp: Path) -> Pat
         (tmp / "hf").mkdir()
         copy_side_files(cfg.model.path, tmp / "hf")
     dist.barrier()
+    _write_manifest(tmp, checksums=cfg.checkpoint.checksums)
     final = checkpoint_root(cfg) / step_dir_name(step)
     if dist.get_rank() == 0:
         final = publish(tmp, step=step, keep_last=cfg.checkpoint.keep_last)
         log.info("checkpoint of step %d saved to %s", step, final)
     dist.barrier()
     return final
+
+
+def _write_manifest(tmp: Path, *, checksums: bool) -> None:
+    """Every file of the checkpoint in `tmp`, written by all ranks, described in its manifest: each rank sizes
+    and hashes its share of the files, rank 0 writes what they found (a collective call)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    names = [checkpoint_files(tmp) if rank == 0 else None]
+    dist.broadcast_object_list(names, src=0)
+    shares: list[dict | None] = [None] * world
+    dist.all_gather_object(shares, describe_files(tmp, names[0][rank::world], checksums=checksums))
+    if rank == 0:
+        files = {name: entry for share in shares for name, entry in share.items()}
+        (tmp / MANIFEST).write_text(json.dumps({"files": dict(sorted(files.items()))}, indent=1) + "\n")
 
 
 def restore_checkpoint(path: Path, state: RunState) -> int:
