@@ -1,13 +1,15 @@
 """Rollout engines with a fault injected: small wrappers around a real engine.
 
 `SkippingEngine` silently skips one tensor of its pushes; `StuckEngine` stops taking pushes after the first;
-`CrashingEngine` fails generate calls midway, as a model forward that raises. Run as a script, this is
+`CrashingEngine` fails generate calls midway, as a model forward that raises; `ShortEngine` leaves a prompt
+unanswered without raising. Run as a script, this is
 `megarl train` whose rollout engine carries the fault (test_engine_faults.py):
 
     faulty_engines.py ignored RECIPE [key=value ...]   pushes never take effect: version and weights stay
     faulty_engines.py claimed RECIPE [key=value ...]   the version advances, the weights stay
     faulty_engines.py crash:N RECIPE [key=value ...]   the process's N-th generate call fails midway, once
     faulty_engines.py crash:N+ RECIPE [key=value ...]  every generate call from the N-th on fails midway
+    faulty_engines.py short:N RECIPE [key=value ...]   the N-th generate call answers every prompt but its last
     faulty_engines.py kill:N RECIPE [key=value ...]    SGLang: the N-th generate call's first finished response
                                                        SIGKILLs the engine's scheduler process
 
@@ -102,6 +104,25 @@ class CrashingEngine:
         return getattr(self.engine, name)
 
 
+class ShortEngine(CrashingEngine):
+    """A real engine whose generate calls `crashes(n)` selects return normally without a response for their
+    last prompt, as an engine that loses a request would: nothing raised, one sample missing."""
+
+    def generate(self, prompts, *, on_response=None, **kwargs):
+        CrashingEngine.calls += 1
+        n = CrashingEngine.calls
+        self._log(n, self.crashes(n), prompts)
+        if not self.crashes(n):
+            return self.engine.generate(prompts, on_response=on_response, **kwargs)
+        last = len(prompts) - 1
+
+        def respond(i, *response):
+            if i != last and on_response is not None:
+                on_response(i, *response)
+
+        return self.engine.generate(prompts, on_response=respond, **kwargs)
+
+
 class SchedulerKiller(CrashingEngine):
     """An SGLang engine whose scheduler process is SIGKILLed, in the calls `crashes(n)` selects, as soon as the
     first response has come back (the others are still being generated): the engine fails as SGLang fails."""
@@ -140,9 +161,9 @@ if __name__ == "__main__":
 
     fault, argv = sys.argv[1], sys.argv[2:]
     make = colocated.make_rollout_engine
-    if fault.startswith(("crash:", "kill:")):
+    if fault.startswith(("crash:", "kill:", "short:")):
         kind, spec = fault.split(":")
-        wrapper, which = {"crash": CrashingEngine, "kill": SchedulerKiller}[kind], crashes(spec)
+        wrapper, which = {"crash": CrashingEngine, "kill": SchedulerKiller, "short": ShortEngine}[kind], crashes(spec)
         faulty = lambda *a, **k: wrapper(make(*a, **k), crashes=which)  # noqa: E731
     else:
         faulty = lambda *a, **k: StuckEngine(make(*a, **k), claims=fault == "claimed")  # noqa: E731

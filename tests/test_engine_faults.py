@@ -224,6 +224,21 @@ def test_an_engine_that_fails_midway_starts_again_and_its_step_goes_on_with_ever
     assert "RuntimeError: simulated device failure in generate call 3" in err
 
 
+def test_an_engine_that_leaves_a_prompt_unanswered_is_started_again_and_the_step_loses_no_sample(recipe):
+    """The third generate call returns without a response for its last prompt and raises nothing: the run
+    names the missing prompt, starts the engine again and generates step 3's samples once more; every step
+    trains on all of its samples."""
+    code, err, logged = faulty_run(recipe, "short:3")
+    assert code == 0, err[-3000:]
+    assert [m["step"] for m in logged] == list(range(1, STEPS + 1))
+    assert [m["rollout/engine_restarts"] for m in logged] == [0, 0, 1, 1, 1]
+    assert "the engine returned 15 responses for 16 prompts (none for prompts [15])" in err, err[-3000:]
+    calls = engine_calls(recipe, "short:3")
+    assert [(c["call"], c["crash"], c["version"]) for c in calls][2:4] == [(3, True, 3), (4, False, 3)]
+    retried = collections.Counter(map(tuple, calls[3]["prompts"]))  # all 16 samples of the step, again
+    assert retried == collections.Counter(map(tuple, calls[2]["prompts"])) and sorted(retried.values()) == [4] * 4
+
+
 def test_failures_past_max_engine_restarts_stop_the_run_with_a_checkpoint_that_gives_the_step_back(recipe):
     """Every generate call from the third on fails: the restart allowed (max_engine_restarts 1) fails too, and
     the run stops with exit code 1, naming the engine and its last error, after saving step 2 with the prompt

@@ -255,17 +255,22 @@ class _Rollout:
         """The engine's generate for the trajectories `active`. What the engine raises is an EngineError (its
         phase "generate"); what `on_response` raises is not the engine's and goes on unchanged."""
         ours: list[BaseException] = []
+        answered: set[int] = set()
+        start = time.monotonic()
 
-        def respond(*args) -> None:
+        def respond(j: int, *response) -> None:
+            if not 0 <= j < len(active) or j in answered:  # the engine's fault: the call is undone and retried
+                raise EngineError(phase="generate", elapsed_s=time.monotonic() - start, cause=(
+                    f"a response for prompt {j} of {len(active)}" + (" again" if j in answered else "")))
+            answered.add(j)
             try:
-                on_response(*args)
+                on_response(j, *response)
             except BaseException as e:
                 ours.append(e)
                 raise
 
-        start = time.monotonic()
         try:
-            return engine.generate(
+            generation = engine.generate(
                 [self.trajectories[i].prompt_ids + self.trajectories[i].response_ids for i in active],
                 temperature=self.temperature, top_p=self.top_p, max_new_tokens=max_new_tokens,
                 eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id, on_response=respond)
@@ -276,6 +281,12 @@ class _Rollout:
                 raise ours[0]
             raise EngineError(phase="generate", cause=f"{type(e).__name__}: {e}",
                               elapsed_s=time.monotonic() - start) from e
+        if len(answered) < len(active):  # lost prompts are generated again, never dropped from the step
+            missing = sorted(set(range(len(active))) - answered)
+            raise EngineError(phase="generate", elapsed_s=time.monotonic() - start, cause=(
+                f"the engine returned {len(answered)} responses for {len(active)} prompts (none for prompts "
+                f"{missing[:8]}{' ...' if len(missing) > 8 else ''})"))
+        return generation
 
     def end_turn(self, active: list[int], budget: dict[int, int], stepping: list[int],
                  j: int, ids: list[int], logprobs: list[float], reason: str) -> None:
