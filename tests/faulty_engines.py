@@ -80,10 +80,19 @@ class CrashingEngine:
 
     def generate(self, prompts, *, on_response=None, **kwargs):
         CrashingEngine.calls += 1
-        n, crash = CrashingEngine.calls, self.dead or self.crashes(CrashingEngine.calls)
-        self._log(n, crash, prompts)
-        if not crash:
+        n = CrashingEngine.calls
+        faulty = self.faulty(n)
+        self._log(n, faulty, prompts)
+        if not faulty:
             return self.engine.generate(prompts, on_response=on_response, **kwargs)
+        return self.fail(n, prompts, on_response, **kwargs)
+
+    def faulty(self, n: int) -> bool:
+        """Whether call `n` carries the fault."""
+        return self.dead or self.crashes(n)
+
+    def fail(self, n: int, prompts, on_response, **kwargs):
+        """Call `n`, with the fault."""
         half = len(prompts) // 2
 
         def respond(i, *response):
@@ -108,12 +117,10 @@ class ShortEngine(CrashingEngine):
     """A real engine whose generate calls `crashes(n)` selects return normally without a response for their
     last prompt, as an engine that loses a request would: nothing raised, one sample missing."""
 
-    def generate(self, prompts, *, on_response=None, **kwargs):
-        CrashingEngine.calls += 1
-        n = CrashingEngine.calls
-        self._log(n, self.crashes(n), prompts)
-        if not self.crashes(n):
-            return self.engine.generate(prompts, on_response=on_response, **kwargs)
+    def faulty(self, n: int) -> bool:
+        return self.crashes(n)
+
+    def fail(self, n: int, prompts, on_response, **kwargs):
         last = len(prompts) - 1
 
         def respond(i, *response):
@@ -127,14 +134,12 @@ class SchedulerKiller(CrashingEngine):
     """An SGLang engine whose scheduler process is SIGKILLed, in the calls `crashes(n)` selects, as soon as the
     first response has come back (the others are still being generated): the engine fails as SGLang fails."""
 
-    def generate(self, prompts, *, on_response=None, **kwargs):
+    def faulty(self, n: int) -> bool:
+        return self.crashes(n)
+
+    def fail(self, n: int, prompts, on_response, **kwargs):
         import signal
 
-        CrashingEngine.calls += 1
-        n = CrashingEngine.calls
-        self._log(n, self.crashes(n), prompts)
-        if not self.crashes(n):
-            return self.engine.generate(prompts, on_response=on_response, **kwargs)
         scheduler = self.engine.engine.get_all_child_pids()[0]  # TP rank 0's scheduler comes first
         killed = []
 
