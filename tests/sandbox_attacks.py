@@ -640,8 +640,8 @@ def attack_a_setsid_farm_takes_one_share():
         farm_cpu, sample_cpu = pool.map(pinned, (farm, sample))
     assert os.sched_getaffinity(0) == before  # the pool's threads were pinned, not this one
     assert len(farm_cpu) == 8 and len(sample_cpu) == 1, (farm_cpu, sample_cpu)
-    if os.getuid() != 0:  # a trainer that is not root runs its sandboxes one at a time: the sample came after
-        assert sample_cpu[0][1] < 0.5, (farm_cpu, sample_cpu)
+    if os.getuid() != 0:  # a trainer that is not root runs its sandboxes one at a time: one came after the window
+        assert sample_cpu[0][1] < 0.5 or max(wall for _, wall in farm_cpu) < 0.5, (farm_cpu, sample_cpu)
         return
     assert all(wall > 1.0 for _, wall in (*farm_cpu, *sample_cpu)), ("the runs barely overlapped", farm_cpu, sample_cpu)
     rate = [used / wall for used, wall in (*farm_cpu, *sample_cpu)]

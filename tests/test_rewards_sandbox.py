@@ -15,7 +15,7 @@ import pytest
 from megarl.config import EnvConfig, RecipeError, RewardConfig, RewardTermConfig, SandboxConfig
 from megarl.data.prompts import DataError, PromptRow
 from megarl.envs.environment import environment_factory
-from megarl.rewards import harness, sandbox
+from megarl.rewards import harness, sandbox, sandbox_kernel
 from megarl.rewards.code import CodeSpecError, check_test_specs, code_reward, extract_code, parse_tests
 from megarl.rewards.sandbox import SandboxUnavailable, run_python, sandbox_mode
 from megarl.rewards.terms import build_terms
@@ -144,21 +144,21 @@ def test_a_sandbox_running_as_host_root_stops_the_launch(monkeypatch):
 
 @pytest.mark.skipif(os.getuid() != 0, reason="a root trainer's runs: needs root")
 def test_runs_of_a_root_trainer_held_at_once_have_uids_of_their_own():
-    with sandbox.run_user(LIMITS) as first, sandbox.run_user(LIMITS) as second:
-        assert first != second and first in sandbox.RUN_UIDS and second in sandbox.RUN_UIDS
-        held = sorted(os.listdir(sandbox._lock_dir()))
+    with sandbox_kernel.run_user(LIMITS) as first, sandbox_kernel.run_user(LIMITS) as second:
+        assert first != second and first in sandbox_kernel.RUN_UIDS and second in sandbox_kernel.RUN_UIDS
+        held = sorted(os.listdir(sandbox_kernel.lock_dir()))
         assert str(first) in held and str(second) in held
-    assert str(first) not in os.listdir(sandbox._lock_dir())  # released: the lock file is gone
+    assert str(first) not in os.listdir(sandbox_kernel.lock_dir())  # released: the lock file is gone
 
 
 @pytest.mark.parametrize("share_uid", [False, True])
 def test_runs_of_a_trainer_that_is_not_root_are_one_at_a_time_unless_they_share_the_uid(monkeypatch, share_uid):
-    monkeypatch.setattr(sandbox.os, "getuid", lambda: 1000)
+    monkeypatch.setattr(sandbox_kernel.os, "getuid", lambda: 1000)
     limits, inside, most = replace(LIMITS, share_uid=share_uid), [], []
     lock = threading.Lock()
 
     def hold() -> None:
-        with sandbox.run_user(limits) as user:
+        with sandbox_kernel.run_user(limits) as user:
             assert user is None  # the trainer's own uid
             with lock:
                 inside.append(1)

@@ -1,47 +1,22 @@
 """Run untrusted Python (the `code` reward's harness, the `python` tool) isolated by bubblewrap, failing closed.
+docs/rewards.md, "Code sandbox", says what it promises in each mode; here is where each promise is kept.
 
-Isolation, all of it set up by `bwrap` (bubblewrap, a small setuid-free tool the kernel namespaces are driven by):
-- every namespace unshared (user, mount, PID, network, IPC, UTS, cgroup), no further user namespaces
-  (`--disable-userns`), all capabilities dropped, a new terminal session, killed with its parent;
-- never host root, and never another run's uid: a root trainer starts each run's bwrap as a uid of its own
-  (run_user: drawn from RUN_UIDS, held for the run), so the run's user namespace maps to an unprivileged
-  host uid no other run has (every run checks from outside before the code starts that it is not root); a
-  trainer that is not root runs its sandboxes one at a time, as its own uid, unless `share_uid`;
-- a fresh root holding only read-only binds of /usr (and /bin, /lib* as on the host) and of the Python
-  interpreter's prefix, a fresh /proc of the new PID namespace with /proc/sys read-only and the host's
-  figures (HOST_WIDE_PROC) reading empty, a read-only /dev of null, zero, full, random and urandom (no pty,
-  no /dev/shm), and one writable directory, /sandbox, a
-  tmpfs of `disk_mb` private to the run. No /tmp, /run, /home or host socket is there; the only network
-  interface is an unconfigured loopback of the run's own;
-- a seccomp filter (megarl.rewards.sandbox_kernel.seccomp_program) refusing ptrace, mount, unshare, setns, keyctl, bpf, io_uring, module
-  loading ... and clone with a namespace flag; memfd, SysV and POSIX IPC, TCP, unix datagrams, vmsplice,
-  extended attributes, huge pages and larger socket or pipe buffers (memory outside the address space);
-  sockets other than unix, inet, inet6 and netlink; file locks, leases and watches and the times of a file
-  one does not own (channels between runs); new sessions (a run is one scheduler group). The filter
-  is compiled by libseccomp, the kernel community's filter compiler, through `pyseccomp` (pure-Python
-  ctypes bindings with the API of libseccomp's own, which exist only for the distribution's Python); bwrap
-  installs it.
-
-Limits, and what each one bounds in each mode (`sandbox_mode()` says which one this machine gets;
-`sandbox_memory_bound_mb` the memory a run can hold):
-- "cgroup" (a cgroup v2 with the memory and pids controllers delegated to this process, or the cgroup v1
-  memory and pids hierarchies, writable, as for root on most hosts): the run is a cgroup of its own, so
-  memory_mb bounds the whole run (every process, the files of its tmpfs and the kernel's buffers for it,
-  which are charged to it; v1 counts socket buffers apart, up to another memory_mb), max_processes the
-  whole run's processes and threads; each process also has RLIMIT_AS = memory_mb.
-- "rlimit" (no usable cgroup): each process has RLIMIT_AS = memory_mb, and RLIMIT_NPROC = max_processes,
-  which the kernel (5.14 and later) counts per user namespace and uid, hence per run, for a user other than
-  root. The run's oom_score_adj is 1000: the OOM killer takes it before the trainer.
-  The run's memory is then at most max_processes x (memory_mb + OPEN_FILES socket buffers of the host's
-  default size) + disk_mb.
-- Both: OPEN_FILES descriptors per process; disk is the tmpfs size (a total); CPU time is RLIMIT_CPU per
-  process; wall_s is a total. The run's first process (PID 1 of its PID namespace, _BOOT) is closed to the
-  run (non-dumpable: no process of the run can open its memory), and after every run, at the deadline or
-  not, this process kills it through a pidfd, which makes the kernel kill every process of the run; the
-  call returns only once they are all gone (and, in cgroup mode, the cgroup is removed). stdout and stderr
-  are pipes this process reads, output_bytes each at most; past that the pipe is closed.
-Concurrent runs share nothing: each has its own namespaces, tmpfs, cgroup and (from a root trainer) uid, and
-nothing the filter leaves open carries a bit from one to another.
+- `bwrap` (bubblewrap, a small setuid-free tool the kernel namespaces are driven by) unshares every namespace
+  (user, mount, PID, network, IPC, UTS, cgroup), forbids further user namespaces, drops every capability and
+  builds the run's filesystem: read-only /usr (/bin, /lib* as on the host) and interpreter prefix, a fresh
+  /proc with /proc/sys read-only and the host's figures (HOST_WIDE_PROC) reading empty, a /dev of five
+  nodes (_devices), and /sandbox, a tmpfs of `disk_mb`. No /tmp, /run, /home, host socket or network.
+- megarl.rewards.sandbox_kernel holds the rest of what the kernel enforces: the seccomp filter (system calls
+  that escape, hold memory outside the address space, or carry bits between runs), the run's cgroup
+  ("cgroup" mode: memory_mb and max_processes bound the whole run), and the run's host uid (run_user: its
+  own for a root trainer; for any other trainer its own uid, one run at a time unless `share_uid`).
+- _BOOT, the run's first process (PID 1 of its PID namespace), sets the per-process limits (RLIMIT_AS,
+  CPU, NOFILE, NPROC; no real-time priority, negative nice or locked memory), turns huge pages off, raises
+  its oom_score_adj and makes itself non-dumpable, so no process of the run can change it. After every run
+  this process kills it through a pidfd (the kernel then kills every process of the run), lets bwrap reap
+  it and reaps bwrap (_end_run): nothing outlives a run, and no zombie is left.
+- "rlimit" mode (no usable cgroup): memory_mb bounds each process's address space; the run holds at most
+  `sandbox_memory_bound_mb`. stdout and stderr are pipes read here, output_bytes each at most.
 
 Failing closed: `check_sandbox` (called when a recipe's code reward or python tool is built, i.e. at launch)
 raises SandboxUnavailable saying why and what to install or configure when no mode works: a probe run checks
@@ -53,7 +28,6 @@ warning), and `service_url` sends each run to an external sandbox service (`run_
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import json
 import logging
@@ -68,12 +42,12 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megarl.config import SandboxConfig
-from megarl.rewards.sandbox_kernel import RunCgroup, cgroup_parents, run_cgroup, seccomp_program
+from megarl.rewards.sandbox_kernel import (RUN_UIDS, RunCgroup, SandboxUnavailable, cgroup_parents, run_cgroup,
+                                           run_user, seccomp_program)
 
 log = logging.getLogger(__name__)
 
@@ -126,10 +100,6 @@ while True:
         code = os.waitstatus_to_exitcode(status)
         os._exit(code if code >= 0 else 128 - code)
 """
-
-
-class SandboxUnavailable(RuntimeError):
-    """Isolation cannot be set up on this machine; the message says why and what to do."""
 
 
 class SandboxServiceError(RuntimeError):
@@ -267,75 +237,6 @@ def _probe(mode: str) -> str | None:
 
 
 # ---- the isolated run -----------------------------------------------------------------------------------
-# ---- the run's host user -------------------------------------------------------------------------------
-# A root trainer gives each run a host uid of its own, drawn at random from RUN_UIDS (no account has one):
-# what the kernel counts per user (inotify instances, file descriptors in flight, pipe buffer pages, pending
-# signals, processes) is then counted per run, and no run can signal another. A lock file per uid held for
-# the run keeps two runs of this machine's trainers (that share its temporary directory) off one uid; the
-# range is large enough that trainers of other containers on the same kernel rarely draw the same one.
-RUN_UIDS = range(0x6D000000, 0x6D000000 + 2**20)
-
-
-@contextlib.contextmanager
-def run_user(limits: SandboxConfig) -> Iterator[int | None]:
-    """The host uid a run is started as: a uid of RUN_UIDS held for the run when this process is root; None
-    (this process's own uid) otherwise, where runs are one at a time unless `limits.share_uid` (runs of one
-    uid would share the kernel's per-user counts: one run could make another's ordinary calls fail)."""
-    if os.getuid() == 0:
-        for _ in range(64):
-            uid = RUN_UIDS[int.from_bytes(os.urandom(4), "little") % len(RUN_UIDS)]
-            with _held_lock(_lock_dir() / str(uid), wait=False) as held:
-                if held:
-                    yield uid
-                    return
-        raise SandboxUnavailable(f"no free run uid in {RUN_UIDS} after 64 draws (lock files in {_lock_dir()})")
-    if limits.share_uid:
-        yield None
-        return
-    with _held_lock(_lock_dir() / "runs", wait=True):
-        yield None
-
-
-def _lock_dir() -> Path:
-    """This uid's folder of run locks in the temporary directory: made 0700, refused unless it is ours."""
-    owner = os.geteuid()
-    folder = Path(tempfile.gettempdir()) / f"megarl-sandbox-{owner}"
-    with contextlib.suppress(FileExistsError):
-        folder.mkdir(mode=0o700)
-    info = os.lstat(folder)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != owner or info.st_mode & 0o077:
-        raise SandboxUnavailable(f"{folder} must be a directory of uid {owner} that only it can open")
-    return folder
-
-
-@contextlib.contextmanager
-def _held_lock(path: Path, *, wait: bool) -> Iterator[bool]:
-    """An exclusive flock(2) on `path` (made if missing), removed when released; yields whether it is held
-    (always, when `wait`). The lock is the file's: one that another holder removed is taken again."""
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            os.close(fd)
-            yield False
-            return
-        try:
-            current = os.stat(path, follow_symlinks=False)
-        except FileNotFoundError:
-            current = None
-        held = os.fstat(fd)
-        if current is not None and (current.st_dev, current.st_ino) == (held.st_dev, held.st_ino):
-            break
-        os.close(fd)  # removed (and maybe made again) by the holder before us: lock the file that is there now
-    try:
-        yield True
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        os.close(fd)
-
-
 def _run_bwrap(code: str, limits: SandboxConfig, *, stdin: str, mode: str, cgroup: RunCgroup | None,
                user: int | None) -> SandboxResult:
     program_fd, seccomp_fd = _memfd("program.py", code.encode()), _memfd("seccomp", seccomp_program())

@@ -1,5 +1,6 @@
 """What the kernel enforces on a sandboxed run beyond its namespaces (megarl.rewards.sandbox describes the
-whole): the seccomp filter bwrap installs, and the run's own cgroup where this process may create one.
+whole): the seccomp filter bwrap installs, the run's own cgroup where this process may create one, and the
+run's own host uid where this process is root.
 """
 
 from __future__ import annotations
@@ -8,8 +9,11 @@ import contextlib
 import errno
 import functools
 import logging
+import fcntl
 import os
 import signal
+import stat
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,6 +23,11 @@ from pathlib import Path
 from megarl.config import SandboxConfig
 
 log = logging.getLogger(__name__)
+
+
+class SandboxUnavailable(RuntimeError):
+    """Isolation cannot be set up on this machine; the message says why and what to do."""
+
 
 SECCOMP_DENIED = (
     "ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2", "pivot_root", "chroot", "unshare",
@@ -205,3 +214,72 @@ def run_cgroup(parents: tuple[Path, ...], limits: SandboxConfig) -> Iterator[Run
         yield RunCgroup(tuple(made))
     finally:
         RunCgroup(tuple(made)).kill()
+
+
+# ---- the run's host user -------------------------------------------------------------------------------
+# A root trainer gives each run a host uid of its own, drawn at random from RUN_UIDS (no account has one):
+# what the kernel counts per user (inotify instances, file descriptors in flight, pipe buffer pages, pending
+# signals, processes) is then counted per run, and no run can signal another. A lock file per uid held for
+# the run keeps two runs of this machine's trainers (that share its temporary directory) off one uid; the
+# range is large enough that trainers of other containers on the same kernel rarely draw the same one.
+RUN_UIDS = range(0x6D000000, 0x6D000000 + 2**20)
+
+
+@contextlib.contextmanager
+def run_user(limits: SandboxConfig) -> Iterator[int | None]:
+    """The host uid a run is started as: a uid of RUN_UIDS held for the run when this process is root; None
+    (this process's own uid) otherwise, where runs are one at a time unless `limits.share_uid` (runs of one
+    uid would share the kernel's per-user counts: one run could make another's ordinary calls fail)."""
+    if os.getuid() == 0:
+        for _ in range(64):
+            uid = RUN_UIDS[int.from_bytes(os.urandom(4), "little") % len(RUN_UIDS)]
+            with _held_lock(lock_dir() / str(uid), wait=False) as held:
+                if held:
+                    yield uid
+                    return
+        raise SandboxUnavailable(f"no free run uid in {RUN_UIDS} after 64 draws (lock files in {lock_dir()})")
+    if limits.share_uid:
+        yield None
+        return
+    with _held_lock(lock_dir() / "runs", wait=True):
+        yield None
+
+
+def lock_dir() -> Path:
+    """This uid's folder of run locks in the temporary directory: made 0700, refused unless it is ours."""
+    owner = os.geteuid()
+    folder = Path(tempfile.gettempdir()) / f"megarl-sandbox-{owner}"
+    with contextlib.suppress(FileExistsError):
+        folder.mkdir(mode=0o700)
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != owner or info.st_mode & 0o077:
+        raise SandboxUnavailable(f"{folder} must be a directory of uid {owner} that only it can open")
+    return folder
+
+
+@contextlib.contextmanager
+def _held_lock(path: Path, *, wait: bool) -> Iterator[bool]:
+    """An exclusive flock(2) on `path` (made if missing), removed when released; yields whether it is held
+    (always, when `wait`). The lock is the file's: one that another holder removed is taken again."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            os.close(fd)
+            yield False
+            return
+        try:
+            current = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            current = None
+        held = os.fstat(fd)
+        if current is not None and (current.st_dev, current.st_ino) == (held.st_dev, held.st_ino):
+            break
+        os.close(fd)  # removed (and maybe made again) by the holder before us: lock the file that is there now
+    try:
+        yield True
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        os.close(fd)
