@@ -10,8 +10,8 @@ unanswered without raising. Run as a script, this is
     faulty_engines.py crash:N RECIPE [key=value ...]   the process's N-th generate call fails midway, once
     faulty_engines.py crash:N+ RECIPE [key=value ...]  every generate call from the N-th on fails midway
     faulty_engines.py short:N RECIPE [key=value ...]   the N-th generate call answers every prompt but its last
-    faulty_engines.py kill:N RECIPE [key=value ...]    SGLang: the N-th generate call's first finished response
-                                                       SIGKILLs the engine's scheduler process
+    faulty_engines.py kill:N RECIPE [key=value ...]    SGLang: the N-th generate call SIGKILLs the engine's
+                                                       scheduler process first
 
 With CRASH_LOG set, every generate call of a CrashingEngine appends a line there: the call's number, whether it
 failed, the engine's weight version and the prompts (ids) it was given.
@@ -131,26 +131,30 @@ class ShortEngine(CrashingEngine):
 
 
 class SchedulerKiller(CrashingEngine):
-    """An SGLang engine whose scheduler process is SIGKILLed, in the calls `crashes(n)` selects, as soon as the
-    first response has come back (the others are still being generated): the engine fails as SGLang fails."""
+    """An SGLang engine whose scheduler process is SIGKILLed at the start of the calls `crashes(n)` selects,
+    before they reach it: the engine fails as SGLang fails. (Killed at a call's first response instead, the
+    scheduler may have finished the whole batch by then, and the death shows only at the next push.)"""
 
     def faulty(self, n: int) -> bool:
         return self.crashes(n)
 
     def fail(self, n: int, prompts, on_response, **kwargs):
         import signal
+        import time
 
         scheduler = self.engine.engine.get_all_child_pids()[0]  # TP rank 0's scheduler comes first
-        killed = []
+        os.kill(scheduler, signal.SIGKILL)
+        while os.path.exists(f"/proc/{scheduler}") and "zombie" not in _state(scheduler):
+            time.sleep(0.01)
+        return self.engine.generate(prompts, on_response=on_response, **kwargs)
 
-        def respond(i, *response):
-            if not killed:
-                os.kill(scheduler, signal.SIGKILL)
-                killed.append(scheduler)
-            if on_response is not None:
-                on_response(i, *response)
 
-        return self.engine.generate(prompts, on_response=respond, **kwargs)
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((line for line in f if line.startswith("State:")), "").lower()
+    except OSError:
+        return "zombie"
 
 
 def crashes(spec: str):

@@ -111,9 +111,9 @@ log: {{progress: false}}
 @pytest.mark.timeout(SGLANG_TIMEOUT_S)
 def test_quickstart_grpo_with_sglang_raises_reward_like_the_native_engine(quickstart_out, tmp_path):
     """The quickstart's warm start and data, GRPO for 80 steps with SGLang rollouts; the native engine's run (the
-    quickstart itself: same seed, same prompts per step) is the reference. In step 5 SGLang's scheduler is
-    SIGKILLed once its first response is back (tests/faulty_engines.py): SGLang's watchdog reports it, the
-    engine is started again, given version 5 again, and generates the step's 256 samples once more."""
+    quickstart itself: same seed, same prompts per step) is the reference. Step 5's generate call SIGKILLs
+    SGLang's scheduler first (tests/faulty_engines.py): SGLang's watchdog reports it, the engine is started
+    again, given version 5 again, and generates the step's 256 samples once more."""
     steps = 80
     run_dir = tmp_path / "run"
     proc = run_python([str(REPO / "tests" / "faulty_engines.py"), "kill:5",
@@ -146,11 +146,12 @@ def test_quickstart_grpo_with_sglang_raises_reward_like_the_native_engine(quicks
     # 0.16 -> 0.38 in another run, whose single evaluations wandered between 0.22 and 0.38. Each pair of
     # evaluations is 128 samples, so a mean has a standard error of at most 0.044 and a difference of two means
     # 0.062: the held-out reward must rise (above 0: 3 standard errors below a rise of 0.2; the size of the rise
-    # is the training reward's check above) and end within 0.15 of the native engine's (2.5 standard errors).
+    # is the training reward's check above) and end no more than 0.15 below the native engine's (2.5 standard
+    # errors). Above it is no fault of the engine: one run through the failure ended at 0.57 against 0.39.
     heldout = {name: [m["eval/reward_mean"] for m in ms if m["step"] in (10, 20, 70, 80)]
                for name, ms in (("sglang", sglang), ("native", native))}
     (h_first, h_last), (hn_first, hn_last) = ((sum(h[:2]) / 2, sum(h[2:]) / 2) for h in heldout.values())
-    assert h_last > h_first and abs(h_last - hn_last) <= 0.15, heldout
+    assert h_last > h_first and h_last >= hn_last - 0.15, heldout
     # Responses end at EOS as often as with the native engine (truncation shows an engine ignoring EOS).
     truncated = [sum(m["response/truncated_frac"] for m in ms) / steps for ms in (sglang, native)]
     assert truncated[0] <= truncated[1] + 0.05, truncated
