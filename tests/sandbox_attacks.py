@@ -252,7 +252,7 @@ def attack_memory_outside_the_address_space():
                                "        os.setxattr(name, f'user.v{i}', CHUNK[:60000])\n        held += 60000\n"
                                "    return held\n",
         # datagrams queued at a unix socket stay there after their sender is closed
-        "unix datagrams of closed senders": "receivers = []\ndef step():\n"
+        "unix datagrams of closed senders": "def step():\n"
                                             "    r = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
                                             "    r.bind(f'\\0{os.urandom(8).hex()}')\n    keep.append(r)\n"
                                             "    sent = 0\n    for _ in range(32):\n"
@@ -545,7 +545,8 @@ def solve(x):
             events = os.read(watch, 65536)
             while events:
                 wd, _, _, length = struct.unpack('iIII', events[:16])
-                bits |= 1 << watched.get(wd, 16) if wd in watched else 0
+                if wd in watched:
+                    bits |= 1 << watched[wd]
                 events = events[16 + length:]
         time.sleep(0.01)
     return bits or None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -155,8 +156,6 @@ def test_resume_requests_that_would_lose_work_are_refused(recipe, uninterrupted,
 
 
 def test_a_latest_pointer_to_a_missing_checkpoint_is_an_error_naming_it(recipe, uninterrupted, tmp_path):
-    import shutil
-
     run_dir = tmp_path / "run"
     shutil.copytree(uninterrupted, run_dir)
     (run_dir / "checkpoints" / "latest").write_text("step00000099\n")
@@ -173,21 +172,19 @@ def test_a_damaged_checkpoint_is_named_set_aside_and_the_one_before_resumed(reci
     """The newest checkpoint's largest file cut short (a disk that filled under a writer that did not notice):
     resume names the file, moves the checkpoint aside and continues from the one before, and the run ends as
     the uninterrupted one did (steps 5 and 6 recomputed exactly)."""
-    import shutil
-
     run_dir = tmp_path / "run"
     shutil.copytree(uninterrupted, run_dir)
     root = run_dir / "checkpoints"
     manifest = json.loads((root / f"step{STEPS:08d}" / "manifest.json").read_text())
     assert manifest["files"] and all(len(f["sha256"]) == 64 for f in manifest["files"].values())
     damaged = largest_file(root / f"step{STEPS:08d}")
-    half = damaged.stat().st_size // 2
+    size = damaged.stat().st_size
+    half = size // 2
     with open(damaged, "r+b") as f:
         f.truncate(half)
     result = run_python(train_args(recipe, run_dir), cwd=tmp_path, timeout_s=RUN_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert f"{damaged}: {half} bytes, written with {2 * half}" in result.stderr or \
-        f"{damaged}: {half} bytes, written with {2 * half + 1}" in result.stderr, result.stderr[-3000:]
+    assert f"{damaged}: {half} bytes, written with {size}" in result.stderr, result.stderr[-3000:]
     assert f"resuming from {root / f'step{4:08d}'}" in result.stderr
     aside = root / f".corrupt-step{STEPS:08d}"
     assert (aside / damaged.relative_to(root / f"step{STEPS:08d}")).stat().st_size == half  # kept to inspect
@@ -197,8 +194,6 @@ def test_a_damaged_checkpoint_is_named_set_aside_and_the_one_before_resumed(reci
 
 def test_no_whole_checkpoint_stops_the_run_naming_each_damaged_file(recipe, uninterrupted, tmp_path):
     """One byte changed in each kept checkpoint, sizes intact: the sha256s tell, and nothing is loaded."""
-    import shutil
-
     run_dir = tmp_path / "run"
     shutil.copytree(uninterrupted, run_dir)
     root = run_dir / "checkpoints"

@@ -77,17 +77,14 @@ def find_resume(cfg: Config) -> tuple[Path | None, int]:
 def damage(path: Path) -> list[str]:
     """What is wrong with checkpoint `path` against its manifest, checked by every rank in parallel (a
     collective call); empty when it is whole or was written before manifests."""
-    world, rank = _world()
+    world, rank = dist.get_world_size(), dist.get_rank()
     manifest = read_manifest(path)
     if manifest is None:
         log.info("%s has no %s (written before checkpoints carried one): not checked", path, MANIFEST)
         return []
     names = sorted(manifest["files"])
-    mine = check_files(path, manifest, names[rank::world])
-    if world == 1:
-        return mine
     found: list[list[str] | None] = [None] * world
-    dist.all_gather_object(found, mine)
+    dist.all_gather_object(found, check_files(path, manifest, names[rank::world]))
     return [problem for problems in found for problem in problems]
 
 
@@ -96,30 +93,21 @@ def newest_whole(root: Path, latest: Path) -> Path:
     one is named in the log and moved aside (`.corrupt-stepN`), and `latest` points at the one returned.
     CheckpointError when none is whole."""
     older = sorted((p for p in root.glob("step*") if p.is_dir() and p.name < latest.name), reverse=True)
-    seen = []
+    lead, seen = dist.get_rank() == 0, []
     for path in [latest, *older]:
         problems = damage(path)
         if not problems:
-            if path != latest and _world()[1] == 0:
+            if path != latest and lead:
                 set_latest(root, path.name)
-            _barrier()
+            dist.barrier()
             return path
         seen.append(f"{path.name}: " + "; ".join(problems))
-        if _world()[1] == 0:
+        if lead:
             aside = set_aside(path)
             log.error("checkpoint %s is damaged (%s): moved to %s; resuming from an older one",
                       path, "; ".join(problems), aside)
-        _barrier()
-    raise CheckpointError(f"no checkpoint under {root} is whole: " + " | ".join(seen))
-
-
-def _world() -> tuple[int, int]:
-    return (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
         dist.barrier()
+    raise CheckpointError(f"no checkpoint under {root} is whole: " + " | ".join(seen))
 
 
 def already_finished(cfg: Config, path: Path | None, step: int, steps: int) -> bool:

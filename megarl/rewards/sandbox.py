@@ -126,10 +126,7 @@ def run_python(code: str, limits: SandboxConfig, *, stdin: str = "") -> SandboxR
     if limits.insecure:
         _warn_insecure()
         return _run_insecure(code, limits, stdin=stdin)
-    mode = sandbox_mode()
-    with run_user(limits) as user, \
-            run_cgroup(cgroup_parents(), limits) if mode == "cgroup" else contextlib.nullcontext() as cgroup:
-        return _run_bwrap(code, limits, stdin=stdin, mode=mode, cgroup=cgroup, user=user)
+    return _run_isolated(code, limits, stdin=stdin, mode=sandbox_mode())
 
 
 def check_sandbox(limits: SandboxConfig) -> str:
@@ -215,28 +212,29 @@ print("not isolated: " + ", ".join(failed) if failed else "isolated")
 def _probe(mode: str) -> str | None:
     """Why a probe run in `mode` fails, or None when it ran and found the isolation in place."""
     limits = SandboxConfig(cpu_s=5, wall_s=30.0, memory_mb=256)
+    if mode == "cgroup" and cgroup_parents() is None:
+        return "no writable cgroup (v2 with memory and pids delegated, or v1 memory and pids) for this process"
     try:
-        if mode == "cgroup":
-            parents = cgroup_parents()
-            if parents is None:
-                return "no writable cgroup (v2 with memory and pids delegated, or v1 memory and pids) for this process"
-            with run_user(limits) as user, run_cgroup(parents, limits) as cgroup:
-                result = _run_bwrap(_PROBE, limits, stdin="", mode=mode, cgroup=cgroup, user=user)
-        else:
-            with run_user(limits) as user:
-                result = _run_bwrap(_PROBE, limits, stdin="", mode=mode, cgroup=None, user=user)
+        result = _run_isolated(_PROBE, limits, stdin="", mode=mode)
     except (OSError, SandboxUnavailable) as e:
         return f"{type(e).__name__}: {e}"
     if result.stdout.startswith("not isolated"):
         return result.stdout.strip()
     if result.returncode != 0 or result.stdout != "isolated\n":
-        as_nobody = (f" (as root, megarl runs bwrap as a uid of no account, {RUN_UIDS}, which must be able to read "
-                     f"{_interpreter()[1]})") if os.getuid() == 0 else ""
-        return f"the probe run failed (exit status {result.returncode}){as_nobody}: {result.stderr.strip()[-500:]}"
+        as_root = (f" (as root, megarl runs bwrap as a uid of no account, {RUN_UIDS}, which must be able to read "
+                   f"{_interpreter()[1]})") if os.getuid() == 0 else ""
+        return f"the probe run failed (exit status {result.returncode}){as_root}: {result.stderr.strip()[-500:]}"
     return None
 
 
 # ---- the isolated run -----------------------------------------------------------------------------------
+def _run_isolated(code: str, limits: SandboxConfig, *, stdin: str, mode: str) -> SandboxResult:
+    """A run in `mode`, as a host uid of its own (run_user) and, in cgroup mode, in a cgroup of its own."""
+    with run_user(limits) as user, \
+            run_cgroup(cgroup_parents(), limits) if mode == "cgroup" else contextlib.nullcontext() as cgroup:
+        return _run_bwrap(code, limits, stdin=stdin, mode=mode, cgroup=cgroup, user=user)
+
+
 def _run_bwrap(code: str, limits: SandboxConfig, *, stdin: str, mode: str, cgroup: RunCgroup | None,
                user: int | None) -> SandboxResult:
     program_fd, seccomp_fd = _memfd("program.py", code.encode()), _memfd("seccomp", seccomp_program())

@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import logging
 import fcntl
+import logging
 import os
 import signal
 import stat
@@ -230,19 +230,21 @@ def run_user(limits: SandboxConfig) -> Iterator[int | None]:
     """The host uid a run is started as: a uid of RUN_UIDS held for the run when this process is root; None
     (this process's own uid) otherwise, where runs are one at a time unless `limits.share_uid` (runs of one
     uid would share the kernel's per-user counts: one run could make another's ordinary calls fail)."""
-    if os.getuid() == 0:
-        for _ in range(64):
-            uid = RUN_UIDS[int.from_bytes(os.urandom(4), "little") % len(RUN_UIDS)]
-            with _held_lock(lock_dir() / str(uid), wait=False) as held:
-                if held:
-                    yield uid
-                    return
-        raise SandboxUnavailable(f"no free run uid in {RUN_UIDS} after 64 draws (lock files in {lock_dir()})")
-    if limits.share_uid:
+    if os.getuid() != 0 and limits.share_uid:
         yield None
         return
-    with _held_lock(lock_dir() / "runs", wait=True):
-        yield None
+    locks = lock_dir()
+    if os.getuid() != 0:
+        with _held_lock(locks / "runs", wait=True):
+            yield None
+        return
+    for _ in range(64):
+        uid = RUN_UIDS[int.from_bytes(os.urandom(4), "little") % len(RUN_UIDS)]
+        with _held_lock(locks / str(uid), wait=False) as held:
+            if held:
+                yield uid
+                return
+    raise SandboxUnavailable(f"no free run uid in {RUN_UIDS} after 64 draws (lock files in {locks})")
 
 
 def lock_dir() -> Path:
