@@ -33,6 +33,7 @@ class RolloutBatch:
     metadata: list[dict]                  # [B] the prompt rows' metadata (for rewards)
     turns: Tensor | None = None           # [B] long: model turns of each trajectory (1 for single-turn rollouts)
     tool_calls: Tensor | None = None      # [B] long: tool calls the environment answered
+    env_retries: Tensor | None = None     # [B] long: environment steps tried again on a fresh environment
     env_rewards: Tensor | None = None     # [B] sum of the environment's step rewards, added to the recipe's
                                           # rewards; 0 where one was not a finite number (a failed sample)
     routes: list[Tensor] | None = None    # [B] MoE models: the experts the rollout engine routed each token to,

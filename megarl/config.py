@@ -587,6 +587,9 @@ class EnvConfig:
     max_tokens: int | None = None  # most response tokens per trajectory, generated and observation; null = no limit
     tool_timeout_s: float = 10.0  # wall-clock limit of one environment step (the tool calls of one turn)
     max_tool_time_s: float = 60.0  # wall-clock limit of all environment steps of one trajectory
+    # a step that raises is tried again on a fresh environment (reset, the trajectory's earlier turns given again)
+    # up to this many times per trajectory (env/retries counts them); then the trajectory ends with env_error
+    retries: int = 2
     tool_workers: int = 8  # threads running the steps of different trajectories concurrently
     tool_format: Literal["qwen", "llama3"] = "qwen"  # tool-call syntax: <tool_call>{json}</tool_call> or Llama 3's
     sandbox: SandboxConfig | None = None  # python: limits of each run; null = the SandboxConfig defaults
@@ -614,6 +617,7 @@ class EnvConfig:
             raise FieldError("documents_path", "required for the retrieval environment "
                                                "(write one with python -m megarl.envs.documents)")
         _at_least(self, 1, "max_turns", "tool_workers")
+        _at_least(self, 0, "retries")
         _positive(self, "tool_timeout_s", "max_tool_time_s")
         if self.max_tokens is not None:
             _at_least(self, 1, "max_tokens")
@@ -727,6 +731,26 @@ class LogConfig:
                 raise FieldError("profile_steps", f"must be [first, last] steps with 1 <= first <= last, got {window}")
 
 
+FaultKind = Literal["kill", "sigterm", "hang", "nan", "disk_full", "engine_crash", "engine_short", "engine_kill",
+                    "env_error", "reward_kill", "reward_hang"]
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """A fault injected on purpose (megarl.inject, docs/faults.md): tools/fault_matrix.py and the tests set it to
+    show what a run survives. Never part of a real run."""
+
+    kind: FaultKind  # what happens: megarl.inject lists the kinds
+    step: int  # the step it happens in, from 1 (a rollout rank of placement split: its step-th generate call)
+    phase: Literal["generate", "train", "checkpoint", "push"] = "train"  # kill, sigterm, hang: when in the step
+    rank: int | None = None  # the global rank it happens on; null: every rank
+
+    def check(self) -> None:
+        _at_least(self, 1, "step")
+        if self.rank is not None:
+            _at_least(self, 0, "rank")
+
+
 @dataclass(frozen=True)
 class Config:
     model: ModelConfig  # the policy checkpoint
@@ -748,6 +772,7 @@ class Config:
     warmup: WarmupConfig = field(default_factory=WarmupConfig)  # optional supervised warm start
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # saving
     log: LogConfig = field(default_factory=LogConfig)  # console and metric output
+    faults: list[FaultConfig] = field(default_factory=list)  # injected faults (megarl.inject): tests only
 
     def check(self) -> None:
         n, prompts, micro = self.rollout.n_samples, self.data.prompts_per_step, self.train.micro_batch_size
@@ -757,6 +782,9 @@ class Config:
             raise ValueError(f"algo.name = {self.algo.name!r} needs an even train.micro_batch_size (a pair is two "
                              f"sequences kept in one micro-batch), got {micro}")
         self.check_teacher()
+        if any(f.kind == "reward_kill" for f in self.faults) and not self.reward.workers:
+            raise ValueError("faults: a reward_kill fault kills the process that scores, which without "
+                             "reward.workers is the trainer: set reward.workers > 0")
         if self.model.lora is not None and traits.scalar_head:
             raise ValueError("model.lora: adapters go on the policy; algo.name = 'rm' trains a scalar-head model, "
                              "all of it (remove model.lora)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -82,3 +83,30 @@ class StepRewardEnv:
 
     def step(self, turn: str) -> Step:
         return Step(done=True, reward=self.reward)
+
+
+class FlakyEnv(CountingEnv):
+    """CountingEnv whose environments, numbered as they are made, raise at the turn the row's metadata gives
+    for each ({"raise_at": {"0": 2}}: environment 0 raises at its turn 2; a turn replayed counts too). With
+    metadata["shuffled"] each environment answers in its own words ("obs N from env K"), so a fresh one
+    cannot stand in for an earlier one. `made` counts the environments made since `made` was cleared."""
+
+    made = [0]
+
+    def __init__(self, reward_per_step: float | None = None):
+        super().__init__(reward_per_step)
+        self.index = FlakyEnv.made[0]
+        FlakyEnv.made[0] += 1
+
+    def reset(self, prompt: str, metadata: dict) -> None:
+        super().reset(prompt, metadata)
+        self.raise_at = metadata.get("raise_at", {}).get(str(self.index))
+        self.shuffled = metadata.get("shuffled", False)
+
+    def step(self, turn: str) -> Step:
+        if len(self.turns) + 1 == self.raise_at:
+            raise RuntimeError(f"environment {self.index} fails at turn {self.raise_at}")
+        step = super().step(turn)
+        if self.shuffled:
+            return dataclasses.replace(step, observation=[f"{step.observation[0]} from env {self.index}"])
+        return step

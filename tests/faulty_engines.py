@@ -2,7 +2,8 @@
 
 `SkippingEngine` silently skips one tensor of its pushes; `StuckEngine` stops taking pushes after the first;
 `CrashingEngine` fails generate calls midway, as a model forward that raises; `ShortEngine` leaves a prompt
-unanswered without raising. Run as a script, this is
+unanswered without raising (the faults themselves are megarl.inject's, which a recipe's `faults` fire by step;
+these count the process's generate calls). Run as a script, this is
 `megarl train` whose rollout engine carries the fault (test_engine_faults.py):
 
     faulty_engines.py ignored RECIPE [key=value ...]   pushes never take effect: version and weights stay
@@ -22,6 +23,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+
+from megarl import inject
 
 
 class SkippingEngine:
@@ -93,15 +96,8 @@ class CrashingEngine:
 
     def fail(self, n: int, prompts, on_response, **kwargs):
         """Call `n`, with the fault."""
-        half = len(prompts) // 2
-
-        def respond(i, *response):
-            if i < half and on_response is not None:
-                on_response(i, *response)
-
-        self.engine.generate(prompts[:half], on_response=respond, **kwargs)
         self.dead = True
-        raise RuntimeError(f"simulated device failure in generate call {n}")
+        return inject.crash_midway(self.engine, prompts, on_response, what=f"generate call {n}", **kwargs)
 
     def _log(self, n: int, crash: bool, prompts) -> None:
         if path := os.environ.get("CRASH_LOG"):
@@ -121,13 +117,7 @@ class ShortEngine(CrashingEngine):
         return self.crashes(n)
 
     def fail(self, n: int, prompts, on_response, **kwargs):
-        last = len(prompts) - 1
-
-        def respond(i, *response):
-            if i != last and on_response is not None:
-                on_response(i, *response)
-
-        return self.engine.generate(prompts, on_response=respond, **kwargs)
+        return inject.answer_all_but_last(self.engine, prompts, on_response, **kwargs)
 
 
 class SchedulerKiller(CrashingEngine):
@@ -139,22 +129,8 @@ class SchedulerKiller(CrashingEngine):
         return self.crashes(n)
 
     def fail(self, n: int, prompts, on_response, **kwargs):
-        import signal
-        import time
-
-        scheduler = self.engine.engine.get_all_child_pids()[0]  # TP rank 0's scheduler comes first
-        os.kill(scheduler, signal.SIGKILL)
-        while os.path.exists(f"/proc/{scheduler}") and "zombie" not in _state(scheduler):
-            time.sleep(0.01)
+        inject.kill_scheduler(self.engine)
         return self.engine.generate(prompts, on_response=on_response, **kwargs)
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next((line for line in f if line.startswith("State:")), "").lower()
-    except OSError:
-        return "zombie"
 
 
 def crashes(spec: str):

@@ -467,3 +467,50 @@ def test_a_failed_engine_call_is_undone_and_a_new_engine_goes_on_from_the_last_f
                                      theirs.finish_reason, theirs.env_reward)
     assert [e.turns for e in envs] == [e.turns for e in clean_envs]
     assert scoring.result() == expected_scoring.result()  # a sample handed in twice would have raised
+
+
+# ---- environments that raise: tried again on a fresh environment (env.retries) -----------------------------
+def retried(tokenizer, metadata: list[dict], *, retries: int = 2, max_turns: int = 3):
+    """run `TrajectoryRun` with FlakyEnv environments made anew on failure: (trajectories, engine calls)."""
+    from envs_for_tests import FlakyEnv
+
+    from megarl.envs.trajectories import TrajectoryRun
+
+    FlakyEnv.made[0] = 0
+    env = EnvConfig(name="envs_for_tests:FlakyEnv", max_turns=max_turns, retries=retries)
+    new_env = environment_factory(env)
+    FlakyEnv.made[0] = 0  # the factory made one to check it
+    engine = ScriptedEngine([30, 31, 32])
+    run = TrajectoryRun([[1, 40, 41] for _ in metadata], [new_env() for _ in metadata], [("p", m) for m in metadata],
+                        tokenizer=tokenizer, observations=ObservationFormat(tokenizer), limits=env, temperature=1.0,
+                        top_p=1.0, max_new_tokens=10, new_env=new_env)
+    return run.run(engine), engine
+
+
+def test_a_step_that_raises_goes_on_in_a_fresh_environment_that_replays_the_earlier_turns(tool_tokenizer):
+    """Environment 0 (of trajectory 0) raises at turn 2; environment 2, made for it, replays turn 1 and answers
+    turn 2 and 3. The trajectory is the one a fault-free run makes, token for token, and counts one retry."""
+    clean, _ = retried(tool_tokenizer, [{}, {}])
+    out, engine = retried(tool_tokenizer, [{"raise_at": {"0": 2}}, {}])
+    assert [t.finish_reason for t in out] == ["max_turns", "max_turns"]
+    assert [t.env_retries for t in out] == [1, 0]
+    assert [t.response_ids for t in out] == [t.response_ids for t in clean]
+    assert [t.tool_calls for t in out] == [t.tool_calls for t in clean] == [3, 3]
+    assert engine.calls == [2, 2, 2]
+
+
+def test_retries_end_with_env_error_after_env_retries_fresh_environments(tool_tokenizer):
+    """Environments 0, 2 and 3 (the first one of trajectory 0 and both fresh ones made for it) raise at their
+    turn 2: the trajectory ends with env_error after 2 retries; the other goes on. No retry: at once."""
+    out, _ = retried(tool_tokenizer, [{"raise_at": {"0": 2, "2": 2, "3": 2}}, {}])
+    assert [(t.finish_reason, t.env_retries, t.turns) for t in out] == [("env_error", 2, 2), ("max_turns", 0, 3)]
+    out, _ = retried(tool_tokenizer, [{"raise_at": {"0": 2}}, {}], retries=0)
+    assert [(t.finish_reason, t.env_retries) for t in out] == [("env_error", 0), ("max_turns", 0)]
+
+
+def test_a_fresh_environment_that_answers_an_earlier_turn_otherwise_cannot_take_over(tool_tokenizer, caplog):
+    """Each environment answers in its own words: the replay of turn 1 differs, so no fresh one can go on in
+    the failed one's place, and the trajectory ends with env_error, naming why."""
+    out, _ = retried(tool_tokenizer, [{"raise_at": {"0": 2}, "shuffled": True}])
+    assert (out[0].finish_reason, out[0].env_retries) == ("env_error", 2)
+    assert "answers turn 1 otherwise than the first one did" in caplog.text

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
 
+from megarl import inject
 from megarl.config import EnvConfig, RecipeError, SandboxConfig
 from megarl.envs.documents import DocumentIndex
 from megarl.envs.tool_format import parse_tool_calls
@@ -126,7 +127,7 @@ def environment_factory(cfg: EnvConfig) -> Callable[[], Environment]:
     missing = [name for name in ("tools", "reset", "step") if not hasattr(env, name)]
     if missing:
         raise RecipeError(f"env.name: {cfg.name} has no {', '.join(missing)} (see megarl/envs/environment.py)")
-    return make
+    return inject.environments(make)
 
 
 def _import_class(spec: str) -> type:

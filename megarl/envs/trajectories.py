@@ -17,7 +17,12 @@ trajectory leaves the batch. Finish reasons:
     max_turns   env.max_turns turns, the last of them still calling a tool
     max_tokens  the response (generated and observation tokens) reached env.max_tokens
     tool_time   an environment step ran past its limit
-    env_error   an environment step raised (logged; the trajectory keeps what it has)
+    env_error   an environment step raised env.retries + 1 times (logged; the trajectory keeps what it has)
+
+A step that raises is tried again on a fresh environment, reset with the trajectory's row and given the
+trajectory's earlier turns again (each must answer as the first environment did; one that answers otherwise
+cannot go on in its place), up to env.retries times per trajectory; `Trajectory.env_retries` counts them.
+The replay runs within the step's time limit.
 """
 
 from __future__ import annotations
@@ -66,6 +71,9 @@ class Trajectory:
     routes: Tensor | None = None
     # the weight version that sampled each response id (0 on observation ids, and where the engine records none)
     versions: list[int] = field(default_factory=list)
+    # what each environment step was given and returned, in order: a fresh environment replays them
+    stepped: list[tuple[str, Step]] = field(default_factory=list)
+    env_retries: int = 0  # environment steps tried again on a fresh environment
 
     def add(self, ids: list[int], logprobs: list[float] | None) -> None:
         """Append generated ids (with their logprobs) or, with logprobs None, observation ids."""
@@ -111,7 +119,8 @@ def run_trajectories(engine, prompts: Sequence[list[int]], envs: Sequence[Enviro
                      limits: EnvConfig, temperature: float, top_p: float, max_new_tokens: int,
                      on_last_turn: Callable[[int, Trajectory], None] | None = None,
                      workers: EnvWorkers | None = None) -> list[Trajectory]:
-    """One trajectory per prompt, each with its own environment: `TrajectoryRun(...).run(engine, workers)`."""
+    """One trajectory per prompt, each with its own environment: `TrajectoryRun(...).run(engine, workers)` (no
+    environment made anew: a step that raises ends its trajectory)."""
     return TrajectoryRun(prompts, envs, rows, tokenizer=tokenizer, observations=observations, limits=limits,
                          temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                          on_last_turn=on_last_turn).run(engine, workers)
@@ -132,15 +141,18 @@ class TrajectoryRun:
     engine raises is turned into one), every response it gave is dropped, `on_retract(i)` withdraws each
     trajectory that `on_last_turn` had handed out during it, and `run` raises. The environments saw none of
     the call, so a later `run` on a new engine continues every trajectory from its last finished turn.
+
+    `new_env` makes the fresh environments a step that raised is tried again on (env.retries); None: none.
     """
 
     def __init__(self, prompts: Sequence[list[int]], envs: Sequence[Environment], rows: Sequence[tuple[str, dict]],
                  *, tokenizer, observations: ObservationFormat | None, limits: EnvConfig, temperature: float,
                  top_p: float, max_new_tokens: int, on_last_turn: Callable[[int, Trajectory], None] | None = None,
-                 on_retract: Callable[[int], None] | None = None):
-        self.rollout = _Rollout(envs, [Trajectory(list(p)) for p in prompts], tokenizer=tokenizer,
+                 on_retract: Callable[[int], None] | None = None, new_env: Callable[[], Environment] | None = None):
+        self.rollout = _Rollout(list(envs), [Trajectory(list(p)) for p in prompts], tokenizer=tokenizer,
                                 observations=observations, limits=limits, temperature=temperature, top_p=top_p,
-                                max_new_tokens=max_new_tokens, on_last_turn=on_last_turn, on_retract=on_retract)
+                                max_new_tokens=max_new_tokens, on_last_turn=on_last_turn, on_retract=on_retract,
+                                rows=list(rows), new_env=new_env)
         for env, (prompt, metadata) in zip(envs, rows):
             env.reset(prompt, metadata)
         self.active = list(range(len(prompts)))  # the trajectories that take another turn
@@ -193,11 +205,12 @@ class _Rollout:
     """The trajectories of one `run_trajectories` call, and each round's three phases: the engine call that
     generates the active trajectories' turns, their environments' steps, and the observations appended."""
 
-    def __init__(self, envs: Sequence[Environment], trajectories: list[Trajectory], *, tokenizer,
+    def __init__(self, envs: list[Environment], trajectories: list[Trajectory], *, tokenizer,
                  observations: ObservationFormat | None, limits: EnvConfig, temperature: float, top_p: float,
                  max_new_tokens: int, on_last_turn: Callable[[int, Trajectory], None] | None,
-                 on_retract: Callable[[int], None] | None):
-        self.envs, self.trajectories = envs, trajectories
+                 on_retract: Callable[[int], None] | None, rows: list[tuple[str, dict]],
+                 new_env: Callable[[], Environment] | None):
+        self.envs, self.trajectories, self.rows, self.new_env = envs, trajectories, rows, new_env
         self.tokenizer, self.observations, self.limits = tokenizer, observations, limits
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
         self.on_last_turn, self.on_retract = on_last_turn, on_retract
@@ -312,17 +325,43 @@ class _Rollout:
         that return at once (`steps_inline`), the others concurrently on `workers`."""
         eos_id = self.tokenizer.eos_token_id
         texts = {i: _turn_text(self.tokenizer, self.trajectories[i].last_turn, eos_id) for i in stepping}
-        inline = {i: text for i, text in texts.items() if getattr(self.envs[i], "steps_inline", False)}
         results = StepResults()
-        for i, text in inline.items():
+        self.run_steps({i: partial(self.envs[i].step, text) for i, text in texts.items()}, workers, results)
+        while again := [i for i, why in results.failures.items() if why == "env_error" and self.retries_left(i)]:
+            for i in again:
+                del results.failures[i]
+                self.trajectories[i].env_retries += 1
+            self.run_steps({i: partial(self.step_anew, i, texts[i]) for i in again}, workers, results)
+        for i, step in results.steps.items():
+            self.trajectories[i].stepped.append((texts[i], step))
+        return results
+
+    def run_steps(self, steps: dict[int, Callable[[], Step]], workers: EnvWorkers, results: StepResults) -> None:
+        """`steps` (trajectory index -> its environment step) into `results`: inline for environments that
+        return at once (`steps_inline`), the others concurrently on `workers`."""
+        inline = {i: step for i, step in steps.items() if getattr(self.envs[i], "steps_inline", False)}
+        for i, step in inline.items():
             try:
-                results.steps[i] = self.envs[i].step(text)
+                results.steps[i] = step()
             except Exception as e:  # noqa: BLE001 - a broken environment ends its trajectory, not the run
                 results.raised(i, e)
-        threaded = {i: text for i, text in texts.items() if i not in inline}
+        threaded = {i: step for i, step in steps.items() if i not in inline}
         if threaded:
-            _step_all(workers.pool(), self.envs, threaded, self.trajectories, self.limits, results)
-        return results
+            _step_all(workers.pool(), threaded, self.trajectories, self.limits, results)
+
+    def retries_left(self, i: int) -> bool:
+        return self.new_env is not None and self.trajectories[i].env_retries < self.limits.retries
+
+    def step_anew(self, i: int, text: str) -> Step:
+        """Trajectory `i`'s step on `text`, on a fresh environment given the trajectory's earlier turns again."""
+        env = self.envs[i] = self.new_env()
+        env.reset(*self.rows[i])
+        for turn, (earlier, step) in enumerate(self.trajectories[i].stepped, start=1):
+            replayed = env.step(earlier)
+            if (replayed.observation, replayed.done) != (step.observation, step.done):
+                raise RuntimeError(f"a fresh environment answers turn {turn} otherwise than the first one did "
+                                   "(an environment that is not deterministic cannot be replayed)")
+        return env.step(text)
 
     def answer_steps(self, stepping: list[int], results: StepResults) -> list[int]:
         """Each stepped trajectory ended (its step failed, said done, or its turns or tokens are spent) or
@@ -376,19 +415,19 @@ def _turn_text(tokenizer, ids: list[int], eos_id: int) -> str:
     return tokenizer.decode(ids[:-1] if ids and ids[-1] == eos_id else ids, skip_special_tokens=False)
 
 
-def _step_all(pool: ThreadPoolExecutor, envs: Sequence[Environment], texts: dict[int, str],
-              trajectories: list[Trajectory], limits: EnvConfig, results: StepResults) -> None:
+def _step_all(pool: ThreadPoolExecutor, steps: dict[int, Callable[[], Step]], trajectories: list[Trajectory],
+              limits: EnvConfig, results: StepResults) -> None:
     """Every trajectory's environment step, concurrently, into `results`: trajectory index -> its Step,
     or its failure ("tool_time", "env_error") when it did not return one in time. A step's clock starts
     when a pool thread picks it up, so waiting for a free thread is not charged to it."""
     started: dict[int, float] = {}
 
-    def timed(i: int, step: Callable[[str], Step], text: str) -> Step:
+    def timed(i: int, step: Callable[[], Step]) -> Step:
         started[i] = time.monotonic()
-        return step(text)
+        return step()
 
-    limit = {i: min(limits.tool_timeout_s, limits.max_tool_time_s - trajectories[i].tool_time_s) for i in texts}
-    pending: dict[Future, int] = {pool.submit(timed, i, envs[i].step, text): i for i, text in texts.items()}
+    limit = {i: min(limits.tool_timeout_s, limits.max_tool_time_s - trajectories[i].tool_time_s) for i in steps}
+    pending: dict[Future, int] = {pool.submit(timed, i, step): i for i, step in steps.items()}
     while pending:
         now = time.monotonic()
         # Sleep until the next deadline of a running step, or a poll interval while some still wait for a thread.

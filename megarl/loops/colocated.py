@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megarl import inject
 from megarl.algo.aggregate import group_sums
 from megarl.batch import RolloutBatch
 from megarl.data.prompts import PromptRow
@@ -91,11 +92,10 @@ class ColocatedRollouts:
         """This rank's engine over `model_dir`; a restarted one samples from a stream of its own."""
         cfg, place = self.cfg, self.placement
         # MoE: every run captures the engines' routing, for moe/routing_agreement and r3
-        return make_rollout_engine(cfg.rollout, self.model_dir, shape=self.shape, dtype=cfg.model.dtype,
-                                   seed=cfg.seed + place.engine_index + self.restarts * self.engines,
-                                   capture_routes=self.shape.is_moe,
-                                   group=place.engine_group,
-                                   lora=cfg.model.lora if cfg.rollout.lora_sync == "adapter" else None)
+        return inject.engine(make_rollout_engine(
+            cfg.rollout, self.model_dir, shape=self.shape, dtype=cfg.model.dtype,
+            seed=cfg.seed + place.engine_index + self.restarts * self.engines, capture_routes=self.shape.is_moe,
+            group=place.engine_group, lora=cfg.model.lora if cfg.rollout.lora_sync == "adapter" else None))
 
     # -- engine failures
     def call(self, fn: Callable[[RolloutEngine], object]) -> object:

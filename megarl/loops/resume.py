@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megarl import inject
 from megarl.checkpoint import (MANIFEST, CheckpointError, check_files, checkpoint_files, copy_side_files,
                                describe_files, disk_full_error, latest_checkpoint, publish, read_manifest,
                                set_aside, set_latest, step_dir_name, temporary_dir)
@@ -188,6 +189,8 @@ def _write_checkpoint(cfg: Config, step: int, state: RunState, tmp: Path) -> Pat
     groups, engines = state.groups, state.engines
     for key, engine in engines.items():
         engine.save_checkpoint(tmp / key)
+    inject.at("checkpoint")
+    inject.checkpoint_written(tmp)
     if dist.get_rank() == groups.mp_src_global_rank:  # one writer per data-parallel replica
         torch.save({"sampler": state.sampler.state_dict()}, tmp / f"dp{groups.dp_rank:05d}.pt")
     torch.save(trainer_rng_state(), tmp / f"rank{dist.get_rank():05d}.pt")

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megarl import inject
 from megarl.algo.aggregate import LossNorm, global_loss_norm, masked_sum
 from megarl.algo.kl import kl_estimate, reverse_kl
 from megarl.batch import RolloutBatch
@@ -47,6 +48,8 @@ def rl_step(run: RLRun, step: int, *, save: Callable[[int], object] | None = Non
     and before the weights go to the engines (a colocated run: the trainer's state is still on the device, so
     no hand-over of its own follows the checkpoint)."""
     cfg, timer = run.cfg, PhaseTimer()
+    inject.enter_step(step)
+    inject.at("generate")
     batch, sampling = run.rollouts.next_batch(run, step, timer)  # timed as "generate" and "reward"
     check_versions(batch, run.rollouts.versions(run, step), step=step, group=run.groups.dp)
     check_rewards(run, sampling["reward/failed_frac"], step=step)
@@ -60,7 +63,7 @@ def rl_step(run: RLRun, step: int, *, save: Callable[[int], object] | None = Non
     moe = routing_metrics(run)  # the old-logprob forward's; on-policy, the training forward is the first
     with timer("advantages"):
         advantages, returns = run.advantages(batch, run.kl.value)
-        batch = batch.replace(advantages=advantages, returns=returns)
+        batch = batch.replace(advantages=inject.poison(advantages), returns=returns)
     with timer("balance"):  # after advantages: a group's baseline needs all its samples on one rank
         # the whole batch's counts: samples the trainer skips stay in the loss's denominators
         norm = global_loss_norm(batch.response_mask, group=run.groups.dp)
@@ -74,6 +77,7 @@ def rl_step(run: RLRun, step: int, *, save: Callable[[int], object] | None = Non
                 if run.objective.on_policy:
                     untrained = untrained_logprobs(run, batch, multiple=rows)
         trained, tokens_imbalance = redistribute(trained, group=run.groups.dp, pad_id=run.tokenizer.pad_token_id)
+    inject.at("train")
     with timer("train"):
         train_metrics, trained = train_policy(run, trained, norm=norm, stats_norm=stats_norm, step=step)
         train_metrics |= train_critic(run, trained) if run.critic is not None else {}
@@ -87,6 +91,7 @@ def rl_step(run: RLRun, step: int, *, save: Callable[[int], object] | None = Non
     kl_metrics = update_kl_coef(run, batch)
     if save is not None and checkpoint_due(cfg, step, cfg.train.steps):
         save(step)  # the step is complete and the trainer's state is still on the device
+    inject.at("push")
     try:
         push_stats = run.rollouts.hand_over(run, timer)
         with timer("eval"):
@@ -237,10 +242,10 @@ def batch_metrics(run: RLRun, batch: RolloutBatch, trained: RolloutBatch,
     mask = batch.response_mask.bool()
     measured = [batch] if batch.old_logprobs is not None else [b for b in (trained, untrained) if b is not None]
     diff = torch.cat([(b.rollout_logprobs - b.old_logprobs).abs()[b.response_mask.bool()] for b in measured])
-    n, tokens, rewards, truncated, diff_sum, diff_tokens, turns, calls, *ended = run.global_sums([
+    n, tokens, rewards, truncated, diff_sum, diff_tokens, turns, calls, retries, *ended = run.global_sums([
         float(len(batch)), float(mask.sum()), float(batch.rewards.sum()),
         float(sum(r == "length" for r in batch.finish_reasons)), float(diff.sum()), float(diff.numel()),
-        float(batch.turns.sum()), float(batch.tool_calls.sum()),
+        float(batch.turns.sum()), float(batch.tool_calls.sum()), float(batch.env_retries.sum()),
         *(float(sum(r == reason for r in batch.finish_reasons)) for reason in FINISH_REASONS)])
     diff_max = torch.tensor([float(diff.max()) if diff.numel() else 0.0])
     if run.groups.dp_size > 1:
@@ -254,6 +259,7 @@ def batch_metrics(run: RLRun, batch: RolloutBatch, trained: RolloutBatch,
         "rollout/logprob_diff_tokens": diff_tokens,
         "env/turns_mean": turns / n,
         "env/tool_calls_mean": calls / n,
+        "env/retries": retries,
         **{f"env/ended_by/{reason}": count / n for reason, count in zip(FINISH_REASONS, ended)},
     }
 
@@ -317,6 +323,7 @@ def train(cfg: Config) -> Path:
                 return final_dir(cfg)
             make_rollouts = SplitRollouts
     groups = start_parallel(job)  # placement split: the training ranks meet as a world of their own
+    inject.arm(cfg.faults, rank=dist.get_rank(), run_dir=cfg.run_dir)
     resume_from, done = find_resume(cfg)
     if already_finished(cfg, resume_from, done, cfg.train.steps):
         make_rollouts(job, groups).close()  # placement split: the rollout ranks wait for a command

@@ -70,7 +70,8 @@ class EnginePart:
             [ids for _, ids in samples], [ctx.new_env() for _ in samples],
             [(row.prompt, row.metadata) for row, _ in samples], tokenizer=ctx.tokenizer,
             observations=ctx.observations, limits=ctx.cfg.env, temperature=cfg.temperature, top_p=cfg.top_p,
-            max_new_tokens=cfg.max_new_tokens, on_last_turn=self.last_turn, on_retract=self.scoring.withdraw)
+            max_new_tokens=cfg.max_new_tokens, on_last_turn=self.last_turn, on_retract=self.scoring.withdraw,
+            new_env=ctx.new_env)
 
     def last_turn(self, i: int, trajectory: Trajectory) -> None:
         row, _ = self.samples[i]
@@ -127,6 +128,7 @@ def build_batch(tokenizer, rows: list[PromptRow], prompts: list[list[int]], traj
         metadata=[row.metadata for row in rows],
         turns=torch.tensor([t.turns for t in trajectories]),
         tool_calls=torch.tensor([t.tool_calls for t in trajectories]),
+        env_retries=torch.tensor([t.env_retries for t in trajectories]),
         env_rewards=torch.tensor([t.env_reward for t in trajectories]),
         routes=batch_routes(prompts, trajectories),
         weight_versions=versions * mask.long(),

@@ -23,6 +23,7 @@ from datetime import timedelta
 import torch
 from torch import Tensor
 
+from megarl import inject
 from megarl.config import Config
 from megarl.job import Job
 from megarl.device import current_device, on_gpu
@@ -67,6 +68,7 @@ def serve_rollout(job: Job) -> None:
     store, rank, _ = job_store(cfg.parallel.timeout_minutes)
     timeout = timedelta(minutes=cfg.parallel.timeout_minutes)
     box = Mailbox(store, timeout)
+    inject.arm(cfg.faults, rank=rank, run_dir=cfg.run_dir)
     hosts = layout.engine_ranks
     workers = len(hosts)
     if rank not in hosts:  # beside a worker: its engine spans this device; nothing to run here
@@ -81,9 +83,9 @@ def serve_rollout(job: Job) -> None:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
 
     def new_engine(restarts: int) -> RolloutEngine:  # a restarted one samples from a stream of its own
-        return make_rollout_engine(cfg.rollout, cfg.model.path, shape=job.shape, dtype=cfg.model.dtype,
-                                   seed=cfg.seed + index + restarts * workers,
-                                   capture_routes=job.shape.is_moe)
+        return inject.engine(make_rollout_engine(cfg.rollout, cfg.model.path, shape=job.shape, dtype=cfg.model.dtype,
+                                                 seed=cfg.seed + index + restarts * workers,
+                                                 capture_routes=job.shape.is_moe), counts_calls=True)
 
     new_env = environment_factory(cfg.env)
     worker = Worker(box, bridge, links, index=index, workers=workers, replicas=layout.dp, new_engine=new_engine,

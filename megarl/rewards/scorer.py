@@ -16,10 +16,12 @@ the RL loop stops after `reward.max_failed_steps` consecutive steps in which eve
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Sequence
 
+from megarl import inject
 from megarl.config import RewardConfig
 from megarl.rewards.terms import Outcome, Sample, build_terms, score_samples
 
@@ -98,6 +100,8 @@ class Scoring:
     def submit(self, i: int, sample: Sample) -> None:
         if self.samples[i] is not None:
             raise ValueError(f"sample {i} of the batch was handed in twice")
+        if (mark := inject.reward_mark()) is not None:
+            sample = dataclasses.replace(sample, fault_mark=mark)
         self.samples[i] = sample
         self.waiting.append(i)
         if self.scorer.pool is not None and len(self.waiting) == self.chunk_size:

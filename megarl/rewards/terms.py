@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from megarl import inject
 from megarl.config import RecipeError, RewardConfig, RewardTermConfig, SandboxConfig
 from megarl.rewards.exact import exact_answer_reward
 from megarl.rewards.judge import Judge
@@ -36,6 +37,7 @@ class Sample:
     answer: str  # the prompt row's reference answer
     metadata: dict = field(default_factory=dict)  # the prompt row's metadata
     response_tokens: int = 0  # response length in tokens, EOS included
+    fault_mark: str | None = None  # a fault injected in scoring it (megarl.inject.reward_mark); tests only
 
 
 RewardFn = Callable[[Sample], float]
@@ -123,9 +125,10 @@ def score_sample(terms: Sequence[Term], sample: Sample, *, timeout_s: float) -> 
     """The weighted sum of the terms on one sample, or (nan, why) when a term raises or returns something
     that is not a finite real number (a string such as "1.0" included; a bool counts as 0 or 1), the sample
     takes longer than `timeout_s` or the sum is beyond float32's range. `why` starts with the failing term's key."""
-    total, name = 0.0, ""
+    total, name = 0.0, "reward (injected fault)"
     try:
         with time_limit(timeout_s):
+            inject.score_marked(sample.fault_mark)
             for weight, fn, name in terms:
                 value = fn(sample)
                 if not isinstance(value, numbers.Real):
