@@ -732,7 +732,7 @@ class LogConfig:
 
 
 FaultKind = Literal["kill", "sigterm", "hang", "nan", "disk_full", "engine_crash", "engine_short", "engine_kill",
-                    "env_error", "reward_kill", "reward_hang"]
+                    "env_error", "reward_kill", "reward_hang", "sandbox_hang"]
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 tools/fault_matrix.py and the tests set (docs/faults.md). A real run leaves it empty; then `arm` installs
 nothing and every hook below returns after looking at an empty list.
 
-A fault fires once, in step `step` (counted as the loop counts, from 1), on the global rank `rank` (every rank
-when null), at the first hook of its kind in that step:
+A fault fires once per run, in step `step` (counted as the loop counts, from 1), on the global rank `rank` (every
+rank when null), at the first hook of its kind in that step. It leaves a mark in RUN_DIR/faults/fired, so the
+run a launcher restarts after it (torchrun --max-restarts, a requeue) goes on without it:
 
     kill          the process is SIGKILLed at `phase` (a dead node, the kernel's OOM killer)
     sigterm       the process is sent SIGTERM at `phase` (a preemption, a job time limit)
@@ -17,6 +18,8 @@ when null), at the first hook of its kind in that step:
     reward_kill   the step's first sample scored kills the process scoring it (a reward worker; needs
                   reward.workers > 0, or the trainer itself would be the process killed)
     reward_hang   the step's first sample scored never returns (its scorer's time limits end it)
+    sandbox_hang  scoring the step's first sample runs a program that never exits in the code sandbox
+                  (megarl.rewards.sandbox, its wall_s 2 s): the sample fails with what the sandbox did
 
 A rollout rank of placement split runs no steps: its engine faults fire at its `step`-th generate call.
 """
@@ -31,21 +34,23 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from megarl.config import FaultConfig
+from megarl.config import FaultConfig, SandboxConfig
 
 log = logging.getLogger(__name__)
 
 PHASES = ("generate", "train", "checkpoint", "push")
 _armed: list[FaultConfig] = []  # this rank's faults not fired yet
 _step = 0  # the step the loop is in (a rollout rank: its generate calls)
-_marks: Path | None = None  # where a fault scored in another process leaves its mark (reward_*)
+_rank = 0
+_marks = Path("faults")  # RUN_DIR/faults: the marks of faults fired, and of those scored in another process
 
 
 def arm(faults: list[FaultConfig], *, rank: int, run_dir: str) -> None:
-    """Install this rank's faults of the recipe (`faults`); a run calls it once, before its first step."""
-    global _marks
-    _armed[:] = [f for f in faults if f.rank is None or f.rank == rank]
-    _marks = Path(run_dir) / "faults"
+    """Install this rank's faults of the recipe (`faults`) that have not fired in this run yet; a process calls
+    it once, before its first step."""
+    global _marks, _rank
+    _marks, _rank = Path(run_dir) / "faults", rank
+    _armed[:] = [f for f in faults if (f.rank is None or f.rank == rank) and not _fired(f).exists()]
     if _armed:
         log.warning("faults injected on rank %d: %s", rank, ", ".join(f"{f.kind} in step {f.step}" for f in _armed))
 
@@ -55,11 +60,17 @@ def enter_step(step: int) -> None:
     _step = step
 
 
+def _fired(fault: FaultConfig) -> Path:
+    return _marks / "fired" / f"{fault.kind}-step{fault.step}-{fault.phase}-rank{_rank}"
+
+
 def _take(kind: str, phase: str | None = None) -> bool:
     """Whether a fault of `kind` (at `phase`) fires now; it fires once."""
     for fault in _armed:
         if fault.kind == kind and fault.step == _step and (phase is None or fault.phase == phase):
             _armed.remove(fault)
+            _fired(fault).parent.mkdir(parents=True, exist_ok=True)
+            _fired(fault).touch()
             log.warning("fault injected: %s in step %d%s", kind, _step, f" at {phase}" if phase else "")
             return True
     return False
@@ -189,17 +200,17 @@ def reward_mark() -> str | None:
     """A mark for the first sample handed to the scorer in a step whose `reward_*` fault fires: a file whose
     first taker, the process that scores the sample (in a Ray worker too), is killed or hangs. A retry of the
     sample finds the mark taken and scores it."""
-    for kind in ("reward_kill", "reward_hang"):
+    for kind in ("reward_kill", "reward_hang", "sandbox_hang"):
         if _armed and _take(kind):
-            _marks.mkdir(parents=True, exist_ok=True)
             mark = _marks / f"{kind}-step{_step}-pid{os.getpid()}"
             mark.touch()
             return str(mark)
     return None
 
 
-def score_marked(mark: str | None) -> None:
-    """Called before a sample is scored with the mark its batch carried (reward_mark)."""
+def score_marked(mark: str | None, *, run_sandboxed: Callable) -> None:
+    """Called before a sample is scored with the mark its batch carried (reward_mark); `run_sandboxed` is the
+    code sandbox's run_python (megarl.rewards.sandbox), for sandbox_hang."""
     if mark is None:
         return
     try:
@@ -208,5 +219,9 @@ def score_marked(mark: str | None) -> None:
         return
     if Path(mark).name.startswith("reward_kill"):
         os.kill(os.getpid(), signal.SIGKILL)
+    if Path(mark).name.startswith("sandbox_hang"):
+        result = run_sandboxed("import time\ntime.sleep(10**6)\n", SandboxConfig(wall_s=2.0))
+        ended = "killed at the sandbox's wall_s" if result.returncode is None else f"exit {result.returncode}"
+        raise RuntimeError(f"a program that never exits ran in the code sandbox ({result.mode}): {ended}")
     while True:
         time.sleep(3600)

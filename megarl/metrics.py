@@ -60,10 +60,23 @@ class PhaseTimer:
         return {f"timing/{phase}_s": s for phase, s in self.seconds.items()}
 
 
+def _continued(path: Path, resume_step: int):
+    """`path` (one JSON record per step) open for appending: emptied for a fresh run (`resume_step` 0); for a
+    resumed one, the records up to `resume_step` kept and those after it (recomputed) and a partial last one
+    (a run killed while writing it) dropped, with a warning."""
+    kept = []
+    if resume_step and path.exists():
+        kept = [line for line, record in complete_records(path) if record["step"] <= resume_step]
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    return path.open("a", encoding="utf-8")
+
+
 class MetricsWriter:
     """Appends one JSON object per step to metrics.jsonl; shows the key numbers on the console (a progress
     bar on a terminal, else a `summary_line` per logged step) and passes each record to the `trackers`
-    (megarl.trackers), which it closes."""
+    (megarl.trackers), which it closes. A step's "data/rows" (the prompt rows it drew, every rank's: a list,
+    not a metric) goes to prompts.jsonl instead, {"step", "rows"}, so a run can be checked for prompts skipped
+    or seen twice."""
 
     CONSOLE_KEYS = ("reward/mean", "eval/reward_mean", "loss", "reward_accuracy", "eval/loss", "kl", "grad_norm")
 
@@ -78,18 +91,15 @@ class MetricsWriter:
         self._pace = Pace(total_steps, done=resume_step)
         self._bar = None
         self._tb = None
-        self._file = None
+        self._file = self._rows = None
         self._trackers = list(trackers)
         if not enabled:
             return
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        path = run_dir / "metrics.jsonl"
-        kept = []
-        if resume_step and path.exists():
-            kept = [line for line, record in complete_records(path) if record["step"] <= resume_step]
-        path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        self._file = path.open("a", encoding="utf-8")
+        self._file = _continued(run_dir / "metrics.jsonl", resume_step)
+        self._rows = None  # prompts.jsonl, continued at the first step that has rows (RL runs)
+        self._rows_at = (run_dir / "prompts.jsonl", resume_step)
         if progress and not self._lines:
             from tqdm import tqdm
 
@@ -105,6 +115,7 @@ class MetricsWriter:
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
+        metrics = {k: v for k, v in metrics.items() if k != "data/rows"}
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
@@ -122,6 +133,13 @@ class MetricsWriter:
             line = summary_line(self.desc, step, self.total_steps, metrics, keys=self.CONSOLE_KEYS)
             print(f"{line} | {self._pace.eta(step)}", file=sys.stderr, flush=True)
 
+    def rows(self, step: int, metrics: dict) -> None:
+        """The step's "data/rows" into prompts.jsonl (every step, whatever log.every_steps)."""
+        if self.enabled and (rows := metrics.get("data/rows")) is not None:
+            self._rows = self._rows or _continued(*self._rows_at)
+            self._rows.write(json.dumps({"step": step, "rows": rows}) + "\n")
+            self._rows.flush()
+
     def close(self, *, finished: bool = True) -> None:
         """`finished` False: the run stopped on an error or a signal, which its trackers record."""
         for tracker in self._trackers:
@@ -130,8 +148,9 @@ class MetricsWriter:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
-        if self._file is not None:
-            self._file.close()
+        for file in (self._file, self._rows):
+            if file is not None:
+                file.close()
 
 
 class Pace:

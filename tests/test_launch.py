@@ -12,8 +12,10 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -248,3 +250,58 @@ def test_build_context_leaves_out_environments_runs_and_git():
     ignored = (REPO / ".dockerignore").read_text().splitlines()
     for pattern in (".git", ".venv*", "runs", "**/*.egg-info", "**/__pycache__", ".pytest_cache", ".device_wheels"):
         assert pattern in ignored, pattern
+
+
+# ---- restarts: a failed job starts again from its last checkpoint ------------------------------------------
+def counting(bin_dir: Path, tool: str, tmp_path: Path, *, codes: list[int], on_term: str = "") -> Path:
+    """`tool` that appends a line to a file per call and exits with `codes[call]` (the last one after that);
+    `on_term`: the shell to run when it gets SIGTERM (it waits for one when its code is 'wait')."""
+    calls = tmp_path / f"{tool}.calls"
+    cases = "".join(f"  {i}) code={c} ;;\n" for i, c in enumerate(codes[:-1]))
+    (bin_dir / tool).write_text(
+        f"#!/usr/bin/env bash\nn=$(wc -l < {calls} 2>/dev/null || echo 0)\necho call >> {calls}\n"
+        f"case $n in\n{cases}  *) code={codes[-1]} ;;\nesac\n"
+        f"trap '{on_term}' TERM\n"
+        'if [ "$code" = wait ]; then touch "$0.waiting"; sleep 30 & wait $!; fi\nexit "$code"\n')
+    (bin_dir / tool).chmod(0o755)
+    return calls
+
+
+@pytest.mark.parametrize("codes, max_restarts, calls, rc", [
+    ([1, 0], None, 2, 0),       # a process died: started again, and it finished
+    ([1, 1, 1, 1], None, 3, 1),  # MAX_RESTARTS (2) times at most
+    ([1, 0], "0", 1, 1),
+    ([2, 0], None, 1, 2),       # a recipe error is not retried
+])
+def test_torchrun_script_starts_a_failed_job_again(tmp_path, codes, max_restarts, calls, rc):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    count = counting(bin_dir, "torchrun", tmp_path, codes=codes)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "NPROC": "2",
+           **({"MAX_RESTARTS": max_restarts} if max_restarts else {})}
+    result = run_script(SCRIPTS[0], RECIPE, env=env)
+    assert result.returncode == rc, result.stderr
+    assert len(count.read_text().splitlines()) == calls
+    assert result.stderr.count("starting it again from its last checkpoint") == calls - 1
+
+
+def test_torchrun_script_passes_sigterm_on_and_does_not_start_the_job_again(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    count = counting(bin_dir, "torchrun", tmp_path, codes=["wait"], on_term=f"touch {tmp_path}/termed; exit 1")
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "NPROC": "2", "HOME": "/tmp"}
+    proc = subprocess.Popen(["bash", str(SCRIPTS[0]), RECIPE], env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while not (bin_dir / "torchrun.waiting").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == 1
+    assert (tmp_path / "termed").exists() and len(count.read_text().splitlines()) == 1
+
+
+def test_a_failed_slurm_step_runs_again_unless_the_time_limit_stopped_it(fake_slurm, tmp_path):
+    calls = counting(fake_slurm, "srun", tmp_path, codes=[1, 0])
+    result = run_script(SCRIPTS[1], RECIPE, env=slurm_env(fake_slurm, LOG_DIR=str(tmp_path / "logs")))
+    assert result.returncode == 0, result.stderr
+    assert len(calls.read_text().splitlines()) == 2 and "running it again from the last checkpoint" in result.stderr
+    assert not (tmp_path / "requeue.args").exists()

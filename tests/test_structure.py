@@ -29,6 +29,7 @@ ROOMS = (
     "algo",            # the math of advantages, losses and KL (pure tensor functions), and each algorithm's traits
     "config",          # the recipe's dataclasses and their checks
     "device",          # which device this process computes on
+    "inject",          # faults injected on purpose (the recipe's `faults`): the fault matrix and the tests
     # the model and how a run lays it out
     "models",          # HF architectures, weight names and their tensor-parallel layouts
     "layout",          # the parallel layout of a job

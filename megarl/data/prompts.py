@@ -124,6 +124,7 @@ class PromptSampler:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.epoch, self.position = 0, 0
         self._order = self._epoch_order(0)
+        self.drawn: list[int] = []  # the global batches' indices since `take_drawn`, every rank's, in order
 
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(self.n_rows))
@@ -141,7 +142,13 @@ class PromptSampler:
             take = min(n * self.dp_size - len(global_batch), self.n_rows - self.position)
             global_batch += self._order[self.position:self.position + take]
             self.position += take
+        self.drawn += global_batch
         return global_batch[self.dp_rank * n:(self.dp_rank + 1) * n]
+
+    def take_drawn(self) -> list[int]:
+        """The row indices every rank drew since the last call (all ranks walk the same stream)."""
+        drawn, self.drawn = self.drawn, []
+        return drawn
 
     def state_dict(self) -> dict[str, int]:
         """Where the stream stands; the seed and sizes come from the constructor, not from here."""

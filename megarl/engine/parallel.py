@@ -58,8 +58,9 @@ def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0,
                   trainer_store: tuple[dist.Store, int, int] | None = None) -> ParallelGroups:
     """Initialize torch.distributed (torchrun env, else a one-process group) and Megatron's parallel state.
     Every process group waits `timeout` in a collective before it fails (parallel.timeout_minutes).
-    `trainer_store` (store, rank, world size): the training world is those ranks of a larger job
-    (placement split, megarl.loops.split), and meets through that store instead of torchrun's."""
+    `trainer_store` (store, rank, world size): the world meets through that store instead of torchrun's env://
+    (megarl.loops.launch.start_parallel: keys of this start's own; placement split: the training ranks of a
+    larger job)."""
     cuda = on_gpu()
     if not cuda:
         load_cuda_driver_stand_in()  # before megatron's imports, which may load CUDA kernels

@@ -27,11 +27,15 @@ log = logging.getLogger(__name__)
 @functools.cache
 def job_store(timeout_minutes: float) -> tuple[dist.Store, int, int]:
     """torchrun's store, this process's rank and the job's world size (once per process), for placement split,
-    whose rollout ranks stay outside torch.distributed's world."""
+    whose rollout ranks stay outside torch.distributed's world. The store is torchrun's agent's, which outlives
+    the processes when torchrun starts them again (--max-restarts): each start has keys of its own, or a new
+    process would read the addresses and commands of a dead one."""
     if "RANK" not in os.environ:
         raise RecipeError("placement.mode = 'split' runs rollout ranks beside the training ranks: launch it under "
                           "torchrun with more processes than placement.rollout_ranks")
-    return next(dist.rendezvous("env://", timeout=timedelta(minutes=timeout_minutes)))
+    store, rank, world = next(dist.rendezvous("env://", timeout=timedelta(minutes=timeout_minutes)))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"megarl/start{attempt}/", store), rank, world
 
 
 def job_world(cfg: Config) -> tuple[int, int]:
@@ -73,12 +77,15 @@ def launch(cfg: Config) -> tuple[Job, ParallelGroups]:
 def start_parallel(job: Job) -> ParallelGroups:
     """Megarl's parallel state for the resolved `job`; `run_dir/job.yaml` records what was resolved. A run_dir
     that cannot be written is a RecipeError naming it, raised before any model is built. With placement split
-    the training ranks meet as a world of their own, through their prefix of torchrun's store."""
+    the training ranks meet as a world of their own, through their prefix of torchrun's store. Under torchrun the
+    world meets through keys of this start's own (`job_store`): with torchrun's env:// the processes torchrun
+    starts again after a failure (--max-restarts) would read the dead ones' addresses and fail to connect."""
     cfg = job.cfg
     trainer_store = None
-    if job.layout.rollout_ranks and not dist.is_initialized():
-        store, rank, _ = job_store(cfg.parallel.timeout_minutes)
-        trainer_store = (dist.PrefixStore("megarl/trainer/", store), rank, job.layout.world)
+    if "RANK" in os.environ and not dist.is_initialized():
+        store, rank, world = job_store(cfg.parallel.timeout_minutes)
+        trainer_store = (dist.PrefixStore("megarl/trainer/", store), rank,
+                         job.layout.world if job.layout.rollout_ranks else world)
     check_run_dir(cfg.run_dir)
     par = cfg.parallel
     try:

@@ -91,6 +91,7 @@ def run_steps(cfg: Config, state: RunState, *, step: Callable[[int], dict[str, f
                     save_checkpoint(cfg, last, state, final=True)
                 e.checkpoint = state.last_saved
                 raise
+            writer.rows(n, metrics)
             if n % cfg.log.every_steps == 0 or n == steps:
                 writer.write(n, metrics | startup)
                 startup = {}

@@ -112,6 +112,7 @@ def rl_step(run: RLRun, step: int, *, save: Callable[[int], object] | None = Non
         "handover/offloaded_bytes": float(push_stats["offloaded_bytes"]),
         **({"async/push_wait_s": push_stats["wait_s"]} if "wait_s" in push_stats else {}),
         "throughput/tokens_per_s": tokens / seconds,
+        "data/rows": run.sampler.take_drawn(),
     }
 
 

@@ -24,7 +24,7 @@ from megarl.rewards.exact import exact_answer_reward
 from megarl.rewards.judge import Judge
 from megarl.rewards.math_answer import math_reward
 from megarl.rewards.code import code_reward
-from megarl.rewards.sandbox import SandboxUnavailable, check_sandbox
+from megarl.rewards.sandbox import SandboxUnavailable, check_sandbox, run_python
 from megarl.rewards.shaping import format_reward, length_penalty
 
 
@@ -128,7 +128,7 @@ def score_sample(terms: Sequence[Term], sample: Sample, *, timeout_s: float) -> 
     total, name = 0.0, "reward (injected fault)"
     try:
         with time_limit(timeout_s):
-            inject.score_marked(sample.fault_mark)
+            inject.score_marked(sample.fault_mark, run_sandboxed=run_python)
             for weight, fn, name in terms:
                 value = fn(sample)
                 if not isinstance(value, numbers.Real):
