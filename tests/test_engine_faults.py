@@ -214,6 +214,7 @@ def test_an_engine_that_fails_midway_starts_again_and_its_step_goes_on_with_ever
     assert code == 0, err[-3000:]
     assert [m["step"] for m in logged] == list(range(1, STEPS + 1))
     assert [m["rollout/engine_restarts"] for m in logged] == [0, 0, 1, 1, 1]
+    assert [m["rollout/redispatched"] for m in logged] == [0, 0, 16, 16, 16]  # the step's samples, over the run
     calls = engine_calls(recipe, "crash:3")
     assert [(c["call"], c["crash"], c["version"]) for c in calls] == [
         (1, False, 1), (2, False, 2), (3, True, 3), (4, False, 3), (5, False, 4), (6, False, 5)]
@@ -291,11 +292,13 @@ def test_the_quickstart_through_an_engine_failure_computes_what_it_computes_with
         runs[fault] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     clean, faulted = runs["crash:1000"], runs["crash:4"]
     assert [m["rollout/engine_restarts"] for m in faulted] == [0, 0] + [1] * 8
+    assert [m["rollout/redispatched"] for m in faulted] == [0, 0] + [256] * 8  # step 3's samples, all again
     calls = [json.loads(line) for line in (tmp_path / "crash:4.calls.jsonl").read_text().splitlines()]
     assert [(c["call"], c["crash"], len(c["prompts"])) for c in calls[2:5]] == [(3, False, 64), (4, True, 256),
                                                                                 (5, False, 256)]
     different = [(m["step"], key) for m, n in zip(faulted, clean) for key in m
-                 if not key.startswith(("timing/", "throughput/")) and key != "rollout/engine_restarts"
+                 if not key.startswith(("timing/", "throughput/"))
+                 and key not in ("rollout/engine_restarts", "rollout/redispatched")
                  and m[key] != n[key]]
     assert len(faulted) == len(clean) == 10 and different == []
     assert [m["step"] for m in faulted if "eval/reward_mean" in m] == [2, 4, 6, 8, 10]
@@ -310,7 +313,7 @@ def test_a_rollout_worker_starts_its_failed_engine_again_with_the_last_push_it_r
                                    "algo.max_staleness=1", name="split", nproc=2)
     assert code == 0, err[-3000:]
     assert [m["step"] for m in logged] == list(range(1, STEPS + 1))
-    assert logged[-1]["rollout/engine_restarts"] == 1
+    assert logged[-1]["rollout/engine_restarts"] == 1 and logged[-1]["rollout/redispatched"] == 16
     calls = engine_calls(recipe, "split")
     assert [(c["crash"], c["version"]) for c in calls[2:4]] == [(True, 2), (False, 2)]
     assert sorted(calls[3]["prompts"]) == sorted(calls[2]["prompts"]) and len(calls[3]["prompts"]) == 16

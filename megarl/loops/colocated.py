@@ -70,6 +70,7 @@ class ColocatedRollouts:
         self.restarts = 0  # engine restarts in this run, every engine counted (the same on every rank)
         self.lost = False  # restarts are spent: nothing is pushed any more (the run saves and stops)
         self.rng = None  # the engine's sampler state before its last generation: a restarted engine starts there
+        self.redispatched = 0  # samples this rank's engines generated again after a failure, over the run
         self.released = 0  # bytes this rank's engine gave back at the step's release (rollout/released_bytes)
 
     def start(self, model_dir: str) -> None:
@@ -251,6 +252,7 @@ class ColocatedRollouts:
             if part is not None and self.failure is None:
                 self.rng = self.engine.rng_state()
                 if (error := part.run(self.engine)) is not None:
+                    self.redispatched += part.unfinished()
                     self.failed(error)
             if not self.recover(run):
                 if part is not None:
@@ -262,9 +264,11 @@ class ColocatedRollouts:
         return run.weight_version, run.weight_version
 
     def metrics(self, run: RLRun) -> dict[str, float]:
-        """Engine restarts so far, and the bytes the job's engines gave back at this step's release."""
-        released, = group_sums([float(self.released)], group=dist.group.WORLD)
-        return {"rollout/engine_restarts": float(self.restarts), "rollout/released_bytes": released}
+        """Engine restarts and the samples generated again after them so far, and the bytes the job's engines
+        gave back at this step's release."""
+        released, redispatched = group_sums([float(self.released), float(self.redispatched)], group=dist.group.WORLD)
+        return {"rollout/engine_restarts": float(self.restarts), "rollout/redispatched": redispatched,
+                "rollout/released_bytes": released}
 
     @contextlib.contextmanager
     def resident(self, run: RLRun, *, final: bool = False) -> Iterator[None]:

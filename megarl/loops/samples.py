@@ -78,6 +78,10 @@ class EnginePart:
         self.scoring.submit(i, Sample(row.prompt, response_text(self.ctx.tokenizer, trajectory), row.answer,
                                       row.metadata, response_tokens=sum(trajectory.generated_mask)))
 
+    def unfinished(self) -> int:
+        """The trajectories a `run` goes on with: after a failed one, those generated again on the next engine."""
+        return len(self.trajectories.active)
+
     def run(self, engine: RolloutEngine) -> EngineError | None:
         """Generate every trajectory not finished yet on `engine`; the engine's failure, or None."""
         try:

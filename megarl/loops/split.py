@@ -136,6 +136,7 @@ class SplitRollouts:
         self.evals = 0
         self.counted = (0, 0)  # store and link bytes of this rank when the metrics were last read
         self.restarts: dict[int, int] = {}  # worker -> its engine restarts, as its last samples said
+        self.redispatched: dict[int, int] = {}  # worker -> the samples it generated again after them
 
     # -- commands
     def _command(self, *command) -> None:
@@ -199,6 +200,7 @@ class SplitRollouts:
             counts += torch.tensor(part["counts"], dtype=torch.float64)
             waited = max(waited, part["waited_s"])
             self.restarts[w] = part["restarts"]  # the worker's engine restarts so far (every rank sees every part)
+            self.redispatched[w] = part["redispatched"]
         if not rows:
             return None, counts, waited
         done = [trajectories[i] for i in range(len(rows) * n_samples)]  # the replica's samples, in order
@@ -274,7 +276,8 @@ class SplitRollouts:
         store, moved = run.global_sums([float(a - b) for a, b in zip(now, self.counted)])
         self.counted = now
         return {"async/store_bytes": store, "async/transport_bytes": moved, "rollout/released_bytes": 0.0,
-                "rollout/engine_restarts": float(sum(self.restarts.values()))}
+                "rollout/engine_restarts": float(sum(self.restarts.values())),
+                "rollout/redispatched": float(sum(self.redispatched.values()))}
 
     def resident(self, run: RLRun, *, final: bool = False) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()

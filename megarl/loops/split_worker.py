@@ -115,6 +115,7 @@ class Worker:
         self.bridge, self.links = functools.cache(bridge), functools.cache(links)  # made when first used
         self.new_engine, self.max_restarts = new_engine, max_restarts
         self.restarts = 0
+        self.redispatched = 0  # samples generated again after the engine failed, over the run
         self.lost: str | None = None  # why its engine is gone for good (past max_restarts)
         # the last push, on the host, for an engine started again (with restarts allowed): (slots, bytes) per
         # bucket, and its version (0: the checkpoint the engines start from)
@@ -228,6 +229,7 @@ class Worker:
             engine_part = EnginePart(me, [samples[i][1:] for i in part])
             self.rng = me.rollout.rng_state()
             while (error := engine_part.run(me.rollout)) is not None:
+                self.redispatched += engine_part.unfinished()
                 if not self.restart(error):  # its samples go on from their last finished turn
                     break
             else:
@@ -249,7 +251,7 @@ class Worker:
                 "rewards": [rewards[j] for j in mine],
                 # failures, scored before generation ended, engines that generated: counted once, on replica 0
                 "counts": [failures, hidden, int(bool(part))] if dp == 0 else [0, 0, 0],
-                "restarts": self.restarts, "waited_s": self.waited}, to=dp)
+                "restarts": self.restarts, "redispatched": self.redispatched, "waited_s": self.waited}, to=dp)
 
 
 def _received(group, *, keep: list | None = None) -> Iterator[list[tuple[str, Tensor]]]:
