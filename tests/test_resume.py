@@ -99,6 +99,10 @@ def assert_same_run(run_dir: Path, reference: Path) -> None:
         assert g == w, {k: (g.get(k), w.get(k)) for k in w if g.get(k) != w.get(k)}
     a, b = final_weights(run_dir), final_weights(reference)
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    # the prompts of every step, in order: none skipped, none drawn twice (a resumed run drops the lines of the
+    # steps after its checkpoint and draws on from there)
+    rows, want_rows = ((d / "prompts.jsonl").read_text().splitlines() for d in (run_dir, reference))
+    assert rows == want_rows and [json.loads(line)["step"] for line in rows] == list(range(1, STEPS + 1))
 
 
 def test_the_reference_run_moves_and_checkpoints(uninterrupted):
