@@ -15,7 +15,7 @@ from conftest import REPO, run_python
 from megarl.config import load_config
 from megarl.dataclass_yaml import ConfigError
 
-MATRIX_TIMEOUT_S = 900  # --quick: 5 runs of ~15 s each plus the restarts (30 s for torchrun's teardown each)
+MATRIX_TIMEOUT_S = 900  # --quick: 8 runs of ~15 s each, and the restarts (torchrun's teardown waits up to 30 s)
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +33,12 @@ def quick_matrix(tmp_path_factory) -> dict[str, dict]:
 @pytest.mark.parametrize("fault, outcome, detected_within_s", [
     # the engine is started again and given the step's weights; the step's samples are generated once more
     ("native engine dies mid-generate", "recovered in place", 1.0),
+    # placement split: the training rank's push to the dead rollout rank fails in step 2 (its batch 3 was being
+    # generated ahead), so the job starts again from step 1's checkpoint
+    ("rollout rank killed (split)", "resumed from step 1 (restarted by launch/torchrun.sh)", 5.0),
+    # both ranks raise FloatingPointError naming step 3 (the gradients' all-reduce spreads the NaN); the job
+    # starts again without the fault, which fired once
+    ("NaN loss on one rank", "resumed from step 2 (restarted by launch/torchrun.sh)", 5.0),
     # the other rank sees the connection reset at once, torchrun stops it and launch/torchrun.sh starts both
     # again; they resume from step 2's checkpoint
     ("trainer rank killed mid-step", "resumed from step 2 (restarted by launch/torchrun.sh)", 5.0),
