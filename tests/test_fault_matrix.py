@@ -52,7 +52,7 @@ def test_the_quick_matrix_recovers_each_fault_exactly(quick_matrix, fault, outco
     row = quick_matrix[fault]
     assert row["outcome"] == outcome, row
     assert row["exact"], row["differs"]
-    assert (row["prompts_lost"], row["prompts_repeated"], row["samples_failed"]) == (0, 0, 0), row
+    assert (row["prompts_lost"], row["prompts_repeated"], row["samples_lost"], row["samples_failed"]) == (0, 0, 0, 0)
     assert row["detected_s"] is not None and row["detected_s"] <= detected_within_s, row
 
 

@@ -12,6 +12,7 @@ Prints one row per fault and writes DIR/fault_matrix.md and DIR/fault_matrix.jso
     detected_s         seconds from the fault to the first line that shows it was noticed (its `detect` pattern)
     prompts_lost       prompt rows the fault-free run trained and this run did not (RUN_DIR/prompts.jsonl)
     prompts_repeated   prompt rows this run trained more often than the fault-free run did
+    samples_lost       the samples of the prompts lost (rollout.n_samples each)
     samples_failed     samples scored 0 and counted (reward/failures), more than the fault-free run's
     steps_recomputed   steps finished twice (once before the fault, again after a resume)
     exact              the final weights bit for bit and every logged number but timings equal the fault-free
@@ -37,8 +38,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 5
+N_SAMPLES = yaml.safe_load((REPO / "recipes" / "quickstart.yaml").read_text())["rollout"]["n_samples"]
 FAULT_STEP = 3
 LAUNCH_TIMEOUT_S = 600
 # The quickstart's recipe from a random model, small enough that a run is a minute on 2 cores: no warm start,
@@ -142,6 +146,7 @@ class Row:
     exit_codes: list[int] = field(default_factory=list)
     prompts_lost: int = 0
     prompts_repeated: int = 0
+    samples_lost: int = 0
     samples_failed: int = 0
     steps_recomputed: int = 0
     engine_restarts: int = 0
@@ -271,6 +276,7 @@ def measure(fault: Fault, launches: list[Launch], run_dir: Path, clean_dir: Path
     row.samples_failed = int(failed)
     ours, theirs = prompts(run_dir), prompts(clean_dir)
     row.prompts_lost, row.prompts_repeated = sum((theirs - ours).values()), sum((ours - theirs).values())
+    row.samples_lost = row.prompts_lost * N_SAMPLES
     code = launches[-1].code
     if code != 0:
         row.outcome = f"stopped (exit {code}): {last_error(lines)}"
