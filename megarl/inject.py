@@ -38,7 +38,6 @@ from megarl.config import FaultConfig, SandboxConfig
 
 log = logging.getLogger(__name__)
 
-PHASES = ("generate", "train", "checkpoint", "push")
 _armed: list[FaultConfig] = []  # this rank's faults not fired yet
 _step = 0  # the step the loop is in (a rollout rank: its generate calls)
 _rank = 0
