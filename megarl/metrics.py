@@ -98,8 +98,7 @@ class MetricsWriter:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self._file = _continued(run_dir / "metrics.jsonl", resume_step)
-        self._rows = None  # prompts.jsonl, continued at the first step that has rows (RL runs)
-        self._rows_at = (run_dir / "prompts.jsonl", resume_step)
+        self._rows_at = (run_dir / "prompts.jsonl", resume_step)  # continued at the first step with rows (RL)
         if progress and not self._lines:
             from tqdm import tqdm
 
