@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One node, all local devices: launch/torchrun.sh RECIPE.yaml [key.path=value ...]
 #   NPROC (default: number of GPUs, or 1 without GPUs) sets the processes on this node.
-#   MAX_RESTARTS (default 2): a job that fails (torchrun exits 1: a process died or raised, a collective timed
-#   out) is started again, this many times at most; it resumes from its last checkpoint (checkpoint.resume:
-#   auto), so set checkpoint.every_steps. A recipe error (exit 2) and a job this script was asked to stop
-#   (SIGTERM, SIGINT) are not started again.
+#   MAX_RESTARTS (default 2): a job that fails (a process died or raised, a collective timed out: torchrun exits
+#   1) is started again, this many times at most; it resumes from its last checkpoint (checkpoint.resume: auto),
+#   so set checkpoint.every_steps. A recipe error (exit 2), a stop (130, 143) and a job this script was asked to
+#   stop (SIGTERM, SIGINT) are not started again.
 #   --dry-run prints the command instead of running it.
 set -euo pipefail
 dry_run=0
@@ -24,7 +24,7 @@ pid=
 trap 'stopping=1; [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null' TERM
 trap 'stopping=1' INT
 for attempt in $(seq 0 "$max_restarts"); do
-  [ "$attempt" = 0 ] || echo "megarl: the job failed (exit 1); starting it again from its last checkpoint" \
+  [ "$attempt" = 0 ] || echo "megarl: the job failed (exit $rc); starting it again from its last checkpoint" \
     "(restart $attempt of $max_restarts)" >&2
   "${cmd[@]}" &
   pid=$!
@@ -34,6 +34,7 @@ for attempt in $(seq 0 "$max_restarts"); do
     wait "$pid" || rc=$?
     kill -0 "$pid" 2>/dev/null || break
   done
-  if [ "$rc" -ne 1 ] || [ "$stopping" = 1 ]; then break; fi
+  case $rc in 0 | 2 | 130 | 143) break ;; esac
+  [ "$stopping" = 0 ] || break
 done
 exit "$rc"

@@ -271,7 +271,9 @@ def counting(bin_dir: Path, tool: str, tmp_path: Path, *, codes: list[int], on_t
     ([1, 0], None, 2, 0),       # a process died: started again, and it finished
     ([1, 1, 1, 1], None, 3, 1),  # MAX_RESTARTS (2) times at most
     ([1, 0], "0", 1, 1),
+    ([137, 0], None, 2, 0),     # a process SIGKILLed
     ([2, 0], None, 1, 2),       # a recipe error is not retried
+    ([143, 0], None, 1, 143),   # nor a stop
 ])
 def test_torchrun_script_starts_a_failed_job_again(tmp_path, codes, max_restarts, calls, rc):
     bin_dir = tmp_path / "bin"
