@@ -207,11 +207,9 @@ def reward_mark() -> str | None:
     return None
 
 
-def score_marked(mark: str | None, *, run_sandboxed: Callable) -> None:
-    """Called before a sample is scored with the mark its batch carried (reward_mark); `run_sandboxed` is the
-    code sandbox's run_python (megarl.rewards.sandbox), for sandbox_hang."""
-    if mark is None:
-        return
+def score_marked(mark: str, *, run_sandboxed: Callable) -> None:
+    """Called before a sample that carries a mark (reward_mark) is scored; `run_sandboxed` is the code sandbox's
+    run_python (megarl.rewards.sandbox), for sandbox_hang."""
     try:
         os.unlink(mark)  # one taker
     except FileNotFoundError:

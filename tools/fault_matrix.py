@@ -303,7 +303,6 @@ def last_error(lines: list[tuple[float, str]]) -> str:
 
 
 # ---- the table ---------------------------------------------------------------------------------------------
-COLUMNS = ("fault", "outcome", "detected_s", "prompts_lost", "samples_failed", "steps_recomputed", "exact")
 
 
 def markdown(rows: list[Row]) -> str:

@@ -247,7 +247,8 @@ class Worker:
             links.samples.send({
                 "key": key,
                 "index": [part[j] - first[dp] for j in mine],
-                "trajectories": [dataclasses.asdict(trajectories[j]) for j in mine],
+                # what the environments were given and returned stays here, where they are replayed
+                "trajectories": [dataclasses.asdict(dataclasses.replace(trajectories[j], stepped=[])) for j in mine],
                 "rewards": [rewards[j] for j in mine],
                 # failures, scored before generation ended, engines that generated: counted once, on replica 0
                 "counts": [failures, hidden, int(bool(part))] if dp == 0 else [0, 0, 0],

@@ -125,10 +125,12 @@ def score_sample(terms: Sequence[Term], sample: Sample, *, timeout_s: float) -> 
     """The weighted sum of the terms on one sample, or (nan, why) when a term raises or returns something
     that is not a finite real number (a string such as "1.0" included; a bool counts as 0 or 1), the sample
     takes longer than `timeout_s` or the sum is beyond float32's range. `why` starts with the failing term's key."""
-    total, name = 0.0, "reward (injected fault)"
+    total, name = 0.0, ""
     try:
         with time_limit(timeout_s):
-            inject.score_marked(sample.fault_mark, run_sandboxed=run_python)
+            if sample.fault_mark is not None:
+                name = "reward (injected fault)"
+                inject.score_marked(sample.fault_mark, run_sandboxed=run_python)
             for weight, fn, name in terms:
                 value = fn(sample)
                 if not isinstance(value, numbers.Real):
