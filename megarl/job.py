@@ -244,11 +244,25 @@ def moe_settings(shape: ModelShape, *, te_layers: bool) -> dict:
     Megatron's default router takes the top-k logits and softmaxes over those k: the renormalized top-k
     probabilities of `norm_topk`. Without renormalization, `moe_router_pre_softmax` softmaxes over all
     experts before the top-k. Dropless (no capacity factor): every token reaches its k experts, as in HF.
+
+    Sigmoid routing (GLM-4.5, DeepSeek-V3) chooses by the scores plus the expert bias, grouped, and weighs by
+    the renormalized scores times the routed scale, in float32 as transformers does. The bias is the
+    checkpoint's `e_score_correction_bias`; its update rate is 0, as in the RL recipes of the frameworks that
+    train these models: a policy update must not move the routing that rollouts were sampled with (and routing
+    replay reproduces), and the bias is a buffer the policy loss has no gradient for. A recipe may set
+    model.megatron.moe_router_bias_update_rate to keep balancing the load as pretraining did.
     """
+    sigmoid = shape.moe_score == "sigmoid"
+    routing = dict(
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=shape.expert_bias,
+        moe_router_bias_update_rate=0.0, moe_router_topk_scaling_factor=shape.routed_scale,
+        moe_router_num_groups=shape.moe_groups or None, moe_router_group_topk=shape.moe_group_topk or None,
+        moe_router_dtype="fp32",
+    ) if sigmoid else dict(moe_router_pre_softmax=not shape.norm_topk, moe_router_score_function="softmax")
     return dict(
-        num_moe_experts=shape.experts, moe_router_topk=shape.topk, moe_ffn_hidden_size=shape.moe_ffn,
-        moe_router_pre_softmax=not shape.norm_topk, moe_router_score_function="softmax",
-        moe_shared_expert_intermediate_size=shape.shared_ffn or None, moe_shared_expert_gate=shape.shared_ffn > 0,
+        num_moe_experts=shape.experts, moe_router_topk=shape.topk, moe_ffn_hidden_size=shape.moe_ffn, **routing,
+        moe_layer_freq=[0 if layer < shape.dense_layers else 1 for layer in range(shape.layers)],
+        moe_shared_expert_intermediate_size=shape.shared_ffn or None, moe_shared_expert_gate=shape.shared_gate,
         # Switch-Transformer load balancing per micro-batch, summed over layers; HF adds it only when
         # `output_router_logits` and over all layers' tokens at once (and with top-k times Megatron's scale),
         # so the coefficient means the same strength only roughly. A recipe can override it (model.megatron).
@@ -280,7 +294,8 @@ def shared_prompt_moe_refusal(setting: Callable[[str], object]) -> str | None:
     if setting("moe_expert_capacity_factor") is not None:
         return ("expert capacity (moe_expert_capacity_factor) drops tokens by how many reach an expert, which "
                 "holding a prompt once changes")
-    if on("moe_router_enable_expert_bias"):
+    rate = setting("moe_router_bias_update_rate")  # Megatron's default: 1e-3
+    if on("moe_router_enable_expert_bias") and (rate is None or rate != 0):
         return ("the expert bias (moe_router_enable_expert_bias) follows how many tokens reach each expert, which "
                 "holding a prompt once changes")
     return None

@@ -75,7 +75,7 @@ def engine_weights(engine) -> dict[str, torch.Tensor]:
     return {name: t.detach().cpu().clone() for name, t in engine.hf_tensors()}
 
 
-ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3")
 
 
 @pytest.fixture(params=ARCHS)
@@ -108,13 +108,17 @@ def test_logprobs_and_logits_equal_transformers(model_dir, groups):
 def test_every_megatron_parameter_has_one_name_rule(model_dir, groups):
     from megarl.models.names import fill, name_rules
 
+    from megarl.engine.model import named_weights
+
     engine = make_engine(model_dir, groups, train=False)
-    expected = set()
-    for rule in name_rules(engine.shape):
-        layers = range(engine.shape.layers) if "{}" in rule.megatron else [None]
-        experts = range(engine.shape.experts) if "{e}" in rule.megatron else [None]  # one EP rank: all local
+    shape, expected = engine.shape, set()
+    for rule in name_rules(shape):
+        layers = [i for i in range(shape.layers) if rule.moe in (None, shape.is_moe_layer(i))] \
+            if "{}" in rule.megatron else [None]
+        experts = range(shape.experts) if "{e}" in rule.megatron else [None]  # one EP rank: all local
         expected |= {fill(rule.megatron, layer=i, expert=j) for i in layers for j in experts}
-    assert {name for name, _ in engine.module.named_parameters()} == expected
+    # the weights HF checkpoints hold: every parameter, and the sigmoid routers' expert bias buffers
+    assert {name for name, _ in named_weights(engine.module)} == expected
 
 
 # Each MoE router convention is a TransformerConfig field; flipping it (or dropping Qwen2-MoE's shared-expert
@@ -124,7 +128,11 @@ def test_every_megatron_parameter_has_one_name_rule(model_dir, groups):
     ("qwen2_moe", {"moe_router_pre_softmax": False}),  # norm_topk_prob false: raw softmax probabilities
     ("qwen3_moe", {"moe_router_pre_softmax": True}),   # norm_topk_prob true
     ("qwen2_moe", {"moe_shared_expert_gate": False}),  # sigmoid gate on the shared expert
-], ids=["mixtral-pre-softmax", "qwen2_moe-renormalized", "qwen3_moe-pre-softmax", "qwen2_moe-ungated-shared"])
+    ("glm4_moe", {"moe_router_enable_expert_bias": False}),  # experts chosen by the biased scores
+    ("deepseek_v3", {"moe_router_num_groups": None, "moe_router_group_topk": None}),  # top-1 of 2 expert groups
+    ("deepseek_v3", {"moe_router_topk_scaling_factor": None}),  # routed weights scaled by 2.5
+], ids=["mixtral-pre-softmax", "qwen2_moe-renormalized", "qwen3_moe-pre-softmax", "qwen2_moe-ungated-shared",
+        "glm4_moe-unbiased-choice", "deepseek_v3-ungrouped", "deepseek_v3-unscaled"])
 def test_a_wrong_router_convention_breaks_parity(arch, wrong, arch_dir, groups):
     from megarl.engine.megatron import TrainEngine
     from megarl.models.arch import read_shape

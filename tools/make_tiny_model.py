@@ -4,7 +4,8 @@
                                     [--hidden 64 --layers 2 --heads 4 --kv-heads 2 --ffn 128]
                                     [--experts 4 --topk 2 --moe-ffn 32 --shared-ffn 48]
 
-ARCH is one of qwen2, llama, qwen3, mistral (dense) or mixtral, qwen2_moe, qwen3_moe (mixture of experts).
+ARCH is one of qwen2, llama, qwen3, mistral (dense) or mixtral, qwen2_moe, qwen3_moe, glm4_moe, deepseek_v3
+(mixture of experts).
 
 The directory holds config.json, model.safetensors, generation_config.json and tokenizer files that
 `transformers.AutoModelForCausalLM` and `AutoTokenizer` load with no network access. The tokenizer is
@@ -21,6 +22,9 @@ layer. qwen3 adds per-head q/k RMSNorm; mistral is llama-shaped with a sliding w
 tiny sequence. The MoE models route each token to --topk of --experts experts: mixtral renormalizes the
 top-k router probabilities (expert width --ffn), qwen2_moe does not and adds a sigmoid-gated shared
 expert (--shared-ffn) and qkv bias, qwen3_moe renormalizes and has q/k norm (expert width --moe-ffn).
+glm4_moe and deepseek_v3 route by sigmoid scores with a random load-balancing bias, in 2 groups of experts
+(top-1 group), scale the routed weights by 2.5, add one shared expert of width --moe-ffn and keep layer 0
+dense; glm4_moe has partial RoPE, qkv bias and q/k norm, deepseek_v3 multi-latent attention with YaRN RoPE.
 """
 
 from __future__ import annotations
@@ -89,13 +93,16 @@ def build_tokenizer(*, tool_chat: bool = False):
     return tok
 
 
-ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3")
+# Sigmoid-routed in 2 groups of experts, top-1 group: 8 experts make 4 a group, so the group choice and the top-2
+# inside it both matter.
+GROUPED_ARCHS = ("glm4_moe", "deepseek_v3")
 
 
 def build_config(arch: str, *, vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int,
                  experts: int = 4, topk: int = 2, moe_ffn: int = 32, shared_ffn: int = 48):
-    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                              Qwen3MoeConfig)
+    from transformers import (DeepseekV3Config, Glm4MoeConfig, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config,
+                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(
         vocab_size=vocab_size,
@@ -135,16 +142,38 @@ def build_config(arch: str, *, vocab_size: int, hidden: int, layers: int, heads:
                                   num_experts=experts, num_experts_per_tok=topk, moe_intermediate_size=moe_ffn,
                                   norm_topk_prob=True, decoder_sparse_step=1, router_aux_loss_coef=0.001,
                                   **common)
+        case "glm4_moe":
+            # layer 0 dense, the others MoE; half of each head's dims rotary; qkv bias and q/k norm as in GLM-4.5
+            return Glm4MoeConfig(tie_word_embeddings=False, head_dim=hidden // heads, partial_rotary_factor=0.5,
+                                 attention_bias=True, use_qk_norm=True, n_routed_experts=experts,
+                                 num_experts_per_tok=topk, moe_intermediate_size=moe_ffn, n_shared_experts=1,
+                                 n_group=2, topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
+                                 norm_topk_prob=True, num_nextn_predict_layers=0, **common)
+        case "deepseek_v3":
+            # multi-latent attention with a query bottleneck and YaRN-scaled interleaved RoPE, as DeepSeek-V3
+            return DeepseekV3Config(tie_word_embeddings=False, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+                                    qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=experts,
+                                    num_experts_per_tok=topk, moe_intermediate_size=moe_ffn, n_shared_experts=1,
+                                    n_group=2, topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
+                                    norm_topk_prob=True, rope_interleave=True, num_nextn_predict_layers=0,
+                                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                     "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                                                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+                                    num_key_value_heads=heads,  # every head has its own key and value
+                                    **{k: v for k, v in common.items() if k not in ("rope_theta",
+                                                                                    "num_key_value_heads")})
     raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
 
 
 def make_tiny_model(out: str | Path, *, arch: str = "qwen2", seed: int = 0, hidden: int = 64, layers: int = 2,
-                    heads: int = 4, kv_heads: int = 2, ffn: int = 128, experts: int = 4, topk: int = 2,
+                    heads: int = 4, kv_heads: int = 2, ffn: int = 128, experts: int | None = None, topk: int = 2,
                     moe_ffn: int = 32, shared_ffn: int = 48, init_std: float = 0.02, tool_chat: bool = False) -> Path:
-    """Create the checkpoint directory `out` and return its path. Same seed, same bytes."""
+    """Create the checkpoint directory `out` and return its path. Same seed, same bytes. `experts`: 8 for the
+    group-routed architectures, else 4, unless given."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    experts = experts or (8 if arch in GROUPED_ARCHS else 4)
     out = Path(out)
     tok = build_tokenizer(tool_chat=tool_chat)
     # Round the vocabulary up to a multiple of 64 so it divides any tensor-parallel size up to 64.
@@ -168,6 +197,9 @@ def make_tiny_model(out: str | Path, *, arch: str = "qwen2", seed: int = 0, hidd
                 param.normal_(1.0, 0.1)
             elif name.endswith("mlp.gate.weight"):
                 param.normal_(0.0, 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # the load-balancing bias that picks experts
+                buffer.normal_(0.0, 0.05)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
@@ -185,9 +217,10 @@ def main(argv=None) -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--ffn", type=int, default=128, help="dense MLP width (mixtral: each expert's width)")
-    parser.add_argument("--experts", type=int, default=4, help="MoE: routed experts per layer")
+    parser.add_argument("--experts", type=int, default=None,
+                        help="MoE: routed experts per layer (default 8 for glm4_moe and deepseek_v3, else 4)")
     parser.add_argument("--topk", type=int, default=2, help="MoE: experts per token")
-    parser.add_argument("--moe-ffn", type=int, default=32, help="qwen2_moe/qwen3_moe: each expert's width")
+    parser.add_argument("--moe-ffn", type=int, default=32, help="qwen2_moe/qwen3_moe/glm4_moe/deepseek_v3: each expert's width")
     parser.add_argument("--shared-ffn", type=int, default=48, help="qwen2_moe: shared expert width")
     parser.add_argument("--tool-chat", action="store_true",
                         help="a chat model for tool use: Qwen2.5 tool markup and template, EOS <|im_end|>")

@@ -7,7 +7,8 @@ redirects exactly those to the CPU. Everything it changes is process-global, so 
 CUDA device is usable: on a GPU machine megatron runs untouched.
 
 Also here: `te_general_gemm`, which megatron-core's MoE router reads although it is bound only with
-Transformer Engine: `patch_moe_router_without_te` fixes that on every device (a GPU machine may lack TE).
+Transformer Engine: `patch_moe_router_without_te` fixes that on every device (a GPU machine may lack TE), and
+`patch_mla_without_te` the same kind of mistake in multi-latent attention.
 And, on the CPU path only: numpy split sizes passed to `all_to_all_single`, and gloo's `all_gather`, which
 refuses tensors of different lengths per rank that the MoE dispatcher gathers under tensor parallelism (NCCL
 takes them).
@@ -188,6 +189,19 @@ def patch_moe_router_without_te() -> None:
 
     if not getattr(moe_utils, "HAVE_TE", True) or not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def patch_mla_without_te() -> None:
+    """Without Transformer Engine, on any device: megatron-core's multi-latent attention imports TE's layer
+    classes from its extensions module, which then hands back mock stand-ins instead of failing, so MLA believes
+    TE is present (HAVE_TE) and `isinstance(layer, TELinear)` raises TypeError on a mock. Told the truth, it
+    builds and runs its local layers. Idempotent."""
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        from megatron.core.transformer import multi_latent_attention
+
+        multi_latent_attention.HAVE_TE = False
 
 
 def _patch_moe_without_te() -> None:

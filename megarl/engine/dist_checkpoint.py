@@ -15,7 +15,7 @@ from megarl.checkpoint import CheckpointError
 from megarl.device import on_gpu
 from megarl.engine.hf_weights import hf_shard
 from megarl.engine.lora import is_adapter
-from megarl.engine.model import StageModel, global_name
+from megarl.engine.model import StageModel, global_name, named_weights
 from megarl.models.safetensors_dir import SafetensorsDir
 
 # How optimizer state is laid out in distributed checkpoints: "fully_reshardable" is the format that loads
@@ -48,7 +48,7 @@ def save(stage: StageModel, optimizer, path: str | Path, *, hf_dir: str | Path |
     # one model chunk (the conversion tools build no virtual stages); the files name tensors by their
     # global keys, so the checkpoint loads into any number of chunks
     state = {"model": stage.module.sharded_state_dict()}
-    source, params = SafetensorsDir(hf_dir), dict(stage.module.named_parameters())
+    source, params = SafetensorsDir(hf_dir), dict(named_weights(stage.module))
 
     def resolve(local_name: str) -> Tensor:
         name = global_name(local_name, stage.layer_offsets[0])
@@ -110,7 +110,7 @@ def checkpoint_params(stage: StageModel, path: Path, *, bucket_bytes: int) -> It
 
     model_state = stage.module.sharded_state_dict()
     _check_checkpoint(path, model_state)
-    params = list(stage.module.named_parameters())
+    params = list(named_weights(stage.module))
     while params:
         bucket = [params.pop(0)]
         size = bucket[0][1].nbytes

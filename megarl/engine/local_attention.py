@@ -178,7 +178,10 @@ class PackedLocalAttention(DotProductAttention):
     context parallelism (config.context_parallel_size > 1, over the `cp` group of `pg_collection`)."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, k_channels=None, v_channels=None):
+        # Multi-latent attention passes its query/key and value head widths (k_channels, v_channels), which
+        # Megatron's local attention does not take: it reads each width off the tensors it is given, and the
+        # output's off config.kv_channels, which megarl sets to the value head width for MLA models.
         cp_group = None
         if config.context_parallel_size > 1:
             from megatron.core.process_groups_config import ProcessGroupCollection

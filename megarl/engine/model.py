@@ -31,7 +31,7 @@ def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megat
                        cp: int = 1, te_layers: bool | None = None):
     """Megatron TransformerConfig for an HF architecture; `megatron` holds extra fields from the recipe.
     `te_layers`: the layers are Transformer Engine's (None: wherever it is usable, `uses_transformer_engine`)."""
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     te = uses_transformer_engine() if te_layers is None else te_layers
 
@@ -60,6 +60,8 @@ def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megat
     )
     if shape.is_moe:
         kwargs.update(moe_settings(shape, te_layers=te))
+    if shape.mla:
+        kwargs.update(mla_settings(shape))
     kwargs.update(fused_kernels(te=te) if on_gpu() else cpu_compat.TRANSFORMER_CONFIG)
     vpp = virtual_stage_count(megatron)
     if vpp > 1:
@@ -76,7 +78,29 @@ def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megat
         kwargs["virtual_pipeline_model_parallel_size"] = None
     elif not on_gpu():
         check_virtual_pipeline_p2p(batch_p2p_comm=kwargs["batch_p2p_comm"], pp=pp)
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if shape.mla else TransformerConfig)(**kwargs)
+
+
+def mla_settings(shape: ModelShape) -> dict:
+    """MLATransformerConfig fields of a multi-latent-attention model (DeepSeek-V3, as transformers computes it).
+
+    Megatron's MLA always rotates interleaved pairs of the RoPE dims (it de-interleaves them before its
+    rotate-half), which is DeepSeek's `rope_interleave`; its softmax scale is mscale(factor, mscale_all_dim)^2 /
+    sqrt(qk head dim), its YaRN cos/sin scale mscale(factor, mscale) / mscale(factor, mscale_all_dim), both
+    transformers' formulas. Without YaRN the scaling factor is irrelevant and mscale_all_dim 0 makes the scale 1.
+    """
+    yarn = dict(shape.yarn)
+    settings = dict(
+        multi_latent_attention=True, q_lora_rank=shape.q_lora_rank or None, kv_lora_rank=shape.kv_lora_rank,
+        qk_head_dim=shape.qk_nope_dim, qk_pos_emb_head_dim=shape.qk_rope_dim, v_head_dim=shape.v_head_dim,
+        num_query_groups=shape.heads, kv_channels=shape.v_head_dim, rotary_base=shape.rope_theta,
+        rope_type="yarn" if yarn else "rope", mscale_all_dim=yarn.get("mscale_all_dim", 0.0),
+    )
+    if yarn:
+        settings.update(rotary_scaling_factor=yarn["factor"], mscale=yarn["mscale"],
+                        original_max_position_embeddings=int(yarn["original_max_position_embeddings"]),
+                        beta_fast=yarn["beta_fast"], beta_slow=yarn["beta_slow"])
+    return settings
 
 
 def fused_kernels(*, te: bool) -> dict:
@@ -135,36 +159,55 @@ def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: in
 
     from megarl.engine.local_attention import rope_at_position_ids
 
-    experts = shape.experts or None
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
     if te_layers:
+        from megatron.core.extensions.transformer_engine import TENorm
+
         from megarl.engine.te_attention import SharedPromptTEAttention
 
-        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm,
-                                                          qk_layernorm=shape.qk_norm)
-        # TE's core attention, which also takes shared-prompt rows (train.share_prompts)
-        spec.submodules.self_attention.submodules.core_attention = SharedPromptTEAttention
+        def layer_spec(experts: int | None):
+            spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts,
+                                                              moe_grouped_gemm=config.moe_grouped_gemm,
+                                                              qk_layernorm=shape.qk_norm or shape.mla,
+                                                              multi_latent_attention=shape.mla)
+            # TE's core attention, which also takes shared-prompt rows (train.share_prompts)
+            spec.submodules.self_attention.submodules.core_attention = SharedPromptTEAttention
+            return spec
+        final_norm = TENorm
     else:
         from megatron.core.transformer.spec_utils import ModuleSpec
-        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
         from megarl.engine.local_attention import PackedLocalAttention
         from megarl.engine.rms_norm import RMSNorm
 
-        layer = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=shape.qk_norm,
-                                         normalization="RMSNorm")
-        attention = layer.submodules.self_attention.submodules
-        # The local core attention refuses packed sequences; this one masks them block-diagonally.
-        attention.core_attention = PackedLocalAttention
-        # Megatron's torch norm wrapper refuses sequence parallelism; megarl's RMSNorm takes it (and is the
-        # same function and parameter otherwise). The final norm is the block's, so the block is spelled out.
-        layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
-        if shape.qk_norm:
-            attention.q_layernorm = attention.k_layernorm = ModuleSpec(module=RMSNorm,
-                                                                       params={"sequence_split": False})
-        if lora is not None:
-            adapters.adapt_layer_spec(layer, lora)
-        layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=groups.pp_rank)
-        spec = TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=RMSNorm)
+        def layer_spec(experts: int | None):
+            layer = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+                                             qk_layernorm=shape.qk_norm or shape.mla, normalization="RMSNorm",
+                                             multi_latent_attention=shape.mla)
+            attention = layer.submodules.self_attention.submodules
+            # The local core attention refuses packed sequences; this one masks them block-diagonally.
+            attention.core_attention = PackedLocalAttention
+            # Megatron's torch norm wrapper refuses sequence parallelism; megarl's RMSNorm takes it (and is the
+            # same function and parameter otherwise). The final norm is the block's, so the block is spelled out.
+            layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
+            if shape.mla:
+                # the query and key/value latents, split over the sequence like the hidden states they come from
+                attention.q_layernorm = attention.kv_layernorm = RMSNorm
+            elif shape.qk_norm:
+                attention.q_layernorm = attention.k_layernorm = ModuleSpec(module=RMSNorm,
+                                                                           params={"sequence_split": False})
+            if lora is not None:
+                adapters.adapt_layer_spec(layer, lora)
+            return layer
+        final_norm = RMSNorm
+    # one spec per layer of this chunk: MoE models may begin with dense layers (shape.dense_layers)
+    first = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=groups.pp_rank)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=groups.pp_rank)
+    kinds = [shape.experts if shape.is_moe_layer(first + i) else None for i in range(count)]
+    specs = {experts: layer_spec(experts) for experts in set(kinds)}
+    spec = TransformerBlockSubmodules(layer_specs=[specs[experts] for experts in kinds], layer_norm=final_norm)
     model = GPTModel(
         config=config, transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(shape.vocab_size, tp=groups.tp_size),
@@ -172,7 +215,7 @@ def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: in
         pre_process=groups.pp_rank == 0 and is_vp_first_stage(vp_stage, config.virtual_pipeline_model_parallel_size),
         post_process=groups.is_pp_last and is_vp_last_stage(vp_stage, config.virtual_pipeline_model_parallel_size),
         parallel_output=True, share_embeddings_and_output_weights=shape.tied_embeddings,
-        position_embedding_type="rope", rotary_base=int(shape.rope_theta),
+        position_embedding_type="rope", rotary_base=int(shape.rope_theta), rotary_percent=shape.rotary_fraction,
         rope_scaling=shape.llama3_rope_factor is not None,
         rope_scaling_factor=shape.llama3_rope_factor or 8.0, vp_stage=vp_stage,
     )
@@ -260,9 +303,10 @@ class StageModel:
 
     def named_parameters(self) -> Iterator[tuple[str, Tensor]]:
         """(name with the global layer index, parameter) of every chunk on this rank: the model's own, which
-        HF checkpoints hold, without the LoRA adapters (`adapted_layers`)."""
+        HF checkpoints hold (the routers' expert bias buffers included: `named_weights`), without the LoRA
+        adapters (`adapted_layers`)."""
         for chunk, offset in zip(self.chunks, self.layer_offsets):
-            for local_name, param in chunk.named_parameters():
+            for local_name, param in named_weights(chunk):
                 if not adapters.is_adapter(local_name):
                     yield global_name(local_name, offset), param
 
@@ -272,6 +316,16 @@ class StageModel:
             for local_name, module in chunk.named_modules():
                 if hasattr(module, "adapter_on"):
                     yield global_name(local_name, offset), module
+
+
+def named_weights(module: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """`module`'s parameters, then the expert bias buffers of its sigmoid routers (`mlp.router.expert_bias`,
+    float32): HF checkpoints hold them (`e_score_correction_bias`), loads and pushes carry them, no optimizer
+    steps them."""
+    yield from module.named_parameters()
+    for name, buffer in module.named_buffers():
+        if name.endswith(".router.expert_bias"):
+            yield name, buffer
 
 
 def only_chunk(chunks: list):

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DENSE_ARCHS = ("qwen2", "llama", "mistral", "qwen3")
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3")
+# Routed by sigmoid scores with a load-balancing bias on the choice, in groups, after dense first layers.
+SIGMOID_MOE_ARCHS = ("glm4_moe", "deepseek_v3")
 SUPPORTED_ARCHS = DENSE_ARCHS + MOE_ARCHS
 
 
@@ -46,10 +48,38 @@ class ModelShape:
     shared_ffn: int = 0       # width of the sigmoid-gated shared expert (Qwen2-MoE); 0 = none
     norm_topk: bool = False   # top-k router probabilities renormalized to sum to 1
     aux_loss_coeff: float = 0.0  # load-balancing loss coefficient (`router_aux_loss_coef`)
+    shared_gate: bool = False  # the shared expert's output scaled by sigmoid(shared_expert_gate(x)) (Qwen2-MoE)
+    moe_score: str = "softmax"  # router score function: "softmax", or "sigmoid" (GLM-4.5, DeepSeek-V3)
+    expert_bias: bool = False  # sigmoid routing: `e_score_correction_bias` added to the scores that pick experts
+    moe_groups: int = 0       # experts in this many groups, `moe_group_topk` groups chosen per token; 0 = none
+    moe_group_topk: int = 0
+    routed_scale: float = 1.0  # routed experts' weights scaled by this (`routed_scaling_factor`)
+    dense_layers: int = 0     # the first layers have a dense MLP of width `ffn` (`first_k_dense_replace`)
+    rotary_fraction: float = 1.0  # RoPE on the first fraction of each head's dims (`partial_rotary_factor`)
+    rope_interleaved: bool = False  # RoPE rotates pairs (2i, 2i+1), not (i, i + d/2) (DeepSeek's `rope_interleave`)
+    yarn: tuple[tuple[str, float], ...] = ()  # YaRN RoPE scaling: (factor, original_max_position, beta_fast,
+    #                                           beta_slow, mscale, mscale_all_dim) by name; () = none
+    # Multi-latent attention (DeepSeek-V3): queries through a rank-`q_lora_rank` bottleneck (0: one projection),
+    # keys and values through a shared `kv_lora_rank` latent; each head's query/key is `qk_nope_dim` dims without
+    # RoPE then `qk_rope_dim` with it (the key's RoPE part shared by all heads), its value `v_head_dim` wide.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def is_moe(self) -> bool:
         return self.experts > 0
+
+    @property
+    def mla(self) -> bool:
+        """Multi-latent attention (DeepSeek-V3) instead of grouped-query attention."""
+        return self.kv_lora_rank > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` routes to experts (the first `dense_layers` have a dense MLP)."""
+        return self.is_moe and layer >= self.dense_layers
 
 
 def read_shape(model_dir: str | Path) -> ModelShape:
@@ -78,12 +108,13 @@ def _parse_shape(path: Path, resolved: Path, mtime_ns: int, size: int) -> ModelS
     heads = cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-    llama3_factor = rope.get("factor") if rope.get("rope_type", rope.get("type")) == "llama3" else None
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", "llama3", None):
-        raise ValueError(f"{path}: rope type {rope.get('rope_type')!r} is not supported (default, llama3)")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    llama3_factor = rope.get("factor") if rope_type == "llama3" else None
+    if rope_type not in ("default", "llama3", None) and not (rope_type == "yarn" and arch == "deepseek_v3"):
+        raise ValueError(f"{path}: rope type {rope_type!r} is not supported (default, llama3; yarn for deepseek_v3)")
     # Mistral and Mixtral apply `sliding_window` whenever it is set; Qwen models only with use_sliding_window.
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch in ("mistral", "mixtral")) else None
-    return ModelShape(
+    fields = dict(
         arch=arch,
         vocab_size=cfg["vocab_size"],
         hidden=cfg["hidden_size"],
@@ -98,15 +129,22 @@ def _parse_shape(path: Path, resolved: Path, mtime_ns: int, size: int) -> ModelS
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=arch == "qwen2" or (arch == "qwen2_moe" and cfg.get("qkv_bias", True))
         or bool(cfg.get("attention_bias", False)),
-        qk_norm=arch in ("qwen3", "qwen3_moe"),
+        qk_norm=arch in ("qwen3", "qwen3_moe") or (arch == "glm4_moe" and bool(cfg.get("use_qk_norm"))),
         llama3_rope_factor=llama3_factor,
         sliding_window=window or None,
-        **(_moe_fields(cfg, path) if arch in MOE_ARCHS else {}),
+        rotary_fraction=float(cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))),
     )
+    if arch in MOE_ARCHS:
+        fields.update(_moe_fields(cfg, path))
+    if arch == "deepseek_v3":
+        fields.update(_mla_fields(cfg, rope, path))
+    return ModelShape(**fields)
 
 
 def _moe_fields(cfg: dict, path: Path) -> dict:
     arch = cfg["model_type"]
+    if arch in SIGMOID_MOE_ARCHS:
+        return _sigmoid_moe_fields(cfg, path)
     if arch == "mixtral":
         # Mixtral experts are as wide as `intermediate_size` and always renormalize the top-k weights.
         return dict(experts=cfg["num_local_experts"], topk=cfg["num_experts_per_tok"], moe_ffn=cfg["intermediate_size"],
@@ -121,8 +159,59 @@ def _moe_fields(cfg: dict, path: Path) -> dict:
     experts = cfg.get("num_experts") or cfg["num_local_experts"]
     return dict(experts=experts, topk=cfg["num_experts_per_tok"], moe_ffn=cfg["moe_intermediate_size"],
                 shared_ffn=(cfg.get("shared_expert_intermediate_size") or 0) if arch == "qwen2_moe" else 0,
+                shared_gate=arch == "qwen2_moe" and bool(cfg.get("shared_expert_intermediate_size")),
                 norm_topk=bool(cfg.get("norm_topk_prob", False)),
                 aux_loss_coeff=float(cfg.get("router_aux_loss_coef", 0.0)))
+
+
+def _sigmoid_moe_fields(cfg: dict, path: Path) -> dict:
+    """GLM-4.5 and DeepSeek-V3 routing (transformers' Glm4MoeTopkRouter, DeepseekV3TopkRouter): scores =
+    sigmoid(logits); the experts are chosen by scores + e_score_correction_bias, within the `topk_group` of
+    `n_group` groups whose two best biased scores sum highest; their weights are the chosen unbiased scores,
+    renormalized to sum to 1, times `routed_scaling_factor`. `n_shared_experts` ungated experts of the routed
+    width always run. The first `first_k_dense_replace` layers are dense. Megatron's router ranks groups by the
+    sum of their top `topk / topk_group` scores and always renormalizes: other settings are refused."""
+    groups, group_topk, topk = cfg.get("n_group") or 1, cfg.get("topk_group") or 1, cfg["num_experts_per_tok"]
+    if groups > 1 and topk // group_topk != 2:
+        raise ValueError(f"{path}: num_experts_per_tok {topk} / topk_group {group_topk} must be 2 with n_group "
+                         f"{groups} > 1: transformers ranks each group by its two best scores, Megatron by its "
+                         "top num_experts_per_tok / topk_group")
+    if not cfg.get("norm_topk_prob", True) and topk > 1:
+        raise ValueError(f"{path}: norm_topk_prob false is not supported: Megatron's sigmoid router always "
+                         "renormalizes the chosen experts' weights")
+    mtp = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 0))
+    if mtp:
+        raise ValueError(f"{path}: num_nextn_predict_layers = {mtp}: multi-token-prediction layers are neither "
+                         "trained nor exported by megarl; set it to 0 to train the model without them (its MTP "
+                         "weights are then not read)")
+    moe_ffn = cfg["moe_intermediate_size"]
+    return dict(experts=cfg["n_routed_experts"], topk=topk, moe_ffn=moe_ffn,
+                shared_ffn=moe_ffn * (cfg.get("n_shared_experts") or 0), norm_topk=True, moe_score="sigmoid",
+                expert_bias=True, moe_groups=groups if groups > 1 else 0, moe_group_topk=group_topk if groups > 1 else 0,
+                routed_scale=float(cfg.get("routed_scaling_factor", 1.0)),
+                dense_layers=int(cfg.get("first_k_dense_replace") or 0),
+                aux_loss_coeff=0.0)
+
+
+_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+def _mla_fields(cfg: dict, rope: dict, path: Path) -> dict:
+    """DeepSeek-V3's multi-latent attention and its (optionally YaRN-scaled, interleaved) RoPE."""
+    if cfg.get("attention_bias"):
+        raise ValueError(f"{path}: attention_bias true is not supported for deepseek_v3 (Megatron's multi-latent "
+                         "attention has no projection biases)")
+    if not cfg.get("rope_interleave", True):
+        raise ValueError(f"{path}: rope_interleave false is not supported: Megatron's multi-latent attention rotates "
+                         "interleaved pairs of the RoPE dims")
+    yarn = ()
+    if rope.get("rope_type", rope.get("type")) == "yarn":
+        defaults = dict(beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.0)
+        yarn = tuple((k, float(rope[k] if k in rope else defaults[k])) for k in _YARN_KEYS)
+    return dict(q_lora_rank=cfg.get("q_lora_rank") or 0, kv_lora_rank=cfg["kv_lora_rank"],
+                qk_nope_dim=cfg["qk_nope_head_dim"], qk_rope_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"],
+                head_dim=cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], kv_heads=cfg["num_attention_heads"],
+                rope_interleaved=True, yarn=yarn)
 
 
 def padded_vocab_size(vocab_size: int, *, tp: int, multiple: int = 128) -> int:

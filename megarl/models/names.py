@@ -17,7 +17,7 @@ linear layer whose per-expert weights are `mlp.experts.linear_fc1.weight{e}`.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megarl.models.arch import ModelShape
 
@@ -27,6 +27,7 @@ class Rule:
     megatron: str                  # Megatron parameter name, `{}` = global layer index
     hf: tuple[str, ...]            # HF name(s); several = the parts of a fused tensor, in join order
     fuse: str | None = None        # None, "qkv" or "gate_up"
+    moe: bool | None = None        # the layers it names: None every layer, True MoE layers, False dense layers
 
 
 # HF names of one expert's gate, up and down projections, relative to the MoE block.
@@ -37,25 +38,58 @@ _HF_MOE_BLOCK = {"mixtral": "block_sparse_moe"}
 def _layer_rules(shape: ModelShape, *, te_spec: bool) -> list[Rule]:
     attn, mlp = "decoder.layers.{}.self_attention", "decoder.layers.{}.mlp"
     hf_attn, hf_mlp, hf_layer = "model.layers.{}.self_attn", "model.layers.{}.mlp", "model.layers.{}"
-    input_norm = f"{attn}.linear_qkv.layer_norm_weight" if te_spec else "decoder.layers.{}.input_layernorm.weight"
-    mlp_norm = f"{mlp}.linear_fc1.layer_norm_weight" if te_spec and not shape.is_moe \
-        else "decoder.layers.{}.pre_mlp_layernorm.weight"
-    rules = [
-        Rule(input_norm, (f"{hf_layer}.input_layernorm.weight",)),
+    input_norm = f"{attn}.linear_qkv.layer_norm_weight" if te_spec and not shape.mla \
+        else "decoder.layers.{}.input_layernorm.weight"
+    rules = [Rule(input_norm, (f"{hf_layer}.input_layernorm.weight",))]
+    rules += _mla_rules(shape, te_spec=te_spec) if shape.mla else [
         Rule(f"{attn}.linear_qkv.weight", tuple(f"{hf_attn}.{p}_proj.weight" for p in "qkv"), "qkv"),
         Rule(f"{attn}.linear_proj.weight", (f"{hf_attn}.o_proj.weight",)),
-        Rule(mlp_norm, (f"{hf_layer}.post_attention_layernorm.weight",)),
     ]
-    rules += _moe_rules(shape, te_spec=te_spec) if shape.is_moe else [
+    dense_mlp = [
         Rule(f"{mlp}.linear_fc1.weight", (f"{hf_mlp}.gate_proj.weight", f"{hf_mlp}.up_proj.weight"), "gate_up"),
         Rule(f"{mlp}.linear_fc2.weight", (f"{hf_mlp}.down_proj.weight",)),
     ]
+    moe_norm = Rule("decoder.layers.{}.pre_mlp_layernorm.weight", (f"{hf_layer}.post_attention_layernorm.weight",))
+    dense_norm = Rule(f"{mlp}.linear_fc1.layer_norm_weight" if te_spec else moe_norm.megatron, moe_norm.hf)
+    if not shape.is_moe:
+        rules += [dense_norm, *dense_mlp]
+    elif not shape.dense_layers:
+        rules += [moe_norm, *_moe_rules(shape, te_spec=te_spec)]
+    else:
+        # A MoE layer keeps a separate pre_mlp_layernorm under both specs; dense first layers are spelt like a
+        # dense model's. The two sets of names never collide, so one table serves every layer.
+        rules += [replace(moe_norm, moe=True if te_spec else None),
+                  *(replace(rule, moe=True) for rule in _moe_rules(shape, te_spec=te_spec)),
+                  *(replace(rule, moe=False) for rule in ([dense_norm] if te_spec else []) + dense_mlp)]
     if shape.qkv_bias:
         rules.append(Rule(f"{attn}.linear_qkv.bias", tuple(f"{hf_attn}.{p}_proj.bias" for p in "qkv"), "qkv"))
     if shape.qk_norm:
         rules.append(Rule(f"{attn}.q_layernorm.weight", (f"{hf_attn}.q_norm.weight",)))
         rules.append(Rule(f"{attn}.k_layernorm.weight", (f"{hf_attn}.k_norm.weight",)))
     return rules
+
+
+def _mla_rules(shape: ModelShape, *, te_spec: bool) -> list[Rule]:
+    """Multi-latent attention (DeepSeek-V3): every projection is one HF tensor in the same row order (per head:
+    the query's no-RoPE then RoPE dims; the key/value up-projection's key then value dims; the down-projection's
+    latent then the shared RoPE key). The latents' norms are fused into the up-projections under Transformer
+    Engine."""
+    attn, hf_attn = "decoder.layers.{}.self_attention", "model.layers.{}.self_attn"
+    q_norm = f"{attn}.linear_q_up_proj.layer_norm_weight" if te_spec else f"{attn}.q_layernorm.weight"
+    kv_norm = f"{attn}.linear_kv_up_proj.layer_norm_weight" if te_spec else f"{attn}.kv_layernorm.weight"
+    rules = [
+        Rule(f"{attn}.linear_kv_down_proj.weight", (f"{hf_attn}.kv_a_proj_with_mqa.weight",)),
+        Rule(kv_norm, (f"{hf_attn}.kv_a_layernorm.weight",)),
+        Rule(f"{attn}.linear_kv_up_proj.weight", (f"{hf_attn}.kv_b_proj.weight",)),
+        Rule(f"{attn}.linear_proj.weight", (f"{hf_attn}.o_proj.weight",)),
+    ]
+    if not shape.q_lora_rank:
+        return rules + [Rule(f"{attn}.linear_q_proj.weight", (f"{hf_attn}.q_proj.weight",))]
+    return rules + [
+        Rule(f"{attn}.linear_q_down_proj.weight", (f"{hf_attn}.q_a_proj.weight",)),
+        Rule(q_norm, (f"{hf_attn}.q_a_layernorm.weight",)),
+        Rule(f"{attn}.linear_q_up_proj.weight", (f"{hf_attn}.q_b_proj.weight",)),
+    ]
 
 
 def _moe_rules(shape: ModelShape, *, te_spec: bool) -> list[Rule]:
@@ -71,13 +105,17 @@ def _moe_rules(shape: ModelShape, *, te_spec: bool) -> list[Rule]:
         Rule(fc2, (f"{expert}.{down}.weight",)),
     ]
     if shape.shared_ffn:
-        shared = f"{hf_block}.shared_expert"
+        shared = f"{hf_block}.shared_expert" + ("" if shape.shared_gate else "s")
         rules += [
             Rule(f"{mlp}.shared_experts.linear_fc1.weight", (f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"),
                  "gate_up"),
             Rule(f"{mlp}.shared_experts.linear_fc2.weight", (f"{shared}.down_proj.weight",)),
-            Rule(f"{mlp}.shared_experts.gate_weight", (f"{hf_block}.shared_expert_gate.weight",)),
         ]
+    if shape.shared_gate:
+        rules.append(Rule(f"{mlp}.shared_experts.gate_weight", (f"{hf_block}.shared_expert_gate.weight",)))
+    if shape.expert_bias:
+        # a float32 buffer, not a parameter: the routing bias that the policy loss never trains
+        rules.append(Rule(f"{mlp}.router.expert_bias", (f"{hf_block}.gate.e_score_correction_bias",)))
     return rules
 
 

@@ -146,7 +146,9 @@ class NativeEngine:
         # covers the model (routes are recorded by hooks on transformers' own forward)
         self._fused = FusedWeights(self.model) if lean_decode and not capture_routes and fusable(self.model) else None
         self.lean_decode = self._fused is not None
-        self._params = dict(self.model.named_parameters())
+        # the routers' load-balancing bias (GLM-4.5, DeepSeek-V3) is a buffer in transformers, a weight to a push
+        self._params = dict(self.model.named_parameters()) | {
+            name: buffer for name, buffer in self.model.named_buffers() if name.endswith(".e_score_correction_bias")}
         self._base: dict[str, Tensor] = {}  # the adapted modules' own weights (update_adapter)
         self.keeps_weights = keep_weights
         # Every distinct storage of the weights (the fused matrices hold the projections' rows), with its size:
