@@ -18,7 +18,7 @@ from conftest import REPO, run_python
 
 pytestmark = pytest.mark.timeout(600)
 
-ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3")
 TOOL_TIMEOUT_S = 180
 
 
@@ -95,7 +95,8 @@ def test_a_checkpoint_written_at_one_layout_reads_at_another(arch, nproc, layout
     assert_bit_exact(tmp_path / "hf", arch_dir(arch))
 
 
-LOAD_LAYOUTS = {"qwen2": {"tp": 2}, "llama": {"pp": 2}, "mixtral": {"ep": 2}}
+LOAD_LAYOUTS = {"qwen2": {"tp": 2}, "llama": {"pp": 2}, "mixtral": {"ep": 2}, "glm4_moe": {"ep": 2},
+                "deepseek_v3": {"tp": 2}}
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +114,8 @@ def loaded_at_layouts(converted, tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("arch", LOAD_LAYOUTS, ids=["qwen2-tp2", "llama-pp2", "mixtral-ep2"])
+@pytest.mark.parametrize("arch", LOAD_LAYOUTS, ids=["qwen2-tp2", "llama-pp2", "mixtral-ep2", "glm4_moe-ep2",
+                                                   "deepseek_v3-tp2"])
 def test_a_converted_checkpoint_loads_bit_exact_at_another_layout(arch, arch_dir, loaded_at_layouts):
     """Written by one process (the streaming writer), read by a TrainEngine split two ways."""
     got, want = load_file(str(loaded_at_layouts / f"{arch}.safetensors")), hf_weights(arch_dir(arch))
@@ -122,13 +124,14 @@ def test_a_converted_checkpoint_loads_bit_exact_at_another_layout(arch, arch_dir
         assert torch.equal(got[name], tensor), name
 
 
-def test_an_exported_checkpoint_loads_in_transformers_with_the_same_logits(arch_dir, round_trip):
+@pytest.mark.parametrize("arch", ["qwen2", "glm4_moe", "deepseek_v3"])
+def test_an_exported_checkpoint_loads_in_transformers_with_the_same_logits(arch, arch_dir, round_trip):
     from transformers import AutoModelForCausalLM
 
     tokens = torch.randint(3, 90, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        got = AutoModelForCausalLM.from_pretrained(str(round_trip("qwen2")), dtype=torch.float32)(tokens).logits
-        want = AutoModelForCausalLM.from_pretrained(str(arch_dir("qwen2")), dtype=torch.float32)(tokens).logits
+        got = AutoModelForCausalLM.from_pretrained(str(round_trip(arch)), dtype=torch.float32)(tokens).logits
+        want = AutoModelForCausalLM.from_pretrained(str(arch_dir(arch)), dtype=torch.float32)(tokens).logits
     assert torch.equal(got, want)  # the same weights: the same function, exactly
 
 

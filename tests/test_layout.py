@@ -13,7 +13,7 @@ from megarl.models.arch import read_shape
 from megarl.models.layout import join_gate_up, join_qkv, shard, split_gate_up, split_qkv, unshard
 from megarl.models.names import NameTable, fill, name_rules
 
-ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3")
 
 
 def distinct(*shape: int, offset: float = 0.0) -> torch.Tensor:
@@ -107,7 +107,8 @@ def test_rules_cover_every_hf_tensor_exactly_once(model_dir, te_spec):
     shape = read_shape(model_dir)
     covered = Counter()
     for rule in name_rules(shape, te_spec=te_spec):
-        layers = range(shape.layers) if "{}" in rule.megatron else [None]
+        layers = [i for i in range(shape.layers) if rule.moe in (None, shape.is_moe_layer(i))] \
+            if "{}" in rule.megatron else [None]
         experts = range(shape.experts) if "{e}" in rule.megatron else [None]
         for layer in layers:
             for expert in experts:

@@ -33,7 +33,8 @@ def layout(*, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, extra: tuple[s
 # once, not once a layout): the single-rank runs first, which the others are compared with and the VPP run
 # resumes from.
 CASES = {
-    **{f"single-{arch}": (arch, 1, ()) for arch in ("qwen2", "llama", "qwen3", "qwen2_moe", "mixtral")},
+    **{f"single-{arch}": (arch, 1, ()) for arch in ("qwen2", "llama", "qwen3", "qwen2_moe", "mixtral", "glm4_moe",
+                                                     "deepseek_v3")},
     "single-qwen2_4layers": ("qwen2_4layers", 1, ("--save", "{runs}/ckpt_single")),
     "qwen2-tp2": ("qwen2", 2, layout(tp=2, extra=("--share-prompts",))),
     "qwen2-pp2": ("qwen2", 2, layout(pp=2)),  # 4 micro-batches through the 1F1B schedule
@@ -48,6 +49,14 @@ CASES = {
     "qwen3-tp2sp-packed": ("qwen3", 2, layout(tp=2, extra=("--sequence-parallel", "--micro-batch-tokens", "24",
                                                                  "--share-prompts"))),
     "qwen2_moe-ep2tp2sp": ("qwen2_moe", 4, layout(tp=2, ep=2, extra=("--sequence-parallel",))),
+    # sigmoid-routed MoE after a dense first layer: the dense layer on stage 0, the MoE layer's 8 experts over EP=2
+    # on stage 1 (GLM-4.5); multi-latent attention split over TP with its latents sequence-parallel, packed
+    # (DeepSeek-V3), and its dense and MoE layers on two stages
+    "glm4_moe-ep2pp2": ("glm4_moe", 4, layout(pp=2, ep=2)),
+    "deepseek_v3-pp2": ("deepseek_v3", 2, layout(pp=2)),
+    "deepseek_v3-tp2sp-packed": ("deepseek_v3", 2, layout(tp=2, extra=("--sequence-parallel", "--micro-batch-tokens",
+                                                                        "24"))),
+    "glm4_moe-tp2sp": ("glm4_moe", 2, layout(tp=2, extra=("--sequence-parallel",))),
     "qwen2-cp2": ("qwen2", 2, layout(cp=2)),
     "qwen2-dp2cp2": ("qwen2", 4, layout(cp=2)),
     "qwen2-pp2-packed": ("qwen2", 2, layout(pp=2, extra=("--micro-batch-tokens", "24", "--share-prompts"))),
@@ -118,7 +127,8 @@ def runs(arch_dir, qwen2_4_layers, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["qwen2-tp2", "qwen2-pp2", "qwen2-dp2", "qwen2-tp2pp2", "qwen2-dp2tp2", "llama-tp2",
-                                  "llama-pp2", "qwen2_moe-ep2", "mixtral-ep2pp2"])
+                                  "llama-pp2", "qwen2_moe-ep2", "mixtral-ep2pp2", "glm4_moe-ep2pp2",
+                                  "deepseek_v3-pp2"])
 def test_layout_matches_single_rank(name, runs):
     assert_same_numbers(runs(name), runs(f"single-{CASES[name][0]}"))
 
@@ -129,7 +139,8 @@ def test_layout_matches_single_rank(name, runs):
 # rows of 23 tokens (64 in rows of at most 24 make 18, 23, 23) are padded to split evenly. MoE layers train
 # under TP only with sequence parallelism: EP2 x TP2 gathers each TP rank's routed tokens, as many as its
 # router chose, inside the expert layer.
-@pytest.mark.parametrize("name", ["qwen3-tp2sp-packed", "qwen2_moe-ep2tp2sp"])
+@pytest.mark.parametrize("name", ["qwen3-tp2sp-packed", "qwen2_moe-ep2tp2sp", "deepseek_v3-tp2sp-packed",
+                                  "glm4_moe-tp2sp"])
 def test_sequence_parallel_matches_single_rank(name, runs):
     from megarl.packing import count_bins, plan_micro_batches
 
@@ -139,6 +150,20 @@ def test_sequence_parallel_matches_single_rank(name, runs):
         lengths = result["lengths"]
         rows = plan_micro_batches(lengths, max_tokens=24, n_micro=count_bins(lengths, 24))
         assert any(sum(lengths[i] for i in row) % 2 for row in rows)  # a row the engine pads for tp = 2
+
+
+def test_sigmoid_routers_keep_their_expert_bias_while_the_experts_train(runs, arch_dir):
+    """The expert bias that picks experts (e_score_correction_bias) is a buffer with update rate 0: two steps
+    leave it bit-identical to the checkpoint's, on one rank and at EP2 x PP2, while the routers and experts move."""
+    from safetensors.torch import load_file
+
+    checkpoint = load_file(str(arch_dir("glm4_moe") / "model.safetensors"))
+    for name in ("single-glm4_moe", "glm4_moe-ep2pp2"):
+        weights = runs(name)["weights"]
+        assert all(torch.equal(weights[n], w) for n, w in checkpoint.items() if n.endswith("e_score_correction_bias"))
+        assert not torch.equal(weights["model.layers.1.mlp.gate.weight"], checkpoint["model.layers.1.mlp.gate.weight"])
+        assert not torch.equal(weights["model.layers.1.mlp.experts.5.up_proj.weight"],
+                               checkpoint["model.layers.1.mlp.experts.5.up_proj.weight"])
 
 
 # LoRA: A replicated and B split on a column-parallel linear's output, A split and B replicated on a row-parallel

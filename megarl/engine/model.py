@@ -193,6 +193,14 @@ def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: in
             # same function and parameter otherwise). The final norm is the block's, so the block is spelled out.
             layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
             if shape.mla:
+                from megatron.core.post_training.modelopt.layers import Linear
+
+                # The down-projections whole on every TP rank, as Transformer Engine's spec has them ("duplicated"),
+                # not column-split: split, Megatron gathers their output over TP, and the shared RoPE key's gradient
+                # then keeps only this rank's heads' share (measured: wrong updates at TP = 2). Whole, under
+                # sequence parallelism, the key is gathered over the sequence, whose backward sums every rank's
+                # share, and the weights' gradients are summed over TP (tagged sequence_parallel).
+                attention.linear_q_down_proj = attention.linear_kv_down_proj = Linear
                 # the query and key/value latents, split over the sequence like the hidden states they come from
                 attention.q_layernorm = attention.kv_layernorm = RMSNorm
             elif shape.qk_norm:
