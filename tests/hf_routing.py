@@ -11,7 +11,7 @@ import torch
 
 def routers_of(model) -> list:
     """The model's MoE routers, in layer order."""
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    return [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
 
 
 def hf_router_outputs(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -58,7 +58,7 @@ def run_case(args: argparse.Namespace) -> None:
     actor = TrainEngine(model_dir=args.model, shape=read_shape(args.model), dtype="float32", megatron=megatron, groups=groups,
                         optim=OptimConfig(lr=1e-3, weight_decay=0.0, grad_clip=0.0, distributed=True))
     shape = actor.shape
-    tokens, mask, lengths, routes = fixed_inputs(shape.vocab_size, layers=shape.layers, experts=shape.experts,
+    tokens, mask, lengths, routes = fixed_inputs(shape.vocab_size, layers=shape.moe_layers, experts=shape.experts,
                                                  top_k=shape.topk)
     total_tokens = float(mask.sum())
     per_rank = GLOBAL_BATCH // groups.dp_size

@@ -36,6 +36,10 @@ def hf_forced_logprobs(model, ids: list[int], routes: torch.Tensor) -> torch.Ten
         logits, _, own = out
         chosen = own.clone()
         chosen[: len(routes)] = routes[:, layer].long()
+        if hasattr(router, "e_score_correction_bias"):  # GLM-4.5, DeepSeek-V3: sigmoid scores, renormalized, scaled
+            probs = logits.float().sigmoid().gather(1, chosen)
+            probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20) * router.routed_scaling_factor
+            return logits, probs.to(logits.dtype), chosen
         probs = F.softmax(logits.float(), dim=-1).gather(1, chosen)
         if getattr(router, "norm_topk_prob", True):  # Mixtral always renormalizes
             probs = probs / probs.sum(dim=-1, keepdim=True)
@@ -51,8 +55,9 @@ def hf_forced_logprobs(model, ids: list[int], routes: torch.Tensor) -> torch.Ten
     return F.pad(lp, (1, 0))
 
 
-@pytest.mark.parametrize("arch", MOE_ARCHS)
+@pytest.mark.parametrize("arch", MOE_ARCHS + ("glm4_moe",))  # glm4_moe: routes of its MoE layer only, not layer 0
 def test_native_engine_routes_are_the_experts_a_transformers_forward_chooses(arch, arch_dir):
+    from megarl.models.arch import read_shape
     from megarl.rollout.native import NativeEngine
     from megarl.routing import route_dtype
 
@@ -66,7 +71,8 @@ def test_native_engine_routes_are_the_experts_a_transformers_forward_chooses(arc
     model = hf_model(model_dir)
     for prompt, response, routes in zip(prompts, generation.response_ids, generation.routes, strict=True):
         ids = prompt + response
-        assert routes.shape == (len(ids) - 1, 2, 2) and routes.dtype == route_dtype(4)
+        shape = read_shape(model_dir)
+        assert routes.shape == (len(ids) - 1, shape.moe_layers, 2) and routes.dtype == route_dtype(shape.experts)
         # expert sets per (token, layer): the same model's top-k, fed as one sequence instead of a padded
         # batch and a KV cache; no near-ties at this size, so exact
         want = hf_router_outputs(model, ids)[0][: len(ids) - 1]
@@ -80,7 +86,7 @@ def test_a_dense_model_has_no_routes(qwen2_dir):
         NativeEngine(str(qwen2_dir), capture_routes=True)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "glm4_moe", "deepseek_v3"])
 def test_the_trainer_replays_given_routes_token_by_token(arch, arch_dir, groups):
     from megarl.engine.megatron import TrainEngine
     from megarl.models.arch import read_shape
@@ -89,7 +95,7 @@ def test_the_trainer_replays_given_routes_token_by_token(arch, arch_dir, groups)
     model_dir = arch_dir(arch)
     actor = TrainEngine(model_dir=str(model_dir), shape=read_shape(str(model_dir)), dtype="float32", megatron={}, groups=groups)
     shape = actor.shape
-    tokens, mask, lengths, routes = fixed_inputs(shape.vocab_size, layers=shape.layers, experts=shape.experts,
+    tokens, mask, lengths, routes = fixed_inputs(shape.vocab_size, layers=shape.moe_layers, experts=shape.experts,
                                                  top_k=shape.topk)
     model = hf_model(model_dir)
     forced = torch.zeros(tokens.shape)
@@ -111,7 +117,7 @@ def test_the_trainer_replays_given_routes_token_by_token(arch, arch_dir, groups)
     assert (own - forced).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3"])
 def test_r3_with_the_engines_routes_gives_the_engines_logprobs(arch, arch_dir, groups):
     from megarl.batch import pack_sequences
     from megarl.engine.megatron import TrainEngine
@@ -139,7 +145,7 @@ def test_r2_records_the_trainers_own_routing(arch_dir, groups):
     model_dir = arch_dir("qwen3_moe")
     actor = TrainEngine(model_dir=str(model_dir), shape=read_shape(str(model_dir)), dtype="float32", megatron={}, groups=groups)
     shape = actor.shape
-    tokens, _, lengths, _ = fixed_inputs(shape.vocab_size, layers=shape.layers, experts=shape.experts,
+    tokens, _, lengths, _ = fixed_inputs(shape.vocab_size, layers=shape.moe_layers, experts=shape.experts,
                                          top_k=shape.topk)
     model = hf_model(model_dir)
     for micro in ({"micro_batch_size": 2}, {"micro_batch_size": 2, "micro_batch_tokens": 24, "lengths": lengths}):
@@ -228,7 +234,7 @@ def test_recomputed_layers_replay_the_routes_of_their_forward(arch_dir, groups):
         actor = TrainEngine(model_dir=str(arch_dir("mixtral")), shape=read_shape(str(arch_dir("mixtral"))), dtype="float32", megatron=megatron, groups=groups,
                             optim=OptimConfig(lr=1e-3, weight_decay=0.0, grad_clip=0.0, distributed=True))
         shape = actor.shape
-        tokens, mask, _, routes = fixed_inputs(shape.vocab_size, layers=shape.layers, experts=shape.experts,
+        tokens, mask, _, routes = fixed_inputs(shape.vocab_size, layers=shape.moe_layers, experts=shape.experts,
                                                top_k=shape.topk)
 
         def loss_fn(logprobs, mb):

@@ -82,7 +82,8 @@ class TrainEngine:
             self.models, self.optimizer = self._wrap_for_training(optim)
         routing = None
         if self.shape.is_moe:
-            routing = ModelRouting(self.chunks, moe_layers=self.shape.layers, groups=groups,
+            routing = ModelRouting(self.chunks, moe_layers=self.shape.moe_layers, groups=groups,
+                                   first_moe_layer=self.shape.dense_layers,
                                    sequence_parallel=self.config.sequence_parallel)
         self.schedule = PipelineSchedule(self.stage, self.models, routing)
         self.memory = TrainerMemory(self.chunks, self.models if optim is not None else None, self.optimizer)

@@ -85,7 +85,7 @@ class LayerRouting:
 class ModelRouting:
     """The LayerRouting hooks of one engine's model chunks, installed on every TopKRouter."""
 
-    def __init__(self, chunks: list, *, moe_layers: int, sequence_parallel: bool, groups):
+    def __init__(self, chunks: list, *, moe_layers: int, sequence_parallel: bool, groups, first_moe_layer: int = 0):
         from megatron.core.transformer.moe.router import TopKRouter
 
         self.chunks = []  # per chunk: its LayerRouting hooks
@@ -94,7 +94,8 @@ class ModelRouting:
             for module in chunk.modules():
                 # the fused top-k kernel (moe_router_fusion) never calls the hook: no replay, no agreement
                 if isinstance(module, TopKRouter) and not module.config.moe_router_fusion:
-                    module.router_replay = LayerRouting(module.layer_number - 1,
+                    # routes hold the MoE layers only: dense first layers (first_moe_layer of them) have none
+                    module.router_replay = LayerRouting(module.layer_number - 1 - first_moe_layer,
                                                         recompute=module.config.recompute_granularity is not None)
                     hooks.append(module.router_replay)
             self.chunks.append(hooks)

@@ -77,6 +77,11 @@ class ModelShape:
         """Multi-latent attention (DeepSeek-V3) instead of grouped-query attention."""
         return self.kv_lora_rank > 0
 
+    @property
+    def moe_layers(self) -> int:
+        """Layers that route to experts: the last `layers - dense_layers` (0 for a dense model)."""
+        return self.layers - self.dense_layers if self.is_moe else 0
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer `layer` routes to experts (the first `dense_layers` have a dense MLP)."""
         return self.is_moe and layer >= self.dense_layers

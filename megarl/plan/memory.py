@@ -338,11 +338,11 @@ def routing_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Clus
     an offline recipe (no rollout)."""
     if not shape.is_moe or cfg.algo.traits.offline:
         return None
-    per_token = route_bytes_per_token(moe_layers=shape.layers, top_k=shape.topk, experts=shape.experts)
+    per_token = route_bytes_per_token(moe_layers=shape.moe_layers, top_k=shape.topk, experts=shape.experts)
     tokens = cfg.data.prompts_per_step * cfg.rollout.n_samples // layout.dp * seq_len
     # One micro-batch as the trainer runs it (its CP slice), every MoE layer of the stage, int64 ids.
     micro_tokens = cfg.train.micro_batch_size * seq_len // layout.cp
-    device = micro_tokens * shape.topk * (shape.layers // layout.pp) * REPLAY_INDEX_BYTES
+    device = micro_tokens * shape.topk * -(-shape.moe_layers // layout.pp) * REPLAY_INDEX_BYTES
     # Ranks fill the nodes in order, so the first node holds the most training ranks.
     trainers = min(cluster.gpus_per_node, layout.world)
     return Routing(bytes_per_token=per_token, tokens_per_rank=tokens, host_per_rank=tokens * per_token,

@@ -64,7 +64,8 @@ class RouteRecorder:
     model itself used, so they are the engine's routing exactly, with no second computation to disagree."""
 
     def __init__(self, model):
-        routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+        # Mixtral/Qwen: *TopKRouter; GLM-4.5, DeepSeek-V3: *TopkRouter (the MoE layers only, after dense ones)
+        routers = [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
         if not routers:
             raise ValueError(f"capture_routes: {type(model).__name__} has no mixture-of-experts router "
                              "(a *TopKRouter module); routes exist for MoE models only")

@@ -136,7 +136,7 @@ class SGLangEngine:
                                  f"{shape.arch}")
             # megarl.models.arch.read_shape refuses dense layers between MoE layers, so SGLang's per-layer rows (one per
             # hidden layer) are exactly the MoE layers, in order.
-            self.route_layers, self.route_top_k, self.route_experts = shape.layers, shape.topk, shape.experts
+            self.route_layers, self.route_top_k, self.route_experts = shape.moe_layers, shape.topk, shape.experts
             if not self.on_gpu:
                 sglang_plugin.require("Capturing MoE routes")
 
