@@ -130,8 +130,11 @@ class NativeEngine:
         self.device = torch.device(device) if device else current_device()
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(self.device).eval()
+        # the routers' load-balancing bias (GLM-4.5, DeepSeek-V3) is a buffer in transformers, a weight to a push
+        self._params = dict(self.model.named_parameters()) | {
+            name: buffer for name, buffer in self.model.named_buffers() if name.endswith(".e_score_correction_bias")}
         with torch.no_grad():
-            for param in self.model.parameters():  # a tied weight is one Parameter: it stays tied
+            for param in self._params.values():  # a tied weight is one Parameter: it stays tied
                 if not param.untyped_storage().resizable():  # mapped from the checkpoint's file on a CPU
                     param.data = param.data.clone()  # memory of its own, which release_memory can free
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -147,9 +150,6 @@ class NativeEngine:
         # covers the model (routes are recorded by hooks on transformers' own forward)
         self._fused = FusedWeights(self.model) if lean_decode and not capture_routes and fusable(self.model) else None
         self.lean_decode = self._fused is not None
-        # the routers' load-balancing bias (GLM-4.5, DeepSeek-V3) is a buffer in transformers, a weight to a push
-        self._params = dict(self.model.named_parameters()) | {
-            name: buffer for name, buffer in self.model.named_buffers() if name.endswith(".e_score_correction_bias")}
         self._base: dict[str, Tensor] = {}  # the adapted modules' own weights (update_adapter)
         self.keeps_weights = keep_weights
         # Every distinct storage of the weights (the fused matrices hold the projections' rows), with its size:
