@@ -89,7 +89,7 @@ def build_tokenizer(*, tool_chat: bool = False):
     return tok
 
 
-ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
 
 
 def build_config(arch: str, *, vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int,
@@ -135,6 +135,19 @@ def build_config(arch: str, *, vocab_size: int, hidden: int, layers: int, heads:
                                   num_experts=experts, num_experts_per_tok=topk, moe_intermediate_size=moe_ffn,
                                   norm_topk_prob=True, decoder_sparse_step=1, router_aux_loss_coef=0.001,
                                   **common)
+        case "gpt_oss":
+            from transformers import GptOssConfig
+
+            # A window of 8 tokens on the first of each two layers, shorter than the test sequences; YaRN
+            # stretching a 128-token original context 4x (untruncated band, as gpt-oss ships); a SwiGLU clamp
+            # small enough that the tiny model's activations reach it.
+            rope = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                        truncate=False, original_max_position_embeddings=128)
+            return GptOssConfig(**{k: v for k, v in common.items() if k != "rope_theta"} | dict(
+                intermediate_size=moe_ffn, head_dim=hidden // heads, tie_word_embeddings=False,
+                num_local_experts=experts, num_experts_per_tok=topk, sliding_window=8,
+                layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+                rope_parameters=rope, swiglu_limit=0.1, router_aux_loss_coef=0.001, attention_bias=True))
     raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
 
 
@@ -166,8 +179,10 @@ def make_tiny_model(out: str | Path, *, arch: str = "qwen2", seed: int = 0, hidd
                 param.normal_(0.0, init_std)
             elif arch not in ("qwen2", "llama") and name.endswith("norm.weight"):
                 param.normal_(1.0, 0.1)
-            elif name.endswith("mlp.gate.weight"):
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 param.normal_(0.0, 0.1)
+            elif name.endswith("self_attn.sinks"):  # gpt-oss: sinks that take a visible share of attention
+                param.normal_(0.0, 1.0)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
@@ -187,7 +202,7 @@ def main(argv=None) -> None:
     parser.add_argument("--ffn", type=int, default=128, help="dense MLP width (mixtral: each expert's width)")
     parser.add_argument("--experts", type=int, default=4, help="MoE: routed experts per layer")
     parser.add_argument("--topk", type=int, default=2, help="MoE: experts per token")
-    parser.add_argument("--moe-ffn", type=int, default=32, help="qwen2_moe/qwen3_moe: each expert's width")
+    parser.add_argument("--moe-ffn", type=int, default=32, help="qwen2_moe/qwen3_moe/gpt_oss: each expert's width")
     parser.add_argument("--shared-ffn", type=int, default=48, help="qwen2_moe: shared expert width")
     parser.add_argument("--tool-chat", action="store_true",
                         help="a chat model for tool use: Qwen2.5 tool markup and template, EOS <|im_end|>")

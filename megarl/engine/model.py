@@ -58,6 +58,7 @@ def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megat
         # weight gathers rely on.
         perform_initialization=True,
     )
+    kwargs.update(layer_variants(shape))
     if shape.is_moe:
         kwargs.update(moe_settings(shape, te_layers=te))
     kwargs.update(fused_kernels(te=te) if on_gpu() else cpu_compat.TRANSFORMER_CONFIG)
@@ -76,7 +77,48 @@ def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megat
         kwargs["virtual_pipeline_model_parallel_size"] = None
     elif not on_gpu():
         check_virtual_pipeline_p2p(batch_p2p_comm=kwargs["batch_p2p_comm"], pp=pp)
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    if shape.yarn is not None:
+        set_yarn_rope(config, shape)
+    return config
+
+
+def layer_variants(shape: ModelShape) -> dict:
+    """TransformerConfig fields of what a shape's layers add to the Llama layer (gpt-oss; none for the others).
+
+    - `linear_bias`: Megatron's add_bias_linear, biases on the attention output, the router and the experts.
+    - `attention_sinks`: softmax_type "learnable", a per-head logit in each softmax's denominator, held by the core
+      attention as `softmax_offset` (megarl.engine.local_attention applies it on CPU).
+    - `window_layers`: window_size (local_window - 1 earlier tokens and none later: transformers' window counts
+      the query itself) on the layers whose window_attn_skip_freq entry is 1.
+    - `swiglu_limit`: gpt-oss's clamped SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(1.702 g) with
+      g = min(gate, limit), which is Megatron's GLU with quick_gelu, offset 1 and that clamp value.
+    """
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    fields = {}
+    if shape.linear_bias:
+        fields["add_bias_linear"] = True
+    if shape.attention_sinks:
+        fields["softmax_type"] = "learnable"
+    if shape.local_window is not None:
+        fields.update(window_size=(shape.local_window - 1, 0),
+                      window_attn_skip_freq=[int(windowed) for windowed in shape.window_layers])
+    if shape.swiglu_limit is not None:
+        fields.update(activation_func=quick_gelu, glu_linear_offset=1.0,
+                      activation_func_clamp_value=shape.swiglu_limit)
+    return fields
+
+
+def set_yarn_rope(config, shape: ModelShape) -> None:
+    """The YaRN fields GPTModel's "yarn" rotary embedding and the attention's cos/sin scale read from `config`:
+    Megatron declares them on its MLA config only and reads them from any config with getattr."""
+    yarn = shape.yarn
+    config.yarn_rotary_scaling_factor = yarn.factor
+    config.yarn_original_max_position_embeddings = yarn.original_max_position
+    config.yarn_beta_fast, config.yarn_beta_slow = yarn.beta_fast, yarn.beta_slow
+    config.yarn_mscale, config.yarn_mscale_all_dim = yarn.mscale, yarn.mscale_all_dim
+    config.yarn_correction_range_round_to_int = yarn.truncate
 
 
 def fused_kernels(*, te: bool) -> dict:
@@ -172,14 +214,27 @@ def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: in
         pre_process=groups.pp_rank == 0 and is_vp_first_stage(vp_stage, config.virtual_pipeline_model_parallel_size),
         post_process=groups.is_pp_last and is_vp_last_stage(vp_stage, config.virtual_pipeline_model_parallel_size),
         parallel_output=True, share_embeddings_and_output_weights=shape.tied_embeddings,
-        position_embedding_type="rope", rotary_base=int(shape.rope_theta),
+        position_embedding_type="yarn" if shape.yarn is not None else "rope", rotary_base=int(shape.rope_theta),
         rope_scaling=shape.llama3_rope_factor is not None,
         rope_scaling_factor=shape.llama3_rope_factor or 8.0, vp_stage=vp_stage,
     )
     rope_at_position_ids(model)  # shared-prompt rows (megarl.packing.shared_row)
+    if shape.attention_sinks:
+        split_sinks_over_tp(model)
     if on_gpu():
         model.cuda(current_device())
     return model
+
+
+def split_sinks_over_tp(model) -> None:
+    """Tag the attention sinks (the core attention's `softmax_offset`, one per head of this rank) as split over
+    the tensor-parallel ranks on dim 0, as Megatron's checkpoint sharding of them says: the weight gathers and the
+    gradient norm read the tag, which Megatron's core attention does not set."""
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+    for name, param in model.named_parameters():
+        if name.endswith("core_attention.softmax_offset") and not hasattr(param, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
 
 
 def global_name(local_name: str, layer_offset: int) -> str:
