@@ -71,6 +71,11 @@ CASES = {
     "qwen2_moe-lora-ep2": ("qwen2_moe", 2, layout(ep=2, extra=("--lora", "--save", "{runs}/ckpt_lora_ep2"))),
     "qwen2_moe-lora-ep2dp2": ("qwen2_moe", 4, layout(ep=2, extra=("--lora", "--resume-from",
                                                                   "{runs}/ckpt_lora_ep2"))),
+    # gpt-oss: attention sinks split with the heads over TP, sliding-window layers in packed rows, biased experts
+    "single-gpt_oss": ("gpt_oss", 1, ()),
+    "gpt_oss-tp2sp-packed": ("gpt_oss", 2, layout(tp=2, extra=("--sequence-parallel", "--micro-batch-tokens", "24"))),
+    "gpt_oss-pp2": ("gpt_oss", 2, layout(pp=2)),  # a sliding-window stage and a full-attention stage
+    "gpt_oss-ep2": ("gpt_oss", 2, layout(ep=2)),  # 2 of each layer's 4 stacked experts per rank
 }
 
 
@@ -118,7 +123,7 @@ def runs(arch_dir, qwen2_4_layers, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["qwen2-tp2", "qwen2-pp2", "qwen2-dp2", "qwen2-tp2pp2", "qwen2-dp2tp2", "llama-tp2",
-                                  "llama-pp2", "qwen2_moe-ep2", "mixtral-ep2pp2"])
+                                  "llama-pp2", "qwen2_moe-ep2", "mixtral-ep2pp2", "gpt_oss-pp2", "gpt_oss-ep2"])
 def test_layout_matches_single_rank(name, runs):
     assert_same_numbers(runs(name), runs(f"single-{CASES[name][0]}"))
 
@@ -129,7 +134,7 @@ def test_layout_matches_single_rank(name, runs):
 # rows of 23 tokens (64 in rows of at most 24 make 18, 23, 23) are padded to split evenly. MoE layers train
 # under TP only with sequence parallelism: EP2 x TP2 gathers each TP rank's routed tokens, as many as its
 # router chose, inside the expert layer.
-@pytest.mark.parametrize("name", ["qwen3-tp2sp-packed", "qwen2_moe-ep2tp2sp"])
+@pytest.mark.parametrize("name", ["qwen3-tp2sp-packed", "qwen2_moe-ep2tp2sp", "gpt_oss-tp2sp-packed"])
 def test_sequence_parallel_matches_single_rank(name, runs):
     from megarl.packing import count_bins, plan_micro_batches
 

@@ -203,6 +203,10 @@ def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: in
         if shape.qk_norm:
             attention.q_layernorm = attention.k_layernorm = ModuleSpec(module=RMSNorm,
                                                                        params={"sequence_split": False})
+        if shape.linear_bias and shape.is_moe:
+            from megarl.engine.local_experts import ExpertBiasRowParallelLinear
+
+            layer.submodules.mlp.submodules.experts.submodules.linear_fc2 = ExpertBiasRowParallelLinear
         if lora is not None:
             adapters.adapt_layer_spec(layer, lora)
         layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=groups.pp_rank)
