@@ -140,14 +140,15 @@ def build_config(arch: str, *, vocab_size: int, hidden: int, layers: int, heads:
 
             # A window of 8 tokens on the first of each two layers, shorter than the test sequences; YaRN
             # stretching a 128-token original context 4x (untruncated band, as gpt-oss ships); a SwiGLU clamp
-            # small enough that the tiny model's activations reach it.
+            # small enough that the tiny model's activations reach it. No load-balancing loss: it counts a
+            # micro-batch's tokens, which packing regroups, and packed layouts are compared with padded ones.
             rope = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
                         truncate=False, original_max_position_embeddings=128)
             return GptOssConfig(**{k: v for k, v in common.items() if k != "rope_theta"} | dict(
                 intermediate_size=moe_ffn, head_dim=hidden // heads, tie_word_embeddings=False,
                 num_local_experts=experts, num_experts_per_tok=topk, sliding_window=8,
                 layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
-                rope_parameters=rope, swiglu_limit=0.1, router_aux_loss_coef=0.001, attention_bias=True))
+                rope_parameters=rope, swiglu_limit=0.1, router_aux_loss_coef=0.0, attention_bias=True))
     raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
 
 
