@@ -293,7 +293,8 @@ class NativeEngine:
                 if target.shape != tensor.shape:
                     raise ValueError(f"{name}: pushed shape {tuple(tensor.shape)} != {tuple(target.shape)}")
                 target.copy_(tensor.to(target.device, target.dtype))
-                missing.discard(slot)
+                # a whole stacked expert tensor (gpt-oss's checkpoint names it so) fills every expert's slot
+                missing -= _slots_of(param_name, target) if expert is None else {slot}
         if missing:
             raise ValueError(f"weight push of version {version} missed parameters: {sorted({m[0] for m in missing})[:5]}")
         self.weight_version = version
