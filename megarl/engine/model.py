@@ -62,6 +62,10 @@ def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megat
     if shape.is_moe:
         kwargs.update(moe_settings(shape, te_layers=te))
     kwargs.update(fused_kernels(te=te) if on_gpu() else cpu_compat.TRANSFORMER_CONFIG)
+    if on_gpu() and shape.yarn is not None:
+        kwargs["apply_rope_fusion"] = False  # TE's fused RoPE refuses YaRN's cos/sin scale (rope_utils)
+    if on_gpu() and te and shape.linear_bias and shape.is_moe:
+        kwargs["bias_dropout_fusion"] = False  # TEGroupedMLP refuses it with expert biases
     vpp = virtual_stage_count(megatron)
     if vpp > 1:
         # What Megatron's own training scripts pick for the interleaved schedule: separate isend/irecv calls,
