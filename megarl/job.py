@@ -132,6 +132,13 @@ class Job:
             if cfg.algo.router_replay != "none" and megatron.get("moe_router_fusion"):
                 raise RecipeError("algo.router_replay needs Megatron's unfused router: the fused top-k kernel "
                                   "(model.megatron.moe_router_fusion: true) has no replay hook")
+        if shape.linear_bias and shape.is_moe and cfg.parallel.tp > 1:
+            raise RecipeError(f"parallel.tp = {cfg.parallel.tp} with a {shape.arch} model: Megatron takes biased "
+                              "experts at expert tensor-parallel size 1 only, and megarl splits experts over the "
+                              "TP ranks; split the experts with parallel.ep instead")
+        if cfg.train.share_prompts and shape.local_window is not None:
+            raise RecipeError(f"train.share_prompts with a {shape.arch} model: its sliding-window layers count "
+                              "positions in the row, which a shared-prompt row does not keep")
         if cfg.train.share_prompts and shape.is_moe:
             refusal = shared_prompt_moe_refusal((moe_settings(shape, te_layers=self.te_layers) | megatron).get)
             if refusal:

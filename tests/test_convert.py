@@ -18,7 +18,8 @@ from conftest import REPO, run_python
 
 pytestmark = pytest.mark.timeout(600)
 
-ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3")
+ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3",
+         "gpt_oss")
 TOOL_TIMEOUT_S = 180
 
 

@@ -75,7 +75,8 @@ def engine_weights(engine) -> dict[str, torch.Tensor]:
     return {name: t.detach().cpu().clone() for name, t in engine.hf_tensors()}
 
 
-ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3")
+ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3",
+         "gpt_oss")
 
 
 @pytest.fixture(params=ARCHS)

@@ -80,6 +80,12 @@ CASES = {
     "qwen2_moe-lora-ep2": ("qwen2_moe", 2, layout(ep=2, extra=("--lora", "--save", "{runs}/ckpt_lora_ep2"))),
     "qwen2_moe-lora-ep2dp2": ("qwen2_moe", 4, layout(ep=2, extra=("--lora", "--resume-from",
                                                                   "{runs}/ckpt_lora_ep2"))),
+    # gpt-oss (biased experts: Megatron takes them at expert TP 1 only, so no TP layout): a sliding-window stage and
+    # a full-attention stage; 2 of each layer's 4 stacked experts per rank, in padded and in packed rows
+    "single-gpt_oss": ("gpt_oss", 1, ()),
+    "gpt_oss-pp2": ("gpt_oss", 2, layout(pp=2)),
+    "gpt_oss-ep2": ("gpt_oss", 2, layout(ep=2)),
+    "gpt_oss-ep2-packed": ("gpt_oss", 2, layout(ep=2, extra=("--micro-batch-tokens", "24"))),
 }
 
 
@@ -128,7 +134,7 @@ def runs(arch_dir, qwen2_4_layers, tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["qwen2-tp2", "qwen2-pp2", "qwen2-dp2", "qwen2-tp2pp2", "qwen2-dp2tp2", "llama-tp2",
                                   "llama-pp2", "qwen2_moe-ep2", "mixtral-ep2pp2", "glm4_moe-ep2pp2",
-                                  "deepseek_v3-pp2"])
+                                  "deepseek_v3-pp2", "gpt_oss-pp2", "gpt_oss-ep2"])
 def test_layout_matches_single_rank(name, runs):
     assert_same_numbers(runs(name), runs(f"single-{CASES[name][0]}"))
 
@@ -241,6 +247,7 @@ def test_context_parallel_matches_single_rank(name, runs):
     "qwen2-pp2-packed",            # PP=2, one DP rank
     "qwen2-dp2-balanced-packed",   # DP=2, samples balanced by tokens, packed
     "qwen2-dp2-balanced",          # DP=2, balanced, padded rows of 2
+    "gpt_oss-ep2-packed",          # EP=2, packed rows through sliding-window layers
 ])
 def test_packing_and_dp_balancing_match_single_rank(name, runs):
     from megarl.packing import balanced_partition
@@ -248,7 +255,8 @@ def test_packing_and_dp_balancing_match_single_rank(name, runs):
     extra = CASES[name][2]
     result = runs(name)
     lengths = result["lengths"]
-    assert_same_numbers(result, runs("single-qwen2"), lengths=lengths if "--micro-batch-tokens" in extra else None)
+    assert_same_numbers(result, runs(f"single-{CASES[name][0]}"),
+                        lengths=lengths if "--micro-batch-tokens" in extra else None)
     if "--redistribute" in extra:
         # each rank trained on its part of the balanced partition of the global batch; unbalanced, rank 0
         # would hold 6+7+8+9 = 30 tokens and rank 1 34

@@ -93,7 +93,8 @@ def build_tokenizer(*, tool_chat: bool = False):
     return tok
 
 
-ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3")
+ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3",
+         "gpt_oss")
 # Sigmoid-routed in 2 groups of experts, top-1 group: 8 experts make 4 a group, so the group choice and the top-2
 # inside it both matter.
 GROUPED_ARCHS = ("glm4_moe", "deepseek_v3")
@@ -162,6 +163,20 @@ def build_config(arch: str, *, vocab_size: int, hidden: int, layers: int, heads:
                                     num_key_value_heads=heads,  # every head has its own key and value
                                     **{k: v for k, v in common.items() if k not in ("rope_theta",
                                                                                     "num_key_value_heads")})
+        case "gpt_oss":
+            from transformers import GptOssConfig
+
+            # A window of 8 tokens on the first of each two layers, shorter than the test sequences; YaRN
+            # stretching a 128-token original context 4x (untruncated band, as gpt-oss ships); a SwiGLU clamp
+            # small enough that the tiny model's activations reach it. No load-balancing loss: it counts a
+            # micro-batch's tokens, which packing regroups, and packed layouts are compared with padded ones.
+            rope = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                        truncate=False, original_max_position_embeddings=128)
+            return GptOssConfig(**{k: v for k, v in common.items() if k != "rope_theta"} | dict(
+                intermediate_size=moe_ffn, head_dim=hidden // heads, tie_word_embeddings=False,
+                num_local_experts=experts, num_experts_per_tok=topk, sliding_window=8,
+                layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+                rope_parameters=rope, swiglu_limit=0.1, router_aux_loss_coef=0.0, attention_bias=True))
     raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
 
 
@@ -195,8 +210,10 @@ def make_tiny_model(out: str | Path, *, arch: str = "qwen2", seed: int = 0, hidd
                 param.normal_(0.0, init_std)
             elif arch not in ("qwen2", "llama") and name.endswith("norm.weight"):
                 param.normal_(1.0, 0.1)
-            elif name.endswith("mlp.gate.weight"):
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 param.normal_(0.0, 0.1)
+            elif name.endswith("self_attn.sinks"):  # gpt-oss: sinks that take a visible share of attention
+                param.normal_(0.0, 1.0)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # the load-balancing bias that picks experts
                 buffer.normal_(0.0, 0.05)
@@ -220,7 +237,8 @@ def main(argv=None) -> None:
     parser.add_argument("--experts", type=int, default=None,
                         help="MoE: routed experts per layer (default 8 for glm4_moe and deepseek_v3, else 4)")
     parser.add_argument("--topk", type=int, default=2, help="MoE: experts per token")
-    parser.add_argument("--moe-ffn", type=int, default=32, help="qwen2_moe/qwen3_moe/glm4_moe/deepseek_v3: each expert's width")
+    parser.add_argument("--moe-ffn", type=int, default=32,
+                        help="qwen2_moe/qwen3_moe/glm4_moe/deepseek_v3/gpt_oss: each expert's width")
     parser.add_argument("--shared-ffn", type=int, default=48, help="qwen2_moe: shared expert width")
     parser.add_argument("--tool-chat", action="store_true",
                         help="a chat model for tool use: Qwen2.5 tool markup and template, EOS <|im_end|>")

@@ -16,12 +16,15 @@ from megarl.device import current_device
 from megarl.engine.model import StageModel, tp_split
 from megarl.models import layout
 from megarl.models.arch import ModelShape
+from megarl.models.names import STACKED
 from megarl.models.safetensors_dir import SafetensorsDir
 
 # Parameters with one row per (padded) vocabulary entry: padded on load, truncated on export.
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 # HF sequence-classification checkpoints (reward models) name their scalar head this way.
 _HF_SCORE = "score.weight"
+# Fused layouts whose Megatron tensor is [gate; up], each half split separately over TP ranks.
+_GATE_UP = ("gate_up", "stacked_gate_up")
 
 
 def load_hf(stage: StageModel, model_dir: str | Path) -> None:
@@ -46,21 +49,35 @@ def hf_shard(stage: StageModel, source: SafetensorsDir, name: str, param: Tensor
     else:
         rule, _, _ = stage.names.lookup(name)
         hf_names, rule_fuse = stage.names.hf_names(name, expert_offset=stage.expert_offset), rule.fuse
-    full = _fuse(stage.shape, [source.get(n) for n in hf_names], rule_fuse)
+    full = _fuse(stage.shape, _hf_parts(stage, source, name, hf_names, rule_fuse), rule_fuse)
     if name in VOCAB_PARAMS:
         full = _pad_rows(full, param.shape[0] * stage.groups.tp_size)
     shard = layout.shard(full, dim=tp_split(name, param), rank=stage.groups.tp_rank,
-                         size=stage.groups.tp_size, gate_up=rule_fuse == "gate_up")
+                         size=stage.groups.tp_size, gate_up=rule_fuse in _GATE_UP)
     if shard.shape != param.shape:
         raise ValueError(f"{source.model_dir}: {hf_names} gives shape {tuple(shard.shape)} for {name}, "
                          f"expected {tuple(param.shape)}")
     return shard
 
 
+def _hf_parts(stage: StageModel, source: SafetensorsDir, name: str, hf_names: tuple[str, ...],
+              fuse: str | None) -> list[Tensor]:
+    """The HF tensors parameter `name` is made of; of a tensor stacking every expert of a layer, the row of this
+    parameter's expert (its global index), read alone."""
+    if fuse not in STACKED:
+        return [source.get(n) for n in hf_names]
+    _, _, expert = stage.names.lookup(name)
+    return [source.get_row(n, expert + stage.expert_offset) for n in hf_names]
+
+
 def _fuse(shape: ModelShape, parts: list[Tensor], fuse: str | None) -> Tensor:
     match fuse:
-        case None:
+        case None | "stacked":
             return parts[0]
+        case "stacked_gate_up":
+            return layout.interleaved_to_fc1(parts[0])
+        case "stacked_down":
+            return layout.down_to_fc2(parts[0])
         case "qkv":
             return layout.join_qkv(*parts, groups=shape.kv_heads, head_dim=shape.head_dim)
         case "gate_up":
@@ -93,6 +110,7 @@ def hf_tensors(stage: StageModel, params: Iterator[tuple[str, Tensor, Tensor]] |
     experts_per_rank = stage.shape.experts // stage.groups.ep_size
     if params is None:
         params = _own_values(stage)
+    stacks = _ExpertStacks(stage.shape.experts)
     for name, param, data in params:
         if name == "output_layer.weight" and classifier:
             yield _HF_SCORE, data
@@ -100,7 +118,7 @@ def hf_tensors(stage: StageModel, params: Iterator[tuple[str, Tensor, Tensor]] |
         if name == "output_layer.weight" and stage.shape.tied_embeddings:
             continue
         rule, _, expert = stage.names.lookup(name)
-        data = _gather_tp(stage, data, dim=tp_split(name, param), gate_up=rule.fuse == "gate_up")
+        data = _gather_tp(stage, data, dim=tp_split(name, param), gate_up=rule.fuse in _GATE_UP)
         if name in VOCAB_PARAMS:
             data = data[: stage.shape.vocab_size]
         if expert is None:
@@ -113,8 +131,33 @@ def hf_tensors(stage: StageModel, params: Iterator[tuple[str, Tensor, Tensor]] |
             if stage.groups.ep_size > 1:
                 copy = data.contiguous() if ep_rank == stage.groups.ep_rank else torch.empty_like(data)
                 dist.broadcast(copy, src=src, group=stage.groups.ep)
-            yield from zip(stage.names.hf_names(name, expert_offset=ep_rank * experts_per_rank),
+            hf_parts = zip(stage.names.hf_names(name, expert_offset=ep_rank * experts_per_rank),
                            _split(stage.shape, copy, rule.fuse))
+            if rule.fuse not in STACKED:
+                yield from hf_parts
+                continue
+            for hf_name, row in hf_parts:
+                whole = stacks.add(hf_name, expert + ep_rank * experts_per_rank, row)
+                if whole is not None:
+                    yield hf_name, whole
+
+
+class _ExpertStacks:
+    """Experts' rows of HF tensors that stack every expert of a layer (gpt-oss), kept until a tensor is whole."""
+
+    def __init__(self, experts: int):
+        self.experts = experts
+        self.rows: dict[str, dict[int, Tensor]] = {}
+
+    def add(self, hf_name: str, expert: int, row: Tensor) -> Tensor | None:
+        """Keep `row` as expert `expert` (global index) of `hf_name`; the stacked [experts, ...] tensor once
+        every expert's row is in, else None."""
+        rows = self.rows.setdefault(hf_name, {})
+        rows[expert] = row
+        if len(rows) < self.experts:
+            return None
+        del self.rows[hf_name]
+        return torch.stack([rows[e] for e in range(self.experts)])
 
 
 def _gather_tp(stage: StageModel, data: Tensor, *, dim: int | None, gate_up: bool) -> Tensor:
@@ -133,7 +176,7 @@ def hf_adapter_tensors(stage: StageModel) -> Iterator[tuple[str, Tensor]]:
     for layer_name, layer in stage.adapted_layers():
         name = f"{layer_name}.weight"
         rule, _, _ = stage.names.lookup(name)
-        gate_up = rule.fuse == "gate_up"
+        gate_up = rule.fuse in _GATE_UP
         a = _gather_tp(stage, layer.lora_a.detach(), dim=tp_split(name, layer.lora_a), gate_up=False)
         b = _gather_tp(stage, layer.lora_b.detach(), dim=tp_split(name, layer.lora_b), gate_up=gate_up)
         for hf_name, b_rows in zip(stage.names.hf_names(name), _split(stage.shape, b, rule.fuse), strict=True):
@@ -150,8 +193,12 @@ def _own_values(stage: StageModel) -> Iterator[tuple[str, Tensor, Tensor]]:
 
 def _split(shape: ModelShape, full: Tensor, fuse: str | None) -> tuple[Tensor, ...]:
     match fuse:
-        case None:
+        case None | "stacked":
             return (full,)
+        case "stacked_gate_up":
+            return (layout.fc1_to_interleaved(full),)
+        case "stacked_down":
+            return (layout.fc2_to_down(full),)
         case "qkv":
             return layout.split_qkv(full, groups=shape.kv_heads, head_dim=shape.head_dim)
         case "gate_up":

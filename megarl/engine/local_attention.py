@@ -25,6 +25,13 @@ grouped keys and values without copies) whenever it computes what Megatron's loc
 softmax(scale * q k^T) v with the vanilla softmax and no attention dropout, the recipes' settings. Megatron's
 version takes three matmuls, a GQA copy of keys and values and a mask built per call; softmax-offset
 variants and attention dropout still go through it.
+
+Attention sinks and sliding windows (gpt-oss: softmax_type "learnable", window_size on the layers
+window_attn_skip_freq marks) are computed here too (`sink_window_attention`), padded, packed and context-
+parallel: Megatron's masked softmax builds its window mask on the GPU and in place of the mask it is given,
+which would let packed segments see each other. The window counts positions, which in a padded row, a packed
+segment's row and a block-masked row are the tokens' distances in the row; a context-parallel rank's chunks
+and a shared-prompt row are not laid out that way, so a windowed layer refuses them.
 """
 
 from __future__ import annotations
@@ -35,9 +42,11 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor_from_config
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
 from megarl.engine.context_parallel import all_gather_keys_values, cp_positions
@@ -114,12 +123,13 @@ def rotate_shared_row(query: Tensor, key: Tensor, params: SharedPromptParams, co
 
     The op Megatron's packed RoPE ends in, on the frequencies it would gather segment by segment: the same
     numbers, in one op over the row. Unfused, as train.share_prompts has it (model.megatron.apply_rope_fusion
-    off); GPTModel's "rope" embedding scales by 1."""
+    off); GPTModel's "rope" embedding scales by 1, its "yarn" one by the YaRN factor the config gives."""
     if params.freqs is None:
         return query, key
     rotate = lambda t: _apply_rotary_pos_emb_bshd(  # noqa: E731  [t, h, dim] as [t, 1, h, dim]
         t.unsqueeze(1), params.freqs, rotary_interleaved=config.rotary_interleaved,
-        multi_latent_attention=config.multi_latent_attention).squeeze(1)
+        multi_latent_attention=config.multi_latent_attention,
+        mscale=_yarn_get_concentration_factor_from_config(config)).squeeze(1)
     return rotate(query), rotate(key)
 
 
@@ -201,12 +211,50 @@ class PackedLocalAttention(DotProductAttention):
         layer_scaling = self.layer_number if self.config.apply_query_key_layer_scaling else 1
         self.fused_scale = self.softmax_scale * layer_scaling
         self.fused = self.config.softmax_type == "vanilla" and self.attention_dropout.p == 0.0
+        self.window = None  # tokens a query sees, itself included; None: every earlier one
+        if is_layer_window_attention(self.config.window_size, self.config.window_attn_skip_freq, self.layer_number):
+            before, after = self.config.window_size
+            if before < 0 or after != 0:
+                raise ValueError(f"window_size {self.config.window_size}: the local attention takes a causal window "
+                                 "(n earlier tokens, 0 later) only")
+            self.window = before + 1
+        # sinks and windows are this class's own attention (`sink_window_attention`)
+        self.own_softmax = self.config.softmax_type == "learnable" or self.window is not None
+        self.by_segment = self.fused or self.own_softmax  # packed rows attended segment by segment
+
+    def sink_window_attention(self, query: Tensor, key: Tensor, value: Tensor, masked: Tensor | None) -> Tensor:
+        """Attention of query [sq, b, heads, dim] over key and value [sk, b, groups, dim] -> [sq, b, heads * dim]
+        as transformers computes gpt-oss's: query i, at key position i + sk - sq, sees the keys `masked` (bool,
+        broadcastable to [b, heads, sq, sk]; None: the causal mask) leaves it, within `window` positions of it
+        itself included, and its softmax has one more logit in the denominator, its head's sink
+        (`softmax_offset`), which weighs no value. The softmax runs in fp32."""
+        sq, b, heads, _ = query.shape
+        sk = key.shape[0]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads or groups, s, dim]
+        k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.fused_scale  # [b, heads, sq, sk]
+        distance = (torch.arange(sq, device=q.device) + sk - sq)[:, None] - torch.arange(sk, device=q.device)[None]
+        hidden = distance < 0 if masked is None else masked
+        if self.window is not None:
+            hidden = hidden | (distance >= self.window)
+        scores = scores.float().masked_fill(hidden, float("-inf"))
+        if self.softmax_offset is not None:
+            sinks = self.softmax_offset.float().reshape(1, -1, 1, 1).expand(b, -1, sq, 1)
+            probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out = torch.matmul(probs.to(v.dtype), v)  # [b, heads, sq, dim]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor, masked: Tensor | None, *, attn_mask_type=None,
                attention_bias=None) -> Tensor:
         """Attention of query [sq, b, heads, dim] over key and value [sk, b, groups, dim] -> [sq, b, heads * dim],
         under `masked` (bool, broadcastable to [b, heads, sq, sk], True where masked) or, when it is None, the
         causal mask of the layer."""
+        if self.own_softmax:
+            if attention_bias is not None:
+                raise ValueError("attention with sinks or a sliding window takes no attention bias")
+            return self.sink_window_attention(query, key, value, masked)
         if not self.fused or attention_bias is not None or (masked is None and self.attn_mask_type != AttnMaskType.causal):
             return super().forward(query, key, value, masked, attn_mask_type=attn_mask_type,
                                    attention_bias=attention_bias)
@@ -233,6 +281,9 @@ class PackedLocalAttention(DotProductAttention):
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                 attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> Tensor:
+        if self.window is not None and (self.cp_group is not None or isinstance(packed_seq_params, SharedPromptParams)):
+            raise ValueError(f"layer {self.layer_number} attends within a sliding window of {self.window} tokens, "
+                             "which context parallelism and shared-prompt rows (train.share_prompts) do not support")
         if self.cp_group is not None:
             if packed_seq_params is not None or attention_mask is not None:
                 raise ValueError("context-parallel local attention takes padded rows under the causal mask only "
@@ -254,13 +305,13 @@ class PackedLocalAttention(DotProductAttention):
         if prefix_of is not None:  # a shared-prompt row
             query, key = rotate_shared_row(query, key, packed_seq_params, self.config)
             prefix_of = prefix_of.to(query.device)
-            split = shared_rows(bounds, prefix_of, total) if self.fused and attention_bias is None else None
+            split = shared_rows(bounds, prefix_of, total) if self.by_segment and attention_bias is None else None
             if split is not None:
                 return self.shared_prompt_attention(query, key, value, *split)
             mask = block_causal_mask(bounds, total, device=query.device, prefix_of=prefix_of)
             return self.attend(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask,
                                attn_mask_type=attn_mask_type, attention_bias=attention_bias)
-        rows = segment_rows(bounds, total) if self.fused and attention_bias is None else None
+        rows = segment_rows(bounds, total) if self.by_segment and attention_bias is None else None
         if rows is not None:
             index, valid = rows
             # [t, heads, dim] -> [n, L, heads, dim] -> attention as [L, n, ...] -> the valid [t, 1, heads * dim]

@@ -6,6 +6,7 @@ stage, and the critic's value head.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -58,11 +59,16 @@ def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megat
         # weight gathers rely on.
         perform_initialization=True,
     )
+    kwargs.update(layer_variants(shape))
     if shape.is_moe:
         kwargs.update(moe_settings(shape, te_layers=te))
     if shape.mla:
         kwargs.update(mla_settings(shape))
     kwargs.update(fused_kernels(te=te) if on_gpu() else cpu_compat.TRANSFORMER_CONFIG)
+    if on_gpu() and shape.yarn is not None:
+        kwargs["apply_rope_fusion"] = False  # TE's fused RoPE refuses YaRN's cos/sin scale (rope_utils)
+    if on_gpu() and te and shape.linear_bias and shape.is_moe:
+        kwargs["bias_dropout_fusion"] = False  # TEGroupedMLP refuses it with expert biases
     vpp = virtual_stage_count(megatron)
     if vpp > 1:
         # What Megatron's own training scripts pick for the interleaved schedule: separate isend/irecv calls,
@@ -78,7 +84,48 @@ def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megat
         kwargs["virtual_pipeline_model_parallel_size"] = None
     elif not on_gpu():
         check_virtual_pipeline_p2p(batch_p2p_comm=kwargs["batch_p2p_comm"], pp=pp)
-    return (MLATransformerConfig if shape.mla else TransformerConfig)(**kwargs)
+    config = (MLATransformerConfig if shape.mla else TransformerConfig)(**kwargs)
+    if shape.yarn is not None and not shape.mla:  # multi-latent attention takes YaRN as its own fields
+        set_yarn_rope(config, shape)
+    return config
+
+
+def layer_variants(shape: ModelShape) -> dict:
+    """TransformerConfig fields of what a shape's layers add to the Llama layer (gpt-oss; none for the others).
+
+    - `linear_bias`: Megatron's add_bias_linear, biases on the attention output, the router and the experts.
+    - `attention_sinks`: softmax_type "learnable", a per-head logit in each softmax's denominator, held by the core
+      attention as `softmax_offset` (megarl.engine.local_attention applies it on CPU).
+    - `window_layers`: window_size (local_window - 1 earlier tokens and none later: transformers' window counts
+      the query itself) on the layers whose window_attn_skip_freq entry is 1.
+    - `swiglu_limit`: gpt-oss's clamped SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(1.702 g) with
+      g = min(gate, limit), which is Megatron's GLU with quick_gelu, offset 1 and that clamp value.
+    """
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    fields = {}
+    if shape.linear_bias:
+        fields["add_bias_linear"] = True
+    if shape.attention_sinks:
+        fields["softmax_type"] = "learnable"
+    if shape.local_window is not None:
+        fields.update(window_size=(shape.local_window - 1, 0),
+                      window_attn_skip_freq=[int(windowed) for windowed in shape.window_layers])
+    if shape.swiglu_limit is not None:
+        fields.update(activation_func=quick_gelu, glu_linear_offset=1.0,
+                      activation_func_clamp_value=shape.swiglu_limit)
+    return fields
+
+
+def set_yarn_rope(config, shape: ModelShape) -> None:
+    """The YaRN fields GPTModel's "yarn" rotary embedding and the attention's cos/sin scale read from `config`:
+    Megatron declares them on its MLA config only and reads them from any config with getattr."""
+    yarn = shape.yarn
+    config.yarn_rotary_scaling_factor = yarn.factor
+    config.yarn_original_max_position_embeddings = yarn.original_max_position
+    config.yarn_beta_fast, config.yarn_beta_slow = yarn.beta_fast, yarn.beta_slow
+    config.yarn_mscale, config.yarn_mscale_all_dim = yarn.mscale, yarn.mscale_all_dim
+    config.yarn_correction_range_round_to_int = yarn.truncate
 
 
 def mla_settings(shape: ModelShape) -> dict:
@@ -89,17 +136,20 @@ def mla_settings(shape: ModelShape) -> dict:
     sqrt(qk head dim), its YaRN cos/sin scale mscale(factor, mscale) / mscale(factor, mscale_all_dim), both
     transformers' formulas. Without YaRN the scaling factor is irrelevant and mscale_all_dim 0 makes the scale 1.
     """
-    yarn = dict(shape.yarn)
+    yarn = shape.yarn
     settings = dict(
         multi_latent_attention=True, q_lora_rank=shape.q_lora_rank or None, kv_lora_rank=shape.kv_lora_rank,
         qk_head_dim=shape.qk_nope_dim, qk_pos_emb_head_dim=shape.qk_rope_dim, v_head_dim=shape.v_head_dim,
         num_query_groups=shape.heads, kv_channels=shape.v_head_dim, rotary_base=shape.rope_theta,
-        rope_type="yarn" if yarn else "rope", mscale_all_dim=yarn.get("mscale_all_dim", 0.0),
+        rope_type="yarn" if yarn else "rope", mscale_all_dim=0.0,
     )
     if yarn:
-        settings.update(rotary_scaling_factor=yarn["factor"], mscale=yarn["mscale"],
-                        original_max_position_embeddings=int(yarn["original_max_position_embeddings"]),
-                        beta_fast=yarn["beta_fast"], beta_slow=yarn["beta_slow"])
+        # without mscale and mscale_all_dim transformers scales cos/sin by mscale(factor, 1), which is Megatron's
+        # ratio at mscale 1 and mscale_all_dim 0
+        settings.update(rotary_scaling_factor=yarn.factor, mscale=yarn.mscale or 1.0,
+                        mscale_all_dim=yarn.mscale_all_dim or 0.0,
+                        original_max_position_embeddings=yarn.original_max_position,
+                        beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow)
     return settings
 
 
@@ -153,63 +203,20 @@ def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: in
     `te_layers`: Transformer Engine's layer spec, else Megatron's local one; with `lora`, adapters on the targeted
     linears (megarl.engine.lora, local spec only)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
-                                                          get_gpt_layer_with_transformer_engine_spec)
     from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage
-
-    from megarl.engine.local_attention import rope_at_position_ids
-
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+    from megarl.engine.local_attention import rope_at_position_ids
+
     if te_layers:
-        from megatron.core.extensions.transformer_engine import TENorm
+        from megatron.core.extensions.transformer_engine import TENorm as final_norm
 
-        from megarl.engine.te_attention import SharedPromptTEAttention
-
-        def layer_spec(experts: int | None):
-            spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts,
-                                                              moe_grouped_gemm=config.moe_grouped_gemm,
-                                                              qk_layernorm=shape.qk_norm or shape.mla,
-                                                              multi_latent_attention=shape.mla)
-            # TE's core attention, which also takes shared-prompt rows (train.share_prompts)
-            spec.submodules.self_attention.submodules.core_attention = SharedPromptTEAttention
-            return spec
-        final_norm = TENorm
+        layer_spec = functools.partial(_te_layer_spec, shape, config)
     else:
-        from megatron.core.transformer.spec_utils import ModuleSpec
+        from megarl.engine.rms_norm import RMSNorm as final_norm
 
-        from megarl.engine.local_attention import PackedLocalAttention
-        from megarl.engine.rms_norm import RMSNorm
-
-        def layer_spec(experts: int | None):
-            layer = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
-                                             qk_layernorm=shape.qk_norm or shape.mla, normalization="RMSNorm",
-                                             multi_latent_attention=shape.mla)
-            attention = layer.submodules.self_attention.submodules
-            # The local core attention refuses packed sequences; this one masks them block-diagonally.
-            attention.core_attention = PackedLocalAttention
-            # Megatron's torch norm wrapper refuses sequence parallelism; megarl's RMSNorm takes it (and is the
-            # same function and parameter otherwise). The final norm is the block's, so the block is spelled out.
-            layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
-            if shape.mla:
-                from megatron.core.post_training.modelopt.layers import Linear
-
-                # The down-projections whole on every TP rank, as Transformer Engine's spec has them ("duplicated"),
-                # not column-split: split, Megatron gathers their output over TP, and the shared RoPE key's gradient
-                # then keeps only this rank's heads' share (measured: wrong updates at TP = 2). Whole, under
-                # sequence parallelism, the key is gathered over the sequence, whose backward sums every rank's
-                # share, and the weights' gradients are summed over TP (tagged sequence_parallel).
-                attention.linear_q_down_proj = attention.linear_kv_down_proj = Linear
-                # the query and key/value latents, split over the sequence like the hidden states they come from
-                attention.q_layernorm = attention.kv_layernorm = RMSNorm
-            elif shape.qk_norm:
-                attention.q_layernorm = attention.k_layernorm = ModuleSpec(module=RMSNorm,
-                                                                           params={"sequence_split": False})
-            if lora is not None:
-                adapters.adapt_layer_spec(layer, lora)
-            return layer
-        final_norm = RMSNorm
+        layer_spec = functools.partial(_local_layer_spec, shape, lora=lora)
     # one spec per layer of this chunk: MoE models may begin with dense layers (shape.dense_layers)
     first = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=groups.pp_rank)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=groups.pp_rank)
@@ -223,14 +230,81 @@ def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: in
         pre_process=groups.pp_rank == 0 and is_vp_first_stage(vp_stage, config.virtual_pipeline_model_parallel_size),
         post_process=groups.is_pp_last and is_vp_last_stage(vp_stage, config.virtual_pipeline_model_parallel_size),
         parallel_output=True, share_embeddings_and_output_weights=shape.tied_embeddings,
-        position_embedding_type="rope", rotary_base=int(shape.rope_theta), rotary_percent=shape.rotary_fraction,
+        position_embedding_type="yarn" if shape.yarn is not None and not shape.mla else "rope",
+        rotary_base=int(shape.rope_theta), rotary_percent=shape.rotary_fraction,
         rope_scaling=shape.llama3_rope_factor is not None,
         rope_scaling_factor=shape.llama3_rope_factor or 8.0, vp_stage=vp_stage,
     )
     rope_at_position_ids(model)  # shared-prompt rows (megarl.packing.shared_row)
+    if shape.attention_sinks:
+        split_sinks_over_tp(model)
     if on_gpu():
         model.cuda(current_device())
     return model
+
+
+def _te_layer_spec(shape: ModelShape, config, experts: int | None):
+    """Transformer Engine's layer spec, with `experts` routed experts (None: a dense MLP)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    from megarl.engine.te_attention import SharedPromptTEAttention
+
+    spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm,
+                                                      qk_layernorm=shape.qk_norm or shape.mla,
+                                                      multi_latent_attention=shape.mla)
+    # TE's core attention, which also takes shared-prompt rows (train.share_prompts)
+    spec.submodules.self_attention.submodules.core_attention = SharedPromptTEAttention
+    return spec
+
+
+def _local_layer_spec(shape: ModelShape, experts: int | None, *, lora: LoraConfig | None):
+    """Megatron's local layer spec, with `experts` routed experts (None: a dense MLP), as megarl runs it."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megarl.engine.local_attention import PackedLocalAttention
+    from megarl.engine.rms_norm import RMSNorm
+
+    layer = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+                                     qk_layernorm=shape.qk_norm or shape.mla, normalization="RMSNorm",
+                                     multi_latent_attention=shape.mla)
+    attention = layer.submodules.self_attention.submodules
+    # The local core attention refuses packed sequences; this one masks them block-diagonally.
+    attention.core_attention = PackedLocalAttention
+    # Megatron's torch norm wrapper refuses sequence parallelism; megarl's RMSNorm takes it (and is the
+    # same function and parameter otherwise). The final norm is the block's, so the block is spelled out.
+    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
+    if shape.mla:
+        from megatron.core.post_training.modelopt.layers import Linear
+
+        # The down-projections whole on every TP rank, as Transformer Engine's spec has them ("duplicated"), not
+        # column-split: split, Megatron gathers their output over TP, and the shared RoPE key's gradient then keeps
+        # only this rank's heads' share (measured: wrong updates at TP = 2). Whole, under sequence parallelism,
+        # the key is gathered over the sequence, whose backward sums every rank's share, and the weights'
+        # gradients are summed over TP (tagged sequence_parallel).
+        attention.linear_q_down_proj = attention.linear_kv_down_proj = Linear
+        # the query and key/value latents, split over the sequence like the hidden states they come from
+        attention.q_layernorm = attention.kv_layernorm = RMSNorm
+    elif shape.qk_norm:
+        attention.q_layernorm = attention.k_layernorm = ModuleSpec(module=RMSNorm, params={"sequence_split": False})
+    if shape.linear_bias and experts:
+        from megarl.engine.local_experts import ExpertBiasRowParallelLinear
+
+        layer.submodules.mlp.submodules.experts.submodules.linear_fc2 = ExpertBiasRowParallelLinear
+    if lora is not None:
+        adapters.adapt_layer_spec(layer, lora)
+    return layer
+
+
+def split_sinks_over_tp(model) -> None:
+    """Tag the attention sinks (the core attention's `softmax_offset`, one per head of this rank) as split over
+    the tensor-parallel ranks on dim 0, as Megatron's checkpoint sharding of them says: the weight gathers and the
+    gradient norm read the tag, which Megatron's core attention does not set."""
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+    for name, param in model.named_parameters():
+        if name.endswith("core_attention.softmax_offset") and not hasattr(param, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
 
 
 def global_name(local_name: str, layer_offset: int) -> str:

@@ -8,6 +8,10 @@ Mixture-of-experts routing, as transformers computes it: router logits -> softma
 with `norm_topk` (Mixtral always, Qwen MoE when `norm_topk_prob`) the k probabilities are renormalized to sum
 to 1, which equals a softmax over the k selected logits. Qwen2-MoE adds a shared expert whose output is
 scaled by sigmoid(shared_expert_gate(x)).
+
+gpt-oss: a router with a bias that softmaxes its top-k logits (`norm_topk`), experts with biases and a clamped
+SwiGLU, biases on every attention projection, a learnable per-head sink logit in each attention softmax's
+denominator, sliding-window attention in the layers `layer_types` names, and YaRN rotary embeddings.
 """
 
 from __future__ import annotations
@@ -18,10 +22,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DENSE_ARCHS = ("qwen2", "llama", "mistral", "qwen3")
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss")
 # Routed by sigmoid scores with a load-balancing bias on the choice, in groups, after dense first layers.
 SIGMOID_MOE_ARCHS = ("glm4_moe", "deepseek_v3")
 SUPPORTED_ARCHS = DENSE_ARCHS + MOE_ARCHS
+
+
+@dataclass(frozen=True)
+class YarnRope:
+    """YaRN rotary frequencies (rope type "yarn", https://arxiv.org/abs/2309.00071) as transformers computes them:
+    frequencies interpolated by `factor` below the `beta_slow`..`beta_fast` rotation band and kept above it, and
+    cos and sin scaled by 0.1 ln(factor) + 1 (or the mscale / mscale_all_dim ratio when both are given)."""
+
+    factor: float
+    original_max_position: int      # `original_max_position_embeddings`
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True           # the correction band's bounds rounded to whole dimensions
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
 
 @dataclass(frozen=True)
@@ -57,8 +76,6 @@ class ModelShape:
     dense_layers: int = 0     # the first layers have a dense MLP of width `ffn` (`first_k_dense_replace`)
     rotary_fraction: float = 1.0  # RoPE on the first fraction of each head's dims (`partial_rotary_factor`)
     rope_interleaved: bool = False  # RoPE rotates pairs (2i, 2i+1), not (i, i + d/2) (DeepSeek's `rope_interleave`)
-    yarn: tuple[tuple[str, float], ...] = ()  # YaRN RoPE scaling: (factor, original_max_position, beta_fast,
-    #                                           beta_slow, mscale, mscale_all_dim) by name; () = none
     # Multi-latent attention (DeepSeek-V3): queries through a rank-`q_lora_rank` bottleneck (0: one projection),
     # keys and values through a shared `kv_lora_rank` latent; each head's query/key is `qk_nope_dim` dims without
     # RoPE then `qk_rope_dim` with it (the key's RoPE part shared by all heads), its value `v_head_dim` wide.
@@ -67,6 +84,12 @@ class ModelShape:
     qk_nope_dim: int = 0
     qk_rope_dim: int = 0
     v_head_dim: int = 0
+    linear_bias: bool = False  # biases on the attention output, the router and the experts (gpt-oss)
+    attention_sinks: bool = False  # a learnable per-head logit in the softmax denominator (gpt-oss `sinks`)
+    local_window: int | None = None  # tokens a query of a `window_layers` layer sees, itself included
+    window_layers: tuple[bool, ...] = ()  # per layer: attends within `local_window` (gpt-oss `layer_types`)
+    swiglu_limit: float | None = None  # clamped SwiGLU (gpt-oss): gate <= limit, |up| <= limit, (up + 1) * act
+    yarn: YarnRope | None = None  # YaRN rotary embeddings (gpt-oss, DeepSeek-V3)
 
     @property
     def is_moe(self) -> bool:
@@ -115,6 +138,8 @@ def _parse_shape(path: Path, resolved: Path, mtime_ns: int, size: int) -> ModelS
     rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     llama3_factor = rope.get("factor") if rope_type == "llama3" else None
+    if arch == "gpt_oss":
+        return _gpt_oss_shape(cfg, path, rope)
     if rope_type not in ("default", "llama3", None) and not (rope_type == "yarn" and arch == "deepseek_v3"):
         raise ValueError(f"{path}: rope type {rope_type!r} is not supported (default, llama3; yarn for deepseek_v3)")
     # Mistral and Mixtral apply `sliding_window` whenever it is set; Qwen models only with use_sliding_window.
@@ -150,7 +175,7 @@ def _moe_fields(cfg: dict, path: Path) -> dict:
     arch = cfg["model_type"]
     if arch in SIGMOID_MOE_ARCHS:
         return _sigmoid_moe_fields(cfg, path)
-    if arch == "mixtral":
+    if arch in ("mixtral", "gpt_oss"):
         # Mixtral experts are as wide as `intermediate_size` and always renormalize the top-k weights.
         return dict(experts=cfg["num_local_experts"], topk=cfg["num_experts_per_tok"], moe_ffn=cfg["intermediate_size"],
                     norm_topk=True, aux_loss_coeff=float(cfg.get("router_aux_loss_coef", 0.0)))
@@ -198,9 +223,6 @@ def _sigmoid_moe_fields(cfg: dict, path: Path) -> dict:
                 aux_loss_coeff=0.0)
 
 
-_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
-
-
 def _mla_fields(cfg: dict, rope: dict, path: Path) -> dict:
     """DeepSeek-V3's multi-latent attention and its (optionally YaRN-scaled, interleaved) RoPE."""
     if cfg.get("attention_bias"):
@@ -209,14 +231,76 @@ def _mla_fields(cfg: dict, rope: dict, path: Path) -> dict:
     if not cfg.get("rope_interleave", True):
         raise ValueError(f"{path}: rope_interleave false is not supported: Megatron's multi-latent attention rotates "
                          "interleaved pairs of the RoPE dims")
-    yarn = ()
-    if rope.get("rope_type", rope.get("type")) == "yarn":
-        defaults = dict(beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.0)
-        yarn = tuple((k, float(rope[k] if k in rope else defaults[k])) for k in _YARN_KEYS)
+    yarn = _yarn_rope(rope, path)
+    if yarn is not None and (not yarn.truncate or bool(rope.get("mscale")) != bool(rope.get("mscale_all_dim"))):
+        # transformers scales the softmax by mscale_all_dim alone and cos/sin by both; Megatron's MLA by both
+        raise ValueError(f"{path}: rope_parameters truncate false, or only one of mscale and mscale_all_dim, is not "
+                         "supported for deepseek_v3 (Megatron's multi-latent attention rounds the YaRN band and "
+                         "reads the two together)")
     return dict(q_lora_rank=cfg.get("q_lora_rank") or 0, kv_lora_rank=cfg["kv_lora_rank"],
                 qk_nope_dim=cfg["qk_nope_head_dim"], qk_rope_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"],
                 head_dim=cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], kv_heads=cfg["num_attention_heads"],
                 rope_interleaved=True, yarn=yarn)
+
+
+# What gpt-oss's clamped SwiGLU gates with: Megatron's quick_gelu, x * sigmoid(1.702 x).
+_QUICK_GELU_ALPHA = 1.702
+
+
+def _gpt_oss_shape(cfg: dict, path: Path, rope: dict) -> ModelShape:
+    """gpt-oss (transformers' GptOssForCausalLM); what megarl cannot compute exactly is refused by its key."""
+    quant = cfg.get("quantization_config") or {}
+    if quant:
+        raise ValueError(f"{path}: quantization_config.quant_method {quant.get('quant_method')!r}: quantized "
+                         "weights are not supported; dequantize the checkpoint to bf16 first (transformers' "
+                         "Mxfp4Config(dequantize=True), then save_pretrained)")
+    if not cfg.get("attention_bias", True):
+        raise ValueError(f"{path}: attention_bias false is not supported for gpt_oss (Megatron gives the attention "
+                         "output a bias with the router's and the experts')")
+    if cfg.get("swiglu_alpha", _QUICK_GELU_ALPHA) != _QUICK_GELU_ALPHA:
+        raise ValueError(f"{path}: swiglu_alpha {cfg['swiglu_alpha']} is not supported (only {_QUICK_GELU_ALPHA}, "
+                         "Megatron's quick_gelu)")
+    if cfg.get("attention_dropout", 0.0):
+        raise ValueError(f"{path}: attention_dropout {cfg['attention_dropout']} is not supported (only 0)")
+    layers = cfg["num_hidden_layers"]
+    kinds = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if len(kinds) != layers or set(kinds) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"{path}: layer_types {kinds} must name sliding_attention or full_attention for each of "
+                         f"the {layers} layers")
+    window = cfg.get("sliding_window")
+    windowed = tuple(kind == "sliding_attention" for kind in kinds) if window else ()
+    heads = cfg["num_attention_heads"]
+    return ModelShape(
+        arch="gpt_oss", vocab_size=cfg["vocab_size"], hidden=cfg["hidden_size"], layers=layers, heads=heads,
+        kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        ffn=cfg["intermediate_size"], norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 150000.0))),
+        max_position=cfg.get("max_position_embeddings", 131072),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=True, qk_norm=False,
+        linear_bias=True, attention_sinks=True, local_window=window if any(windowed) else None,
+        window_layers=windowed if any(windowed) else (), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        yarn=_yarn_rope(rope, path), **_moe_fields(cfg, path),
+    )
+
+
+def _yarn_rope(rope: dict, path: Path) -> YarnRope | None:
+    """The YaRN parameters of config.json's `rope_parameters` (or `rope_scaling`); None for plain RoPE."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in ("default", None):
+        return None
+    if kind != "yarn":
+        raise ValueError(f"{path}: rope_parameters.rope_type {kind!r} is not supported (default, yarn)")
+    if rope.get("attention_factor") is not None:
+        raise ValueError(f"{path}: rope_parameters.attention_factor is not supported (Megatron derives the YaRN "
+                         "attention factor from factor, mscale and mscale_all_dim)")
+    if rope.get("factor") is None or rope.get("original_max_position_embeddings") is None:
+        raise ValueError(f"{path}: rope_parameters of rope_type yarn need factor and original_max_position_embeddings")
+    both = rope.get("mscale") and rope.get("mscale_all_dim")  # transformers uses them only together
+    return YarnRope(factor=float(rope["factor"]), original_max_position=int(rope["original_max_position_embeddings"]),
+                    beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
+                    truncate=bool(rope.get("truncate", True)),
+                    mscale=float(rope["mscale"]) if both else None,
+                    mscale_all_dim=float(rope["mscale_all_dim"]) if both else None)
 
 
 def padded_vocab_size(vocab_size: int, *, tp: int, multiple: int = 128) -> int:

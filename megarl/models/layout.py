@@ -2,7 +2,8 @@
 
 Megatron fuses q, k and v into one `linear_qkv` weight grouped per query group: for each of the
 `groups` KV heads, its `heads/groups` query heads, then its key head, then its value head. `linear_fc1`
-of a gated MLP is [gate; up]. Under tensor parallelism every rank holds a contiguous run of whole query
+of a gated MLP is [gate; up]. gpt-oss's HF experts are input-major (x @ W) and interleave gate and up
+columns: gate_up_proj[e] is [h, 2*ffn] with gate at the even and up at the odd columns. Under tensor parallelism every rank holds a contiguous run of whole query
 groups of linear_qkv, but [gate_r; up_r] of linear_fc1: the two halves are split separately.
 """
 
@@ -39,6 +40,28 @@ def split_gate_up(fc1: Tensor) -> tuple[Tensor, Tensor]:
     """Inverse of `join_gate_up`."""
     gate, up = fc1.chunk(2, dim=0)
     return gate, up
+
+
+def interleaved_to_fc1(gate_up: Tensor) -> Tensor:
+    """One gpt-oss expert's gate_up_proj [h, 2*ffn] (gate, up alternating) or its bias [2*ffn] -> linear_fc1's
+    weight [2*ffn, h] ([gate; up]) or bias [2*ffn]."""
+    return torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], dim=-1).t().contiguous()
+
+
+def fc1_to_interleaved(fc1: Tensor) -> Tensor:
+    """Inverse of `interleaved_to_fc1`."""
+    gate, up = fc1.t().chunk(2, dim=-1)
+    return torch.stack([gate, up], dim=-1).flatten(-2)
+
+
+def down_to_fc2(down: Tensor) -> Tensor:
+    """One gpt-oss expert's down_proj [ffn, h] -> linear_fc2's weight [h, ffn]."""
+    return down.t().contiguous()
+
+
+def fc2_to_down(fc2: Tensor) -> Tensor:
+    """Inverse of `down_to_fc2`."""
+    return fc2.t().contiguous()
 
 
 def shard(full: Tensor, *, dim: int | None, rank: int, size: int, gate_up: bool = False) -> Tensor:

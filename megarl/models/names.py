@@ -12,6 +12,10 @@ under both specs (the router and the experts both read its output).
 Experts: the local spec's SequentialMLP holds one MLP per local expert
 (`mlp.experts.local_experts.{e}.linear_fc1.weight`); Transformer Engine's TEGroupedMLP holds one grouped
 linear layer whose per-expert weights are `mlp.experts.linear_fc1.weight{e}`.
+
+gpt-oss stores each layer's experts stacked in one HF tensor ([experts, ...]): its rules name that tensor (no
+`{e}`) with a `stacked_*` fuse, and a Megatron expert is the tensor's row at its global index, in the layout
+`fuse` names (megarl.models.layout). Megatron holds the attention sinks as the core attention's `softmax_offset`.
 """
 
 from __future__ import annotations
@@ -26,8 +30,14 @@ from megarl.models.arch import ModelShape
 class Rule:
     megatron: str                  # Megatron parameter name, `{}` = global layer index
     hf: tuple[str, ...]            # HF name(s); several = the parts of a fused tensor, in join order
-    fuse: str | None = None        # None, "qkv" or "gate_up"
+    fuse: str | None = None        # None, "qkv", "gate_up" or one of STACKED
     moe: bool | None = None        # the layers it names: None every layer, True MoE layers, False dense layers
+
+
+# Fuses of an HF tensor that stacks every expert of a layer: its row for one expert is, in Megatron's layout,
+# linear_fc1 ("stacked_gate_up": gate and up interleaved, input-major), linear_fc2 ("stacked_down": input-major)
+# or the tensor as is ("stacked": a bias).
+STACKED = ("stacked_gate_up", "stacked_down", "stacked")
 
 
 # HF names of one expert's gate, up and down projections, relative to the MoE block.
@@ -66,6 +76,10 @@ def _layer_rules(shape: ModelShape, *, te_spec: bool) -> list[Rule]:
     if shape.qk_norm:
         rules.append(Rule(f"{attn}.q_layernorm.weight", (f"{hf_attn}.q_norm.weight",)))
         rules.append(Rule(f"{attn}.k_layernorm.weight", (f"{hf_attn}.k_norm.weight",)))
+    if shape.linear_bias:
+        rules.append(Rule(f"{attn}.linear_proj.bias", (f"{hf_attn}.o_proj.bias",)))
+    if shape.attention_sinks:
+        rules.append(Rule(f"{attn}.core_attention.softmax_offset", (f"{hf_attn}.sinks",)))
     return rules
 
 
@@ -95,6 +109,8 @@ def _mla_rules(shape: ModelShape, *, te_spec: bool) -> list[Rule]:
 def _moe_rules(shape: ModelShape, *, te_spec: bool) -> list[Rule]:
     mlp = "decoder.layers.{}.mlp"
     hf_block = "model.layers.{}." + _HF_MOE_BLOCK.get(shape.arch, "mlp")
+    if shape.arch == "gpt_oss":
+        return _stacked_expert_rules(te_spec=te_spec)
     gate, up, down = _HF_EXPERT.get(shape.arch, ("gate_proj", "up_proj", "down_proj"))
     fc1, fc2 = (f"{mlp}.experts.linear_fc1.weight{{e}}", f"{mlp}.experts.linear_fc2.weight{{e}}") if te_spec \
         else (f"{mlp}.experts.local_experts.{{e}}.linear_fc1.weight", f"{mlp}.experts.local_experts.{{e}}.linear_fc2.weight")
@@ -117,6 +133,21 @@ def _moe_rules(shape: ModelShape, *, te_spec: bool) -> list[Rule]:
         # a float32 buffer, not a parameter: the routing bias that the policy loss never trains
         rules.append(Rule(f"{mlp}.router.expert_bias", (f"{hf_block}.gate.e_score_correction_bias",)))
     return rules
+
+
+def _stacked_expert_rules(*, te_spec: bool) -> list[Rule]:
+    """gpt-oss's router (with a bias) and its experts, stacked per layer in HF tensors, with their biases."""
+    mlp, hf_mlp = "decoder.layers.{}.mlp", "model.layers.{}.mlp"
+    expert = (lambda linear, kind: f"{mlp}.experts.{linear}.{kind}{{e}}") if te_spec \
+        else (lambda linear, kind: f"{mlp}.experts.local_experts.{{e}}.{linear}.{kind}")
+    return [
+        Rule(f"{mlp}.router.weight", (f"{hf_mlp}.router.weight",)),
+        Rule(f"{mlp}.router.bias", (f"{hf_mlp}.router.bias",)),
+        Rule(expert("linear_fc1", "weight"), (f"{hf_mlp}.experts.gate_up_proj",), "stacked_gate_up"),
+        Rule(expert("linear_fc1", "bias"), (f"{hf_mlp}.experts.gate_up_proj_bias",), "stacked_gate_up"),
+        Rule(expert("linear_fc2", "weight"), (f"{hf_mlp}.experts.down_proj",), "stacked_down"),
+        Rule(expert("linear_fc2", "bias"), (f"{hf_mlp}.experts.down_proj_bias",), "stacked"),
+    ]
 
 
 def name_rules(shape: ModelShape, *, te_spec: bool = False) -> list[Rule]:

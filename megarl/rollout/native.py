@@ -56,6 +56,12 @@ def _slots_of(name: str, param: Tensor) -> set[tuple[str, int | None, int | None
     return {(name, None, None)}
 
 
+def _routing_biases(model) -> dict[str, Tensor]:
+    """The routers' load-balancing biases (GLM-4.5, DeepSeek-V3 `e_score_correction_bias`): buffers in
+    transformers, weights to a push."""
+    return {name: buffer for name, buffer in model.named_buffers() if name.endswith(".e_score_correction_bias")}
+
+
 class RouteRecorder:
     """The experts every MoE layer of a transformers model routes each fed-in token to, during one `generate`.
 
@@ -130,11 +136,9 @@ class NativeEngine:
         self.device = torch.device(device) if device else current_device()
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(self.device).eval()
-        # the routers' load-balancing bias (GLM-4.5, DeepSeek-V3) is a buffer in transformers, a weight to a push
-        self._params = dict(self.model.named_parameters()) | {
-            name: buffer for name, buffer in self.model.named_buffers() if name.endswith(".e_score_correction_bias")}
         with torch.no_grad():
-            for param in self._params.values():  # a tied weight is one Parameter: it stays tied
+            # a tied weight is one Parameter: it stays tied
+            for param in [*self.model.parameters(), *_routing_biases(self.model).values()]:
                 if not param.untyped_storage().resizable():  # mapped from the checkpoint's file on a CPU
                     param.data = param.data.clone()  # memory of its own, which release_memory can free
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -150,6 +154,7 @@ class NativeEngine:
         # covers the model (routes are recorded by hooks on transformers' own forward)
         self._fused = FusedWeights(self.model) if lean_decode and not capture_routes and fusable(self.model) else None
         self.lean_decode = self._fused is not None
+        self._params = dict(self.model.named_parameters()) | _routing_biases(self.model)
         self._base: dict[str, Tensor] = {}  # the adapted modules' own weights (update_adapter)
         self.keeps_weights = keep_weights
         # Every distinct storage of the weights (the fused matrices hold the projections' rows), with its size:
@@ -296,7 +301,8 @@ class NativeEngine:
                 if target.shape != tensor.shape:
                     raise ValueError(f"{name}: pushed shape {tuple(tensor.shape)} != {tuple(target.shape)}")
                 target.copy_(tensor.to(target.device, target.dtype))
-                missing.discard(slot)
+                # a whole stacked expert tensor (gpt-oss's checkpoint names it so) fills every expert's slot
+                missing -= _slots_of(param_name, target) if expert is None else {slot}
         if missing:
             raise ValueError(f"weight push of version {version} missed parameters: {sorted({m[0] for m in missing})[:5]}")
         self.weight_version = version
