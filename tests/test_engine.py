@@ -75,7 +75,7 @@ def engine_weights(engine) -> dict[str, torch.Tensor]:
     return {name: t.detach().cpu().clone() for name, t in engine.hf_tensors()}
 
 
-ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3")
 
 
 @pytest.fixture(params=ARCHS)

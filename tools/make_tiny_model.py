@@ -4,7 +4,8 @@
                                     [--hidden 64 --layers 2 --heads 4 --kv-heads 2 --ffn 128]
                                     [--experts 4 --topk 2 --moe-ffn 32 --shared-ffn 48]
 
-ARCH is one of qwen2, llama, qwen3, mistral (dense) or mixtral, qwen2_moe, qwen3_moe (mixture of experts).
+ARCH is one of qwen2, llama, qwen3, mistral, gemma3 (dense) or mixtral, qwen2_moe, qwen3_moe (mixture of
+experts).
 
 The directory holds config.json, model.safetensors, generation_config.json and tokenizer files that
 `transformers.AutoModelForCausalLM` and `AutoTokenizer` load with no network access. The tokenizer is
@@ -21,6 +22,10 @@ layer. qwen3 adds per-head q/k RMSNorm; mistral is llama-shaped with a sliding w
 tiny sequence. The MoE models route each token to --topk of --experts experts: mixtral renormalizes the
 top-k router probabilities (expert width --ffn), qwen2_moe does not and adds a sigmoid-gated shared
 expert (--shared-ffn) and qkv bias, qwen3_moe renormalizes and has q/k norm (expert width --moe-ffn).
+gemma3 is Gemma 3's text model (model_type gemma3_text): layers alternate local attention over a window of 8
+tokens (shorter than the test sequences) and global attention with linear RoPE scaling, the attention scale is
+set by a query_pre_attn_scalar other than the head dim, and the final logits are softcapped at 2 (small enough
+to change a tiny model's logits measurably).
 """
 
 from __future__ import annotations
@@ -89,7 +94,7 @@ def build_tokenizer(*, tool_chat: bool = False):
     return tok
 
 
-ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3")
 
 
 def build_config(arch: str, *, vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int,
@@ -135,6 +140,16 @@ def build_config(arch: str, *, vocab_size: int, hidden: int, layers: int, heads:
                                   num_experts=experts, num_experts_per_tok=topk, moe_intermediate_size=moe_ffn,
                                   norm_topk_prob=True, decoder_sparse_step=1, router_aux_loss_coef=0.001,
                                   **common)
+        case "gemma3":
+            from transformers import Gemma3TextConfig
+
+            common.pop("rope_theta")
+            rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0}}
+            return Gemma3TextConfig(tie_word_embeddings=True, head_dim=hidden // heads, query_pre_attn_scalar=24,
+                                    sliding_window=8, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+                                    + ["sliding_attention"] * (layers % 2), rope_parameters=rope,
+                                    final_logit_softcapping=2.0, hidden_activation="gelu_pytorch_tanh", **common)
     raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
 
 

@@ -44,14 +44,18 @@ from megarl.engine.context_parallel import all_gather_keys_values, cp_positions
 from megarl.packing import SharedKeys
 
 
-def block_causal_mask(cu_seqlens: Tensor, total: int, *, device, prefix_of: Tensor | None = None) -> Tensor:
+def block_causal_mask(cu_seqlens: Tensor, total: int, *, device, prefix_of: Tensor | None = None,
+                      window: int | None = None) -> Tensor:
     """[1, 1, t, t] bool, True where attention is masked: across segments, or to a later position. With
     `prefix_of` [segments] (a shared-prompt row, megarl.packing.shared_row), a segment's tokens also see every
-    token of segment prefix_of[s] (its group's prompt, earlier in the row; -1: none)."""
+    token of segment prefix_of[s] (its group's prompt, earlier in the row; -1: none). With `window`, also to a
+    position more than `window` tokens back (a sliding-window layer's left window)."""
     bounds = cu_seqlens.to(device=device, dtype=torch.long)
     segment = torch.bucketize(torch.arange(total, device=device), bounds[1:], right=True)  # [t]
     pos = torch.arange(total, device=device)
     allowed = (segment[:, None] == segment[None, :]) & (pos[None, :] <= pos[:, None])
+    if window is not None:
+        allowed &= pos[:, None] - pos[None, :] <= window
     if prefix_of is not None:
         allowed |= prefix_of.to(device)[segment][:, None] == segment[None, :]
     return ~allowed[None, None]
@@ -121,6 +125,14 @@ def rotate_shared_row(query: Tensor, key: Tensor, params: SharedPromptParams, co
         t.unsqueeze(1), params.freqs, rotary_interleaved=config.rotary_interleaved,
         multi_latent_attention=config.multi_latent_attention).squeeze(1)
     return rotate(query), rotate(key)
+
+
+def sliding_window_mask(length: int, window: int, *, device) -> Tensor:
+    """[length, length] bool, True where a query may not attend: to a later position, or to one more than
+    `window` positions back (Megatron's window_size (window, 0))."""
+    pos = torch.arange(length, device=device)
+    offset = pos[:, None] - pos[None, :]
+    return (offset < 0) | (offset > window)
 
 
 def segment_bounds(packed_seq_params) -> Tensor:
@@ -198,12 +210,19 @@ class PackedLocalAttention(DotProductAttention):
         layer_scaling = self.layer_number if self.config.apply_query_key_layer_scaling else 1
         self.fused_scale = self.softmax_scale * layer_scaling
         self.fused = self.config.softmax_type == "vanilla" and self.attention_dropout.p == 0.0
+        # A sliding-window layer (config.window_size on the layers window_attn_skip_freq picks): Megatron's
+        # softmax would replace any mask it is given by the window's, packed segments lost; this class puts
+        # the window into every mask it builds instead. `window`: how many earlier positions a query sees.
+        self.window = self.scale_mask_softmax.window_size[0] if self.scale_mask_softmax.window_size else None
+        self.scale_mask_softmax.window_size = None
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor, masked: Tensor | None, *, attn_mask_type=None,
                attention_bias=None) -> Tensor:
         """Attention of query [sq, b, heads, dim] over key and value [sk, b, groups, dim] -> [sq, b, heads * dim],
         under `masked` (bool, broadcastable to [b, heads, sq, sk], True where masked) or, when it is None, the
-        causal mask of the layer."""
+        causal mask of the layer (with its sliding window, if any)."""
+        if masked is None and self.window is not None:
+            masked = sliding_window_mask(query.shape[0], self.window, device=query.device)
         if not self.fused or attention_bias is not None or (masked is None and self.attn_mask_type != AttnMaskType.causal):
             return super().forward(query, key, value, masked, attn_mask_type=attn_mask_type,
                                    attention_bias=attention_bias)
@@ -238,7 +257,10 @@ class PackedLocalAttention(DotProductAttention):
             key, value, key_pos = all_gather_keys_values(key, value, group=self.cp_group)
             cp = self.cp_group.size()
             query_pos = cp_positions(query.shape[0] * cp, cp=cp, rank=self.cp_group.rank(), device=query.device)
-            mask = (key_pos[None, :] > query_pos[:, None])[None, None]  # [1, 1, s, cp * s]
+            mask = key_pos[None, :] > query_pos[:, None]  # [s, cp * s]
+            if self.window is not None:
+                mask |= query_pos[:, None] - key_pos[None, :] > self.window
+            mask = mask[None, None]  # [1, 1, s, cp * s]
             return self.attend(query, key, value, mask, attn_mask_type=attn_mask_type, attention_bias=attention_bias)
         if packed_seq_params is None:
             return self.attend(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
@@ -248,6 +270,9 @@ class PackedLocalAttention(DotProductAttention):
         total = query.shape[0]
         bounds = segment_bounds(packed_seq_params).to(query.device)
         prefix_of = getattr(packed_seq_params, "prefix_of", None)
+        if prefix_of is not None and self.window is not None:
+            raise ValueError("a shared-prompt row (train.share_prompts) cannot go through a sliding-window layer: its "
+                             "own tokens' distance to their prompt is not their distance in the row")
         if prefix_of is not None:  # a shared-prompt row
             query, key = rotate_shared_row(query, key, packed_seq_params, self.config)
             prefix_of = prefix_of.to(query.device)
@@ -263,7 +288,7 @@ class PackedLocalAttention(DotProductAttention):
             # [t, heads, dim] -> [n, L, heads, dim] -> attention as [L, n, ...] -> the valid [t, 1, heads * dim]
             out = self.attend(*(t[index].transpose(0, 1) for t in (query, key, value)), None)
             return out.transpose(0, 1)[valid].unsqueeze(1)
-        mask = block_causal_mask(bounds, total, device=query.device)
+        mask = block_causal_mask(bounds, total, device=query.device, window=self.window)
         # [t, heads, dim] -> [t, 1, heads, dim]: one row of t tokens; the result is [t, 1, heads * dim]
         return self.attend(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask,
                            attn_mask_type=attn_mask_type, attention_bias=attention_bias)

@@ -61,6 +61,10 @@ def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megat
     if shape.is_moe:
         kwargs.update(moe_settings(shape, te_layers=te))
     kwargs.update(fused_kernels(te=te) if on_gpu() else cpu_compat.TRANSFORMER_CONFIG)
+    if shape.post_norms:  # Gemma 3
+        from megarl.engine import gemma
+
+        kwargs.update(gemma.transformer_fields(shape))
     vpp = virtual_stage_count(megatron)
     if vpp > 1:
         # What Megatron's own training scripts pick for the interleaved schedule: separate isend/irecv calls,
@@ -136,7 +140,14 @@ def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: in
     from megarl.engine.local_attention import rope_at_position_ids
 
     experts = shape.experts or None
-    if te_layers:
+    if shape.post_norms:  # Gemma 3: its own layer, from Megatron's modules
+        from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+        from megarl.engine import gemma
+
+        spec = gemma.block_spec(te_layers=te_layers, lora=lora,
+                                layers=get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=groups.pp_rank))
+    elif te_layers:
         from megarl.engine.te_attention import SharedPromptTEAttention
 
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm,
@@ -175,8 +186,11 @@ def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: in
         position_embedding_type="rope", rotary_base=int(shape.rope_theta),
         rope_scaling=shape.llama3_rope_factor is not None,
         rope_scaling_factor=shape.llama3_rope_factor or 8.0, vp_stage=vp_stage,
+        seq_len_interpolation_factor=shape.rope_linear_factor,
     )
     rope_at_position_ids(model)  # shared-prompt rows (megarl.packing.shared_row)
+    if shape.post_norms:
+        gemma.adapt_model(model, shape)
     if on_gpu():
         model.cuda(current_device())
     return model

@@ -7,7 +7,8 @@ function that joins and splits it (megarl.models.layout). Norm weights are spelt
 Megatron layer specs: the local spec has separate `input_layernorm` and `pre_mlp_layernorm` modules, the
 Transformer Engine spec fuses them into the next linear layer as `layer_norm_weight`. Both spellings map to
 the same HF tensor, so the table works for either spec. MoE layers keep a separate `pre_mlp_layernorm`
-under both specs (the router and the experts both read its output).
+under both specs (the router and the experts both read its output). Gemma 3's norms on the attention and MLP
+outputs (`post_self_attn_layernorm`, `post_mlp_layernorm`, megarl.engine.gemma) are separate modules under both.
 
 Experts: the local spec's SequentialMLP holds one MLP per local expert
 (`mlp.experts.local_experts.{e}.linear_fc1.weight`); Transformer Engine's TEGroupedMLP holds one grouped
@@ -44,7 +45,7 @@ def _layer_rules(shape: ModelShape, *, te_spec: bool) -> list[Rule]:
         Rule(input_norm, (f"{hf_layer}.input_layernorm.weight",)),
         Rule(f"{attn}.linear_qkv.weight", tuple(f"{hf_attn}.{p}_proj.weight" for p in "qkv"), "qkv"),
         Rule(f"{attn}.linear_proj.weight", (f"{hf_attn}.o_proj.weight",)),
-        Rule(mlp_norm, (f"{hf_layer}.post_attention_layernorm.weight",)),
+        Rule(mlp_norm, (f"{hf_layer}.{'pre_feedforward' if shape.post_norms else 'post_attention'}_layernorm.weight",)),
     ]
     rules += _moe_rules(shape, te_spec=te_spec) if shape.is_moe else [
         Rule(f"{mlp}.linear_fc1.weight", (f"{hf_mlp}.gate_proj.weight", f"{hf_mlp}.up_proj.weight"), "gate_up"),
@@ -55,6 +56,10 @@ def _layer_rules(shape: ModelShape, *, te_spec: bool) -> list[Rule]:
     if shape.qk_norm:
         rules.append(Rule(f"{attn}.q_layernorm.weight", (f"{hf_attn}.q_norm.weight",)))
         rules.append(Rule(f"{attn}.k_layernorm.weight", (f"{hf_attn}.k_norm.weight",)))
+    if shape.post_norms:  # Gemma 3: HF's post_attention_layernorm is on the attention output, not before the MLP
+        rules.append(Rule("decoder.layers.{}.post_self_attn_layernorm.weight",
+                          (f"{hf_layer}.post_attention_layernorm.weight",)))
+        rules.append(Rule("decoder.layers.{}.post_mlp_layernorm.weight", (f"{hf_layer}.post_feedforward_layernorm.weight",)))
     return rules
 
 
