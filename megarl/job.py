@@ -132,6 +132,10 @@ class Job:
             if cfg.algo.router_replay != "none" and megatron.get("moe_router_fusion"):
                 raise RecipeError("algo.router_replay needs Megatron's unfused router: the fused top-k kernel "
                                   "(model.megatron.moe_router_fusion: true) has no replay hook")
+        if cfg.train.share_prompts and any(shape.window_layers):
+            raise RecipeError(f"train.share_prompts with a model whose local layers attend over a sliding window "
+                              f"({shape.arch}): a shared row puts a sample's tokens at other distances from its "
+                              "prompt than the sample alone has; turn train.share_prompts off")
         if cfg.train.share_prompts and shape.is_moe:
             refusal = shared_prompt_moe_refusal((moe_settings(shape, te_layers=self.te_layers) | megatron).get)
             if refusal:

@@ -18,7 +18,7 @@ from conftest import REPO, run_python
 
 pytestmark = pytest.mark.timeout(600)
 
-ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3")
 TOOL_TIMEOUT_S = 180
 
 

@@ -13,7 +13,7 @@ from megarl.models.arch import read_shape
 from megarl.models.layout import join_gate_up, join_qkv, shard, split_gate_up, split_qkv, unshard
 from megarl.models.names import NameTable, fill, name_rules
 
-ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3")
 
 
 def distinct(*shape: int, offset: float = 0.0) -> torch.Tensor:
