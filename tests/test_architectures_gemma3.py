@@ -220,18 +220,39 @@ def test_shared_prompts_are_refused_with_sliding_window_layers(gemma3_dir, tmp_p
         Job.of(cfg, world=1, ranks_per_node=1)
 
 
+# ---- the conversion tools -------------------------------------------------------------------------------------
+@pytest.mark.timeout(600)
+def test_converted_at_tp2_and_back_is_bit_exact_and_loads_in_transformers(gemma3_dir, tmp_path):
+    """tools/convert_hf_to_megatron.py at TP=2 (the one-rank round trip is test_convert.py's), then
+    tools/convert_megatron_to_hf.py: every tensor back bit for bit, and transformers computes the same logits
+    from the export as from the original, exactly."""
+    from test_convert import assert_bit_exact, to_hf, to_megatron
+    from transformers import AutoModelForCausalLM
+
+    result = to_megatron(gemma3_dir, tmp_path / "megatron", nproc=2, tp=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = to_hf(tmp_path / "megatron", tmp_path / "hf")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_bit_exact(tmp_path / "hf", gemma3_dir)
+    tokens = fixed_tokens(batch=2, seq_len=20)
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)(tokens).logits
+    assert torch.equal(got, hf_logits(gemma3_dir, tokens))
+
+
 # ---- a short GRPO run --------------------------------------------------------------------------------------
 @pytest.mark.timeout(900)
 def test_two_grpo_steps_of_the_quickstart_score_push_and_export_a_gemma3_model(gemma3_dir, arithmetic_dir, tmp_path):
-    """recipes/quickstart.yaml on the tiny Gemma 3 (no warm start: a random model earns reward 0, which is still
-    computed): each step's rewards are scored, the native engine generates with the pushed weights (its
-    logprobs are the trainer's), and the HF export holds every tensor of the checkpoint, trained, and loads in
-    transformers as Gemma3ForCausalLM."""
+    """recipes/quickstart.yaml on the tiny Gemma 3, its supervised warm start cut to 20 steps (which trains the
+    weights: a model this far from the answers may still earn reward 0, which leaves GRPO's update at zero):
+    each step's rewards are scored, the native engine generates with the pushed weights (its logprobs are the
+    trainer's), and the HF export holds every tensor of the checkpoint, trained, and loads in transformers as
+    Gemma3ForCausalLM."""
     model = tmp_path / "model"
     shutil.copytree(gemma3_dir, model)
     run_dir = tmp_path / "run"
     proc = run_python(["-m", "megarl", "train", str(REPO / "recipes" / "quickstart.yaml"), f"run_dir={run_dir}",
-                       f"model.path={model}", "warmup.sft_steps=0", f"data.train_path={arithmetic_dir / 'train.jsonl'}",
+                       f"model.path={model}", "warmup.sft_steps=20", f"data.train_path={arithmetic_dir / 'train.jsonl'}",
                        "data.eval_path=null", "data.prompts_per_step=16", "train.micro_batch_size=16",
                        "train.steps=2", "log.progress=false"], timeout_s=800)
     assert proc.returncode == 0, proc.stderr[-4000:]
