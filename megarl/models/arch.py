@@ -17,9 +17,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-DENSE_ARCHS = ("qwen2", "llama", "mistral", "qwen3", "gemma3_text")
+DENSE_ARCHS = ("qwen2", "llama", "mistral", "qwen3")
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 SUPPORTED_ARCHS = DENSE_ARCHS + MOE_ARCHS
+SUPPORTED_ARCHS += ("gemma3_text",)  # Gemma 3's text model: its own shape reader and layer (megarl.engine.gemma)
 
 
 @dataclass(frozen=True)
@@ -87,10 +88,10 @@ def _parse_shape(path: Path, resolved: Path, mtime_ns: int, size: int) -> ModelS
     if arch == "gemma3":
         raise ValueError(f"{path}: model_type 'gemma3' is Gemma 3 with its vision tower (Gemma3ForConditionalGeneration), "
                          "which is not supported; the text model alone (model_type 'gemma3_text', Gemma3ForCausalLM) is")
-    if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"{path}: model_type {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
     if arch == "gemma3_text":
         return _gemma3_shape(cfg, path)
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"{path}: model_type {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
     heads = cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
