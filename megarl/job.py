@@ -136,9 +136,10 @@ class Job:
             raise RecipeError(f"parallel.tp = {cfg.parallel.tp} with a {shape.arch} model: Megatron takes biased "
                               "experts at expert tensor-parallel size 1 only, and megarl splits experts over the "
                               "TP ranks; split the experts with parallel.ep instead")
-        if cfg.train.share_prompts and shape.local_window is not None:
-            raise RecipeError(f"train.share_prompts with a {shape.arch} model: its sliding-window layers count "
-                              "positions in the row, which a shared-prompt row does not keep")
+        if cfg.train.share_prompts and any(shape.window_layers):
+            raise RecipeError(f"train.share_prompts with a model whose local layers attend over a sliding window "
+                              f"({shape.arch}): a shared row puts a sample's tokens at other distances from its "
+                              "prompt than the sample alone has; turn train.share_prompts off")
         if cfg.train.share_prompts and shape.is_moe:
             refusal = shared_prompt_moe_refusal((moe_settings(shape, te_layers=self.te_layers) | megatron).get)
             if refusal:

@@ -19,7 +19,7 @@ from conftest import REPO, run_python
 pytestmark = pytest.mark.timeout(600)
 
 ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3",
-         "gpt_oss")
+         "gpt_oss", "gemma3")
 TOOL_TIMEOUT_S = 180
 
 

@@ -79,6 +79,9 @@ ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_mo
          "gpt_oss")
 
 
+ARCHS += ("gemma3",)  # Gemma 3's text model; its own checks: tests/test_architectures_gemma3.py
+
+
 @pytest.fixture(params=ARCHS)
 def model_dir(request, arch_dir):
     return arch_dir(request.param)

@@ -28,7 +28,8 @@ def module_names() -> list[str]:
 # Modules that subclass Megatron's classes; only the functions that build a Megatron model import them
 # (te_attention, Megatron's Transformer Engine layer: only where TE is installed, tools/check_gpu_imports.py).
 MEGATRON_EXTENSIONS = ("megarl.engine.local_attention", "megarl.engine.lazy_checkpoint",
-                       "megarl.engine.lora_layers", "megarl.engine.te_attention", "megarl.engine.local_experts")
+                       "megarl.engine.lora_layers", "megarl.engine.te_attention", "megarl.engine.local_experts",
+                       "megarl.engine.gemma")
 # `python -m megarl` runs the command line when imported
 LIGHT_MODULES = tuple(m for m in module_names() if m not in MEGATRON_EXTENSIONS and m != "megarl.__main__")
 

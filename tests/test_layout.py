@@ -13,7 +13,8 @@ from megarl.models.arch import read_shape
 from megarl.models.layout import join_gate_up, join_qkv, shard, split_gate_up, split_qkv, unshard
 from megarl.models.names import NameTable, fill, name_rules
 
-ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3")
+ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3",
+         "gpt_oss", "gemma3")
 
 
 def distinct(*shape: int, offset: float = 0.0) -> torch.Tensor:
@@ -111,8 +112,8 @@ def test_rules_cover_every_hf_tensor_exactly_once(model_dir, te_spec):
             if "{}" in rule.megatron else [None]
         experts = range(shape.experts) if "{e}" in rule.megatron else [None]
         for layer in layers:
-            for expert in experts:
-                covered.update(fill(n, layer=layer, expert=expert) for n in rule.hf)
+            # a stacked HF tensor (gpt-oss's experts) is one name for every expert of its layer
+            covered.update({fill(n, layer=layer, expert=expert) for expert in experts for n in rule.hf})
     checkpoint = set(load_file(str(model_dir / "model.safetensors")))
     assert set(covered) == checkpoint
     assert all(count == 1 for count in covered.values()), [n for n, c in covered.items() if c > 1]

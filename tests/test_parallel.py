@@ -34,7 +34,7 @@ def layout(*, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, extra: tuple[s
 # resumes from.
 CASES = {
     **{f"single-{arch}": (arch, 1, ()) for arch in ("qwen2", "llama", "qwen3", "qwen2_moe", "mixtral", "glm4_moe",
-                                                     "deepseek_v3")},
+                                                     "deepseek_v3", "gemma3")},
     "single-qwen2_4layers": ("qwen2_4layers", 1, ("--save", "{runs}/ckpt_single")),
     "qwen2-tp2": ("qwen2", 2, layout(tp=2, extra=("--share-prompts",))),
     "qwen2-pp2": ("qwen2", 2, layout(pp=2)),  # 4 micro-batches through the 1F1B schedule
@@ -86,6 +86,11 @@ CASES = {
     "gpt_oss-pp2": ("gpt_oss", 2, layout(pp=2)),
     "gpt_oss-ep2": ("gpt_oss", 2, layout(ep=2)),
     "gpt_oss-ep2-packed": ("gpt_oss", 2, layout(ep=2, extra=("--micro-batch-tokens", "24"))),
+    # Gemma 3: a local (sliding-window of 8, sequences of 12) layer then a global one, post-attention and post-MLP
+    # norms; PP=2 puts one kind on each stage
+    "gemma3-tp2": ("gemma3", 2, layout(tp=2)),
+    "gemma3-pp2": ("gemma3", 2, layout(pp=2)),
+    "gemma3-tp2sp-packed": ("gemma3", 2, layout(tp=2, extra=("--sequence-parallel", "--micro-batch-tokens", "24"))),
 }
 
 
@@ -134,7 +139,7 @@ def runs(arch_dir, qwen2_4_layers, tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["qwen2-tp2", "qwen2-pp2", "qwen2-dp2", "qwen2-tp2pp2", "qwen2-dp2tp2", "llama-tp2",
                                   "llama-pp2", "qwen2_moe-ep2", "mixtral-ep2pp2", "glm4_moe-ep2pp2",
-                                  "deepseek_v3-pp2", "gpt_oss-pp2", "gpt_oss-ep2"])
+                                  "deepseek_v3-pp2", "gpt_oss-pp2", "gpt_oss-ep2", "gemma3-tp2", "gemma3-pp2"])
 def test_layout_matches_single_rank(name, runs):
     assert_same_numbers(runs(name), runs(f"single-{CASES[name][0]}"))
 
@@ -146,7 +151,7 @@ def test_layout_matches_single_rank(name, runs):
 # under TP only with sequence parallelism: EP2 x TP2 gathers each TP rank's routed tokens, as many as its
 # router chose, inside the expert layer.
 @pytest.mark.parametrize("name", ["qwen3-tp2sp-packed", "qwen2_moe-ep2tp2sp", "deepseek_v3-tp2sp-packed",
-                                  "glm4_moe-tp2sp"])
+                                  "glm4_moe-tp2sp", "gemma3-tp2sp-packed"])
 def test_sequence_parallel_matches_single_rank(name, runs):
     from megarl.packing import count_bins, plan_micro_batches
 

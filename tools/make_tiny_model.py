@@ -25,6 +25,10 @@ expert (--shared-ffn) and qkv bias, qwen3_moe renormalizes and has q/k norm (exp
 glm4_moe and deepseek_v3 route by sigmoid scores with a random load-balancing bias, in 2 groups of experts
 (top-1 group), scale the routed weights by 2.5, add one shared expert of width --moe-ffn and keep layer 0
 dense; glm4_moe has partial RoPE, qkv bias and q/k norm, deepseek_v3 multi-latent attention with YaRN RoPE.
+gemma3 is Gemma 3's text model (model_type gemma3_text): layers alternate local attention over a window of 8
+tokens (shorter than the test sequences) and global attention with linear RoPE scaling, the attention scale is
+set by a query_pre_attn_scalar other than the head dim, and the final logits are softcapped at 2 (small enough
+to change a tiny model's logits measurably).
 """
 
 from __future__ import annotations
@@ -177,7 +181,20 @@ def build_config(arch: str, *, vocab_size: int, hidden: int, layers: int, heads:
                 num_local_experts=experts, num_experts_per_tok=topk, sliding_window=8,
                 layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
                 rope_parameters=rope, swiglu_limit=0.1, router_aux_loss_coef=0.0, attention_bias=True))
+        case "gemma3":
+            from transformers import Gemma3TextConfig
+
+            common.pop("rope_theta")
+            rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0}}
+            return Gemma3TextConfig(tie_word_embeddings=True, head_dim=hidden // heads, query_pre_attn_scalar=24,
+                                    sliding_window=8, layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+                                    + ["sliding_attention"] * (layers % 2), rope_parameters=rope,
+                                    final_logit_softcapping=2.0, hidden_activation="gelu_pytorch_tanh", **common)
     raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+
+
+ARCHS += ("gemma3",)  # Gemma 3's text model (the docstring's last paragraph)
 
 
 def make_tiny_model(out: str | Path, *, arch: str = "qwen2", seed: int = 0, hidden: int = 64, layers: int = 2,

@@ -69,6 +69,10 @@ def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megat
         kwargs["apply_rope_fusion"] = False  # TE's fused RoPE refuses YaRN's cos/sin scale (rope_utils)
     if on_gpu() and te and shape.linear_bias and shape.is_moe:
         kwargs["bias_dropout_fusion"] = False  # TEGroupedMLP refuses it with expert biases
+    if shape.post_norms:  # Gemma 3
+        from megarl.engine import gemma
+
+        kwargs.update(gemma.transformer_fields(shape))
     vpp = virtual_stage_count(megatron)
     if vpp > 1:
         # What Megatron's own training scripts pick for the interleaved schedule: separate isend/irecv calls,
@@ -204,25 +208,17 @@ def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: in
     linears (megarl.engine.lora, local spec only)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
     from megarl.engine.local_attention import rope_at_position_ids
 
-    if te_layers:
-        from megatron.core.extensions.transformer_engine import TENorm as final_norm
+    if shape.post_norms:  # Gemma 3: its own layer, from Megatron's modules
+        from megarl.engine import gemma
 
-        layer_spec = functools.partial(_te_layer_spec, shape, config)
+        spec = gemma.block_spec(te_layers=te_layers, lora=lora,
+                                layers=get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=groups.pp_rank))
     else:
-        from megarl.engine.rms_norm import RMSNorm as final_norm
-
-        layer_spec = functools.partial(_local_layer_spec, shape, lora=lora)
-    # one spec per layer of this chunk: MoE models may begin with dense layers (shape.dense_layers)
-    first = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=groups.pp_rank)
-    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=groups.pp_rank)
-    kinds = [shape.experts if shape.is_moe_layer(first + i) else None for i in range(count)]
-    specs = {experts: layer_spec(experts) for experts in set(kinds)}
-    spec = TransformerBlockSubmodules(layer_specs=[specs[experts] for experts in kinds], layer_norm=final_norm)
+        spec = _block_spec(shape, config, groups=groups, vp_stage=vp_stage, lora=lora, te_layers=te_layers)
     model = GPTModel(
         config=config, transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(shape.vocab_size, tp=groups.tp_size),
@@ -234,13 +230,38 @@ def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: in
         rotary_base=int(shape.rope_theta), rotary_percent=shape.rotary_fraction,
         rope_scaling=shape.llama3_rope_factor is not None,
         rope_scaling_factor=shape.llama3_rope_factor or 8.0, vp_stage=vp_stage,
+        seq_len_interpolation_factor=shape.rope_linear_factor,
     )
     rope_at_position_ids(model)  # shared-prompt rows (megarl.packing.shared_row)
     if shape.attention_sinks:
         split_sinks_over_tp(model)
+    if shape.post_norms:
+        gemma.adapt_model(model, shape)
     if on_gpu():
         model.cuda(current_device())
     return model
+
+
+def _block_spec(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: int | None,
+                lora: LoraConfig | None, te_layers: bool):
+    """The layers of this chunk and the final norm: one spec per layer, MoE models' dense first layers
+    (shape.dense_layers) with a dense MLP."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if te_layers:
+        from megatron.core.extensions.transformer_engine import TENorm as final_norm
+
+        layer_spec = functools.partial(_te_layer_spec, shape, config)
+    else:
+        from megarl.engine.rms_norm import RMSNorm as final_norm
+
+        layer_spec = functools.partial(_local_layer_spec, shape, lora=lora)
+    first = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=groups.pp_rank)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=groups.pp_rank)
+    kinds = [shape.experts if shape.is_moe_layer(first + i) else None for i in range(count)]
+    specs = {experts: layer_spec(experts) for experts in set(kinds)}
+    return TransformerBlockSubmodules(layer_specs=[specs[experts] for experts in kinds], layer_norm=final_norm)
 
 
 def _te_layer_spec(shape: ModelShape, config, experts: int | None):

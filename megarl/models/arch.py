@@ -26,6 +26,7 @@ MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "gp
 # Routed by sigmoid scores with a load-balancing bias on the choice, in groups, after dense first layers.
 SIGMOID_MOE_ARCHS = ("glm4_moe", "deepseek_v3")
 SUPPORTED_ARCHS = DENSE_ARCHS + MOE_ARCHS
+SUPPORTED_ARCHS += ("gemma3_text",)  # Gemma 3's text model: its own shape reader and layer (megarl.engine.gemma)
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,15 @@ class ModelShape:
     window_layers: tuple[bool, ...] = ()  # per layer: attends within `local_window` (gpt-oss `layer_types`)
     swiglu_limit: float | None = None  # clamped SwiGLU (gpt-oss): gate <= limit, |up| <= limit, (up + 1) * act
     yarn: YarnRope | None = None  # YaRN rotary embeddings (gpt-oss, DeepSeek-V3)
+    # Gemma 3 (megarl.engine.gemma); the defaults are every other architecture's
+    activation: str = "silu"  # gated MLP activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, tanh approximation)
+    zero_centered_norms: bool = False  # every RMSNorm scales by (1 + weight), the weight stored as HF stores it
+    post_norms: bool = False  # attention and MLP outputs are normed before their residual add
+    scaled_embeddings: bool = False  # embeddings multiplied by sqrt(hidden), in the embedding dtype
+    attention_scale: float | None = None  # softmax scale of q k^T; None = head_dim ** -0.5
+    local_rope_theta: float | None = None  # RoPE base of the local layers (rope_theta: the global ones')
+    rope_linear_factor: float | None = None  # global layers' linear RoPE scaling: positions divided by it
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
 
     @property
     def is_moe(self) -> bool:
@@ -131,6 +141,11 @@ def _parse_shape(path: Path, resolved: Path, mtime_ns: int, size: int) -> ModelS
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON: {e}") from None
     arch = cfg.get("model_type")
+    if arch == "gemma3":
+        raise ValueError(f"{path}: model_type 'gemma3' is Gemma 3 with its vision tower (Gemma3ForConditionalGeneration), "
+                         "which is not supported; the text model alone (model_type 'gemma3_text', Gemma3ForCausalLM) is")
+    if arch == "gemma3_text":
+        return _gemma3_shape(cfg, path)
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"{path}: model_type {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
     heads = cfg["num_attention_heads"]
@@ -301,6 +316,70 @@ def _yarn_rope(rope: dict, path: Path) -> YarnRope | None:
                     truncate=bool(rope.get("truncate", True)),
                     mscale=float(rope["mscale"]) if both else None,
                     mscale_all_dim=float(rope["mscale_all_dim"]) if both else None)
+
+
+GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _gemma3_shape(cfg: dict, path: Path) -> ModelShape:
+    """Gemma 3's text model (transformers' Gemma3TextConfig): GeGLU, (1 + w) RMSNorms around attention and MLP,
+    q/k norms, scaled embeddings, and local (sliding-window) layers between global ones, each kind with its own
+    RoPE. Options megarl's Megatron model does not compute are refused by key."""
+    heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    refused = {"attn_logit_softcapping": "attention logit softcapping (Megatron's attention has none)",
+               "use_bidirectional_attention": "bidirectional attention", "attention_bias": "attention biases"}
+    for key, what in refused.items():
+        if cfg.get(key):
+            raise ValueError(f"{path}: {key} = {cfg[key]!r}: {what} is not supported")
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ValueError(f"{path}: hidden_activation {cfg['hidden_activation']!r} is not supported (gelu_pytorch_tanh)")
+    # transformers 5 writes `layer_types` and `rope_parameters` per layer type; older configs have
+    # sliding_window_pattern (every n-th layer global), rope_theta, rope_local_base_freq and rope_scaling.
+    pattern = cfg.get("sliding_window_pattern", 6)
+    kinds = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                       for i in range(layers)]
+    if len(kinds) != layers or any(kind not in GEMMA3_LAYER_TYPES for kind in kinds):
+        raise ValueError(f"{path}: layer_types must give each of the {layers} layers one of "
+                         f"{', '.join(GEMMA3_LAYER_TYPES)}; got {kinds}")
+    rope = cfg.get("rope_parameters") or {}
+    full = rope.get("full_attention") or {"rope_theta": cfg.get("rope_theta", 1_000_000.0),
+                                          **(cfg.get("rope_scaling") or {})}
+    local = rope.get("sliding_attention") or {"rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
+    for kind, params, allowed in (("full_attention", full, ("default", "linear")), ("sliding_attention", local, ("default",))):
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in allowed:
+            raise ValueError(f"{path}: rope_parameters.{kind}.rope_type {rope_type!r} is not supported "
+                             f"({', '.join(allowed)})")
+    linear = full.get("rope_type", full.get("type")) == "linear"
+    window = cfg.get("sliding_window") or 0
+    if "sliding_attention" in kinds and window < 1:
+        raise ValueError(f"{path}: sliding_window {cfg.get('sliding_window')!r}: local layers need a window of >= 1 token")
+    return ModelShape(
+        arch="gemma3_text",
+        vocab_size=cfg["vocab_size"],
+        hidden=cfg["hidden_size"],
+        layers=layers,
+        heads=heads,
+        kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        ffn=cfg["intermediate_size"],
+        norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(full.get("rope_theta", 1_000_000.0)),
+        max_position=cfg.get("max_position_embeddings", 131_072),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        qkv_bias=False,
+        qk_norm=True,
+        activation="gelu_tanh",
+        zero_centered_norms=True,
+        post_norms=True,
+        scaled_embeddings=True,
+        attention_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+        window_layers=tuple(kind == "sliding_attention" for kind in kinds) if "sliding_attention" in kinds else (),
+        local_window=window if "sliding_attention" in kinds else None,
+        local_rope_theta=float(local.get("rope_theta", 10_000.0)),
+        rope_linear_factor=float(full["factor"]) if linear else None,
+        final_logit_softcap=cfg.get("final_logit_softcapping") or None,
+    )
 
 
 def padded_vocab_size(vocab_size: int, *, tp: int, multiple: int = 128) -> int:

@@ -7,7 +7,8 @@ function that joins and splits it (megarl.models.layout). Norm weights are spelt
 Megatron layer specs: the local spec has separate `input_layernorm` and `pre_mlp_layernorm` modules, the
 Transformer Engine spec fuses them into the next linear layer as `layer_norm_weight`. Both spellings map to
 the same HF tensor, so the table works for either spec. MoE layers keep a separate `pre_mlp_layernorm`
-under both specs (the router and the experts both read its output).
+under both specs (the router and the experts both read its output). Gemma 3's norms on the attention and MLP
+outputs (`post_self_attn_layernorm`, `post_mlp_layernorm`, megarl.engine.gemma) are separate modules under both.
 
 Experts: the local spec's SequentialMLP holds one MLP per local expert
 (`mlp.experts.local_experts.{e}.linear_fc1.weight`); Transformer Engine's TEGroupedMLP holds one grouped
@@ -59,7 +60,9 @@ def _layer_rules(shape: ModelShape, *, te_spec: bool) -> list[Rule]:
         Rule(f"{mlp}.linear_fc1.weight", (f"{hf_mlp}.gate_proj.weight", f"{hf_mlp}.up_proj.weight"), "gate_up"),
         Rule(f"{mlp}.linear_fc2.weight", (f"{hf_mlp}.down_proj.weight",)),
     ]
-    moe_norm = Rule("decoder.layers.{}.pre_mlp_layernorm.weight", (f"{hf_layer}.post_attention_layernorm.weight",))
+    # the norm before the MLP; Gemma 3's post_attention_layernorm is on the attention output instead (post_norms)
+    before_mlp = "pre_feedforward" if shape.post_norms else "post_attention"
+    moe_norm = Rule("decoder.layers.{}.pre_mlp_layernorm.weight", (f"{hf_layer}.{before_mlp}_layernorm.weight",))
     dense_norm = Rule(f"{mlp}.linear_fc1.layer_norm_weight" if te_spec else moe_norm.megatron, moe_norm.hf)
     if not shape.is_moe:
         rules += [dense_norm, *dense_mlp]
@@ -80,6 +83,10 @@ def _layer_rules(shape: ModelShape, *, te_spec: bool) -> list[Rule]:
         rules.append(Rule(f"{attn}.linear_proj.bias", (f"{hf_attn}.o_proj.bias",)))
     if shape.attention_sinks:
         rules.append(Rule(f"{attn}.core_attention.softmax_offset", (f"{hf_attn}.sinks",)))
+    if shape.post_norms:  # Gemma 3: HF's post_attention_layernorm is on the attention output, not before the MLP
+        rules.append(Rule("decoder.layers.{}.post_self_attn_layernorm.weight",
+                          (f"{hf_layer}.post_attention_layernorm.weight",)))
+        rules.append(Rule("decoder.layers.{}.post_mlp_layernorm.weight", (f"{hf_layer}.post_feedforward_layernorm.weight",)))
     return rules
 
 

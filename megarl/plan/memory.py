@@ -122,6 +122,7 @@ def stage_params(shape: ModelShape, *, tp: int, pp: int, ep: int, stage: int,
     if shape.qkv_bias:
         attention += (shape.heads + 2 * shape.kv_heads) * d // tp
     norms = 2 * h + (2 * d if shape.qk_norm else 0)  # input and pre-MLP norms (+ q and k norms)
+    norms += 2 * h if shape.post_norms else 0  # Gemma 3's norms on the attention and MLP outputs
     dense_layer, expert_layer = attention + norms, 0
     if shape.experts:
         dense_layer += shape.experts * h  # router, replicated over TP
