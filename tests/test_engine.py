@@ -76,10 +76,9 @@ def engine_weights(engine) -> dict[str, torch.Tensor]:
 
 
 ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3",
-         "gpt_oss")
+         "gpt_oss", "gemma3")
 
 
-ARCHS += ("gemma3",)  # Gemma 3's text model; its own checks: tests/test_architectures_gemma3.py
 
 
 @pytest.fixture(params=ARCHS)

@@ -4,8 +4,8 @@
                                     [--hidden 64 --layers 2 --heads 4 --kv-heads 2 --ffn 128]
                                     [--experts 4 --topk 2 --moe-ffn 32 --shared-ffn 48]
 
-ARCH is one of qwen2, llama, qwen3, mistral (dense) or mixtral, qwen2_moe, qwen3_moe, glm4_moe, deepseek_v3
-(mixture of experts).
+ARCH is one of qwen2, llama, qwen3, mistral, gemma3 (dense) or mixtral, qwen2_moe, qwen3_moe, glm4_moe,
+deepseek_v3, gpt_oss (mixture of experts).
 
 The directory holds config.json, model.safetensors, generation_config.json and tokenizer files that
 `transformers.AutoModelForCausalLM` and `AutoTokenizer` load with no network access. The tokenizer is
@@ -25,6 +25,8 @@ expert (--shared-ffn) and qkv bias, qwen3_moe renormalizes and has q/k norm (exp
 glm4_moe and deepseek_v3 route by sigmoid scores with a random load-balancing bias, in 2 groups of experts
 (top-1 group), scale the routed weights by 2.5, add one shared expert of width --moe-ffn and keep layer 0
 dense; glm4_moe has partial RoPE, qkv bias and q/k norm, deepseek_v3 multi-latent attention with YaRN RoPE.
+gpt_oss has attention sinks, a sliding window of 8 tokens on every other layer, biases everywhere, YaRN RoPE and
+a SwiGLU clamp (0.1) the tiny activations reach.
 gemma3 is Gemma 3's text model (model_type gemma3_text): layers alternate local attention over a window of 8
 tokens (shorter than the test sequences) and global attention with linear RoPE scaling, the attention scale is
 set by a query_pre_attn_scalar other than the head dim, and the final logits are softcapped at 2 (small enough
@@ -98,7 +100,7 @@ def build_tokenizer(*, tool_chat: bool = False):
 
 
 ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3",
-         "gpt_oss")
+         "gpt_oss", "gemma3")
 # Sigmoid-routed in 2 groups of experts, top-1 group: 8 experts make 4 a group, so the group choice and the top-2
 # inside it both matter.
 GROUPED_ARCHS = ("glm4_moe", "deepseek_v3")
@@ -192,9 +194,6 @@ def build_config(arch: str, *, vocab_size: int, hidden: int, layers: int, heads:
                                     + ["sliding_attention"] * (layers % 2), rope_parameters=rope,
                                     final_logit_softcapping=2.0, hidden_activation="gelu_pytorch_tanh", **common)
     raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
-
-
-ARCHS += ("gemma3",)  # Gemma 3's text model (the docstring's last paragraph)
 
 
 def make_tiny_model(out: str | Path, *, arch: str = "qwen2", seed: int = 0, hidden: int = 64, layers: int = 2,

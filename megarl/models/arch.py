@@ -21,12 +21,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-DENSE_ARCHS = ("qwen2", "llama", "mistral", "qwen3")
+DENSE_ARCHS = ("qwen2", "llama", "mistral", "qwen3", "gemma3_text")
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss")
+SUPPORTED_ARCHS = DENSE_ARCHS + MOE_ARCHS
 # Routed by sigmoid scores with a load-balancing bias on the choice, in groups, after dense first layers.
 SIGMOID_MOE_ARCHS = ("glm4_moe", "deepseek_v3")
-SUPPORTED_ARCHS = DENSE_ARCHS + MOE_ARCHS
-SUPPORTED_ARCHS += ("gemma3_text",)  # Gemma 3's text model: its own shape reader and layer (megarl.engine.gemma)
 
 
 @dataclass(frozen=True)
