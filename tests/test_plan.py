@@ -190,6 +190,42 @@ def test_shipped_configs_have_the_published_parameter_counts(model, total, activ
         assert abs(counts.dense + counts.expert * shape.topk // shape.experts - active) < 0.01e9
 
 
+@pytest.mark.parametrize("model,total,active", [
+    # The model cards' rounded figures: DeepSeek-V3 671B in the main model (its 14B MTP module excluded, as megarl
+    # excludes it), 37B active; gpt-oss-120b 116.83B, 5.13B active without its 0.58B embedding table; Kimi-K2 32B
+    # activated. Totals within 0.5%, actives within 5% (the cards round to whole billions and do not say which
+    # embeddings they count; GLM-4.5's card counts its MTP layer, which megarl drops, so it is not compared).
+    ("deepseek-v3", 671e9, 37e9),
+    ("gpt-oss-120b", 116.83e9, 5.13e9 + 201088 * 2880),
+    ("kimi-k2", None, 32e9),
+])
+def test_frontier_configs_have_the_published_sizes(model, total, active):
+    """Multi-latent attention, dense first layers, shared experts, biases and sinks counted as the models have
+    them: the plan's parameter count is the published size."""
+    from megarl.plan import read_model, stage_params
+
+    shape = read_model(CONFIGS / model / "config.json")
+    counts = stage_params(shape, tp=1, pp=1, ep=1, stage=0, padded_vocab=shape.vocab_size)
+    if total is not None:
+        assert abs(counts.total - total) <= 0.005 * total
+    assert abs(counts.dense + counts.expert * shape.topk // shape.experts - active) <= 0.05 * active
+
+
+def test_plan_counts_every_tensor_of_every_architecture(arch_dir):
+    """The parameters the plan counts are the checkpoint's, tensor by tensor, for every architecture."""
+    from safetensors.torch import load_file
+
+    from megarl.models.arch import read_shape
+    from megarl.plan import stage_params
+
+    for arch in ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3",
+                 "gpt_oss", "gemma3"):
+        shape = read_shape(arch_dir(arch))
+        tensors = load_file(str(arch_dir(arch) / "model.safetensors"))
+        counted = stage_params(shape, tp=1, pp=1, ep=1, stage=0, padded_vocab=shape.vocab_size).total
+        assert counted == sum(t.numel() for t in tensors.values()), arch
+
+
 def test_plan_imports_no_torch_megatron_or_sglang():
     code = ("import sys, megarl.cli, megarl.plan\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'sglang')))")

@@ -140,6 +140,13 @@ def _parse_shape(path: Path, resolved: Path, mtime_ns: int, size: int) -> ModelS
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON: {e}") from None
     arch = cfg.get("model_type")
+    quant = cfg.get("quantization_config") or {}
+    if quant:
+        # megarl trains, pushes and exports bf16/fp32 tensors; a quantized checkpoint's weights are other tensors
+        raise ValueError(f"{path}: quantization_config.quant_method {quant.get('quant_method')!r}: quantized "
+                         "weights are not supported; dequantize the checkpoint to bf16 first (gpt-oss's MXFP4: "
+                         "transformers' Mxfp4Config(dequantize=True), then save_pretrained; DeepSeek-V3's fp8 blocks: "
+                         "its weights times their scale_inv, saved in bf16) and drop quantization_config")
     if arch == "gemma3":
         raise ValueError(f"{path}: model_type 'gemma3' is Gemma 3 with its vision tower (Gemma3ForConditionalGeneration), "
                          "which is not supported; the text model alone (model_type 'gemma3_text', Gemma3ForCausalLM) is")
@@ -263,11 +270,6 @@ _QUICK_GELU_ALPHA = 1.702
 
 def _gpt_oss_shape(cfg: dict, path: Path, rope: dict) -> ModelShape:
     """gpt-oss (transformers' GptOssForCausalLM); what megarl cannot compute exactly is refused by its key."""
-    quant = cfg.get("quantization_config") or {}
-    if quant:
-        raise ValueError(f"{path}: quantization_config.quant_method {quant.get('quant_method')!r}: quantized "
-                         "weights are not supported; dequantize the checkpoint to bf16 first (transformers' "
-                         "Mxfp4Config(dequantize=True), then save_pretrained)")
     if not cfg.get("attention_bias", True):
         raise ValueError(f"{path}: attention_bias false is not supported for gpt_oss (Megatron gives the attention "
                          "output a bias with the router's and the experts')")

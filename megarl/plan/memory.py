@@ -116,23 +116,21 @@ def stage_params(shape: ModelShape, *, tp: int, pp: int, ep: int, stage: int,
 
     `value_head` is megarl's critic: untied, a [1, h] head in place of the output layer.
     `padded_vocab` defaults to Megatron's padding for `tp`."""
-    h, d = shape.hidden, shape.head_dim
+    h = shape.hidden
     vocab = padded_vocab if padded_vocab is not None else padded_vocab_size(shape.vocab_size, tp=tp)
-    attention = h * (shape.heads + 2 * shape.kv_heads) * d // tp + shape.heads * d * h // tp
-    if shape.qkv_bias:
-        attention += (shape.heads + 2 * shape.kv_heads) * d // tp
-    norms = 2 * h + (2 * d if shape.qk_norm else 0)  # input and pre-MLP norms (+ q and k norms)
-    norms += 2 * h if shape.post_norms else 0  # Gemma 3's norms on the attention and MLP outputs
-    dense_layer, expert_layer = attention + norms, 0
-    if shape.experts:
-        dense_layer += shape.experts * h  # router, replicated over TP
-        expert_layer = shape.experts // ep * 3 * h * shape.moe_ffn // tp
-        if shape.shared_ffn:
-            dense_layer += 3 * h * shape.shared_ffn // tp + h  # shared expert and its gate
-    else:
-        dense_layer += 3 * h * shape.ffn // tp  # gate and up fused, then down
-    layers = shape.layers // pp
-    dense, expert = layers * dense_layer, layers * expert_layer
+    norms = 2 * h + (2 * h if shape.post_norms else 0)  # input and pre-MLP norms (+ Gemma 3's output norms)
+    common = _attention_params(shape, tp=tp) + norms
+    # a MoE layer: router (replicated over TP, with its bias or expert bias), shared expert, this rank's experts
+    moe_dense = shape.experts * h + (shape.experts if shape.linear_bias or shape.expert_bias else 0)
+    if shape.shared_ffn:
+        moe_dense += 3 * h * shape.shared_ffn // tp + (h if shape.shared_gate else 0)
+    per_expert = 3 * h * shape.moe_ffn // tp + ((2 * shape.moe_ffn // tp + h) if shape.linear_bias else 0)
+    dense = expert = 0
+    for layer in range(stage * shape.layers // pp, (stage + 1) * shape.layers // pp):
+        if shape.is_moe_layer(layer):
+            dense, expert = dense + common + moe_dense, expert + shape.experts // ep * per_expert
+        else:
+            dense += common + 3 * h * shape.ffn // tp  # gate and up fused, then down
     first, last = stage == 0, stage == pp - 1
     tied = shape.tied_embeddings and not value_head
     if first:
@@ -145,6 +143,25 @@ def stage_params(shape: ModelShape, *, tp: int, pp: int, ep: int, stage: int,
             dense += vocab * h // tp
     return ParamCounts(dense=dense, expert=expert)
 
+
+def _attention_params(shape: ModelShape, *, tp: int) -> int:
+    """One layer's attention parameters on one TP rank. Multi-latent attention (DeepSeek-V3): the down-projections
+    and the latents' norms whole on every rank, the up-projections and the output split over TP."""
+    h, d, heads = shape.hidden, shape.head_dim, shape.heads
+    if shape.mla:
+        q_lora = shape.q_lora_rank
+        query = h * q_lora + q_lora + q_lora * heads * d // tp if q_lora else h * heads * d // tp
+        kv = (h * (shape.kv_lora_rank + shape.qk_rope_dim) + shape.kv_lora_rank
+              + shape.kv_lora_rank * heads * (shape.qk_nope_dim + shape.v_head_dim) // tp)
+        return query + kv + heads * shape.v_head_dim * h // tp
+    params = h * (heads + 2 * shape.kv_heads) * d // tp + heads * d * h // tp
+    if shape.qkv_bias:
+        params += (heads + 2 * shape.kv_heads) * d // tp
+    if shape.linear_bias:  # gpt-oss: the output projection's bias, replicated, and one sink per head
+        params += h
+    if shape.attention_sinks:
+        params += heads // tp
+    return params + (2 * d if shape.qk_norm else 0)
 
 
 @dataclass(frozen=True)
@@ -273,7 +290,11 @@ class Rollout:
 
 
 def kv_bytes_per_token(shape: ModelShape, *, dtype: str, tp: int = 1) -> int:
-    """Bytes of one token's keys and values on one GPU of a rollout engine of `tp` GPUs (the native engine: 1)."""
+    """Bytes of one token's keys and values on one GPU of a rollout engine of `tp` GPUs (the native engine: 1).
+    Multi-latent attention caches the compressed latent and the shared RoPE key per layer instead (SGLang's MLA
+    pool), whole on every TP rank."""
+    if shape.mla:
+        return shape.layers * (shape.kv_lora_rank + shape.qk_rope_dim) * DTYPE_BYTES[dtype]
     kv_heads = max(1, shape.kv_heads // tp)  # replicated when tp exceeds the KV heads
     return 2 * shape.layers * kv_heads * shape.head_dim * DTYPE_BYTES[dtype]
 
