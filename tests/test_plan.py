@@ -57,6 +57,7 @@ def test_every_issue_target_has_a_recipe():
     names = {p.stem for p in GPU_RECIPES}
     assert names == {"qwen2.5-7b-grpo-gsm8k", "llama-3.3-70b-grpo", "llama-3.3-70b-ppo", "qwen3-30b-a3b-dapo",
                      "qwen3-235b-a22b-grpo", "qwen2.5-7b-grpo-gsm8k-async",  # placement split
+                     "glm-4.5-grpo", "gpt-oss-120b-grpo",  # sigmoid-routed MoE; sinks and sliding windows
                      "llama-3.3-70b-lora-grpo",  # LoRA: the 70B on 2 nodes, adapters alone to SGLang
                      # a 7B-class recipe per policy-gradient algorithm (SFT and DPO: recipes/sft_7b.yaml, dpo_7b.yaml)
                      *(f"qwen2.5-7b-{a}-gsm8k" for a in ("ppo", "dr-grpo", "dapo", "gspo", "reinforce-pp", "rloo"))}
@@ -101,7 +102,8 @@ def test_docs_table_gives_the_planned_engines_and_kv_cache(capsys, monkeypatch):
     rows = re.findall(r"^\| `([\w.-]+)` \|.*\| (\d+) x (\d+) GPUs \| ([\d.]+) GiB \|$",
                       (REPO / "docs" / "parallelism.md").read_text(), flags=re.M)
     assert {name for name, *_ in rows} == {"qwen2.5-7b-grpo-gsm8k", "llama-3.3-70b-grpo", "llama-3.3-70b-ppo",
-                                           "llama-3.3-70b-lora-grpo", "qwen3-30b-a3b-dapo", "qwen3-235b-a22b-grpo"}
+                                           "llama-3.3-70b-lora-grpo", "qwen3-30b-a3b-dapo", "qwen3-235b-a22b-grpo",
+                                           "glm-4.5-grpo", "gpt-oss-120b-grpo"}
     for name, engines, gpus, kv_gib in rows:
         _, out, _ = megarl([*header_command(REPO / "recipes" / "gpu" / f"{name}.yaml"), "--json"], capsys)
         rollout = json.loads(out)["rollout"]
@@ -131,20 +133,30 @@ SGLANG_RECIPES = [p for p in (*GPU_RECIPES, *CHECKED_RECIPES) if "engine: sglang
 def hf_tensor_elements(shape) -> list[int]:
     """Elements of every HF tensor a weight push sends (tied embeddings once), layer by layer in the order
     megarl.engine.hf_weights gathers them."""
-    h, d = shape.hidden, shape.head_dim
+    h, d, e, f = shape.hidden, shape.head_dim, shape.experts, shape.moe_ffn
     out = [shape.vocab_size * h]
-    for _ in range(shape.layers):
-        out += [h, shape.heads * d * h, shape.kv_heads * d * h, shape.kv_heads * d * h]  # norm, q, k, v
-        if shape.qkv_bias:
-            out += [shape.heads * d, shape.kv_heads * d, shape.kv_heads * d]
-        out += [h * shape.heads * d, h] + ([d, d] if shape.qk_norm else [])  # o, post-attention norm, q/k norms
-        if shape.experts:
-            out += [shape.experts * h]  # router
-            out += [shape.moe_ffn * h] * 2 * shape.experts + [h * shape.moe_ffn] * shape.experts  # gate, up; down
-            if shape.shared_ffn:
-                out += [shape.shared_ffn * h] * 3 + [h]  # shared gate, up, down and its gate
+    for layer in range(shape.layers):
+        out += [h]  # input norm
+        if shape.mla:  # q down, its norm, q up; kv down, its norm, kv up; o
+            q_lora, kv_lora = shape.q_lora_rank, shape.kv_lora_rank
+            out += [q_lora * h, q_lora, shape.heads * d * q_lora, (kv_lora + shape.qk_rope_dim) * h, kv_lora,
+                    shape.heads * (shape.qk_nope_dim + shape.v_head_dim) * kv_lora, h * shape.heads * shape.v_head_dim]
         else:
+            out += [shape.heads * d * h, shape.kv_heads * d * h, shape.kv_heads * d * h]  # q, k, v
+            if shape.qkv_bias:
+                out += [shape.heads * d, shape.kv_heads * d, shape.kv_heads * d]
+            out += [h * shape.heads * d] + ([d, d] if shape.qk_norm else [])  # o, q/k norms
+            out += [h, shape.heads] if shape.attention_sinks else []  # o bias, sinks (gpt-oss)
+        out += [h]  # post-attention norm
+        if not shape.is_moe_layer(layer):
             out += [shape.ffn * h] * 3
+        elif shape.linear_bias:  # gpt-oss: router and its bias; each layer's experts stacked, with biases
+            out += [e * h, e, e * h * 2 * f, e * 2 * f, e * f * h, e * h]
+        else:
+            out += [e * h] + ([e] if shape.expert_bias else [])  # router (and its expert bias)
+            out += [f * h] * 2 * e + [h * f] * e  # gate, up; down
+            if shape.shared_ffn:  # shared gate, up, down (and its gate)
+                out += [shape.shared_ffn * h] * 3 + ([h] if shape.shared_gate else [])
     return out + [h] + ([] if shape.tied_embeddings else [shape.vocab_size * h])
 
 
