@@ -213,6 +213,9 @@ def make_tiny_model(out: str | Path, *, arch: str = "qwen2", seed: int = 0, hidd
                           kv_heads=kv_heads, ffn=ffn, experts=experts, topk=topk, moe_ffn=moe_ffn,
                           shared_ffn=shared_ffn)
     config.initializer_range = init_std
+    if arch == "deepseek_v3":
+        # keys DeepSeek-V3's own config.json has and SGLang's model reads, which transformers' config class drops
+        config.moe_layer_freq, config.topk_method, config.scoring_func = 1, "noaux_tc", "sigmoid"
     if tool_chat:
         config.eos_token_id = tok.eos_token_id  # generation ends with the assistant turn
     torch.manual_seed(seed)
