@@ -375,6 +375,22 @@ def test_the_engine_check_passes_on_the_installed_sglang(tmp_path):
     assert "generate failed after" in rows["timeout"]["detail"] and rows["timeout"]["elapsed_s"] >= 5.0, rows
 
 
+@pytest.mark.timeout(SGLANG_TIMEOUT_S)
+@pytest.mark.parametrize("arch", ["glm4_moe", "gemma3"])
+def test_the_engine_check_passes_for_the_new_architectures(arch, arch_dir, tmp_path):
+    """SGLang's CPU mode serves GLM-4.5 (sigmoid routing with the expert bias, shared experts, a dense first
+    layer, partial RoPE) and Gemma 3 (sliding windows, softcapping): a push of other weights loads, and the
+    engine's logprobs equal transformers' on them (1e-4, fp32), its routes cover every token fed in (GLM). (Its
+    DeepSeek-V3 differs from transformers before any push, and its gpt-oss needs a GPU attention backend.)"""
+    out = tmp_path / "report.json"
+    proc = run_python([str(REPO / "tools" / "check_engine.py"), "--model", str(arch_dir(arch)), "--json", str(out)],
+                      timeout_s=SGLANG_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["check"]: r for r in json.loads(out.read_text())}
+    assert rows["parity"]["max_diff"] <= 1e-4 and rows["push"]["status"] == "PASS", rows
+    assert rows["routes"]["status"] == ("PASS" if arch == "glm4_moe" else "SKIP"), rows
+
+
 # ---- GPU (tools/gpu_check.sh) --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gpu_result(tmp_path_factory):

@@ -141,11 +141,27 @@ def reference_logprobs(model, tokens, *, temperature: float):
     return torch.nn.functional.pad(lp, (1, 0))
 
 
+def pushed_reference(model_dir: Path, pushed: dict, *, dtype):
+    """transformers' model of `model_dir` holding the `pushed` tensors (checkpoint names), loaded from a copy of
+    the checkpoint with them as its weights: transformers maps checkpoint names to its modules as it loads (it
+    stacks MoE experts into one tensor per layer), so a state dict of checkpoint names would miss them."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for path in Path(model_dir).iterdir():  # config, tokenizer and generation files: all but the weights
+            if path.is_file() and path.suffix != ".safetensors" and not path.name.endswith(".safetensors.index.json"):
+                shutil.copy(path, tmp)
+        save_file({name: t.contiguous() for name, t in pushed.items()}, str(Path(tmp) / "model.safetensors"))
+        return AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).eval()
+
+
 def check_engine(model_dir: Path, *, dtype: str, timeout_s: float, report: Report) -> None:
     import psutil
     import torch
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     from megarl.batch import pack_sequences
     from megarl.device import on_gpu
@@ -159,8 +175,7 @@ def check_engine(model_dir: Path, *, dtype: str, timeout_s: float, report: Repor
     generator = torch.Generator().manual_seed(0)
     pushed = {name: (t.float() + NOISE * torch.randn(t.shape, generator=generator)).to(torch_dtype)
               for name, t in load_file(str(model_dir / "model.safetensors")).items()}
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
-    reference.load_state_dict(pushed, strict=False)  # tied embeddings: lm_head is embed_tokens
+    reference = pushed_reference(model_dir, pushed, dtype=torch_dtype)
     eos = int(reference.config.eos_token_id if isinstance(reference.config.eos_token_id, int)
               else reference.config.eos_token_id[0])
     sample = dict(temperature=0.7, top_p=1.0, max_new_tokens=8, eos_id=eos, pad_id=0)
