@@ -136,6 +136,11 @@ class Job:
             raise RecipeError(f"parallel.tp = {cfg.parallel.tp} with a {shape.arch} model: Megatron takes biased "
                               "experts at expert tensor-parallel size 1 only, and megarl splits experts over the "
                               "TP ranks; split the experts with parallel.ep instead")
+        if shape.mla and (cfg.train.share_prompts or cfg.parallel.cp > 1):
+            raise RecipeError(f"{'train.share_prompts' if cfg.train.share_prompts else f'parallel.cp = {cfg.parallel.cp}'}"
+                              f" with multi-latent attention ({shape.arch}): its attention rotates queries and keys "
+                              "itself, from each segment's start, which shared-prompt rows and context-parallel "
+                              "chunks do not keep; turn it off")
         if cfg.train.share_prompts and any(shape.window_layers):
             raise RecipeError(f"train.share_prompts with a model whose local layers attend over a sliding window "
                               f"({shape.arch}): a shared row puts a sample's tokens at other distances from its "
@@ -353,6 +358,13 @@ def check_lora(lora: LoraConfig, shape: ModelShape, *, te: bool, value_head: boo
         raise RecipeError("model.lora wraps Megatron's local linear layers (ColumnParallelLinear, RowParallelLinear); "
                           "Transformer Engine's fused layers (norm and linear in one module) have no adapter here; "
                           "a LoRA run's models are built on the local layers (Job.of resolves it)")
+    attention = [t for t in lora.targets if t not in MLP_TARGETS]
+    if shape.mla and attention:
+        raise RecipeError(f"model.lora.targets = {lora.targets}: multi-latent attention ({shape.arch}) has no fused "
+                          f"qkv projection, and its down- and up-projections take no adapters here; target fc1 and fc2")
+    if shape.linear_bias and adapts_experts(lora, shape):
+        raise RecipeError(f"model.lora.targets = {lora.targets}: {shape.arch}'s experts are stacked in one HF tensor "
+                          "per layer, which adapters are not exported for; target qkv and proj")
     if adapts_experts(lora, shape) and expert_tp > 1:
         mlp = [t for t in lora.targets if t in MLP_TARGETS]
         raise RecipeError(f"model.lora.targets = {lora.targets}: the experts' linears ({', '.join(mlp)}) of a "

@@ -75,3 +75,30 @@ def test_what_megarl_does_not_train_is_refused_naming_the_key(arch, key, value, 
     with pytest.raises(ValueError) as error:
         read_shape(model_dir)
     assert str(model_dir / "config.json") in str(error.value) and message in str(error.value)
+
+
+@pytest.mark.parametrize("arch, recipe, message", [
+    ("deepseek_v3", "train: {micro_batch_tokens: 256, share_prompts: true}\n",
+     "train.share_prompts with multi-latent attention"),
+    ("deepseek_v3", "parallel: {cp: 2}\n", "parallel.cp = 2 with multi-latent attention"),
+    ("deepseek_v3", "model: {lora: {rank: 4, targets: [qkv, fc1]}}\n", "multi-latent attention .deepseek_v3. has no"),
+    ("gpt_oss", "model: {lora: {rank: 4, targets: [qkv, fc1]}}\n", "experts are stacked in one HF tensor"),
+    ("gpt_oss", "parallel: {tp: 2}\nmodel: {megatron: {sequence_parallel: true}}\n",
+     "takes biased experts at expert tensor-parallel size 1 only"),
+], ids=["mla-shared-prompts", "mla-cp", "mla-lora-qkv", "gpt_oss-expert-lora", "gpt_oss-tp"])
+def test_what_a_layout_or_option_cannot_train_is_refused_at_launch(arch, recipe, message, arch_dir, tmp_path):
+    """Refused by the Job before any work, naming the recipe key: options whose math megarl does not keep for
+    the architecture (its attention's own RoPE, stacked expert tensors, biased experts split over TP)."""
+    import yaml
+
+    from megarl.config import RecipeError, load_config
+    from megarl.job import Job
+
+    sections = yaml.safe_load(recipe)
+    sections.setdefault("model", {})["path"] = str(arch_dir(arch))
+    sections["data"] = {"train_path": "unused.jsonl"}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(sections))
+    world = sections.get("parallel", {}).get("cp", 1) * sections.get("parallel", {}).get("tp", 1)
+    with pytest.raises(RecipeError, match=message):
+        Job.of(load_config(path, check_paths=False), world=world, ranks_per_node=world)
