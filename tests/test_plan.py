@@ -309,6 +309,17 @@ def test_too_little_memory_exits_1_and_names_the_phase(capsys):
     code, out, _ = megarl(plan_args("llama-3.3-70b-ppo", "llama-3.3-70b", 8, "parallel.pp=2"), capsys)
     assert code == 1
     assert re.search(r"train\s+[\d.]+\s+DOES NOT FIT", out) and "fits: no" in out
+    assert "raise rollout.mem_fraction or rollout.tp" in megarl(plan_args(*MOE235, "rollout.tp=4", gpu_mem_gb=80),
+                                                                 capsys)[1]
+
+
+def test_a_model_larger_than_a_node_is_named_as_the_reason(capsys):
+    """DeepSeek-V3 at bf16: its trainer fits 32 H200 nodes at TP8 x EP32, but a rollout engine, which spans one node
+    at most, holds 156 GiB of weights per GPU: the plan says so instead of asking for a larger rollout.tp."""
+    code, out, _ = megarl(plan_args("glm-4.5-grpo", "deepseek-v3", 32, "parallel.pp=1", "parallel.tp=8",
+                                    "parallel.ep=32", gpu_mem_gb=140), capsys)
+    assert code == 1 and re.search(r"train\s+[\d.]+\s+ok", out)
+    assert "the engine already spans the node's 8 GPUs, whose share of the weights is 156.2 GiB each" in out
 
 
 def test_pipeline_and_expert_sharding_divide_the_model_state():
