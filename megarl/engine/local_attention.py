@@ -26,8 +26,8 @@ softmax(scale * q k^T) v with the vanilla softmax and no attention dropout, the 
 version takes three matmuls, a GQA copy of keys and values and a mask built per call; softmax-offset
 variants and attention dropout still go through it.
 
-Attention sinks and sliding windows (gpt-oss: softmax_type "learnable", window_size on the layers
-window_attn_skip_freq marks) are computed here too (`sink_window_attention`), padded, packed and context-
+Attention sinks and sliding windows (gpt-oss: softmax_type "learnable"; gpt-oss and Gemma 3: window_size on the
+layers window_attn_skip_freq marks) are computed here too (`sink_window_attention`), padded, packed and context-
 parallel: Megatron's masked softmax builds its window mask on the GPU and in place of the mask it is given,
 which would let packed segments see each other. The window counts positions, which in a padded row, a packed
 segment's row and a block-masked row are the tokens' distances in the row; a context-parallel rank's chunks
@@ -224,7 +224,7 @@ class PackedLocalAttention(DotProductAttention):
 
     def sink_window_attention(self, query: Tensor, key: Tensor, value: Tensor, masked: Tensor | None) -> Tensor:
         """Attention of query [sq, b, heads, dim] over key and value [sk, b, groups, dim] -> [sq, b, heads * dim]
-        as transformers computes gpt-oss's: query i, at key position i + sk - sq, sees the keys `masked` (bool,
+        as transformers computes gpt-oss's and Gemma 3's: query i, at key position i + sk - sq, sees the keys `masked` (bool,
         broadcastable to [b, heads, sq, sk]; None: the causal mask) leaves it, within `window` positions of it
         itself included, and its softmax has one more logit in the denominator, its head's sink
         (`softmax_offset`), which weighs no value. The softmax runs in fp32."""
