@@ -137,8 +137,8 @@ class Job:
                               "experts at expert tensor-parallel size 1 only, and megarl splits experts over the "
                               "TP ranks; split the experts with parallel.ep instead")
         if shape.mla and (cfg.train.share_prompts or cfg.parallel.cp > 1):
-            raise RecipeError(f"{'train.share_prompts' if cfg.train.share_prompts else f'parallel.cp = {cfg.parallel.cp}'}"
-                              f" with multi-latent attention ({shape.arch}): its attention rotates queries and keys "
+            key = "train.share_prompts" if cfg.train.share_prompts else f"parallel.cp = {cfg.parallel.cp}"
+            raise RecipeError(f"{key} with multi-latent attention ({shape.arch}): its attention rotates queries and keys "
                               "itself, from each segment's start, which shared-prompt rows and context-parallel "
                               "chunks do not keep; turn it off")
         if cfg.train.share_prompts and any(shape.window_layers):

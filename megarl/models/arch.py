@@ -148,8 +148,9 @@ def _parse_shape(path: Path, resolved: Path, mtime_ns: int, size: int) -> ModelS
                          "transformers' Mxfp4Config(dequantize=True), then save_pretrained; DeepSeek-V3's fp8 blocks: "
                          "its weights times their scale_inv, saved in bf16) and drop quantization_config")
     if arch == "gemma3":
-        raise ValueError(f"{path}: model_type 'gemma3' is Gemma 3 with its vision tower (Gemma3ForConditionalGeneration), "
-                         "which is not supported; the text model alone (model_type 'gemma3_text', Gemma3ForCausalLM) is")
+        raise ValueError(f"{path}: model_type 'gemma3' is Gemma 3 with its vision tower "
+                         "(Gemma3ForConditionalGeneration), which is not supported; the text model alone (model_type "
+                         "'gemma3_text', Gemma3ForCausalLM) is")
     if arch == "gemma3_text":
         return _gemma3_shape(cfg, path)
     if arch not in SUPPORTED_ARCHS:

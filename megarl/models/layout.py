@@ -3,8 +3,9 @@
 Megatron fuses q, k and v into one `linear_qkv` weight grouped per query group: for each of the
 `groups` KV heads, its `heads/groups` query heads, then its key head, then its value head. `linear_fc1`
 of a gated MLP is [gate; up]. gpt-oss's HF experts are input-major (x @ W) and interleave gate and up
-columns: gate_up_proj[e] is [h, 2*ffn] with gate at the even and up at the odd columns. Under tensor parallelism every rank holds a contiguous run of whole query
-groups of linear_qkv, but [gate_r; up_r] of linear_fc1: the two halves are split separately.
+columns: gate_up_proj[e] is [h, 2*ffn] with gate at the even and up at the odd columns. Under tensor
+parallelism every rank holds a contiguous run of whole query groups of linear_qkv, but [gate_r; up_r] of
+linear_fc1: the two halves are split separately.
 """
 
 from __future__ import annotations
