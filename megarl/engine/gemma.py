@@ -122,36 +122,13 @@ def _norm_before_add(norm, bda):
     return build
 
 
-def block_spec(*, layers: int, te_layers: bool, lora=None):
-    """TransformerBlockSubmodules of `layers` Gemma 3 layers and the final norm: Transformer Engine's layer spec
-    (norms fused into linear_qkv and linear_fc1, TENorm for the others, all zero-centered through the config) or
-    Megatron's local one with megarl's norms and packed attention; `lora` adapts the local spec's linears."""
-    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
-                                                          get_gpt_layer_with_transformer_engine_spec)
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
-    if te_layers:
-        from megatron.core.extensions.transformer_engine import TENorm
-
-        from megarl.engine.te_attention import SharedPromptTEAttention
-
-        base, norm = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True), TENorm
-        base.submodules.self_attention.submodules.core_attention = SharedPromptTEAttention
-    else:
-        from megarl.engine import lora as adapters
-        from megarl.engine.local_attention import PackedLocalAttention
-
-        base, norm = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"), ZeroCenteredRMSNorm
-        attention = base.submodules.self_attention.submodules
-        attention.core_attention = PackedLocalAttention
-        attention.q_layernorm = attention.k_layernorm = ModuleSpec(module=norm, params={"sequence_split": False})
-        base.submodules.input_layernorm = base.submodules.pre_mlp_layernorm = norm
-        if lora is not None:
-            adapters.adapt_layer_spec(base, lora)
+def post_norm_layer(base: ModuleSpec, norm) -> ModuleSpec:
+    """Layer spec `base` (a TransformerLayer's, local or Transformer Engine's, built by megarl.engine.model) as a
+    PostNormLayer with `norm` on the attention and MLP outputs: TE's norms, zero-centred through the config, or
+    `ZeroCenteredRMSNorm`."""
     parts = {f.name: getattr(base.submodules, f.name) for f in dataclasses.fields(base.submodules)}
-    layer = ModuleSpec(module=PostNormLayer, submodules=PostNormLayerSubmodules(
+    return ModuleSpec(module=PostNormLayer, submodules=PostNormLayerSubmodules(
         **parts, post_self_attn_layernorm=norm, post_mlp_layernorm=norm))
-    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=norm)
 
 
 def adapt_model(model, shape: ModelShape) -> None:

@@ -208,19 +208,13 @@ def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: in
     linears (megarl.engine.lora, local spec only)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
     from megarl.engine.local_attention import rope_at_position_ids
 
-    if shape.post_norms:  # Gemma 3: its own layer, from Megatron's modules
-        from megarl.engine import gemma
-
-        spec = gemma.block_spec(te_layers=te_layers, lora=lora,
-                                layers=get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=groups.pp_rank))
-    else:
-        spec = _block_spec(shape, config, groups=groups, vp_stage=vp_stage, lora=lora, te_layers=te_layers)
     model = GPTModel(
-        config=config, transformer_layer_spec=spec,
+        config=config,
+        transformer_layer_spec=_block_spec(shape, config, groups=groups, vp_stage=vp_stage, lora=lora,
+                                           te_layers=te_layers),
         vocab_size=padded_vocab_size(shape.vocab_size, tp=groups.tp_size),
         max_sequence_length=shape.max_position,
         pre_process=groups.pp_rank == 0 and is_vp_first_stage(vp_stage, config.virtual_pipeline_model_parallel_size),
@@ -236,6 +230,8 @@ def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: in
     if shape.attention_sinks:
         split_sinks_over_tp(model)
     if shape.post_norms:
+        from megarl.engine import gemma
+
         gemma.adapt_model(model, shape)
     if on_gpu():
         model.cuda(current_device())
@@ -245,23 +241,28 @@ def build_gpt(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: in
 def _block_spec(shape: ModelShape, config, *, groups: ParallelGroups, vp_stage: int | None,
                 lora: LoraConfig | None, te_layers: bool):
     """The layers of this chunk and the final norm: one spec per layer, MoE models' dense first layers
-    (shape.dense_layers) with a dense MLP."""
+    (shape.dense_layers) with a dense MLP, Gemma 3's with norms on the attention and MLP outputs too."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    if te_layers:
-        from megatron.core.extensions.transformer_engine import TENorm as final_norm
+    from megarl.engine import gemma
+
+    if te_layers:  # zero-centred norms are TE's own, through the config (gemma.transformer_fields)
+        from megatron.core.extensions.transformer_engine import TENorm as norm
 
         layer_spec = functools.partial(_te_layer_spec, shape, config)
     else:
-        from megarl.engine.rms_norm import RMSNorm as final_norm
+        from megarl.engine.rms_norm import RMSNorm
 
-        layer_spec = functools.partial(_local_layer_spec, shape, lora=lora)
+        norm = gemma.ZeroCenteredRMSNorm if shape.zero_centered_norms else RMSNorm
+        layer_spec = functools.partial(_local_layer_spec, shape, lora=lora, norm=norm)
     first = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=groups.pp_rank)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=groups.pp_rank)
     kinds = [shape.experts if shape.is_moe_layer(first + i) else None for i in range(count)]
     specs = {experts: layer_spec(experts) for experts in set(kinds)}
-    return TransformerBlockSubmodules(layer_specs=[specs[experts] for experts in kinds], layer_norm=final_norm)
+    if shape.post_norms:
+        specs = {experts: gemma.post_norm_layer(spec, norm) for experts, spec in specs.items()}
+    return TransformerBlockSubmodules(layer_specs=[specs[experts] for experts in kinds], layer_norm=norm)
 
 
 def _te_layer_spec(shape: ModelShape, config, experts: int | None):
@@ -278,13 +279,13 @@ def _te_layer_spec(shape: ModelShape, config, experts: int | None):
     return spec
 
 
-def _local_layer_spec(shape: ModelShape, experts: int | None, *, lora: LoraConfig | None):
-    """Megatron's local layer spec, with `experts` routed experts (None: a dense MLP), as megarl runs it."""
+def _local_layer_spec(shape: ModelShape, experts: int | None, *, lora: LoraConfig | None, norm):
+    """Megatron's local layer spec, with `experts` routed experts (None: a dense MLP) and `norm` for its norms
+    (megarl's RMSNorm, or Gemma's zero-centred one), as megarl runs it."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from megarl.engine.local_attention import PackedLocalAttention
-    from megarl.engine.rms_norm import RMSNorm
 
     layer = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
                                      qk_layernorm=shape.qk_norm or shape.mla, normalization="RMSNorm",
@@ -292,9 +293,9 @@ def _local_layer_spec(shape: ModelShape, experts: int | None, *, lora: LoraConfi
     attention = layer.submodules.self_attention.submodules
     # The local core attention refuses packed sequences; this one masks them block-diagonally.
     attention.core_attention = PackedLocalAttention
-    # Megatron's torch norm wrapper refuses sequence parallelism; megarl's RMSNorm takes it (and is the
-    # same function and parameter otherwise). The final norm is the block's, so the block is spelled out.
-    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = RMSNorm
+    # Megatron's torch norm wrapper refuses sequence parallelism; megarl's norms take it (and are the same
+    # function and parameter otherwise). The final norm is the block's, so the block is spelled out.
+    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = norm
     if shape.mla:
         from megatron.core.post_training.modelopt.layers import Linear
 
@@ -305,9 +306,9 @@ def _local_layer_spec(shape: ModelShape, experts: int | None, *, lora: LoraConfi
         # gradients are summed over TP (tagged sequence_parallel).
         attention.linear_q_down_proj = attention.linear_kv_down_proj = Linear
         # the query and key/value latents, split over the sequence like the hidden states they come from
-        attention.q_layernorm = attention.kv_layernorm = RMSNorm
+        attention.q_layernorm = attention.kv_layernorm = norm
     elif shape.qk_norm:
-        attention.q_layernorm = attention.k_layernorm = ModuleSpec(module=RMSNorm, params={"sequence_split": False})
+        attention.q_layernorm = attention.k_layernorm = ModuleSpec(module=norm, params={"sequence_split": False})
     if shape.linear_bias and experts:
         from megarl.engine.local_experts import ExpertBiasRowParallelLinear
 

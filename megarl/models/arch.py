@@ -75,10 +75,10 @@ class ModelShape:
     routed_scale: float = 1.0  # routed experts' weights scaled by this (`routed_scaling_factor`)
     dense_layers: int = 0     # the first layers have a dense MLP of width `ffn` (`first_k_dense_replace`)
     rotary_fraction: float = 1.0  # RoPE on the first fraction of each head's dims (`partial_rotary_factor`)
-    rope_interleaved: bool = False  # RoPE rotates pairs (2i, 2i+1), not (i, i + d/2) (DeepSeek's `rope_interleave`)
     # Multi-latent attention (DeepSeek-V3): queries through a rank-`q_lora_rank` bottleneck (0: one projection),
     # keys and values through a shared `kv_lora_rank` latent; each head's query/key is `qk_nope_dim` dims without
-    # RoPE then `qk_rope_dim` with it (the key's RoPE part shared by all heads), its value `v_head_dim` wide.
+    # RoPE then `qk_rope_dim` with it (the key's RoPE part shared by all heads, its dims rotated in interleaved
+    # pairs, as DeepSeek's `rope_interleave`), its value `v_head_dim` wide.
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
     qk_nope_dim: int = 0
@@ -91,9 +91,8 @@ class ModelShape:
     swiglu_limit: float | None = None  # clamped SwiGLU (gpt-oss): gate <= limit, |up| <= limit, (up + 1) * act
     yarn: YarnRope | None = None  # YaRN rotary embeddings (gpt-oss, DeepSeek-V3)
     # Gemma 3 (megarl.engine.gemma); the defaults are every other architecture's
-    activation: str = "silu"  # gated MLP activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, tanh approximation)
     zero_centered_norms: bool = False  # every RMSNorm scales by (1 + weight), the weight stored as HF stores it
-    post_norms: bool = False  # attention and MLP outputs are normed before their residual add
+    post_norms: bool = False  # attention and MLP outputs are normed before their residual add; GeGLU (tanh)
     scaled_embeddings: bool = False  # embeddings multiplied by sqrt(hidden), in the embedding dtype
     attention_scale: float | None = None  # softmax scale of q k^T; None = head_dim ** -0.5
     local_rope_theta: float | None = None  # RoPE base of the local layers (rope_theta: the global ones')
@@ -262,7 +261,7 @@ def _mla_fields(cfg: dict, rope: dict, path: Path) -> dict:
     return dict(q_lora_rank=cfg.get("q_lora_rank") or 0, kv_lora_rank=cfg["kv_lora_rank"],
                 qk_nope_dim=cfg["qk_nope_head_dim"], qk_rope_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"],
                 head_dim=cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], kv_heads=cfg["num_attention_heads"],
-                rope_interleaved=True, yarn=yarn)
+                yarn=yarn)
 
 
 # What gpt-oss's clamped SwiGLU gates with: Megatron's quick_gelu, x * sigmoid(1.702 x).
@@ -281,11 +280,9 @@ def _gpt_oss_shape(cfg: dict, path: Path, rope: dict) -> ModelShape:
         raise ValueError(f"{path}: attention_dropout {cfg['attention_dropout']} is not supported (only 0)")
     layers = cfg["num_hidden_layers"]
     kinds = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-    if len(kinds) != layers or set(kinds) - {"sliding_attention", "full_attention"}:
-        raise ValueError(f"{path}: layer_types {kinds} must name sliding_attention or full_attention for each of "
-                         f"the {layers} layers")
-    window = cfg.get("sliding_window")
-    windowed = tuple(kind == "sliding_attention" for kind in kinds) if window else ()
+    windowed = _windowed_layers(kinds, layers, path)
+    if not cfg.get("sliding_window"):
+        windowed = ()  # no window: every layer attends causally
     heads = cfg["num_attention_heads"]
     return ModelShape(
         arch="gpt_oss", vocab_size=cfg["vocab_size"], hidden=cfg["hidden_size"], layers=layers, heads=heads,
@@ -294,7 +291,7 @@ def _gpt_oss_shape(cfg: dict, path: Path, rope: dict) -> ModelShape:
         rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 150000.0))),
         max_position=cfg.get("max_position_embeddings", 131072),
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=True, qk_norm=False,
-        linear_bias=True, attention_sinks=True, local_window=window if any(windowed) else None,
+        linear_bias=True, attention_sinks=True, local_window=cfg["sliding_window"] if any(windowed) else None,
         window_layers=windowed if any(windowed) else (), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
         yarn=_yarn_rope(rope, path), **_moe_fields(cfg, path),
     )
@@ -320,7 +317,15 @@ def _yarn_rope(rope: dict, path: Path) -> YarnRope | None:
                     mscale_all_dim=float(rope["mscale_all_dim"]) if both else None)
 
 
-GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _windowed_layers(kinds: list[str], layers: int, path: Path) -> tuple[bool, ...]:
+    """Per layer, whether config.json's `layer_types` makes it a sliding-window layer (gpt-oss, Gemma 3)."""
+    if len(kinds) != layers or any(kind not in LAYER_TYPES for kind in kinds):
+        raise ValueError(f"{path}: layer_types must give each of the {layers} layers one of "
+                         f"{', '.join(LAYER_TYPES)}; got {kinds}")
+    return tuple(kind == "sliding_attention" for kind in kinds)
 
 
 def _gemma3_shape(cfg: dict, path: Path) -> ModelShape:
@@ -340,9 +345,7 @@ def _gemma3_shape(cfg: dict, path: Path) -> ModelShape:
     pattern = cfg.get("sliding_window_pattern", 6)
     kinds = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                        for i in range(layers)]
-    if len(kinds) != layers or any(kind not in GEMMA3_LAYER_TYPES for kind in kinds):
-        raise ValueError(f"{path}: layer_types must give each of the {layers} layers one of "
-                         f"{', '.join(GEMMA3_LAYER_TYPES)}; got {kinds}")
+    windowed = _windowed_layers(kinds, layers, path)
     rope = cfg.get("rope_parameters") or {}
     full = rope.get("full_attention") or {"rope_theta": cfg.get("rope_theta", 1_000_000.0),
                                           **(cfg.get("rope_scaling") or {})}
@@ -371,13 +374,12 @@ def _gemma3_shape(cfg: dict, path: Path) -> ModelShape:
         tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         qkv_bias=False,
         qk_norm=True,
-        activation="gelu_tanh",
         zero_centered_norms=True,
         post_norms=True,
         scaled_embeddings=True,
         attention_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
-        window_layers=tuple(kind == "sliding_attention" for kind in kinds) if "sliding_attention" in kinds else (),
-        local_window=window if "sliding_attention" in kinds else None,
+        window_layers=windowed if any(windowed) else (),
+        local_window=window if any(windowed) else None,
         local_rope_theta=float(local.get("rope_theta", 10_000.0)),
         rope_linear_factor=float(full["factor"]) if linear else None,
         final_logit_softcap=cfg.get("final_logit_softcapping") or None,
