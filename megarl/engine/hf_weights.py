@@ -67,7 +67,7 @@ def _hf_parts(stage: StageModel, source: SafetensorsDir, name: str, hf_names: tu
     if fuse not in STACKED:
         return [source.get(n) for n in hf_names]
     _, _, expert = stage.names.lookup(name)
-    return [source.get_row(n, expert + stage.expert_offset) for n in hf_names]
+    return [source.get(n, row=expert + stage.expert_offset) for n in hf_names]
 
 
 def _fuse(shape: ModelShape, parts: list[Tensor], fuse: str | None) -> Tensor:

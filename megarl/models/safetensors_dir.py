@@ -48,19 +48,12 @@ class SafetensorsDir:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
-    def get(self, name: str) -> Tensor:
+    def get(self, name: str, *, row: int | None = None) -> Tensor:
+        """Tensor `name`; with `row`, only its row `row` along the first dim, read alone (one expert of a
+        stacked expert tensor)."""
         if name not in self._where:
             raise KeyError(f"tensor {name!r} not found in the checkpoint")
         from safetensors import safe_open
 
         with safe_open(str(self._where[name]), framework="pt") as handle:
-            return handle.get_tensor(name)
-
-    def get_row(self, name: str, index: int) -> Tensor:
-        """Row `index` of tensor `name` along its first dim, read alone (one expert of a stacked expert tensor)."""
-        if name not in self._where:
-            raise KeyError(f"tensor {name!r} not found in the checkpoint")
-        from safetensors import safe_open
-
-        with safe_open(str(self._where[name]), framework="pt") as handle:
-            return handle.get_slice(name)[index]
+            return handle.get_tensor(name) if row is None else handle.get_slice(name)[row]
