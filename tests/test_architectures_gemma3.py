@@ -5,8 +5,8 @@ packing) already run on the tiny gemma3 checkpoint (tools/make_tiny_model.py --a
 window of 8 tokens, then a global one with linear RoPE scaling; query_pre_attn_scalar 24 for a head dim of 16;
 final logits softcapped at 2).
 
-Tolerance: 1e-5 on fp32 logits and logprobs, which the brief for this architecture asks (DESIGN's contract is
-1e-4). Measured: 0.0, the engine's and transformers' sums run in the same order here.
+Tolerance: 1e-5 on fp32 logits and logprobs, ten times tighter than the engine tests' contract (DESIGN: 1e-4).
+Measured: 0.0, the engine's and transformers' sums run in the same order here.
 """
 
 from __future__ import annotations
@@ -150,15 +150,6 @@ def test_te_spec_name_table_maps_the_fused_norms_and_keeps_the_post_norms(gemma3
         assert te.hf_names(f"decoder.layers.1.{megatron}") == (f"model.layers.1.{norm}.weight",)
     assert local.hf_names("decoder.layers.0.pre_mlp_layernorm.weight") == ("model.layers.0.pre_feedforward_layernorm.weight",)
     assert local.hf_names("decoder.layers.0.self_attention.q_layernorm.weight") == ("model.layers.0.self_attn.q_norm.weight",)
-
-
-def test_plan_counts_the_checkpoints_parameters(gemma3_dir):
-    from megarl.models.arch import read_shape
-    from megarl.plan import stage_params
-
-    shape = read_shape(gemma3_dir)
-    elements = sum(t.numel() for t in load_file(str(gemma3_dir / "model.safetensors")).values())
-    assert stage_params(shape, tp=1, pp=1, ep=1, stage=0, padded_vocab=shape.vocab_size).total == elements
 
 
 # ---- config.json: what is read and what is refused ------------------------------------------------------------
