@@ -34,7 +34,7 @@ def layout(*, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, extra: tuple[s
 # resumes from.
 CASES = {
     **{f"single-{arch}": (arch, 1, ()) for arch in ("qwen2", "llama", "qwen3", "qwen2_moe", "mixtral", "glm4_moe",
-                                                     "deepseek_v3", "gemma3")},
+                                                     "deepseek_v3", "gpt_oss", "gemma3")},
     "single-qwen2_4layers": ("qwen2_4layers", 1, ("--save", "{runs}/ckpt_single")),
     "qwen2-tp2": ("qwen2", 2, layout(tp=2, extra=("--share-prompts",))),
     "qwen2-pp2": ("qwen2", 2, layout(pp=2)),  # 4 micro-batches through the 1F1B schedule
@@ -82,7 +82,6 @@ CASES = {
                                                                   "{runs}/ckpt_lora_ep2"))),
     # gpt-oss (biased experts: Megatron takes them at expert TP 1 only, so no TP layout): a sliding-window stage and
     # a full-attention stage; 2 of each layer's 4 stacked experts per rank, in padded and in packed rows
-    "single-gpt_oss": ("gpt_oss", 1, ()),
     "gpt_oss-pp2": ("gpt_oss", 2, layout(pp=2)),
     "gpt_oss-ep2": ("gpt_oss", 2, layout(ep=2)),
     "gpt_oss-ep2-packed": ("gpt_oss", 2, layout(ep=2, extra=("--micro-batch-tokens", "24"))),
