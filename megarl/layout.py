@@ -16,9 +16,11 @@ launches, with the same error. The rules, in the order they are checked:
    micro-batches are cut by tokens), and with virtual stages the micro-batch count fits Megatron's
    interleaved schedule. RL's supervised warm start splits `warmup.batch_size` the same way.
 4. The rollout engines (RL only): one on every group of `rollout.tp` consecutive generating ranks, so
-   rollout.tp divides the world. An SGLang engine splits the model over its rollout.tp GPUs, which must be
-   on one node: rollout.tp divides the heads and MLP width, the KV heads or is a multiple of them, and the
-   ranks per node. The native engine holds a whole model on one rank of its group and needs neither.
+   rollout.tp divides the world. An SGLang engine splits the model over its rollout.tp GPUs: rollout.tp
+   divides the heads and MLP width, the KV heads or is a multiple of them, and the engine fits in one node
+   (rollout.tp divides the ranks per node) or spans whole nodes (a multiple of them; colocated placement,
+   where each node's share of the engine runs beside the trainer ranks there: megarl.rollout.placement). The
+   native engine holds a whole model on one rank of its group and needs neither.
 
 Every error is a LayoutError naming the recipe keys and both numbers; launch reports it as a recipe error
 (exit code 2), `megarl plan` as a plan error (exit code 2), with the same text.
@@ -56,6 +58,7 @@ class Layout:
     vpp: int  # virtual pipeline stages per pipeline rank (1 = none)
     micro_batches: int  # per data-parallel rank per optimizer step, of train.micro_batch_size sequences
     rollout_tp: int  # ranks per rollout engine
+    engine_nodes: int = 1  # nodes each rollout engine spans (an SGLang engine larger than a node); else 1
 
     @property
     def job_world(self) -> int:
@@ -128,7 +131,8 @@ class Layout:
 
         return cls(world=trainers, rollout_ranks=rollout_ranks, ranks_per_node=ranks_per_node, tp=par.tp,
                    pp=par.pp, cp=par.cp, ep=par.ep, dp=dp, expert_dp=trainers // (par.tp * par.ep * par.pp),
-                   vpp=vpp, micro_batches=micro_batches, rollout_tp=cfg.rollout.tp)
+                   vpp=vpp, micro_batches=micro_batches, rollout_tp=cfg.rollout.tp,
+                   engine_nodes=engine_nodes(cfg, ranks_per_node=ranks_per_node))
 
 
 def engine_spans(ranks: range, rollout_tp: int) -> list[range]:
@@ -156,6 +160,13 @@ def _divides(number: int, divisor: int, what: str, by: str) -> None:
         raise LayoutError(f"{what} is not divisible by {by}")
 
 
+def engine_nodes(cfg: Config, *, ranks_per_node: int) -> int:
+    """The nodes each rollout engine spans: rollout.tp / ranks per node for an SGLang engine larger than a node
+    (check_rollout makes it whole), else 1 (the native engine lives in its host's process)."""
+    rtp = cfg.rollout.tp
+    return rtp // ranks_per_node if cfg.rollout.engine == "sglang" and rtp > ranks_per_node else 1
+
+
 def check_rollout(cfg: Config, shape: ModelShape, *, world: int, ranks_per_node: int) -> None:
     """Rule 4 of the module docstring: the engines of an RL recipe on a job of `world` ranks."""
     rtp = cfg.rollout.tp
@@ -166,11 +177,16 @@ def check_rollout(cfg: Config, shape: ModelShape, *, world: int, ranks_per_node:
                               "other (SGLang splits the KV heads over its TP ranks or replicates them)")
         ffn, name = (shape.moe_ffn, "expert MLP width") if shape.is_moe else (shape.ffn, "MLP width")
         _divides(ffn, rtp, f"{name} {ffn}", f"rollout.tp = {rtp}")
-        if rtp > ranks_per_node:
-            raise LayoutError(f"rollout.tp = {rtp} is more than the {ranks_per_node} GPUs of a node: an engine's "
-                              "GPUs must be on one node")
-        _divides(ranks_per_node, rtp, f"GPUs per node {ranks_per_node}",
-                 f"rollout.tp = {rtp}: an engine's GPUs must be on one node")
+        if rtp <= ranks_per_node:
+            _divides(ranks_per_node, rtp, f"GPUs per node {ranks_per_node}",
+                     f"rollout.tp = {rtp}: an engine's GPUs must be on one node or span whole nodes")
+        else:  # an engine that spans nodes: SGLang's nnodes, each node's part started beside its trainer ranks
+            _divides(rtp, ranks_per_node, f"rollout.tp = {rtp}",
+                     f"the {ranks_per_node} GPUs of a node: an engine's GPUs must be on one node or span whole "
+                     "nodes")
+            if cfg.placement.mode == "split":
+                raise LayoutError(f"rollout.tp = {rtp} is more than the {ranks_per_node} GPUs of a node, with "
+                                  "placement.mode = 'split': an engine spans nodes only in colocated placement")
     if cfg.placement.mode != "split":  # split: placement.rollout_ranks is a multiple of rollout.tp (Config)
         _divides(world, rtp, f"world size {world}", f"rollout.tp = {rtp}: every rank belongs to one rollout engine")
 

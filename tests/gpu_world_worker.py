@@ -8,7 +8,8 @@ megarl's `init_parallel` keeps a world that exists.
 
 BACKEND: a torch.distributed backend string, or `megarl` for the one megarl starts a GPU world with.
 `sums` all-reduces the loops' host-side counts (megarl.algo.aggregate.group_sums) over the world and prints them,
-or what refused them.
+or what refused them. `nodes` places one rollout engine over the two ranks as if each were a node of its own
+(megarl.rollout.placement) and prints where each rank learns the engine's nodes meet.
 """
 
 from __future__ import annotations
@@ -57,6 +58,16 @@ def main(argv: list[str]) -> None:
                 time.sleep(0.05)
             os._exit(3)  # at once: a world torn down after a failed collective may abort instead of exiting
         dist.destroy_process_group()  # gloo's threads joined before exit: left to the interpreter, a rank may abort
+        return
+    if command == "nodes":
+        from datetime import timedelta
+
+        from megarl.rollout.placement import place_rollout, share_init_addr
+
+        replicas = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank makes every group
+        place = place_rollout(rollout_tp=2, replica=replicas[dist.get_rank()], timeout=timedelta(minutes=1), nodes=2)
+        say(f"rank {dist.get_rank()} node part {place.node_part} meets at {share_init_addr(place)}")
+        dist.destroy_process_group()
         return
     from megarl.cli import main as megarl_main
 

@@ -61,9 +61,15 @@ LAYOUTS = [
     (DENSE, 1, 8, ["rollout.engine=native", "rollout.tp=7"],
      "world size 8 is not divisible by rollout.tp = 7: every rank belongs to one rollout engine"),
     (DENSE, 1, 6, ["data.prompts_per_step=48", "rollout.tp=4"],
-     "GPUs per node 6 is not divisible by rollout.tp = 4: an engine's GPUs must be on one node"),
-    (LLAMA, 1, 4, ["rollout.tp=8"], "rollout.tp = 8 is more than the 4 GPUs of a node: an engine's GPUs must be on "
-                                    "one node"),
+     "GPUs per node 6 is not divisible by rollout.tp = 4: an engine's GPUs must be on one node or span whole "
+     "nodes"),
+    # an engine that spans whole nodes (colocated): SGLang's nnodes
+    (LLAMA, 2, 4, ["rollout.tp=8"], None),
+    (LLAMA, 1, 4, ["rollout.tp=8"], "world size 4 is not divisible by rollout.tp = 8: every rank belongs to one "
+                                    "rollout engine"),
+    (LLAMA, 4, 6, ["rollout.tp=8", "data.prompts_per_step=48"],
+     "rollout.tp = 8 is not divisible by the 6 GPUs of a node: an engine's GPUs must be on one node or span whole "
+     "nodes"),
     # virtual pipeline stages
     (LLAMA, 1, 8, ["parallel.pp=2", f"{VPP}=2"], None),
     (LLAMA, 1, 8, ["parallel.pp=2", f"{VPP}=2", "data.prompts_per_step=6", "train.micro_batch_size=8"],
@@ -89,7 +95,8 @@ LAYOUTS = [
     (DENSE, 1, 8, [*SPLIT, "parallel.tp=4"], "world size 6 is not divisible by parallel.tp * parallel.pp * "
                                              "parallel.cp = 4 (training world size = 8 ranks - placement.rollout_ranks 2)"),
     (DENSE, 4, 2, [*SPLIT, "placement.rollout_ranks=4", "rollout.tp=4"],
-     "rollout.tp = 4 is more than the 2 GPUs of a node: an engine's GPUs must be on one node"),
+     "rollout.tp = 4 is more than the 2 GPUs of a node, with placement.mode = 'split': an engine spans nodes only "
+     "in colocated placement"),
     (MOE, 2, 8, [*SPLIT, *MOE_EP, "placement.rollout_ranks=8"], None),
     (MOE, 2, 8, [*SPLIT, *MOE_EP], "world size 14 is not divisible by parallel.tp * parallel.ep * parallel.pp = 8 "
                                    "(training world size = 16 ranks - placement.rollout_ranks 2)"),

@@ -274,7 +274,8 @@ MOE235 = ("qwen3-235b-a22b-grpo", "qwen3-235b-a22b", 16)
     (SEVEN_B, ["rollout.tp=4", "parallel.cp=2"], None),
     (SEVEN_B, ["parallel.cp=2", "train.micro_batch_tokens=4096"],
      "train.micro_batch_tokens (sequence packing) cannot be combined with parallel.cp = 2"),
-    (LLAMA, ["rollout.tp=16"], "rollout.tp = 16 is more than the 8 GPUs of a node"),
+    (LLAMA, ["rollout.tp=16"], None),  # an engine on two whole nodes
+    (LLAMA, ["rollout.tp=12"], "attention heads 64 is not divisible by rollout.tp = 12"),
     (SEVEN_B, ["rollout.tp=7"], "key/value heads 4 and rollout.tp = 7: neither divides the other"),
     (MOE30, ["rollout.tp=4", "parallel.tp=4", "parallel.ep=4"], None),  # a valid variation: no error
     (SEVEN_B, ["rollout.tpp=2"], "rollout.tpp: unknown key (did you mean 'tp'?)"),
@@ -313,13 +314,19 @@ def test_too_little_memory_exits_1_and_names_the_phase(capsys):
                                                                  capsys)[1]
 
 
-def test_a_model_larger_than_a_node_is_named_as_the_reason(capsys):
-    """DeepSeek-V3 at bf16: its trainer fits 32 H200 nodes at TP8 x EP32, but a rollout engine, which spans one node
-    at most, holds 156 GiB of weights per GPU: the plan says so instead of asking for a larger rollout.tp."""
-    code, out, _ = megarl(plan_args("glm-4.5-grpo", "deepseek-v3", 32, "parallel.pp=1", "parallel.tp=8",
-                                    "parallel.ep=32", gpu_mem_gb=140), capsys)
+def test_a_model_larger_than_a_node_takes_an_engine_over_whole_nodes(capsys):
+    """DeepSeek-V3 at bf16 on 32 H200 nodes (TP8 x EP32): a rollout engine on one node holds 156 GiB of weights per
+    GPU and no KV cache; the plan names the rollout.tp that halves it, and at that rollout.tp (an engine over two
+    whole nodes) the run fits, each GPU holding half the weights of one node's engine."""
+    deepseek = ("glm-4.5-grpo", "deepseek-v3", 32)
+    layout = ["parallel.pp=1", "parallel.tp=8", "parallel.ep=32"]
+    code, out, _ = megarl(plan_args(*deepseek, *layout, "rollout.tp=8", gpu_mem_gb=140), capsys)
+    one_node = float(re.search(r"weights ([\d.]+) GiB/GPU", out).group(1))
     assert code == 1 and re.search(r"train\s+[\d.]+\s+ok", out)
-    assert "the engine already spans the node's 8 GPUs, whose share of the weights is 156.2 GiB each" in out
+    assert f"raise rollout.mem_fraction or rollout.tp (rollout.tp = 16: {one_node / 2:.1f} GiB of weights per GPU)" in out
+    code, out, _ = megarl(plan_args(*deepseek, *layout, "rollout.tp=16", gpu_mem_gb=140), capsys)
+    assert code == 0 and "fits: yes" in out
+    assert f"16 sglang engine(s) x 16 GPU(s); weights {one_node / 2:.1f} GiB/GPU" in out
 
 
 def test_pipeline_and_expert_sharding_divide_the_model_state():

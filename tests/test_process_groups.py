@@ -6,6 +6,7 @@ DPO in their own tests), emulated on the CPU where NCCL's part refuses host tens
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -78,6 +79,20 @@ def test_the_emulated_nccl_world_refuses_host_tensors_and_megarls_gpu_world_serv
     served = gpu_world("megarl", "sums", cwd=tmp_path)
     assert served.returncode == 0, served.stderr[-3000:]
     assert served.stdout.count("sums [2.0, 1.0]") == 2
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S)
+def test_the_nodes_of_an_engine_learn_where_they_meet_before_any_device_communicator(tmp_path):
+    """An SGLang engine over two nodes (here one rank each): the host hands its node part the address the nodes'
+    schedulers meet at as a host tensor, which the world of a GPU run serves beside NCCL's device tensors without
+    making an NCCL communicator (SGLang has not sized its memory yet)."""
+    proc = gpu_world("megarl", "nodes", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = sorted(re.findall(r"rank (\d) node part (\w+) meets at (\S+)", proc.stdout))
+    # rank 0 hosts the engine (node 0); rank 1 starts SGLang's part on node 1
+    assert [(rank, part) for rank, part, _ in said] == [("0", "None"), ("1", "1")], proc.stdout
+    (_, _, first), (_, _, second) = said
+    assert first == second and re.fullmatch(r"[\d.]+:\d+", first), proc.stdout
 
 
 def rl_recipe(path, *, model_dir, data_dir):

@@ -87,7 +87,8 @@ def api_check() -> tuple[str, str, dict]:
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     from megarl.config import LoraConfig
-    from megarl.rollout.sglang_engine import CACHE_TAGS, WEIGHT_TAGS, engine_args
+    from megarl.rollout.sglang_engine import CACHE_TAGS, WEIGHT_TAGS
+    from megarl.rollout.sglang_launch import engine_args
 
     for on_gpu in (False, True):
         for capture_routes, lora in ((False, None), (True, None), (False, LoraConfig())):
@@ -96,6 +97,10 @@ def api_check() -> tuple[str, str, dict]:
             accepts(ServerArgs, **args, custom_sigquit_handler=print)
             if args.get("enable_return_routed_experts", False) != capture_routes:
                 return "FAIL", "engine_args: capture_routes does not set enable_return_routed_experts", {}
+        # an engine over two whole nodes (rollout.tp a multiple of the GPUs of a node), node 1's part
+        accepts(ServerArgs, **engine_args("model", on_gpu=on_gpu, dtype="bfloat16", seed=0, tp_size=16,
+                                          mem_fraction=0.5, base_gpu_id=0, nnodes=2, node_rank=1,
+                                          dist_init_addr="10.0.0.1:29600"), custom_sigquit_handler=print)
     accepts(SamplingParams, temperature=1.0, top_p=1.0, max_new_tokens=4, stop_token_ids=[0], ignore_eos=False)
     accepts(Engine.generate, None, input_ids=[[1]], sampling_params={}, return_logprob=True)
     accepts(Engine.async_generate, None, input_ids=[1], sampling_params={}, return_logprob=True,

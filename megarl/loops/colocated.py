@@ -44,9 +44,9 @@ from megarl.loops.samples import EnginePart, build_batch, encode_rows, pooled_sa
 from megarl.metrics import PhaseTimer
 from megarl.packing import balanced_partition
 from megarl.rewards.scorer import Scoring
-from megarl.rollout.backends import make_rollout_engine, make_rollout_peer
+from megarl.rollout.backends import make_rollout_engine, make_rollout_node_part, make_rollout_peer
 from megarl.rollout.engine import EngineError, RolloutEngine, RolloutPeer
-from megarl.rollout.placement import RolloutPlacement, place_rollout
+from megarl.rollout.placement import RolloutPlacement, place_rollout, share_init_addr
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +59,12 @@ class ColocatedRollouts:
     def __init__(self, job: Job, groups: ParallelGroups):
         cfg = job.cfg
         self.cfg, self.groups, self.shape = cfg, groups, job.shape
-        self.placement = place_rollout(rollout_tp=cfg.rollout.tp, replica=groups.mp, timeout=groups.timeout)
+        self.placement = place_rollout(rollout_tp=cfg.rollout.tp, replica=groups.mp, timeout=groups.timeout,
+                                       nodes=job.layout.engine_nodes)
         self.engines = self.placement.engines
         self.engine: RolloutEngine | None = None  # this rank's: on the first rank of every group of rollout.tp ranks
         self.peer: RolloutPeer | None = None      # beside an engine's host: its side of every push
+        self.node = None  # on the first rank of node k >= 1 of an engine over whole nodes: SGLang's part there
         # the tensors of each push that the host compares with its engine's copy (rollout.verify_weights)
         self.check = WeightCheck(cfg.rollout.verify_weights, period=cfg.rollout.verify_period)
         self.model_dir = cfg.model.path  # the checkpoint the engines start from (the warm start's, when there is one)
@@ -83,6 +85,8 @@ class ColocatedRollouts:
             self.engine = self.new_engine()
             self.engine.release_memory()  # its KV cache is sized; the trainer is built in the memory it gives back
         elif place.engine_group is not None:
+            if place.node_part is not None:
+                self.node = self.new_node_part()
             self.peer = make_rollout_peer(self.cfg.rollout, place.engine_group)
         # An SGLang engine's TP schedulers size the KV cache from the memory free on each of the group's devices
         # (and refuse an imbalance), so no trainer model may be built on them before. On the host side: NCCL's
@@ -94,9 +98,23 @@ class ColocatedRollouts:
         cfg, place = self.cfg, self.placement
         # MoE: every run captures the engines' routing, for moe/routing_agreement and r3
         return inject.engine(make_rollout_engine(
-            cfg.rollout, self.model_dir, shape=self.shape, dtype=cfg.model.dtype,
-            seed=cfg.seed + place.engine_index + self.restarts * self.engines, capture_routes=self.shape.is_moe,
-            group=place.engine_group, lora=cfg.model.lora if cfg.rollout.lora_sync == "adapter" else None))
+            cfg.rollout, self.model_dir, shape=self.shape, dtype=cfg.model.dtype, seed=self.engine_seed(),
+            capture_routes=self.shape.is_moe, group=place.engine_group, lora=self.engine_lora(),
+            nodes=place.nodes, init_addr=share_init_addr(place) if place.nodes > 1 else None))
+
+    def new_node_part(self):
+        """SGLang's part of this rank's engine on this node (node k >= 1 of an engine over whole nodes), started
+        while the engine's host starts node 0."""
+        cfg, place = self.cfg, self.placement
+        return make_rollout_node_part(cfg.rollout, self.model_dir, dtype=cfg.model.dtype, seed=self.engine_seed(),
+                                      nodes=place.nodes, node_rank=place.node_part, init_addr=share_init_addr(place),
+                                      capture_routes=self.shape.is_moe, lora=self.engine_lora())
+
+    def engine_seed(self) -> int:
+        return self.cfg.seed + self.placement.engine_of + self.restarts * self.engines
+
+    def engine_lora(self):
+        return self.cfg.model.lora if self.cfg.rollout.lora_sync == "adapter" else None
 
     # -- engine failures
     def call(self, fn: Callable[[RolloutEngine], object]) -> object:
@@ -125,13 +143,17 @@ class ColocatedRollouts:
         engine and its error."""
         if self.lost:
             return False
+        place = self.placement
+        if self.node is not None and self.node.dead is not None and self.failure is None:
+            self.failure = EngineError(phase="serve", cause=self.node.dead)  # its node's schedulers stopped
         failed, = group_sums([float(self.failure is not None)], group=dist.group.WORLD)
         if not failed:
             return False
         reports: list = [None] * dist.get_world_size()
-        mine = None if self.failure is None else (self.placement.engine_index, str(self.failure))
+        mine = None if self.failure is None else (place.engine_of, str(self.failure))
         dist.all_gather_object(reports, mine)
         named = "; ".join(f"rollout engine {engine}: {why}" for engine, why in filter(None, reports))
+        failed_engines = {engine for engine, _ in filter(None, reports)}
         self.restarts += int(failed)
         limit = self.cfg.rollout.max_engine_restarts
         if self.restarts > limit:
@@ -139,12 +161,21 @@ class ColocatedRollouts:
             raise EngineLost(f"{named}. That is failure {self.restarts} of a rollout engine in this run, past "
                              f"rollout.max_engine_restarts = {limit}")
         log.warning("restarting (restart %d of at most %d): %s", self.restarts, limit, named)
-        if self.failure is not None:
+        if place.engine_of in failed_engines and (place.hosts_engine or place.node_part is not None):
+            # an engine over whole nodes starts again on all of them, whichever node failed
+            if self.failure is None:
+                for held in (self.engine, self.node):
+                    if held is not None:
+                        held.abandon()
             self.failure = None
             try:
-                self.engine = self.new_engine()
+                if place.hosts_engine:
+                    self.engine = self.new_engine()
+                else:
+                    self.node = self.new_node_part()
             except Exception as e:  # noqa: BLE001 - a restart that fails counts as one more failure
-                self.engine, self.failure = None, EngineError(phase="start", cause=f"{type(e).__name__}: {e}")
+                self.engine = self.node = None
+                self.failure = EngineError(phase="start", cause=f"{type(e).__name__}: {e}")
             if self.engine is not None and self.rng is not None:
                 # it samples the failed calls as the failed engine would have (where its sampler state is
                 # saved: the native engine), so a single-turn run computes the numbers of one never failed
@@ -316,6 +347,8 @@ class ColocatedRollouts:
     def close(self) -> None:
         if self.engine is not None and self.failure is None:
             self.engine.shutdown()
+        if self.node is not None:
+            self.node.shutdown()
 
 
 class ColocatedRounds:

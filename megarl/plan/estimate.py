@@ -91,10 +91,10 @@ class Plan:
                for kind, phases in kinds for name, nbytes in phases.items() if nbytes > self.limit]
         r = self.rollout
         if r is not None and r.samples < 1:
-            # an SGLang engine spans one node at most: past that, more rollout.tp is no remedy
-            fix = "raise rollout.mem_fraction or rollout.tp" if r.gpus < self.layout.ranks_per_node else (
-                f"the engine already spans the node's {r.gpus} GPUs, whose share of the weights is "
-                f"{gib(r.weights)} GiB each: a GPU with more memory, or a model that fits one node")
+            # twice the rollout.tp halves each GPU's share of the weights (past a node, on whole nodes)
+            more = 2 * r.gpus
+            fix = (f"raise rollout.mem_fraction or rollout.tp (rollout.tp = {more}: "
+                   f"{gib(r.weights * r.gpus // more)} GiB of weights per GPU)")
             out.append(f"rollout: the KV cache holds no full-length sample of {self.seq_len} tokens "
                        f"({gib(r.kv_bytes)} GiB per GPU): {fix}")
         h = self.host

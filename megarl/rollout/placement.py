@@ -7,13 +7,22 @@ consecutive. Ranks that are linked through either kind of group form one *exchan
 prompts are pooled, split over its engines by prompt tokens, and every rank of the group receives what the
 engines generated for its replica. In the common layouts an exchange group is one replica (TP innermost,
 rollout.tp dividing TP x CP x PP); with pipeline stages and rollout.tp > 1 it can hold several replicas.
+
+An SGLang engine larger than a node spans whole nodes (rollout.tp a multiple of the ranks per node): its host,
+the group's first rank, runs SGLang's node 0 (the engine's requests, its schedulers there); the first rank of
+each other node it spans starts SGLang's part on that node (`node_part`), whose schedulers take every request
+from node 0 over SGLang's own TP group. Those ranks learn where node 0 meets them (`share_init_addr`) from the
+host, over a group of their own (`node_heads`).
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from megarl.layout import engine_spans
@@ -30,17 +39,24 @@ class RolloutPlacement:
     exchange_ranks: tuple[int, ...]  # its global ranks, ascending
     exchange_engines: tuple[int, ...]  # the global ranks in it that host an engine, ascending
     engine_group: dist.ProcessGroup | None = None  # the ranks this rank's engine spans, its host first; None: one
+    engine_of: int = 0               # the engine whose group this rank belongs to (0 ... engines - 1)
+    nodes: int = 1                   # nodes an engine spans (SGLang's nnodes): rollout.tp / ranks per node, or 1
+    # On the first rank of node k >= 1 of an engine that spans nodes: k (it starts SGLang's part there); else None
+    node_part: int | None = None
+    # With nodes > 1, on an engine's host and its node parts: the group of those ranks, the host first
+    node_heads: dist.ProcessGroup | None = None
 
     @property
     def hosts_engine(self) -> bool:
         return self.engine_index is not None
 
 
-def place_rollout(*, rollout_tp: int, replica: dist.ProcessGroup, timeout: timedelta) -> RolloutPlacement:
+def place_rollout(*, rollout_tp: int, replica: dist.ProcessGroup, timeout: timedelta,
+                  nodes: int = 1) -> RolloutPlacement:
     """The placement for engines of `rollout_tp` ranks each (the first rank of each group hosts the engine
-    object; on GPU an SGLang engine spans the group's devices); `replica` is this rank's data-parallel
-    replica (ParallelGroups.mp); `timeout`, how long a collective of the exchange groups waits. A collective
-    call: every rank creates every exchange group, in one order."""
+    object; on GPU an SGLang engine spans the group's devices), each over `nodes` whole nodes (Layout.engine_nodes);
+    `replica` is this rank's data-parallel replica (ParallelGroups.mp); `timeout`, how long a collective of the
+    exchange groups waits. A collective call: every rank creates every group, in one order."""
     world, rank = dist.get_world_size(), dist.get_rank()
     spans = engine_spans(range(world), rollout_tp)
     if len(spans[-1]) != rollout_tp:
@@ -61,10 +77,55 @@ def place_rollout(*, rollout_tp: int, replica: dist.ProcessGroup, timeout: timed
             group = dist.new_group(list(span), timeout=timeout)
             if rank in span:
                 engine_group = group
+    node_part = node_heads = None
+    if nodes > 1:
+        per_node = rollout_tp // nodes
+        for span in spans:
+            heads = list(span[::per_node])  # the host, then the first rank of each other node
+            group = dist.new_group(heads, timeout=timeout)
+            if rank in heads:
+                node_heads = group
+                node_part = heads.index(rank) or None
     hosts = [span.start for span in spans]
     return RolloutPlacement(tp=rollout_tp, engines=len(spans), engine_index=hosts.index(rank) if rank in hosts else None,
                             exchange=exchange, exchange_ranks=mine,
-                            exchange_engines=tuple(r for r in mine if r in hosts), engine_group=engine_group)
+                            exchange_engines=tuple(r for r in mine if r in hosts), engine_group=engine_group,
+                            engine_of=next(i for i, span in enumerate(spans) if rank in span), nodes=nodes,
+                            node_part=node_part, node_heads=node_heads)
+
+
+_ADDR_BYTES = 256
+
+
+def share_init_addr(place: RolloutPlacement) -> str:
+    """Where the nodes of this rank's engine meet (SGLang's dist_init_addr, "host:port"): the host picks an address
+    of its node that the job's other nodes reach and a free port, and hands it to the engine's node parts over
+    `node_heads` (a host tensor: gloo, no device communicator before SGLang sizes its memory). Called by the host
+    and its node parts together, before each start of the engine."""
+    text = torch.zeros(_ADDR_BYTES, dtype=torch.uint8)
+    if place.hosts_engine:
+        encoded = f"{reachable_address()}:{free_port()}".encode()
+        text[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    dist.broadcast(text, group=place.node_heads, group_src=0)
+    return bytes(text.tolist()).rstrip(b"\0").decode()
+
+
+def reachable_address() -> str:
+    """This node's address on the route to the job's rendezvous host (torchrun's MASTER_ADDR): the interface the
+    other nodes reach it through (a hostname may resolve to a loopback address on the node itself)."""
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))  # UDP: nothing is sent
+            return probe.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def exchange_groups(replicas: list[tuple[int, ...]], *, rollout_tp: int) -> list[tuple[int, ...]]:

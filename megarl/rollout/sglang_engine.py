@@ -30,7 +30,6 @@ would kill the process tree, trainer included; megarl takes that signal over and
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
@@ -53,6 +52,8 @@ from megarl.models.safetensors_dir import SafetensorsDir
 from megarl.plan.memory import DTYPE_BYTES, kv_bytes_per_token
 from megarl.rollout.engine import EngineError, Generation, ResponseCallback, released_weights
 from megarl.rollout import sglang_plugin
+from megarl.rollout.sglang_launch import (CPU_POOL_TOKENS, engine_args, kill_processes, launch_env, on_sigquit,
+                                          sigquit_to)
 from megarl.rollout.sglang_transfer import decode_routes, flatten_bucket, gather_payloads, ipc_exportable
 
 log = logging.getLogger(__name__)
@@ -63,48 +64,8 @@ WEIGHT_TAGS = ("weights",)
 CACHE_TAGS = ("kv_cache", "cuda_graph")
 # The largest tensor read back for a weight check (values): SGLang reads back through Python lists.
 READBACK_MAX_VALUES = 1 << 22
-# CPU mode: the KV pool's cap in tokens. SGLang would otherwise give the pool mem_fraction of the free host
-# memory (less the weights), which on a shared machine is gigabytes no tiny-model run needs.
-CPU_POOL_TOKENS = 8192
 # CPU mode: the buckets of NaN that stand in for resumed weights (resume_weights)
 POISON_BUCKET_BYTES = 64 * 2**20
-
-
-def engine_args(model_dir: str, *, on_gpu: bool, dtype: str, seed: int, tp_size: int, mem_fraction: float,
-                base_gpu_id: int, cpu_pool_tokens: int | None = CPU_POOL_TOKENS, capture_routes: bool = False,
-                lora: LoraConfig | None = None) -> dict:
-    """Keyword arguments of `sglang.Engine` (each one a ServerArgs field; tests check the names).
-
-    `cpu_pool_tokens` caps the KV pool in CPU mode; None leaves it as SGLang sizes it from the free host
-    memory (what a GPU engine always does with the device's). `capture_routes` makes SGLang record each
-    token's MoE experts. `lora`: serve LoRA adapters of that rank on those modules (`update_adapter`)."""
-    args = dict(model_path=model_dir, tp_size=tp_size, dtype=dtype, random_seed=seed,
-                skip_tokenizer_init=True, log_level="error")
-    if capture_routes:
-        # SGLang sizes its routes buffers at start-up; a request's `return_routed_experts` only reads them.
-        args.update(enable_return_routed_experts=True)
-    if lora is not None:
-        # One adapter at a time: each push unloads the last before it loads the next. SGLang's default
-        # kernels are Triton's; its CPU mode has only the torch one (and needs megarl.rollout.sglang_plugin).
-        args.update(enable_lora=True, max_lora_rank=lora.rank, lora_target_modules=lora.hf_modules(),
-                    max_loras_per_batch=1, max_loaded_loras=1)
-        if not on_gpu:
-            args.update(lora_backend="torch_native")
-    if on_gpu:
-        # The memory saver is what makes release/resume free anything. A pauseable CUDA-graph pool
-        # (SGLANG_MEMORY_SAVER_CUDA_GRAPH, set in `_launch_env`) is incompatible with SGLang's
-        # breakable prefill graphs, so prefill runs eagerly and decode keeps its full graphs. Torch sampling
-        # instead of FlashInfer's, which is compiled on first use (minutes on a fresh machine, and nvcc).
-        args.update(enable_memory_saver=True, base_gpu_id=base_gpu_id, mem_fraction_static=mem_fraction,
-                    cuda_graph_backend_prefill="disabled", sampling_backend="pytorch")
-    else:
-        # CPU mode: torch attention, no CUDA graphs. The fraction is of the host memory free at start-up
-        # and must cover the weights; max_total_tokens keeps the KV pool itself small.
-        args.update(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
-                    disable_overlap_schedule=True, mem_fraction_static=mem_fraction)
-        if cpu_pool_tokens is not None:
-            args.update(max_total_tokens=cpu_pool_tokens)
-    return args
 
 
 class SGLangEngine:
@@ -113,12 +74,15 @@ class SGLangEngine:
     def __init__(self, model_dir: str, *, shape: ModelShape, dtype: str = "float32", seed: int = 0,
                  tp_size: int = 1, mem_fraction: float = 0.5, base_gpu_id: int = 0,
                  cpu_pool_tokens: int | None = CPU_POOL_TOKENS, capture_routes: bool = False,
-                 group: dist.ProcessGroup | None = None, timeout_s: float = 1800.0, lora: LoraConfig | None = None):
+                 group: dist.ProcessGroup | None = None, timeout_s: float = 1800.0, lora: LoraConfig | None = None,
+                 nnodes: int = 1, dist_init_addr: str | None = None):
         """`shape`: the checkpoint's architecture (megarl.job reads it once per run). `group`: the trainer ranks
         on the engine's devices, this one first (its SGLang TP ranks, in order), each of which serializes its own
         copy of every pushed bucket (`SGLangPeer` on the others); None: this rank serializes its copy for every
         TP rank. `timeout_s`: how long a call may go without progress.
-        `lora`: the policy's adapters (model.lora) arrive by `update_adapter` and every request uses them."""
+        `lora`: the policy's adapters (model.lora) arrive by `update_adapter` and every request uses them.
+        `nnodes` > 1: the engine spans that many whole nodes; this is node 0, the others start their parts
+        (SGLangNodePart) at the same time, meeting at `dist_init_addr`."""
         self.on_gpu = on_gpu()
         if group is not None and group.size() != tp_size:
             raise ValueError(f"the engine's group has {group.size()} ranks for an SGLang engine of tp_size {tp_size}")
@@ -127,6 +91,10 @@ class SGLangEngine:
             # SGLang's CPU mode, for this process and the scheduler processes it spawns.
             os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
             load_cuda_driver_stand_in()
+            if nnodes > 1:
+                # the schedulers of the other nodes are not this process's children: a host tensor travels to
+                # them by name (a shared-memory file), as SGLangPeer's do, not as a descriptor only children take
+                torch.multiprocessing.set_sharing_strategy("file_system")
         from sglang.srt.entrypoints.engine import Engine
 
         self.capture_routes = capture_routes
@@ -155,7 +123,7 @@ class SGLangEngine:
         self._kv_bytes_per_token = kv_bytes_per_token(shape, dtype=dtype, tp=tp_size)
         args = engine_args(model_dir, on_gpu=self.on_gpu, dtype=dtype, seed=seed, tp_size=tp_size,
                            mem_fraction=mem_fraction, base_gpu_id=base_gpu_id, cpu_pool_tokens=cpu_pool_tokens,
-                           capture_routes=capture_routes, lora=lora)
+                           capture_routes=capture_routes, lora=lora, nnodes=nnodes, dist_init_addr=dist_init_addr)
         if lora is not None and not self.on_gpu:
             sglang_plugin.require("rollout.lora_sync = 'adapter'")
         self.adapter: str | None = None  # the loaded LoRA adapter every request names (update_adapter)
@@ -164,10 +132,8 @@ class SGLangEngine:
         self._watch: _CallWatch | None = None  # the call in flight
         # while it starts, SGLang calls this handler on SIGQUIT from its processes (in the main thread); the
         # server arguments travel to its processes, so it is a module function (pickled by name)
-        global _sigquit_target
-        _sigquit_target = self
-        args["custom_sigquit_handler"] = _on_sigquit
-        with _launch_env(self.on_gpu):
+        args["custom_sigquit_handler"] = sigquit_to(self)
+        with launch_env(self.on_gpu, tp_size=tp_size, nnodes=nnodes):
             self.engine = Engine(**args)
         self._take_over_sigquit()
         if self.on_gpu:
@@ -192,7 +158,7 @@ class SGLangEngine:
 
         self.engine.loop.run_until_complete(start_handle_loop())
         if threading.current_thread() is threading.main_thread():
-            self.engine.loop.add_signal_handler(signal.SIGQUIT, _on_sigquit)
+            self.engine.loop.add_signal_handler(signal.SIGQUIT, on_sigquit)
 
     def _process_failed(self, *_) -> None:
         self.dead = "an SGLang process exited (SIGQUIT from SGLang: a scheduler or the detokenizer died or raised)"
@@ -449,51 +415,13 @@ class SGLangEngine:
         """Kill this engine's processes (its schedulers and detokenizer, each with its children) and cancel its
         tasks, without waiting on SGLang. SGLang's own shutdown kills every child of this process, which would
         take the reward sandboxes and pools beside it too."""
-        import psutil
-
         self.dead = self.dead or "abandoned after a failure"
         manager = self.engine.tokenizer_manager
         if getattr(manager, "_subprocess_watchdog", None) is not None:
             manager._subprocess_watchdog.stop()  # a child it sees die would send SIGQUIT again
-        doomed = []
-        for pid in self.engine.get_all_child_pids():
-            with contextlib.suppress(psutil.NoSuchProcess):
-                root = psutil.Process(pid)
-                doomed += [*root.children(recursive=True), root]
-        for process in doomed:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
-        psutil.wait_procs(doomed, timeout=30)
+        kill_processes(self.engine)
         for task in getattr(manager, "asyncio_tasks", ()):
             task.cancel()
-
-
-@contextlib.contextmanager
-def _launch_env(on_gpu: bool) -> Iterator[None]:
-    """Environment for starting SGLang next to a trainer, restored afterwards.
-
-    SGLang's scheduler processes inherit this process's environment at start. torch_memory_saver refuses
-    expandable segments, so PYTORCH_CUDA_ALLOC_CONF is left out for them; the CUDA-graph pool is made
-    pauseable. SGLang also overwrites CUDA_DEVICE_MAX_CONNECTIONS (Megatron needs its own value for
-    overlapped TP communication) and resets the root logger to its log level (silencing the trainer's).
-    """
-    saved = {k: os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "CUDA_DEVICE_MAX_CONNECTIONS",
-                                            "SGLANG_MEMORY_SAVER_CUDA_GRAPH")}
-    root = logging.getLogger()
-    root_level, root_handlers = root.level, list(root.handlers)
-    if on_gpu:
-        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-        os.environ["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "1"
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        root.setLevel(root_level)
-        root.handlers[:] = root_handlers
 
 
 def _check(result, what: str) -> None:
@@ -506,14 +434,6 @@ def _check_lora(result, what: str) -> None:
     """SGLang's adapter calls answer LoRAUpdateOutput(success, error_message) and never raise."""
     if not getattr(result, "success", False):
         raise EngineError(phase=what, cause=f"SGLang said: {getattr(result, 'error_message', result)}")
-
-
-_sigquit_target: SGLangEngine | None = None  # the engine of this process (the last one started)
-
-
-def _on_sigquit(*_) -> None:
-    if _sigquit_target is not None:
-        _sigquit_target._process_failed()
 
 
 class _CallWatch:
