@@ -13,7 +13,9 @@ run a launcher restarts after it (torchrun --max-restarts, a requeue) goes on wi
     disk_full     the step's checkpoint write fails with ENOSPC after the models are written
     engine_crash  the step's first generate call hands out half its responses, then raises (a device error)
     engine_short  the step's first generate call returns without a response for its last prompt
-    engine_kill   SGLang: the engine's scheduler process is SIGKILLed as the step's first generate call starts
+    engine_kill   SGLang: the engine's scheduler process is SIGKILLed as the step's first generate call starts (on
+                  the first rank of node k >= 1 of an engine over whole nodes: that node's first scheduler, as the
+                  step's first round of generation starts)
     env_error     the step's first environment step raises
     reward_kill   the step's first sample scored kills the process scoring it (a reward worker; needs
                   reward.workers > 0, or the trainer itself would be the process killed)
@@ -164,6 +166,14 @@ class FaultyEngine:
 
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
+
+
+def node_part(node) -> None:
+    """The step's first round of generation on the first rank of node k >= 1 of an engine over whole nodes
+    (megarl.rollout.sglang_launch.SGLangNodePart): an armed `engine_kill` SIGKILLs the node's first scheduler,
+    which the engine's host meets in its generate call (a dead TP rank)."""
+    if _armed and _take("engine_kill"):
+        kill_scheduler(node)
 
 
 def engine(made, *, counts_calls: bool = False):

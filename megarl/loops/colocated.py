@@ -279,6 +279,8 @@ class ColocatedRollouts:
     def run_part(self, run: RLRun, part: EnginePart | None) -> None:
         """This rank's share of a round (`part`, on a rank that hosts an engine) on its engine; then every rank
         meets, and after each recovery the restarted engines go on with their parts."""
+        if self.node is not None and self.failure is None:
+            inject.node_part(self.node)
         while True:
             if part is not None and self.failure is None:
                 self.rng = self.engine.rng_state()
