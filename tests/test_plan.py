@@ -58,6 +58,7 @@ def test_every_issue_target_has_a_recipe():
     assert names == {"qwen2.5-7b-grpo-gsm8k", "llama-3.3-70b-grpo", "llama-3.3-70b-ppo", "qwen3-30b-a3b-dapo",
                      "qwen3-235b-a22b-grpo", "qwen2.5-7b-grpo-gsm8k-async",  # placement split
                      "glm-4.5-grpo", "gpt-oss-120b-grpo",  # sigmoid-routed MoE; sinks and sliding windows
+                     "deepseek-v3-grpo", "kimi-k2-grpo",  # MLA; engines over whole nodes
                      "llama-3.3-70b-lora-grpo",  # LoRA: the 70B on 2 nodes, adapters alone to SGLang
                      # a 7B-class recipe per policy-gradient algorithm (SFT and DPO: recipes/sft_7b.yaml, dpo_7b.yaml)
                      *(f"qwen2.5-7b-{a}-gsm8k" for a in ("ppo", "dr-grpo", "dapo", "gspo", "reinforce-pp", "rloo"))}
@@ -103,7 +104,8 @@ def test_docs_table_gives_the_planned_engines_and_kv_cache(capsys, monkeypatch):
                       (REPO / "docs" / "parallelism.md").read_text(), flags=re.M)
     assert {name for name, *_ in rows} == {"qwen2.5-7b-grpo-gsm8k", "llama-3.3-70b-grpo", "llama-3.3-70b-ppo",
                                            "llama-3.3-70b-lora-grpo", "qwen3-30b-a3b-dapo", "qwen3-235b-a22b-grpo",
-                                           "glm-4.5-grpo", "gpt-oss-120b-grpo"}
+                                           "glm-4.5-grpo", "gpt-oss-120b-grpo", "deepseek-v3-grpo",
+                                           "kimi-k2-grpo"}
     for name, engines, gpus, kv_gib in rows:
         _, out, _ = megarl([*header_command(REPO / "recipes" / "gpu" / f"{name}.yaml"), "--json"], capsys)
         rollout = json.loads(out)["rollout"]
