@@ -8,7 +8,8 @@ and gpt-oss (routed experts, sinks, biases):
   gradient norms, updated weights, master weights and moments;
 - the host share is not the device's: the trainer's device count (the ledger's) holds only the device share,
   and the offload between updates neither moves nor copies the host share again;
-- checkpoints resume with or without the offload, either way round, bit for bit.
+- checkpoints resume with or without the offload, either way round, bit for bit;
+- a GRPO run with all of it on the host stays within `megarl plan`'s device memory and resumes.
 
 Tolerance: none. Both optimizers step with torch's fused AdamW kernel, which updates each element on its own
 from the same fp32 master weight, gradient and moments; splitting the elements between a host and a device
@@ -18,16 +19,23 @@ device share steps in TE's FusedAdam instead: equal to float rounding, not bit f
 
 from __future__ import annotations
 
+import json
 from functools import partial
 
 import pytest
 import torch
 
+from conftest import REPO, run_python
 from test_engine import fixed_tokens, response_mask
 
 pytestmark = pytest.mark.timeout(300)
 
 FP32_STATE_BYTES = 12  # per element: fp32 master weight and two fp32 Adam moments
+RUN_TIMEOUT_S = 240
+# What DDP's padding may add beyond the plan on the device with all of the optimizer state on the host: at most
+# 64 elements (megarl.ledger.DDP_PADDING_ELEMENTS) per parameter tensor of the tiny Qwen2 in Megatron (16: the
+# embedding, the final norm and 7 per layer) in its bf16 parameter and fp32 gradient buffers.
+DDP_PADDING_BYTES = 64 * 16 * 6
 
 
 def engine_of(model_dir, groups, cpu_offload: float):
@@ -166,3 +174,26 @@ def test_a_checkpoint_resumes_with_or_without_offload(saved, loaded, qwen2_dir, 
     for _ in range(2):
         assert policy_step(reader) == policy_step(writer)
     assert_same_training(reader, writer)
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S)
+def test_a_grpo_run_offloads_around_the_host_share_and_resumes(qwen2_dir, arithmetic_dir, tmp_path):
+    """The RL loop with all of the optimizer state on the host: every phase's device memory, as the ledger counts
+    it against `megarl plan` on the CPU (a phase over the plan fails the run), is the plan's to within DDP's
+    padding, which the plan leaves out: the host share is counted nowhere on the device. The run checkpoints
+    every step and a second run resumes from its last checkpoint."""
+    args = ["-m", "megarl", "train", str(REPO / "recipes" / "quickstart.yaml"), f"run_dir={tmp_path}",
+            f"model.path={qwen2_dir}", "model.dtype=bfloat16", "optim.cpu_offload=1",
+            f"data.train_path={arithmetic_dir / 'train.jsonl'}", "data.eval_path=null", "warmup.sft_steps=0",
+            "checkpoint.every_steps=1", "log.progress=false"]
+    first = run_python([*args, "train.steps=2"], timeout_s=RUN_TIMEOUT_S)
+    assert first.returncode == 0, first.stderr[-4000:]
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 2
+    for phase in ("train", "push", "rollout"):
+        planned, counted = (steps[-1][f"memory/peak_{kind}_bytes/{phase}"] for kind in ("planned", "counted"))
+        assert 0 <= counted - planned <= DDP_PADDING_BYTES, (phase, planned, counted)
+    resumed = run_python([*args, "train.steps=3"], timeout_s=RUN_TIMEOUT_S)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2, 3]
