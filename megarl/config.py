@@ -353,6 +353,10 @@ class OptimConfig:
     grad_clip: float = 1.0  # global gradient-norm clip; 0 = off
     warmup_steps: int = 0  # linear learning-rate warmup, in optimizer steps
     distributed: bool = True  # shard optimizer state over data-parallel ranks (Megatron distributed optimizer)
+    # the fraction of this rank's optimizer state (Adam moments, fp32 master weights) kept in host memory and
+    # stepped there by Megatron's HybridDeviceOptimizer, the rest on the GPU; 0 = off, 1 = all. Needs the
+    # distributed optimizer and a 16-bit model.dtype
+    cpu_offload: float = 0.0
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step `step` (0-based): linear warmup over `warmup_steps`, then `lr`."""
@@ -366,6 +370,13 @@ class OptimConfig:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise FieldError(name, f"must be in [0, 1), got {getattr(self, name)}")
+        if not 0 <= self.cpu_offload <= 1:
+            raise FieldError("cpu_offload", f"must be in [0, 1] (a fraction of the optimizer state), got "
+                                            f"{self.cpu_offload}")
+        if self.cpu_offload and not self.distributed:
+            # Megatron offloads through its precision-aware optimizer path, which the distributed optimizer owns
+            raise FieldError("cpu_offload", "needs the distributed optimizer (optim.distributed: true); Megatron "
+                                            "offloads the optimizer state only through it")
 
 
 @dataclass(frozen=True)
@@ -785,6 +796,11 @@ class Config:
         if any(f.kind == "reward_kill" for f in self.faults) and not self.reward.workers:
             raise ValueError("faults: a reward_kill fault kills the process that scores, which without "
                              "reward.workers is the trainer: set reward.workers > 0")
+        if self.optim.cpu_offload and self.model.dtype == "float32":
+            # Megatron's distributed optimizer hands an fp32 model's shards to the HybridDeviceOptimizer as views
+            # of the parameters, which torch's optimizers refuse ("can't optimize a non-leaf Tensor")
+            raise ValueError(f"optim.cpu_offload = {self.optim.cpu_offload:g} needs a 16-bit model.dtype (bfloat16 "
+                             "or float16): Megatron's offloading optimizer cannot step float32 parameters")
         if self.model.lora is not None and traits.scalar_head:
             raise ValueError("model.lora: adapters go on the policy; algo.name = 'rm' trains a scalar-head model, "
                              "all of it (remove model.lora)")

@@ -3,7 +3,8 @@ recipe's plan (`megarl plan`).
 
 A colocated RL run counts, at each point where the hardware changes hands, what every owner holds on this rank's
 device: each trainer model's parameters, gradients and optimizer state (the bytes of its storages that are
-resident, megarl.engine.offload), the activations of the largest micro-batch (the plan's formula at the batch's
+resident, megarl.engine.offload; with optim.cpu_offload the share Megatron keeps on the host is not the
+device's), the activations of the largest micro-batch (the plan's formula at the batch's
 real length: a CPU cannot measure a GPU's activations), the rollout engine's weights and KV cache as its
 `device_bytes` reports them (SGLang's CPU mode stands in for the pool a GPU would size with the plan's figure),
 the weight push's bucket and gathered tensors, and the plan's fixed reserve. The phases are the plan's
@@ -150,11 +151,13 @@ def run_ledger(cfg, shape, *, world: int, stage: int, models: list, sglang_on_cp
                    for head in value_heads)
 
     param_bytes = DTYPE_BYTES[cfg.model.dtype]
-    trained_bytes = param_bytes + GRAD_BYTES + ADAM_BYTES + (MASTER_BYTES if cfg.model.dtype != "float32" else 0)
+    optim_bytes = ADAM_BYTES + (MASTER_BYTES if cfg.model.dtype != "float32" else 0)
+    # the optimizer state's share on the device: optim.cpu_offload keeps the rest on the host
+    trained_bytes = param_bytes + GRAD_BYTES + (1 - cfg.optim.cpu_offload) * optim_bytes
     # DDP_PADDING_ELEMENTS per parameter tensor in each buffer that holds one: parameters, and for a trained
     # model its gradients and optimizer state too
-    padding = sum(DDP_PADDING_ELEMENTS * sum(1 for chunk in model.chunks for _ in chunk.parameters())
-                  * (trained_bytes if model.memory.optimizer is not None else param_bytes) for model in models)
+    padding = int(sum(DDP_PADDING_ELEMENTS * sum(1 for chunk in model.chunks for _ in chunk.parameters())
+                      * (trained_bytes if model.memory.optimizer is not None else param_bytes) for model in models))
     stand_ins = {"rollout engine kv cache": first.rollout.kv_bytes} if sglang_on_cpu else {}
     actor = models[0]
     largest = max(p.numel() * p.element_size() for chunk in actor.chunks for p in chunk.parameters())

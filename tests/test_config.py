@@ -144,6 +144,23 @@ def test_adapter_sync_mistakes_name_the_key(recipe, overrides, message):
     assert message in error_of(recipe(), overrides)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["optim.cpu_offload=1.5"], "optim.cpu_offload: must be in [0, 1] (a fraction of the optimizer state), got 1.5"),
+    (["optim.cpu_offload=-0.5"], "optim.cpu_offload: must be in [0, 1]"),
+    (["optim.cpu_offload=1", "optim.distributed=false"],
+     "optim.cpu_offload: needs the distributed optimizer (optim.distributed: true)"),
+    (["optim.cpu_offload=0.5"], "optim.cpu_offload = 0.5 needs a 16-bit model.dtype (bfloat16 or float16)"),
+])
+def test_optimizer_offload_mistakes_name_the_key(recipe, overrides, message):
+    assert message in error_of(recipe(), overrides)
+
+
+def test_optimizer_offload_loads_as_a_fraction_with_a_16_bit_model(recipe):
+    optim = load_config(recipe(), ["optim.cpu_offload=1", "model.dtype=bfloat16"]).optim
+    assert optim.cpu_offload == 1.0 and type(optim.cpu_offload) is float
+    assert load_config(recipe()).optim.cpu_offload == 0.0  # off by default
+
+
 def test_mis_band_loads_at_either_level_and_with_gspo_at_sequence_level(recipe):
     path = recipe()
     algo = load_config(path, ["algo.mis_low=0.5", "algo.mis_high=2.0"]).algo

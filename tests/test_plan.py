@@ -59,6 +59,7 @@ def test_every_issue_target_has_a_recipe():
                      "qwen3-235b-a22b-grpo", "qwen2.5-7b-grpo-gsm8k-async",  # placement split
                      "glm-4.5-grpo", "gpt-oss-120b-grpo",  # sigmoid-routed MoE; sinks and sliding windows
                      "deepseek-v3-grpo", "kimi-k2-grpo",  # MLA; engines over whole nodes
+                     "gpt-oss-120b-grpo-1node",  # optim.cpu_offload: the 117B on one node
                      "llama-3.3-70b-lora-grpo",  # LoRA: the 70B on 2 nodes, adapters alone to SGLang
                      # a 7B-class recipe per policy-gradient algorithm (SFT and DPO: recipes/sft_7b.yaml, dpo_7b.yaml)
                      *(f"qwen2.5-7b-{a}-gsm8k" for a in ("ppo", "dr-grpo", "dapo", "gspo", "reinforce-pp", "rloo"))}
@@ -104,8 +105,8 @@ def test_docs_table_gives_the_planned_engines_and_kv_cache(capsys, monkeypatch):
                       (REPO / "docs" / "parallelism.md").read_text(), flags=re.M)
     assert {name for name, *_ in rows} == {"qwen2.5-7b-grpo-gsm8k", "llama-3.3-70b-grpo", "llama-3.3-70b-ppo",
                                            "llama-3.3-70b-lora-grpo", "qwen3-30b-a3b-dapo", "qwen3-235b-a22b-grpo",
-                                           "glm-4.5-grpo", "gpt-oss-120b-grpo", "deepseek-v3-grpo",
-                                           "kimi-k2-grpo"}
+                                           "glm-4.5-grpo", "gpt-oss-120b-grpo", "gpt-oss-120b-grpo-1node",
+                                           "deepseek-v3-grpo", "kimi-k2-grpo"}
     for name, engines, gpus, kv_gib in rows:
         _, out, _ = megarl([*header_command(REPO / "recipes" / "gpu" / f"{name}.yaml"), "--json"], capsys)
         rollout = json.loads(out)["rollout"]
@@ -492,6 +493,64 @@ def test_sft_and_dpo_are_planned_without_a_rollout_engine(recipe, capsys, monkey
         assert ref["params"] == actor["params"] and ref["grads"] == ref["optim"] == ref["activations"] == 0
         assert result["layout"]["micro_batches"] == 64 // 2 * 2 // 2  # pairs / dp * 2 sequences / micro
     assert result["layout"]["seq_len"] == 4096
+
+
+def plan_json(args: list[str], capsys) -> dict:
+    code, out, err = megarl([*args, "--json"], capsys)
+    assert code in (0, 1), out + err  # fits or not: only the figures matter
+    return json.loads(out)
+
+
+def optimizer_elements(config_json: Path, *, tp: int = 1, pp: int, ep: int, dp: int, expert_dp: int) -> list[int]:
+    """Each pipeline stage's optimizer elements on one GPU: its parameters as Megatron's GPTModel holds them
+    (megarl.plan.stage_params, checked against a real engine below), sharded by the distributed optimizer."""
+    from megarl.models.arch import read_shape
+    from megarl.plan import stage_params
+
+    shape = read_shape(str(config_json.parent))
+    counts = [stage_params(shape, tp=tp, pp=pp, ep=ep, stage=s) for s in range(pp)]
+    return [-(-c.dense // dp) + -(-c.expert // expert_dp) for c in counts]
+
+
+def test_optimizer_offload_moves_its_share_of_adam_from_the_gpus_to_the_host(capsys):
+    """optim.cpu_offload f keeps f of each GPU's optimizer elements on the host, their moments and master copy
+    (12 bytes each) and a copy of their gradients (4): the GPU's optimizer state, and every phase that holds it,
+    is lighter by exactly 12 bytes per offloaded element, and the host carries 16 (an RL run moved the 12 there
+    while generating before, so its node gains the 4 of the gradient copy; SFT offloaded nothing before)."""
+    from megarl.plan import GIB
+
+    half = 0.5
+    args = plan_args("gpt-oss-120b-grpo-1node", "gpt-oss-120b", 1, "parallel.pp=2", "parallel.ep=4",
+                     gpu_mem_gb=140)
+    resident, offloaded = (plan_json([*args, f"optim.cpu_offload={f}"], capsys) for f in (0, half))
+    elements = optimizer_elements(CONFIGS / "gpt-oss-120b" / "config.json", pp=2, ep=4, dp=4, expert_dp=1)
+    on_host = [int(half * n) for n in elements]
+    stage = resident["stage"]
+    assert offloaded["stage"] == stage == 1  # the stage with the output layer and the logprob head
+    before, after = resident["models"][0], offloaded["models"][0]
+    assert before["optim"] == 12 * elements[stage] and before["host_optim"] == 0
+    assert after["optim"] == 12 * (elements[stage] - on_host[stage])
+    assert after["host_optim"] == 16 * on_host[stage]
+    assert (before["params"], before["grads"], before["activations"]) == (
+        after["params"], after["grads"], after["activations"])
+    moved = 12 * on_host[stage] / GIB
+    assert resident["phases_gib"]["train"] - offloaded["phases_gib"]["train"] == pytest.approx(moved, abs=1e-9)
+    assert offloaded["phases_gib"]["rollout"] == resident["phases_gib"]["rollout"]  # the trainer is offloaded
+    # the node: 4 GPUs per stage (Megatron's rank order puts stages outermost)
+    assert offloaded["host"]["kept"] == 16 * on_host[stage]
+    assert offloaded["host"]["per_node"] - resident["host"]["per_node"] == sum(4 * 4 * h for h in on_host)
+
+    sft = ["plan", str(OFFLINE_RECIPES[0]), "--nodes", "1", "--gpus-per-node", "8", "--gpu-mem-gb", "80",
+           "--model-config", str(CONFIGS / "qwen2.5-7b" / "config.json")]
+    resident, offloaded = (plan_json([*sft, f"optim.cpu_offload={f}"], capsys) for f in (0, 1))
+    layout = resident["layout"]
+    (elements,) = optimizer_elements(CONFIGS / "qwen2.5-7b" / "config.json", tp=layout["tp"], pp=1, ep=1,
+                                     dp=layout["dp"] * layout["cp"], expert_dp=1)
+    assert resident["models"][0]["optim"] == 12 * elements
+    assert offloaded["models"][0]["optim"] == 0
+    assert resident["phases_gib"]["train"] - offloaded["phases_gib"]["train"] == pytest.approx(
+        12 * elements / GIB, abs=1e-9)
+    assert offloaded["host"]["per_node"] - resident["host"]["per_node"] == 8 * 16 * elements
 
 
 def test_dpo_plans_its_reference_even_without_a_kl_coefficient(capsys):

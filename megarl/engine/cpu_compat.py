@@ -7,11 +7,12 @@ redirects exactly those to the CPU. Everything it changes is process-global, so 
 CUDA device is usable: on a GPU machine megatron runs untouched.
 
 Also here: `te_general_gemm`, which megatron-core's MoE router reads although it is bound only with
-Transformer Engine: `patch_moe_router_without_te` fixes that on every device (a GPU machine may lack TE), and
-`patch_mla_without_te` the same kind of mistake in multi-latent attention.
-And, on the CPU path only: numpy split sizes passed to `all_to_all_single`, and gloo's `all_gather`, which
+Transformer Engine: `patch_moe_router_without_te` fixes that on every device (a GPU machine may lack TE),
+`patch_mla_without_te` the same kind of mistake in multi-latent attention, and
+`patch_optimizer_config_without_te` another in the optimizer's config (optim.cpu_offload).
+And, on the CPU path only: numpy split sizes passed to `all_to_all_single`, gloo's `all_gather`, which
 refuses tensors of different lengths per rank that the MoE dispatcher gathers under tensor parallelism (NCCL
-takes them).
+takes them), and megatron-core's optimizer that steps part of the state on the host.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def install() -> None:
     _patch_cuda_type_asserts()
     _patch_moe_without_te()
     _patch_adam_step_restore()
+    _patch_hybrid_device_optimizer()
 
 
 class _Stream:
@@ -204,6 +206,67 @@ def patch_mla_without_te() -> None:
         multi_latent_attention.HAVE_TE = False
 
 
+def patch_optimizer_config_without_te() -> None:
+    """Without Transformer Engine, on any device: megatron-core's OptimizerConfig asks TE's version whenever
+    `use_precision_aware_optimizer` is set, also for its HybridDeviceOptimizer (optim.cpu_offload), which needs no
+    TE; without TE that version is None and the comparison raises TypeError. Told the truth (no TE, so not TE
+    2.1), it turns off `store_param_remainders`, a TE FusedAdam feature megarl never asks for with the offloading
+    optimizer. Idempotent."""
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        from megatron.core.optimizer import optimizer_config
+
+        optimizer_config.is_te_min_version = lambda version, check_equality=True: False
+
+
+def _patch_hybrid_device_optimizer() -> None:
+    from megatron.core import optimizer
+    from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    class HostSteppedOnCpu(HybridDeviceOptimizer):
+        """megatron-core's HybridDeviceOptimizer (optim.cpu_offload) on a machine whose device is the CPU.
+
+        It steps the first `offload_fraction` of its parameters (by element count, in group order) on a host
+        copy with a host optimizer, copying the gradients over before and the updated values back after, and
+        the rest on the device. It tells the two apart by `param.is_cuda` and pins its host copies: on the CPU
+        no parameter is on CUDA, so none would get a host copy, every one would land in the host optimizer
+        without a device twin, and the first step would fail looking that twin up (KeyError); pinning needs
+        CUDA too. Here the parameters it is given are the device's and the offloaded ones get a plain host
+        copy: the same copies, hooks and steps as on a GPU."""
+
+        def __init__(self, params, **kwargs):
+            super().__init__(params, **{**kwargs, "pin_cpu_grads": False, "pin_cpu_params": False})
+
+        def _get_sub_optimizer_param_groups(self, offload_fraction: float):
+            """The split, every parameter given taken as a device one: (host groups, device groups, parameter
+            -> host copy, host copy -> parameter, 16-bit parameter -> fp32 copy)."""
+            params = [param for group in self.param_groups for param in group["params"]]
+            threshold = offload_fraction * sum(param.numel() for param in params)
+            offloaded = 0
+            host_groups, device_groups, to_host, to_device, to_fp32 = [], [], {}, {}, {}
+            for group in self.param_groups:
+                host, device = {**group, "params": []}, {**group, "params": []}
+                for param in group["params"]:
+                    inner, side = param, device
+                    if offloaded < threshold:
+                        inner, side = param.detach().clone(), host
+                        offloaded += param.numel()
+                    if self.param_update_in_fp32 and inner.dtype != torch.float32:
+                        inner = to_fp32[param] = inner.detach().float()
+                    if side is host:
+                        to_host[param], to_device[inner] = inner, param
+                    side["params"].append(inner)
+                host_groups += [host] if host["params"] else []
+                device_groups += [device] if device["params"] else []
+            return host_groups, device_groups, to_host, to_device, to_fp32
+
+    # the class megatron-core's optimizer factory builds, and the one the distributed optimizer builds again
+    # over its shards and tests with isinstance
+    optimizer.HybridDeviceOptimizer = distrib_optimizer.HybridDeviceOptimizer = HostSteppedOnCpu
+
+
 def _patch_moe_without_te() -> None:
     patch_moe_router_without_te()
     original = torch.distributed.all_to_all_single
@@ -247,7 +310,9 @@ def _patch_adam_step_restore() -> None:
     # `step` next to the moments. Restoring a checkpoint, Megatron puts `step` back into that state and then
     # copies every state key from the loaded shards, which hold only the parameter and the moments: a
     # KeyError. Copy the keys the shards have; `step` is already set, but as ONE tensor shared by every
-    # parameter, which torch Adam increments in place once per parameter: give each its own copy.
+    # parameter, which torch Adam increments in place once per parameter: give each its own copy. The
+    # offloading optimizer (optim.cpu_offload, the precision-aware path) takes the shards by key, as Megatron
+    # gives them, and has the same shared `step`.
     from megatron.core.optimizer import distrib_optimizer
 
     dist_opt = distrib_optimizer.DistributedOptimizer
@@ -258,12 +323,15 @@ def _patch_adam_step_restore() -> None:
         group_index, group_order = self.model_param_group_index_map[model_param]
         main_param = self.optimizer.param_groups[group_index]["params"][group_order]
         state = self.optimizer.state[main_param]
-        if "step" not in state or "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+        if "step" not in state or "step" in tensors:
             return original(self, model_param, tensors)
-        main_param.detach().copy_(tensors["param"])
-        for key, value in state.items():
-            if key != "step":
-                value.copy_(tensors[key])
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            original(self, model_param, tensors)
+        else:
+            main_param.detach().copy_(tensors["param"])
+            for key, value in state.items():
+                if key != "step":
+                    value.copy_(tensors[key])
         state["step"] = state["step"].clone()
 
     dist_opt._set_main_param_and_optimizer_states = set_states

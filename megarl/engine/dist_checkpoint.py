@@ -80,7 +80,7 @@ def load(stage: StageModel, optimizer, path: str | Path) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
-    _fill_empty_adam_state(optimizer)
+    _ready_for_loading(optimizer)
     state = _sharded_state(stage, optimizer, is_loading=True)
     _check_checkpoint(Path(path), state["model"])
     strict = StrictHandling.RAISE_ALL if optimizer is not None else StrictHandling.RAISE_UNEXPECTED
@@ -123,15 +123,30 @@ def checkpoint_params(stage: StageModel, path: Path, *, bucket_bytes: int) -> It
             yield global_name(name, stage.layer_offsets[0]), param, values.pop(name)
 
 
-def _fill_empty_adam_state(optimizer) -> None:
+def _ready_for_loading(optimizer) -> None:
     """Give a fresh torch Adam (the optimizer Megatron falls back to without apex or Transformer Engine)
     zero moments and a `step`, as it has after a real step. Megatron's own state initialization for
     loading leaves `step` out, and its distributed optimizer then fails reading it; the loaded
-    checkpoint overwrites all three."""
+    checkpoint overwrites all three.
+
+    A fresh HybridDeviceOptimizer (optim.cpu_offload) takes Megatron's own dummy step, which its distributed
+    optimizer runs when loading into it, but only after reading the state's steps, which without apex or
+    Transformer Engine fails on an empty state. The step moves the weights and the optimizer state by random
+    gradients; the checkpoint then overwrites both (and a resume restores the RNG after loading).
+
+    A checkpoint written with optim.cpu_offload, whatever this run's setting, names the offloading optimizer's
+    host and device optimizer classes (they sit in its param groups), which torch.load reads only once
+    allowed: exactly the two megatron-core builds it with."""
+    from megatron.core import optimizer as megatron_optimizer
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
     if optimizer is None:
         return
+    torch.serialization.add_safe_globals([torch.optim.AdamW, megatron_optimizer.Adam])
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         torch_optimizer = inner.optimizer
+        if isinstance(torch_optimizer, HybridDeviceOptimizer) and not torch_optimizer.state:
+            torch_optimizer.dummy_step()
         if not isinstance(torch_optimizer, torch.optim.Adam | torch.optim.AdamW):
             continue
         for group in torch_optimizer.param_groups:

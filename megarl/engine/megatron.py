@@ -16,6 +16,7 @@ log p(tokens[b, t] | tokens[b, :t]) at the sampling temperature, and column 0 is
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -137,6 +138,15 @@ class TrainEngine:
                 for chunk in self.chunks]
         for ddp in ddps:
             skip_one_rank_collectives(ddp)
+        offload = {}
+        if optim.cpu_offload:
+            # Megatron's HybridDeviceOptimizer steps that fraction of the state on the host. It runs through
+            # the precision-aware path, so the fp32 master weights it keeps are the only ones (on the host for
+            # the offloaded share) and no second master copy stays on the GPU; the transfers overlap the
+            # host's steps. It keeps whole fp32 masters, not TE FusedAdam's remainders.
+            offload = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=optim.cpu_offload,
+                           use_precision_aware_optimizer=True, overlap_cpu_optimizer_d2h_h2d=True,
+                           store_param_remainders=False)
         opt_config = OptimizerConfig(
             optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay, adam_beta1=optim.beta1,
             adam_beta2=optim.beta2, adam_eps=optim.eps, clip_grad=optim.grad_clip,
@@ -144,10 +154,13 @@ class TrainEngine:
             use_distributed_optimizer=optim.distributed,
             # fp16: torch GradScaler's first scale. Megatron's 2**32 overflows fp16 gradients and skips steps
             # while it halves down (17 skipped steps on the tiny model, each a whole RL step's rollout).
-            initial_loss_scale=2.0**16,
+            initial_loss_scale=2.0**16, **offload,
         )
         # one optimizer over every chunk: one gradient norm, one clipping, one step
-        optimizer = get_megatron_optimizer(opt_config, ddps)
+        with warnings.catch_warnings():
+            # megatron-core compares torch's version as a string ('2.14' < '2.3') and warns wrongly
+            warnings.filterwarnings("ignore", message="CPU offload is recommended for PyTorch >= 2.3.0")
+            optimizer = get_megatron_optimizer(opt_config, ddps)
         fuse_torch_adam(optimizer)
         # The schedule multiplies each loss (and the MoE aux loss) by the optimizer's loss scale, which the
         # optimizer divides out of the gradients again: 1 except in fp16, where it keeps them representable.
@@ -324,7 +337,8 @@ def fuse_torch_adam(optimizer) -> None:
     with its fused kernel: all parameters of a group in one pass per element, instead of a dozen tensor ops
     per parameter (3x faster on a 2-layer hidden-128 model, 3x at 4 layers hidden 512). The update is the
     same Adam to float rounding. Megatron builds torch's Adam without `fused`, and a loaded checkpoint
-    brings back the param groups it was saved with, so this runs after both."""
+    brings back the param groups it was saved with, so this runs after both. The offloading optimizer
+    (optim.cpu_offload) builds its torch Adams with `fused` itself."""
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         adam = inner.optimizer
         if not isinstance(adam, torch.optim.Adam) or getattr(adam, "defaults", {}).get("differentiable"):
@@ -345,8 +359,6 @@ def meta_engine(model_dir: str | Path, *, shape: ModelShape, dtype: str, tp: int
     this layout, no weights, for the conversion tools to stream tensors through (`save_checkpoint(hf_dir=)`,
     `hf_tensors(checkpoint=)`). ValueError, naming the numbers, when the layout does not split the model
     or the torchrun world."""
-    import warnings
-
     check_layout(shape, tp=tp, pp=pp, cp=1, ep=ep, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     # Without GPU-only Apex / Transformer Engine megatron warns at import about its fallbacks, which are the
     # intended code on CPU; a conversion's output is its progress.

@@ -10,6 +10,10 @@ parameter buffer); onload resizes it back and copies the bytes in. Gradient buff
 are zeroed when they come back, as after every step. Storages shared between pieces move once, with the
 parameters (an fp32 optimizer steps the model's own parameters, or views of the parameter buffer).
 
+With optim.cpu_offload, Megatron's HybridDeviceOptimizer keeps its share of the optimizer state in host memory
+all the time and steps it there: that share is neither moved again nor counted as the device's; its device
+optimizer's moments and fp32 master weights move like any optimizer's.
+
 The CPU runs the same order of operations with its storage really freed, so a read of offloaded memory
 fails in CPU tests as it would on a GPU (there it is an illegal memory access; here a crash or garbage).
 """
@@ -145,18 +149,30 @@ class TrainerMemory:
         return [buffer.grad_data for buffer in self._buffers() if buffer.grad_data is not None]
 
     def _optimizer_tensors(self) -> list[torch.Tensor]:
-        """The optimizer's own parameters (fp32 main copies) and its state tensors. A scalar state (Adam's step
-        count) stays: it is a few bytes, and copying one per parameter costs more than it frees."""
+        """The optimizer's own parameters (fp32 main copies) and its state tensors, on the device. A scalar state
+        (Adam's step count) stays: it is a few bytes, and copying one per parameter costs more than it frees."""
         tensors = []
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            for group in opt.optimizer.param_groups:
-                tensors += [p.data for p in group["params"]]
-            for state in opt.optimizer.state.values():
-                tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+            for inner in _device_optimizers(opt.optimizer):
+                for group in inner.param_groups:
+                    tensors += [p.data for p in group["params"]]
+                for state in inner.state.values():
+                    tensors += [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
         return tensors
 
     def _buffers(self) -> list:
         return [buffer for ddp in self.ddps for buffer in ddp.buffers + ddp.expert_parallel_buffers]
+
+
+def _device_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers of one Megatron optimizer whose tensors live on the device: the optimizer itself, or
+    of a HybridDeviceOptimizer (optim.cpu_offload) its device optimizer alone (none when it offloads all). Its
+    host optimizers step host copies, which is also where its own `state` points for their share."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    if not isinstance(optimizer, HybridDeviceOptimizer):
+        return [optimizer]
+    return [optimizer.gpu_optimizer] if optimizer.gpu_optimizer is not None else []
 
 
 def _key(tensor: torch.Tensor) -> int:

@@ -84,6 +84,7 @@ def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0,
         cpu_compat.install()
     cpu_compat.patch_moe_router_without_te()  # a GPU machine may lack Transformer Engine too
     cpu_compat.patch_mla_without_te()
+    cpu_compat.patch_optimizer_config_without_te()
     world = dist.get_world_size()
     if world % (tp * pp * cp) != 0:
         raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")

@@ -13,10 +13,10 @@ from megarl.job import Job, ModelRole, model_shape
 from megarl.layout import Layout
 from megarl.models.arch import ModelShape, padded_vocab_size
 from megarl.plan.memory import (DTYPE_BYTES, ENGINE_START_USED_GIB, ENTROPY_BYTES, GIB, HOST_RESERVE_GIB,
-                                HOST_USABLE_FRACTION, LOGITS_BYTES, RESERVE_GIB, USABLE_FRACTION, Cluster,
-                                HostMemory, ModelMemory, Rollout, Routing, activation_bytes, host_memory,
-                                largest_tensor, lora_params, model_state, rollout_memory, routing_memory,
-                                stage_params)
+                                HOST_USABLE_FRACTION, LOGITS_BYTES, OFFLOAD_GRAD_BYTES, RESERVE_GIB,
+                                USABLE_FRACTION, Cluster, HostMemory, ModelMemory, Rollout, Routing,
+                                activation_bytes, host_memory, largest_tensor, lora_params, model_state,
+                                rollout_memory, routing_memory, stage_params)
 
 DEFAULT_SEQ_TOKENS = 4096  # SFT and DPO: the longest row when --seq-tokens is not given
 
@@ -114,6 +114,10 @@ class Plan:
                 what = "the offloaded trainer state takes"
                 advice = ("use more nodes, or more model parallelism (the optimizer state is sharded over the "
                           "data-parallel ranks)")
+            if h.kept:
+                advice += (f"; optim.cpu_offload {self.job.cfg.optim.cpu_offload:g} keeps {gib(h.kept)} GiB per GPU "
+                           "there in every phase, with a copy of its gradients: a smaller share leaves more of the "
+                           "optimizer state on the GPUs")
             out.append(f"host: {what} {gib(h.per_node)} GiB per node, more than the {gib(h.limit)} GiB usable of "
                        f"--host-mem-gb {self.cluster.host_mem_gib:g}: {advice}")
         return out
@@ -157,7 +161,7 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
     routing = routing_memory(cfg, shape, layout, cluster, seq_len=seq_len)
     route_device = routing.device_train if routing is not None else 0
     state_args = dict(dtype=dtype, distributed=optim.distributed, dp=layout.dp * layout.cp,
-                      expert_dp=layout.expert_dp)
+                      expert_dp=layout.expert_dp, cpu_offload=optim.cpu_offload)
     reserve = int(RESERVE_GIB * GIB)
     gathered = 2 * largest_tensor(shape) * dtype_bytes
     # one bucket in flight: rollout.bucket_bytes, or the whole model where it is smaller
@@ -174,10 +178,11 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
             adapters = 0
             if role.lora is not None:
                 adapters = lora_params(shape, cfg.model.lora, tp=layout.tp, pp=layout.pp, ep=layout.ep)
-            params, grads, opt = model_state(counts, trainable=trainable, adapters=adapters, **state_args)
+            params, grads, opt, host_opt = model_state(counts, trainable=trainable, adapters=adapters,
+                                                       **state_args)
             acts = training_activations(cfg, shape, layout, stage=stage, seq_len=seq_len, value_head=value_head) \
                 if trainable else 0
-            models.append(ModelMemory(name, params, grads, opt, acts))
+            models.append(ModelMemory(name, params, grads, opt, acts, host_opt))
             if adapters:  # DDP's buffers hold what trains
                 largest_buffer = max(largest_buffer, adapters * dtype_bytes)
             elif trainable:  # a DDP buffer per model for dense and one for expert parameters
@@ -267,25 +272,28 @@ def assumptions(cfg: Config, layout: Layout, *, seq_source: str, experts: bool,
     if recompute == "full":
         recompute += f" ({megatron.get('recompute_method')}, units of {megatron.get('recompute_num_layers')} layer(s))"
     offline, split = cfg.algo.traits.offline, layout.rollout_ranks > 0
+    kept = ", but the optimizer's share optim.cpu_offload keeps there" if cfg.optim.cpu_offload else ""
     if offline:
         phases = (f"{cfg.algo.name} has no rollout engine: one phase, train, with every model resident"
                   + (" (the frozen reference beside the actor)" if cfg.algo.traits.reference else ""))
-        host = f"host: nothing offloaded; {HOST_RESERVE_GIB:g} GiB per GPU for the processes"
+        host = f"host: nothing offloaded{kept}; {HOST_RESERVE_GIB:g} GiB per GPU for the processes"
     elif split:
         phases = (f"placement split, nothing offloaded: training GPUs ({rank_range(0, layout.world)}) hold every "
                   "trainer model all the time and no rollout engine: train (all trainer models resident), push "
                   "(training rank 0: the same state + one bucket + 2 copies of the largest tensor, broadcast to the "
                   f"engines); rollout GPUs ({rank_range(layout.world, layout.world + layout.rollout_ranks)}) hold the "
                   "engine alone: rollout (its static memory), push (+ the one bucket it receives)")
-        host = (f"host, per node: nothing offloaded (placement split); {HOST_RESERVE_GIB:g} GiB per GPU for the "
-                f"processes; usable = {HOST_USABLE_FRACTION:.0%} of --host-mem-gb")
+        host = (f"host, per node: nothing offloaded (placement split){kept}; {HOST_RESERVE_GIB:g} GiB per GPU for "
+                f"the processes; usable = {HOST_USABLE_FRACTION:.0%} of --host-mem-gb")
     else:
         phases = ("phases as the RL loop orders them: train (all trainer models resident"
                   + (", beside the engine's base weights, which rollout.lora_sync: adapter keeps" if
                      cfg.rollout.lora_sync == "adapter" else "; the engines' weights and KV cache released")
                   + "), push (trainer parameters + rollout weights + one bucket + 2 copies of the largest tensor), "
                   "rollout (trainer offloaded); a rollout engine on every GPU")
-        host = ("host, per node: every trainer model's parameters pinned, the trained models' optimizer state, "
+        host = ("host, per node: every trainer model's parameters pinned, the trained models' optimizer state"
+                + (" (the share optim.cpu_offload keeps there in every phase included)" if cfg.optim.cpu_offload
+                   else "") + ", "
                 + ("one parameter buffer's pageable copy on the first offload, " if cfg.optim.distributed else "")
                 + f"{HOST_RESERVE_GIB:g} GiB per GPU for the processes; usable = {HOST_USABLE_FRACTION:.0%} of "
                 "--host-mem-gb")
@@ -294,7 +302,10 @@ def assumptions(cfg: Config, layout: Layout, *, seq_source: str, experts: bool,
         f"parameters in model.dtype {cfg.model.dtype}; gradients fp32; Adam moments fp32"
         + ("" if cfg.model.dtype == "float32" else " plus an fp32 master copy")
         + (f", sharded over dp*cp = {layout.dp * layout.cp}" + (f" (experts: {layout.expert_dp})" if experts else "")
-           if cfg.optim.distributed else ", not sharded (optim.distributed: false)"),
+           if cfg.optim.distributed else ", not sharded (optim.distributed: false)")
+        + (f"; optim.cpu_offload {cfg.optim.cpu_offload:g}: that share of its elements (whole tensors, at least "
+           "that share) on the host in every phase, stepped there, with a host copy of their gradients "
+           f"({OFFLOAD_GRAD_BYTES} bytes per element)" if cfg.optim.cpu_offload else ""),
         f"activations: Korthikanti et al. 2022 generalized to GQA/SwiGLU/experts; recompute {recompute}; "
         f"sequence_parallel {bool(megatron.get('sequence_parallel'))}; fused attention (no seq^2 term); "
         "balanced expert routing",

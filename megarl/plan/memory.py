@@ -9,6 +9,11 @@ The estimate follows the code it models, so its assumptions are those of megarl'
 - Optimizer: Adam's two fp32 moments (8 bytes) plus an fp32 master copy (4 bytes) when parameters are not fp32,
   sharded over dp*cp ranks (over the expert data-parallel ranks for experts) with `optim.distributed`.
   DDP's bucket padding (at most 63 elements per parameter, 127 per bucket) is not counted.
+- Optimizer offload (`optim.cpu_offload` f, megarl.engine.megatron): Megatron's HybridDeviceOptimizer keeps the
+  moments and master copy of a share f of the rank's optimizer elements in host memory, in every phase, with a
+  host copy of their fp32 gradients (4 bytes more per element), and steps them there; the device holds the rest.
+  It offloads whole tensors in order until the share reaches f, so the device holds at most 1 - f of the state
+  and the host at least f (at most one tensor more than counted).
 - LoRA (`model.lora`): the actor's frozen base in `model.dtype` plus its adapters (`lora_params`: A and B of
   every targeted linear, split over TP as megarl.engine.lora_layers splits them), gradients and Adam state
   (moments, fp32 master copy) for the adapters only, and no reference model (the actor with its adapters off
@@ -50,7 +55,8 @@ The estimate follows the code it models, so its assumptions are those of megarl'
   GPU's share of the model: full / rollout.tp).
 - Host memory (megarl.engine.offload, during every rollout of an RL step): each trainer model's parameters
   in pinned buffers, the actor's and critic's optimizer state (Adam moments, fp32 master copy) moved to host
-  memory by Megatron; gradient buffers are freed, not copied. With the distributed optimizer Megatron makes
+  memory by Megatron; gradient buffers are freed, not copied. The share optim.cpu_offload keeps on the host is
+  there in every phase, also in SFT, DPO and on placement split's training GPUs, which offload nothing else. With the distributed optimizer Megatron makes
   the pinned copy of a parameter buffer through a pageable one on the first offload, so one buffer's worth
   more is held briefly. Plus HOST_RESERVE_GIB per GPU for the processes (trainer, SGLang scheduler,
   tokenizer). Summed over the GPUs of the fullest node (pipeline stages are Megatron's outermost rank
@@ -93,6 +99,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GRAD_BYTES = 4  # fp32 gradient buffers
 ADAM_BYTES = 8  # two fp32 moments
 MASTER_BYTES = 4  # fp32 master parameters when the model is 16-bit
+OFFLOAD_GRAD_BYTES = 4  # optim.cpu_offload: the host copy of an offloaded element's fp32 gradient
 REPLAY_INDEX_BYTES = 8  # the trainer's replayed expert ids are int64 indices on the device
 
 
@@ -183,8 +190,11 @@ class ModelMemory:
     name: str  # actor, reference, teacher, critic or a reward model
     params: int
     grads: int
-    optim: int
+    optim: int  # on the device
     activations: int  # peak of one training pass (0 for a frozen model)
+    # optimizer state on the host in every phase (optim.cpu_offload): its share of the moments and master copy,
+    # and the host copy of their gradients
+    host_optim: int = 0
 
     @property
     def state(self) -> int:
@@ -215,20 +225,23 @@ def lora_params(shape: ModelShape, lora: LoraConfig, *, tp: int, pp: int, ep: in
 
 
 def model_state(counts: ParamCounts, *, dtype: str, trainable: bool, distributed: bool, dp: int,
-                expert_dp: int, adapters: int = 0) -> tuple[int, int, int]:
-    """(parameter, gradient, optimizer) bytes of `counts` parameters on one GPU (see module doc); with
-    `adapters` > 0 (LoRA) those are the ones that train, beside the frozen `counts`."""
+                expert_dp: int, adapters: int = 0, cpu_offload: float = 0.0) -> tuple[int, int, int, int]:
+    """(parameter, gradient, device optimizer, host optimizer) bytes of `counts` parameters on one GPU (see
+    module doc); with `adapters` > 0 (LoRA) those are the ones that train, beside the frozen `counts`;
+    `cpu_offload`: the share of the optimizer's elements Megatron keeps and steps on the host."""
     params = (counts.total + adapters) * DTYPE_BYTES[dtype]
     if not trainable:
-        return params, 0, 0
+        return params, 0, 0, 0
     per_param = ADAM_BYTES + (MASTER_BYTES if dtype != "float32" else 0)
     if adapters:  # dense parameters, sharded over dp * cp like the rest
-        return params, GRAD_BYTES * adapters, per_param * (-(-adapters // dp) if distributed else adapters)
-    if distributed:
-        optim = per_param * (-(-counts.dense // dp) + -(-counts.expert // expert_dp))
+        trained, elements = adapters, (-(-adapters // dp) if distributed else adapters)
+    elif distributed:
+        trained, elements = counts.total, -(-counts.dense // dp) + -(-counts.expert // expert_dp)
     else:
-        optim = per_param * counts.total
-    return params, GRAD_BYTES * counts.total, optim
+        trained, elements = counts.total, counts.total
+    on_host = int(cpu_offload * elements)
+    return (params, GRAD_BYTES * trained, per_param * (elements - on_host),
+            (per_param + OFFLOAD_GRAD_BYTES) * on_host)
 
 
 def layer_activation_bytes(shape: ModelShape, *, tp: int, sequence_parallel: bool,
@@ -377,7 +390,8 @@ class HostMemory:
     none with placement split). Per-GPU numbers are those of the pipeline stage that holds the most."""
 
     params: int  # bytes per GPU: every trainer model's parameters, in pinned buffers
-    optim: int  # bytes per GPU: the trained models' optimizer state (moments, fp32 master copy)
+    optim: int  # bytes per GPU: the trained models' optimizer state (moments, fp32 master copy), `kept` included
+    kept: int  # bytes per GPU of it on the host in every phase (optim.cpu_offload), its gradient copies included
     first_offload: int  # bytes per GPU: the pageable copy of one parameter buffer Megatron pins through, once
     routes: int  # bytes per GPU: the step's MoE routes of its data-parallel rank (0 for a dense model)
     per_node: int  # bytes on the fullest node, HOST_RESERVE_GIB per GPU included
@@ -388,26 +402,26 @@ def host_memory(cfg: Config, cluster: Cluster, layout: Layout, stages: list[list
                 buffers: list[int], routes: int = 0) -> HostMemory:
     """What the RL loop moves to the host, per GPU of each pipeline stage (`stages[s]`: its models; `buffers[s]`:
     the bytes of its largest DDP parameter buffer), with the `routes` bytes every training GPU's process holds
-    while the trainer is offloaded, summed over the GPUs of the fullest node. SFT and DPO offload nothing, and
-    neither does placement split, whose rollout GPUs hold only the processes' reserve."""
+    while the trainer is offloaded, and the optimizer state optim.cpu_offload keeps there in every phase, summed
+    over the GPUs of the fullest node. SFT and DPO move nothing, and neither does placement split, whose rollout
+    GPUs hold only the processes' reserve."""
     limit = int(HOST_USABLE_FRACTION * cluster.host_mem_gib * GIB)
     reserve = int(HOST_RESERVE_GIB * GIB)
-    if cfg.algo.traits.offline:
-        return HostMemory(params=0, optim=0, first_offload=0, routes=0, per_node=cluster.gpus_per_node * reserve,
-                          limit=limit)
-    if layout.rollout_ranks:  # placement split: the trainer's state never leaves its GPUs
-        per_gpu = [(0, 0, 0, routes)] * layout.pp
+    kept = [sum(m.host_optim for m in models) for models in stages]
+    if cfg.algo.traits.offline or layout.rollout_ranks:  # the trainer's state never leaves its GPUs
+        per_gpu = [(0, kept[s], 0, routes) for s in range(len(stages))]
     else:
-        per_gpu = [(sum(m.params for m in models), sum(m.optim for m in models),
+        per_gpu = [(sum(m.params for m in models), sum(m.optim for m in models) + kept[s],
                     buffers[s] if cfg.optim.distributed else 0, routes) for s, models in enumerate(stages)]
     # Megatron's rank order puts pipeline stages outermost: ranks [s * world/pp, (s+1) * world/pp) are stage s.
     per_stage = layout.world // layout.pp
     nodes = [sum((sum(per_gpu[rank // per_stage]) if rank < layout.world else 0) + reserve
                  for rank in range(n * cluster.gpus_per_node, (n + 1) * cluster.gpus_per_node))
              for n in range(cluster.nodes)]
-    params, optim, first, routes = max(per_gpu, key=sum)
-    return HostMemory(params=params, optim=optim, first_offload=first, routes=routes, per_node=max(nodes),
-                      limit=limit)
+    fullest = max(range(len(per_gpu)), key=lambda s: sum(per_gpu[s]))
+    params, optim, first, routes = per_gpu[fullest]
+    return HostMemory(params=params, optim=optim, kept=kept[fullest], first_offload=first, routes=routes,
+                      per_node=max(nodes), limit=limit)
 
 
 

@@ -45,6 +45,10 @@ def render_table(p: Plan) -> str:
         lines.append(f"  {mm.name:<30}{gib(mm.params):>7} {gib(mm.grads):>7} {gib(mm.optim):>7} "
                      f"{gib(mm.activations):>13}")
     lines.append(f"  {'reserve (contexts, NCCL)':<30}{RESERVE_GIB:>7.1f}")
+    for mm in p.models:
+        if mm.host_optim:
+            lines.append(f"  {mm.name}: optimizer {gib(mm.host_optim)} GiB on the host, stepped there (optim.cpu_offload "
+                         f"{p.job.cfg.optim.cpu_offload:g}: moments, master copy, gradient copy)")
     lines.append("")
     lines.append(f"phase      GiB per GPU   (usable {gib(p.limit)})")
     kinds = [(f"training GPUs ({trainers}): no rollout engine, nothing offloaded", p.phases),
@@ -56,11 +60,15 @@ def render_table(p: Plan) -> str:
     lines.append(f"host memory per node: {gib(h.per_node)} GiB (usable {gib(h.limit)})   "
                  f"{'ok' if h.per_node <= h.limit else 'DOES NOT FIT'}")
     routes = f"MoE routes {gib(h.routes)}, " if p.routing else ""
+    kept = f"optimizer {gib(h.kept)} kept by optim.cpu_offload, " if h.kept else ""
     if split:
-        lines.append(f"  per GPU: nothing offloaded (placement split), {routes}processes {HOST_RESERVE_GIB:g}")
+        lines.append(f"  per GPU: nothing offloaded (placement split), {kept}{routes}processes {HOST_RESERVE_GIB:g}")
     elif r is not None:
-        lines.append(f"  per GPU: parameters {gib(h.params)} pinned, optimizer {gib(h.optim)}, first offload "
+        kept = f" ({gib(h.kept)} of it kept there by optim.cpu_offload)" if h.kept else ""
+        lines.append(f"  per GPU: parameters {gib(h.params)} pinned, optimizer {gib(h.optim)}{kept}, first offload "
                      f"{gib(h.first_offload)}, {routes}processes {HOST_RESERVE_GIB:g}")
+    elif kept:
+        lines.append(f"  per GPU: nothing offloaded, {kept}processes {HOST_RESERVE_GIB:g}")
     if p.routing is not None:
         rt = p.routing
         lines.append(f"MoE routes: {rt.bytes_per_token} bytes/token; host {rt.host_per_rank / GIB:.2f} GiB per rank "
