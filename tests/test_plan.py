@@ -114,6 +114,24 @@ def test_docs_table_gives_the_planned_engines_and_kv_cache(capsys, monkeypatch):
         assert f"{rollout['kv_bytes'] / 2**30:.1f}" == kv_gib, name
 
 
+def test_readme_scale_table_is_what_the_plan_gives(capsys, monkeypatch):
+    """Each row of the README's table of large-model clusters: the recipe's header command on that many nodes of that
+    GPU, with the row's overrides, fits, with the row's engines and peak."""
+    monkeypatch.chdir(REPO)
+    rows = re.findall(r"^\| `([\w.-]+)` \| [^|]+ \| (\d+) x (H100|H200) \| (?:`([^`]*)`|\(the recipe\)) \| "
+                      r"(\d+) x (\d+) GPUs \| ([\d.]+) GiB \|$", (REPO / "README.md").read_text(), flags=re.M)
+    assert len(rows) >= 19 and {row[0] for row in rows} >= {"deepseek-v3-grpo", "kimi-k2-grpo"}
+    for recipe, nodes, gpu, overrides, engines, gpus, peak in rows:
+        args = header_command(REPO / "recipes" / "gpu" / f"{recipe}.yaml")
+        args[args.index("--nodes") + 1] = nodes
+        args[args.index("--gpu-mem-gb") + 1] = {"H200": "140", "H100": "80"}[gpu]
+        code, out, err = megarl([*args, *overrides.split(), "--json"], capsys)
+        result = json.loads(out)
+        assert code == 0 and result["fits"], (recipe, nodes, gpu, result["problems"])
+        assert (result["rollout"]["engines"], result["rollout"]["gpus"]) == (int(engines), int(gpus)), recipe
+        assert f"{result['peak_gib']:.1f}" == peak, (recipe, nodes, gpu)
+
+
 def test_shipped_recipes_stop_on_placeholder_paths_but_load_for_planning():
     from megarl.config import load_config
     from megarl.dataclass_yaml import ConfigError
