@@ -79,8 +79,9 @@ def push_weights(engine, named_tensors: Iterable[tuple[str, Tensor]], *, bucket_
                  engine_name: str = "the rollout engine") -> dict:
     """Stream `named_tensors` into `engine` as version `version`, then compare the engine's copy of the tensors
     `verify(index in the stream)` selects with the trainer's, both rounded to `dtype`, the engine's (None: as
-    pushed), by `verify_engine`, which names `engine_name` when one differs. Returns counts for the metrics
-    (`verified`: the tensors compared)."""
+    pushed), by `verify_engine`, which names `engine_name` when one differs, or where the engine loads them (an
+    engine whose `update_weights` checks `expected` itself). Returns counts for the metrics (`verified`: the
+    tensors compared; checked in the engine, each TP rank's shard counts)."""
     stats = {"tensors": 0, "bytes": 0, "buckets": 0, "largest_bucket_bytes": 0, "largest_tensor_bytes": 0}
     expected: dict[str, Fingerprint] = {}
 
@@ -95,9 +96,11 @@ def push_weights(engine, named_tensors: Iterable[tuple[str, Tensor]], *, bucket_
             stats["largest_tensor_bytes"] = max(stats["largest_tensor_bytes"], *sizes)
             yield bucket
 
-    engine.update_weights(counted(), version=version)
+    # an engine that checks the tensors where it loads them (SGLang: in every TP scheduler) says how many it did
+    checked = engine.update_weights(counted(), version=version, expected=expected)
     engine.flush_cache()
-    stats["verified"] = verify_engine(engine, expected, version=version, engine_name=engine_name)
+    stats["verified"] = (checked if checked is not None else
+                         verify_engine(engine, expected, version=version, engine_name=engine_name))
     log.debug("pushed weights v%d: %s", version, stats)
     return stats
 

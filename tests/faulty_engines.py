@@ -34,12 +34,12 @@ class SkippingEngine:
     def __init__(self, engine, *, name: str, start: int):
         self.engine, self.name, self.start, self.pushes = engine, name, start, 0
 
-    def update_weights(self, buckets, *, version: int) -> None:
+    def update_weights(self, buckets, *, version: int, expected: dict | None = None) -> None:
         self.pushes += 1
         if self.pushes >= self.start:
             held = dict(self.engine.read_weights([self.name]))[self.name].clone()
             buckets = ([(n, held if n == self.name else t) for n, t in bucket] for bucket in buckets)
-        self.engine.update_weights(buckets, version=version)
+        return self.engine.update_weights(buckets, version=version, expected=expected)
 
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
@@ -58,10 +58,10 @@ class StuckEngine:
     def device_bytes(self) -> dict[str, int]:
         return {}  # these tests are about the checks of a push; the weights it keeps are not in the plan
 
-    def update_weights(self, buckets, *, version: int) -> None:
+    def update_weights(self, buckets, *, version: int, expected: dict | None = None) -> None:
         self.pushes += 1
         if self.pushes == 1:
-            return self.engine.update_weights(buckets, version=version)
+            return self.engine.update_weights(buckets, version=version, expected=expected)
         for _ in buckets:
             pass
         if self.claims:

@@ -74,7 +74,7 @@ def test_push_weights_hands_every_bucket_to_the_engine_with_its_version():
         def __init__(self):
             self.received, self.version, self.flushed = [], None, False
 
-        def update_weights(self, bucket_stream, *, version):
+        def update_weights(self, bucket_stream, *, version, expected=None):
             self.received = [[n for n, _ in b] for b in bucket_stream]
             self.version = version
 

@@ -89,13 +89,12 @@ buckets = [[("w", torch.full((3, 4), float(rank + 2 * n))), ("b", torch.arange(5
            for n in range(2)]
 if rank == 0:  # the host's side of SGLangEngine.update_weights, reading each payload as a scheduler would
     for n, bucket in enumerate(buckets):
-        gathered, flat = gather_payloads(bucket, group=group)
+        gathered, flat, slots = gather_payloads(bucket, group=group)
         assert len(gathered) == 2
         for k, payload in enumerate(gathered):
-            got = MultiprocessingSerializer.deserialize(payload)
-            theirs, meta = got["flattened_tensor"], got["metadata"]
+            theirs = MultiprocessingSerializer.deserialize(payload)
             assert theirs.device == current_device(), theirs.device
-            tensors = {m.name: theirs[m.start_idx:m.end_idx].view(m.dtype).view(m.shape) for m in meta}
+            tensors = {name: theirs[start:end].view(dtype).view(shape) for name, shape, dtype, start, end in slots}
             assert torch.equal(tensors["w"], torch.full((3, 4), float(k + 2 * n))), (k, tensors["w"])
             assert torch.equal(tensors["b"], torch.arange(5) + 10 * k), (k, tensors["b"])
     host_barrier(group)
@@ -118,21 +117,55 @@ def test_every_rank_of_an_engines_group_serializes_its_own_copy_for_the_tp_rank_
     assert "ok 0" in proc.stdout and "ok 1" in proc.stdout
 
 
-def test_a_flattened_bucket_rebuilds_every_tensor_from_one_shared_buffer():
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+def test_the_scheduler_side_check_records_where_each_piece_of_a_pushed_tensor_lands():
+    """megarl.rollout.sglang_checks.load_bucket on a model whose loader shards as SGLang's do (narrow to this
+    rank's rows and copy, chunk a fused tensor and assign, cast to the parameter's dtype): every verified tensor is
+    found where it was loaded; a tensor the loader skips, one overwritten by a later tensor, and one that arrived
+    with other bytes than the header's fingerprint are each named."""
+    from megarl.handoff import flatten
+    from megarl.rollout import sglang_checks
 
-    from megarl.rollout.sglang_transfer import flatten_bucket
+    class ShardedModel:
+        def __init__(self):
+            self.qkv = torch.zeros(4, 3)             # this rank's rows of q and of k, fused
+            self.norm = torch.zeros(3, dtype=torch.bfloat16)
+            self.head = torch.zeros(2, 3)
 
-    qkv = torch.randn(12, 5)
-    bucket = [("a", torch.randn(3).to(torch.bfloat16)), ("b", qkv[4:8]), ("c", qkv.t()[1:3]),  # views, one
-              ("d", torch.randn(2, 2, dtype=torch.float64)), ("e", torch.arange(7, dtype=torch.int8))]  # strided
-    flat, metadata = flatten_bucket(bucket)
-    assert flat.dtype == torch.uint8 and flat.numel() == sum(t.numel() * t.element_size() for _, t in bucket)
-    assert flat.is_shared()  # serialized as a handle, not copied again
-    rebuilt = dict(FlattenedTensorBucket(flattened_tensor=flat, metadata=metadata).reconstruct_tensors())
-    assert rebuilt.keys() == {n for n, _ in bucket}
-    for name, tensor in bucket:
-        assert rebuilt[name].dtype == tensor.dtype and torch.equal(rebuilt[name], tensor), name
+        def load_weights(self, stream):
+            for name, w in stream:
+                if name == "q":
+                    self.qkv[0:2].copy_(w.narrow(0, 2, 2))   # rank 1 of 2: rows 2..3
+                elif name == "k":
+                    self.qkv[2:4] = w.chunk(2)[1]
+                elif name == "norm":
+                    self.norm.copy_(w)                       # cast to bf16 on the way
+                elif name == "clobber":
+                    self.qkv[0].copy_(w)                     # writes over q's rows
+                # "skipped": never loaded
+
+    def push(bucket, *, corrupt: str | None = None):
+        flat, slots = flatten(bucket)
+        expected = {name: sglang_checks.fingerprint_of(t) for name, t in bucket}
+        if corrupt is not None:
+            name, _, _, start, end = next(slot for slot in slots if slot[0] == corrupt)
+            flat[start] ^= 1  # one bit of the buffer, after the trainer's fingerprint
+        model = ShardedModel()
+        sglang_checks.load_bucket(model, [("megarl.header", sglang_checks.header(slots, expected)),
+                                          ("megarl.flat", flat)])
+        checked, failures = sglang_checks._checked, list(sglang_checks._failures)
+        sglang_checks._checked, sglang_checks._failures[:] = 0, []
+        return model, checked, failures
+
+    q, k, norm = torch.randn(4, 3), torch.randn(4, 3), torch.randn(3)
+    model, checked, failures = push([("q", q), ("k", k), ("norm", norm)])
+    assert (checked, failures) == (3, [])
+    assert torch.equal(model.qkv, torch.cat([q[2:], k[2:]])) and torch.equal(model.norm, norm.bfloat16())
+    _, checked, failures = push([("q", q), ("k", k), ("skipped", torch.randn(2)), ("clobber", torch.randn(3))])
+    assert checked == 2 and len(failures) == 2  # k, clobber; q was overwritten, skipped never loaded
+    assert "'q': a piece loaded into a parameter is not there after the bucket" in failures[0]
+    assert "'skipped' was not loaded into any parameter" in failures[1]
+    _, checked, failures = push([("q", q), ("k", k)], corrupt="k")
+    assert checked == 1 and failures == ["'k' arrived with other bytes than the trainer pushed"]
 
 
 # ---- CPU: push, parity, EOS ----------------------------------------------------------------------------

@@ -74,8 +74,12 @@ class RolloutEngine(Protocol):
         soon as it is final, while the others are still generated."""
         ...
 
-    def update_weights(self, buckets: Iterable[list[tuple[str, Tensor]]], *, version: int) -> None:
-        """Load full HF-named tensors, bucket by bucket; every tensor of the model must arrive, else an error."""
+    def update_weights(self, buckets: Iterable[list[tuple[str, Tensor]]], *, version: int,
+                       expected: dict | None = None) -> int | None:
+        """Load full HF-named tensors, bucket by bucket; every tensor of the model must arrive, else an error.
+        `expected`: the trainer's Fingerprint of each tensor the push verifies (megarl.handoff; filled as the stream
+        passes). An engine that checks them where it loads them returns how many (tensor, device) pairs it checked
+        and raises WeightMismatch on a difference; None: the push reads them back (`read_weights`)."""
         ...
 
     def update_adapter(self, named_tensors: Iterable[tuple[str, Tensor]], *, rank: int, alpha: float,

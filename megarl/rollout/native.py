@@ -284,7 +284,8 @@ class NativeEngine:
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
 
     @torch.no_grad()
-    def update_weights(self, buckets: Iterable[list[tuple[str, Tensor]]], *, version: int) -> None:
+    def update_weights(self, buckets: Iterable[list[tuple[str, Tensor]]], *, version: int,
+                       expected: dict | None = None) -> None:
         """Copy HF-named full tensors (checkpoint names) into the model, bucket by bucket; every parameter,
         and every expert of a stacked expert parameter, must arrive."""
         missing = set().union(*(_slots_of(n, p) for n, p in self._params.items()))

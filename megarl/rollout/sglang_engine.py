@@ -46,7 +46,7 @@ from torch import Tensor
 from megarl.checkpoint import peft_adapter_config
 from megarl.config import LoraConfig
 from megarl.device import host_barrier, load_cuda_driver_stand_in, on_gpu
-from megarl.handoff import buckets
+from megarl.handoff import WeightMismatch, buckets, fingerprint, flatten
 from megarl.models.arch import ModelShape
 from megarl.models.safetensors_dir import SafetensorsDir
 from megarl.plan.memory import DTYPE_BYTES, kv_bytes_per_token
@@ -54,7 +54,8 @@ from megarl.rollout.engine import EngineError, Generation, ResponseCallback, rel
 from megarl.rollout import sglang_plugin
 from megarl.rollout.sglang_launch import (CPU_POOL_TOKENS, engine_args, kill_processes, launch_env, on_sigquit,
                                           sigquit_to)
-from megarl.rollout.sglang_transfer import decode_routes, flatten_bucket, gather_payloads, ipc_exportable
+from megarl.rollout.sglang_checks import LOADER, REPORT_NAME, header
+from megarl.rollout.sglang_transfer import decode_routes, gather_payloads, ipc_exportable
 
 log = logging.getLogger(__name__)
 
@@ -252,18 +253,38 @@ class SGLangEngine:
         if state is not None:
             raise ValueError("SGLangEngine cannot restore a sampler state (saved by another rollout engine)")
 
-    def update_weights(self, buckets: Iterable[list[tuple[str, Tensor]]], *, version: int) -> None:
-        """Load HF-named full tensors bucket by bucket inside one SGLang weight-update session."""
-        self._load(buckets, what=f"weight push of version {version}", group=self.group)
+    def update_weights(self, buckets: Iterable[list[tuple[str, Tensor]]], *, version: int,
+                       expected: dict | None = None) -> int:
+        """Load HF-named full tensors bucket by bucket inside one SGLang weight-update session. The tensors named in
+        `expected` (filled as the stream passes, megarl.handoff.push_weights) are checked in every TP scheduler as
+        they arrive and where they are loaded (megarl.rollout.sglang_checks); returns how many (tensor, TP rank)
+        pairs were, or raises WeightMismatch naming the first that differed."""
+        verify = expected if expected is not None else {}
+        self._load(buckets, what=f"weight push of version {version}", group=self.group, verify=verify)
+        checked = self._weight_report(version) if verify else 0
         self.garbage = False
         self._stamp(version)
+        return checked
+
+    def _weight_report(self, version: int) -> int:
+        """The TP schedulers' checks of the push just loaded: the number of (tensor, rank) pairs found as pushed,
+        or WeightMismatch at the first rank that found a difference."""
+        reports = self._bounded("weight_report", self.engine.get_weights_by_name, REPORT_NAME, truncate_size=1)
+        if not isinstance(reports, list):
+            raise EngineError(phase="weight_report", cause=f"SGLang answered {reports!r} for the push's checks")
+        for report in reports:
+            if report["failures"]:
+                raise WeightMismatch(
+                    f"weight push of version {version}: SGLang TP rank {report['rank']} holds other weights than the "
+                    f"trainer pushed: {report['failures'][0]} ({len(report['failures'])} differences on that rank). "
+                    "Check the HF name table (megarl.models.names) and SGLang's loader for this model class")
+        return sum(report["checked"] for report in reports)
 
     def _load(self, buckets: Iterable[list[tuple[str, Tensor]]], *, what: str,
-              group: dist.ProcessGroup | None) -> None:
+              group: dist.ProcessGroup | None, verify: dict | None = None) -> None:
         """Every tensor of the model, bucket by bucket, inside one weight-update session; `group`: the ranks
-        whose own copies SGLang's TP ranks take (None: this rank serializes one for each)."""
-        from sglang.srt.utils import MultiprocessingSerializer
-
+        whose own copies SGLang's TP ranks take (None: this rank serializes one for each); `verify`: the names
+        the TP schedulers check (megarl.rollout.sglang_checks)."""
         missing = set(self.expected_names)
         # SGLang 0.5.21+ applies tensor updates only inside a weight-update session; older releases have
         # no session and apply them directly.
@@ -278,21 +299,7 @@ class SGLangEngine:
                     if unknown:
                         raise KeyError(f"{what}: the rollout model has no tensor {unknown[0]!r}")
                     missing.difference_update(name for name, _ in bucket)
-                    if group is not None:
-                        per_rank, flat = gather_payloads(bucket, group=group)
-                    else:
-                        # One payload per rollout TP rank; each scheduler rank opens only its own, so the IPC
-                        # reference counts drop back to zero after every bucket.
-                        flat, metadata = flatten_bucket(bucket)
-                        payload = {"flattened_tensor": flat, "metadata": metadata}
-                        per_rank = [MultiprocessingSerializer.serialize(payload) for _ in range(self.tp_size)]
-                    _check(self._bounded("update_weights_from_tensor", self.engine.update_weights_from_tensor,
-                                         per_rank, load_format="flattened_bucket", flush_cache=False),
-                           "update_weights_from_tensor")
-                    # Dropping the references is safe once the call returned: torch keeps an exported
-                    # CUDA block out of the allocator until every receiver has synchronized its stream and
-                    # released its handle (ipc_collect below frees it then).
-                    del per_rank, flat
+                    self._send(bucket, group=group, verify=verify or {})
             if group is not None:
                 host_barrier(group)  # SGLang loaded the last bucket: the group's buffers may go
             if session:
@@ -308,6 +315,29 @@ class SGLangEngine:
                 torch.cuda.ipc_collect()  # free staging buffers whose last IPC reference just dropped
         if missing:
             raise ValueError(f"{what} missed tensors: {sorted(missing)[:5]}")
+
+    def _send(self, bucket: list[tuple[str, Tensor]], *, group: dist.ProcessGroup | None, verify: dict) -> None:
+        """One bucket to every TP scheduler: a header (the slots of the bucket's byte buffer, and this rank's
+        Fingerprint of each tensor `verify` names) and, for TP rank k, the buffer the trainer rank on its device
+        made (`gather_payloads`), or with no `group` a handle to this rank's for each."""
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
+
+        if group is not None:
+            per_rank, flat, slots = gather_payloads(bucket, group=group)
+        else:
+            # one handle per TP rank; each scheduler opens only its own, so the IPC reference counts drop back
+            # to zero after every bucket
+            flat, slots = flatten(bucket, share_memory=True)
+            per_rank = [MultiprocessingSerializer.serialize(flat) for _ in range(self.tp_size)]
+        expected = {name: fingerprint(tensor) for name, tensor in bucket if name in verify}
+        payload = [("megarl.header", header(slots, expected)), ("megarl.flat", LocalSerializedTensor(values=per_rank))]
+        _check(self._bounded("update_weights_from_tensor", self.engine.update_weights_from_tensor, payload,
+                             load_format=LOADER, flush_cache=False), "update_weights_from_tensor")
+        # Dropping the references is safe once the call returned: torch keeps an exported CUDA block out of the
+        # allocator until every receiver has synchronized its stream and released its handle (ipc_collect frees
+        # it then).
+        del per_rank, flat
 
     def update_adapter(self, named_tensors: Iterable[tuple[str, Tensor]], *, rank: int, alpha: float,
                        version: int) -> None:

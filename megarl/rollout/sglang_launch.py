@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 from megarl.config import LoraConfig
 from megarl.device import load_cuda_driver_stand_in, on_gpu
+from megarl.rollout.sglang_checks import LOADER
 
 # CPU mode: the KV pool's cap in tokens. SGLang would otherwise give the pool mem_fraction of the free host
 # memory (less the weights), which on a shared machine is gigabytes no tiny-model run needs.
@@ -30,8 +31,9 @@ def engine_args(model_dir: str, *, on_gpu: bool, dtype: str, seed: int, tp_size:
     token's MoE experts. `lora`: serve LoRA adapters of that rank on those modules (`update_adapter`).
     `nnodes` > 1: an engine over that many whole nodes, this process starting its part on node `node_rank`,
     the nodes meeting at `dist_init_addr` ("host:port" on node 0)."""
+    # every push loads through megarl's loader, which checks the weights in each TP scheduler
     args = dict(model_path=model_dir, tp_size=tp_size, dtype=dtype, random_seed=seed,
-                skip_tokenizer_init=True, log_level="error")
+                skip_tokenizer_init=True, log_level="error", custom_weight_loader=[LOADER])
     if nnodes > 1:
         args.update(nnodes=nnodes, node_rank=node_rank, dist_init_addr=dist_init_addr)
     if capture_routes:

@@ -39,7 +39,7 @@ class SGLangPeer:
         nbytes, held = 0, None
         with ipc_exportable(on_gpu()):
             for bucket in buckets(named_tensors, bucket_bytes=bucket_bytes):
-                _, held = gather_payloads(bucket, group=self.group)  # the previous bucket's copy is loaded
+                _, held, _ = gather_payloads(bucket, group=self.group)  # the previous bucket's copy is loaded
                 nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
             host_barrier(self.group)  # the host loaded the last bucket: the buffers may go
         del held
@@ -49,32 +49,19 @@ class SGLangPeer:
 
 
 def gather_payloads(bucket: list[tuple[str, Tensor]], *,
-                    group: dist.ProcessGroup) -> tuple[list[bytes] | None, Tensor]:
-    """Every rank of an engine's `group` flattens `bucket` on its own device and serializes it for the SGLang
-    TP rank there; returns the payloads, in group order (= TP rank order), on the group's first rank (the
-    host), None elsewhere, and this rank's buffer, to be kept until the host has loaded it: until the next
-    gather, which the host joins once SGLang took the bucket, or the push's closing `host_barrier`. At most
-    two buckets per rank are in flight."""
+                    group: dist.ProcessGroup) -> tuple[list[bytes] | None, Tensor, list]:
+    """Every rank of an engine's `group` flattens `bucket` on its own device (megarl.handoff.flatten: the same
+    slots on every rank) and serializes the buffer for the SGLang TP rank there; returns the payloads, in group
+    order (= TP rank order), on the group's first rank (the host), None elsewhere, this rank's buffer, to be kept
+    until the host has loaded it (until the next gather, which the host joins once SGLang took the bucket, or the
+    push's closing `host_barrier`; at most two buckets per rank are in flight), and its slots."""
     from sglang.srt.utils import MultiprocessingSerializer
 
-    flat, metadata = flatten_bucket(bucket, device=current_device())
-    payload = MultiprocessingSerializer.serialize({"flattened_tensor": flat, "metadata": metadata})
+    flat, slots = flatten(bucket, device=current_device(), share_memory=True)
+    payload = MultiprocessingSerializer.serialize(flat)
     gathered = [None] * group.size() if dist.get_rank(group) == 0 else None
     dist.gather_object(payload, gathered, group=group, group_dst=0)
-    return gathered, flat
-
-
-def flatten_bucket(bucket: list[tuple[str, Tensor]], *,
-                   device: torch.device | None = None) -> tuple[Tensor, list]:
-    """One bucket as a fresh byte buffer on `device` (by default its tensors'; megarl.handoff.flatten: one bucket
-    of extra memory, every slot aligned to its dtype, in shared memory on CPU) and SGLang's
-    `FlattenedTensorMetadata` per tensor, for `load_format="flattened_bucket"` (SGLang rebuilds each tensor as a
-    dtype view of its slice)."""
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
-
-    flat, slots = flatten(bucket, device=device, share_memory=True)
-    return flat, [FlattenedTensorMetadata(name=name, shape=shape, dtype=dtype, start_idx=start, end_idx=end,
-                                          numel=end - start) for name, shape, dtype, start, end in slots]
+    return gathered, flat, slots
 
 
 def decode_routes(encoded: str | None, *, tokens: int, layers: int, top_k: int, experts: int) -> Tensor:

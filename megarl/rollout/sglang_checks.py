@@ -1,0 +1,166 @@
+"""Weight checks inside SGLang's schedulers: every TP rank proves what it loaded in a push, for every model class.
+
+SGLang can read a weight back only for a few model classes (not Qwen2, Qwen3 or the MoE classes), as float32
+Python lists, and only TP rank 0's shard. So megarl loads its pushes through a loader of its own
+(`load_bucket`, named in the engine's `custom_weight_loader` and in each push's `load_format`), which every TP
+scheduler runs on the bucket it opened:
+
+1. The bucket arrives as a header (each tensor's slot in the byte buffer, and the trainer's Fingerprint of those
+   the push verifies) and this rank's own buffer (a `LocalSerializedTensor` holding one per TP rank). Each tensor
+   the push verifies is fingerprinted as it arrived and compared with the trainer's.
+2. The model's own `load_weights` loads the bucket, as SGLang's default path does, with each verified tensor
+   wrapped so that every copy of a piece of it into a parameter is recorded (the destination view, and the
+   Fingerprint of the piece as the parameter's dtype holds it).
+3. Once the bucket is loaded, each recorded destination is fingerprinted again and compared with its piece: a
+   parameter slice that a later tensor overwrote, or a tensor SGLang skipped (no piece loaded anywhere), fails.
+
+What each rank found is kept until the host asks for it (`report`, which SGLang answers through its
+`get_weights_by_name` request with a name of megarl's own): the TP ranks gather their reports over SGLang's
+TP group and rank 0's answer carries them all. The host raises on the first failure, naming the tensor and the
+rank. Nothing here raises inside SGLang: a loader that raised would take the scheduler down.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from torch import Tensor
+
+REPORT_NAME = "megarl.weight_report"  # the `get_weights_by_name` name that asks for the report
+LOADER = f"{__name__}.load_bucket"
+
+_checked = 0  # verified tensors this rank loaded and found as pushed since the last report
+_failures: list[str] = []  # what differed on this rank since the last report, in push order
+_patched = False
+
+
+def header(slots: list, expected: dict) -> Tensor:
+    """A bucket's header as a uint8 tensor: its slots (name, shape, dtype, first byte, end byte) and, for the
+    tensors the push verifies, the trainer's Fingerprint (words, rows)."""
+    text = json.dumps({"slots": [(name, list(shape), str(dtype).removeprefix("torch."), start, end)
+                                 for name, shape, dtype, start, end in slots],
+                       "expect": {name: [fp.words, fp.rows] for name, fp in expected.items()}})
+    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+
+
+def load_bucket(model, named_tensors: list[tuple[str, Tensor]]) -> None:
+    """SGLang's custom weight loader (in each TP scheduler): the bucket's tensors from this rank's buffer,
+    checked as they arrive, loaded by the model's own `load_weights`, and the loaded pieces checked."""
+    global _checked
+    _patch_report()
+    tensors = dict(named_tensors)
+    meta = json.loads(bytes(tensors["megarl.header"].cpu().tolist()).decode())
+    flat = tensors["megarl.flat"]
+    expect = meta["expect"]
+    stream, copies, wrong = [], [], set()
+    for name, shape, dtype, start, end in meta["slots"]:
+        tensor = flat[start:end].view(getattr(torch, dtype)).view(shape)
+        if name in expect:
+            if _fingerprint(tensor) != expect[name]:
+                wrong.add(name)
+                _failures.append(f"{name!r} arrived with other bytes than the trainer pushed")
+            tensor = _Arrived.of(tensor, name, copies)
+        stream.append((name, tensor))
+    model.load_weights(stream)
+    loaded = set()
+    for name, destination, piece in copies:
+        loaded.add(name)
+        if _fingerprint(destination) != piece and name not in wrong:
+            wrong.add(name)
+            _failures.append(f"{name!r}: a piece loaded into a parameter is not there after the bucket "
+                             "(another tensor overwrote it, or the loader wrote elsewhere)")
+    _failures.extend(f"{name!r} was not loaded into any parameter (the model skipped its name)"
+                     for name in expect if name not in loaded)
+    _checked += len(loaded - wrong)
+
+
+def report() -> dict:
+    """This rank's checks since the last report, then cleared."""
+    global _checked
+    from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    mine = {"rank": get_tensor_model_parallel_rank(), "checked": _checked, "failures": list(_failures)}
+    _checked = 0
+    _failures.clear()
+    return mine
+
+
+def _patch_report() -> None:
+    """SGLang's `get_weights_by_name` request, on every TP rank, answers REPORT_NAME with the reports of all TP
+    ranks (gathered over SGLang's TP CPU group; every rank takes the request, rank 0 answers)."""
+    global _patched
+    if _patched:
+        return
+    import torch.distributed as dist
+    from sglang.srt.distributed.parallel_state import get_tp_group
+    from sglang.srt.managers.tp_worker import TpModelWorker
+
+    original = TpModelWorker.get_weights_by_name
+
+    def get_weights_by_name(self, recv_req):
+        if recv_req.name != REPORT_NAME:
+            return original(self, recv_req)
+        group = get_tp_group().cpu_group
+        reports = [None] * dist.get_world_size(group)
+        dist.all_gather_object(reports, report(), group=group)
+        return reports
+
+    TpModelWorker.get_weights_by_name = get_weights_by_name
+    _patched = True
+
+
+def fingerprint_of(tensor: Tensor):
+    """megarl.handoff's Fingerprint of `tensor` (what the trainer sends in a header)."""
+    from megarl.handoff import fingerprint
+
+    return fingerprint(tensor)
+
+
+def _fingerprint(tensor: Tensor) -> list[int]:
+    got = fingerprint_of(tensor)
+    return [got.words, got.rows]
+
+
+class _Arrived(Tensor):
+    """A verified tensor inside the model's `load_weights`: the views and casts the loader takes of it stay of
+    this kind, and each copy of one into a parameter is recorded in `copies` as (name, destination, Fingerprint of
+    the piece as the destination's dtype holds it)."""
+
+    _megarl_name: str
+    _megarl_copies: list
+
+    @classmethod
+    def of(cls, tensor: Tensor, name: str, copies: list) -> _Arrived:
+        arrived = tensor.as_subclass(cls)
+        arrived._megarl_name, arrived._megarl_copies = name, copies
+        return arrived
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        source = next((a for a in args if isinstance(a, _Arrived)), None)
+        plain = [a.as_subclass(Tensor) if isinstance(a, _Arrived) else a for a in args]
+        with torch._C.DisableTorchFunctionSubclass():
+            if func is Tensor.copy_ and not isinstance(args[0], _Arrived):
+                out = func(*plain, **kwargs)
+                _record(source, plain[0], plain[1])
+                return out
+            if func is Tensor.__setitem__ and not isinstance(args[0], _Arrived) and isinstance(args[2], _Arrived):
+                out = func(*plain, **kwargs)
+                _record(source, plain[0][plain[1]], plain[2])
+                return out
+            out = func(*plain, **kwargs)
+        if source is None:
+            return out
+        if isinstance(out, (tuple, list)):  # chunk, split, unbind: each piece stays recorded
+            return type(out)(cls.of(t, source._megarl_name, source._megarl_copies) if isinstance(t, Tensor) else t
+                             for t in out)
+        if isinstance(out, Tensor) and not isinstance(out, _Arrived):
+            return cls.of(out, source._megarl_name, source._megarl_copies)
+        return out
+
+
+def _record(source: _Arrived, destination: Tensor, piece: Tensor) -> None:
+    held = piece.to(destination.dtype) if piece.dtype != destination.dtype else piece
+    source._megarl_copies.append((source._megarl_name, destination, _fingerprint(held.expand_as(destination))))
