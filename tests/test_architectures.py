@@ -135,7 +135,8 @@ def test_biased_experts_take_tensor_parallelism_with_each_expert_whole(arch_dir,
     from megarl.job import Job
 
     path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump({"model": {"path": str(arch_dir("gpt_oss")), "megatron": {"sequence_parallel": True}},
-                                    "data": {"train_path": "unused.jsonl"}, "parallel": {"tp": 2, "etp": 1, "ep": 2}}))
+    model = {"path": str(arch_dir("gpt_oss")), "megatron": {"sequence_parallel": True}}
+    path.write_text(yaml.safe_dump({"model": model, "data": {"train_path": "unused.jsonl"},
+                                    "parallel": {"tp": 2, "etp": 1, "ep": 2}}))
     layout = Job.of(load_config(path, check_paths=False), world=2, ranks_per_node=2).layout
     assert (layout.tp, layout.etp, layout.ep, layout.dp, layout.expert_dp) == (2, 1, 2, 1, 1)
