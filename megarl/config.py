@@ -84,14 +84,27 @@ class LoraConfig:
             raise FieldError("targets", f"names a module kind twice: {self.targets}")
 
 
+# TransformerConfig's parallel sizes, which the recipe's `parallel:` section sets: Megatron's parallel state is
+# made from that section, and a config field of its own would disagree with it
+LAYOUT_FIELDS = {"tensor_model_parallel_size": "parallel.tp", "pipeline_model_parallel_size": "parallel.pp",
+                 "expert_model_parallel_size": "parallel.ep", "expert_tensor_parallel_size": "parallel.etp",
+                 "context_parallel_size": "parallel.cp"}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = field(metadata={"path": "dir"})  # local HuggingFace checkpoint directory
     dtype: Dtype = "float32"  # parameter and compute dtype of trainer and rollout engine
-    megatron: dict[str, Any] = field(default_factory=dict)  # extra TransformerConfig fields, checked by the engine
+    # extra TransformerConfig fields, checked by the engine; the parallel sizes are the parallel section's
+    megatron: dict[str, Any] = field(default_factory=dict)
     # train low-rank adapters of the policy instead of its weights (frozen); the reference policy is then the
     # policy with its adapters off. null: full training
     lora: LoraConfig | None = None
+
+    def check(self) -> None:
+        for name, key in LAYOUT_FIELDS.items():
+            if name in self.megatron:
+                raise FieldError("megatron", f"{name} is the parallel layout's: set {key} instead")
 
 
 @dataclass(frozen=True)
@@ -99,6 +112,11 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel size
     pp: int = 1  # pipeline-parallel size
     ep: int = 1  # expert-parallel size (MoE models)
+    # Expert tensor-parallel size (MoE models): the ranks each routed expert's linears are split over, Megatron's
+    # expert_tensor_parallel_size. 1 keeps every expert whole on its rank while attention splits over parallel.tp,
+    # the experts spread over parallel.ep instead (how large MoE models are usually trained; biased experts,
+    # gpt-oss's, take only 1). null: parallel.tp, Megatron's default
+    etp: int | None = None
     cp: int = 1  # context-parallel size
     # How long a rank waits in a collective before the job fails, for every process group (NCCL and gloo):
     # ranks wait through a whole generation phase and a cold start of large models, so far above the
@@ -107,6 +125,8 @@ class ParallelConfig:
 
     def check(self) -> None:
         _at_least(self, 1, "tp", "pp", "ep", "cp")
+        if self.etp is not None:
+            _at_least(self, 1, "etp")
         _positive(self, "timeout_minutes")
 
 

@@ -132,10 +132,12 @@ class Job:
             if cfg.algo.router_replay != "none" and megatron.get("moe_router_fusion"):
                 raise RecipeError("algo.router_replay needs Megatron's unfused router: the fused top-k kernel "
                                   "(model.megatron.moe_router_fusion: true) has no replay hook")
-        if shape.linear_bias and shape.is_moe and cfg.parallel.tp > 1:
-            raise RecipeError(f"parallel.tp = {cfg.parallel.tp} with a {shape.arch} model: Megatron takes biased "
-                              "experts at expert tensor-parallel size 1 only, and megarl splits experts over the "
-                              "TP ranks; split the experts with parallel.ep instead")
+        if shape.linear_bias and shape.is_moe and self.layout.etp > 1:
+            size = (f"parallel.etp = {cfg.parallel.etp}" if cfg.parallel.etp is not None else
+                    f"parallel.tp = {cfg.parallel.tp} (parallel.etp unset: the experts split over the TP ranks)")
+            raise RecipeError(f"{size} with a {shape.arch} model: Megatron takes biased experts at expert "
+                              "tensor-parallel size 1 only; set parallel.etp: 1 (each expert whole on its rank) "
+                              "and spread the experts with parallel.ep")
         if shape.mla and (cfg.train.share_prompts or cfg.parallel.cp > 1):
             key = "train.share_prompts" if cfg.train.share_prompts else f"parallel.cp = {cfg.parallel.cp}"
             raise RecipeError(f"{key} with multi-latent attention ({shape.arch}): its attention rotates queries and keys "
@@ -150,8 +152,7 @@ class Job:
             if refusal:
                 raise RecipeError(f"train.share_prompts on a mixture-of-experts model ({shape.arch}): {refusal}")
         if cfg.model.lora is not None:
-            check_lora(cfg.model.lora, shape, te=self.te_layers,
-                       expert_tp=megatron.get("expert_tensor_parallel_size") or cfg.parallel.tp)
+            check_lora(cfg.model.lora, shape, te=self.te_layers, etp=self.layout.etp)
         if install:  # the fields of the installed Megatron's TransformerConfig
             check_megatron_fields(megatron)
 
@@ -347,10 +348,9 @@ def check_megatron_fields(megatron: dict) -> None:
     virtual_stage_count(megatron)  # a whole number >= 1 (megarl.layout)
 
 
-def check_lora(lora: LoraConfig, shape: ModelShape, *, te: bool, value_head: bool = False,
-               expert_tp: int = 1) -> None:
+def check_lora(lora: LoraConfig, shape: ModelShape, *, te: bool, value_head: bool = False, etp: int = 1) -> None:
     """RecipeError, naming the key and the reason, for adapters megarl's engine cannot build (`te`: on Transformer
-    Engine's layers; `expert_tp`: the tensor-parallel size of the experts' linears)."""
+    Engine's layers; `etp`: the expert tensor-parallel size, over which the experts' linears are split)."""
     if value_head:
         raise RecipeError("model.lora adapts the policy only: a critic or reward model (scalar head) trains or "
                           "scores with all of its weights")
@@ -365,12 +365,12 @@ def check_lora(lora: LoraConfig, shape: ModelShape, *, te: bool, value_head: boo
     if shape.linear_bias and adapts_experts(lora, shape):
         raise RecipeError(f"model.lora.targets = {lora.targets}: {shape.arch}'s experts are stacked in one HF tensor "
                           "per layer, which adapters are not exported for; target qkv and proj")
-    if adapts_experts(lora, shape) and expert_tp > 1:
+    if adapts_experts(lora, shape) and etp > 1:
         mlp = [t for t in lora.targets if t in MLP_TARGETS]
         raise RecipeError(f"model.lora.targets = {lora.targets}: the experts' linears ({', '.join(mlp)}) of a "
                           f"mixture-of-experts model ({shape.arch}) take adapters at expert tensor parallelism 1 only "
-                          f"(here {expert_tp}: Megatron's dispatcher, not the layer, sums their tensor-parallel "
-                          "parts); use parallel.tp = 1 with parallel.ep, or target qkv and proj")
+                          f"(here {etp}: Megatron's dispatcher, not the layer, sums their tensor-parallel "
+                          "parts); set parallel.etp: 1 and spread the experts with parallel.ep, or target qkv and proj")
 
 
 def adapts_experts(lora: LoraConfig | None, shape: ModelShape) -> bool:

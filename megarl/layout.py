@@ -9,8 +9,9 @@ launches, with the same error. The rules, in the order they are checked:
 1. Placement split: the job's last `placement.rollout_ranks` ranks only generate, so at least one rank must
    be left to train; Megatron's world is the rest (the training world), and everything below divides it.
 2. The model splits: the world by tp*pp*cp, heads, query groups and MLP widths by tp, layers by pp (and by
-   pp * virtual stages), experts by ep and the expert grid tp*ep*pp by the world (`check_layout`). A
-   distillation teacher (`teacher.path`) is built at the same layout, so its own shape must split the same way.
+   pp * virtual stages), experts by ep, their MLP width by etp and the expert grid etp*ep*pp by the world
+   (`check_layout`). A distillation teacher (`teacher.path`) is built at the same layout, so its own shape must
+   split the same way.
 3. The batch splits: `data.prompts_per_step` by the data-parallel size, each rank's sequences (RL's samples,
    SFT's rows, DPO's chosen and rejected) by `train.micro_batch_size` (not with sequence packing, whose
    micro-batches are cut by tokens), and with virtual stages the micro-batch count fits Megatron's
@@ -53,8 +54,9 @@ class Layout:
     pp: int
     cp: int
     ep: int
+    etp: int  # expert tensor-parallel size: parallel.etp, or parallel.tp where that is null
     dp: int  # world / (tp * pp * cp)
-    expert_dp: int  # world / (tp * ep * pp)
+    expert_dp: int  # world / (etp * ep * pp)
     vpp: int  # virtual pipeline stages per pipeline rank (1 = none)
     micro_batches: int  # per data-parallel rank per optimizer step, of train.micro_batch_size sequences
     rollout_tp: int  # ranks per rollout engine
@@ -90,8 +92,8 @@ class Layout:
 
         vpp = virtual_stages(megatron, layers=shape.layers, pp=par.pp)
         try:
-            check_layout(shape, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, world_size=trainers, vpp=vpp,
-                         sequence_parallel=bool(megatron.get("sequence_parallel")))
+            check_layout(shape, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep, etp=par.etp, world_size=trainers,
+                         vpp=vpp, sequence_parallel=bool(megatron.get("sequence_parallel")))
         except LayoutError as e:
             if not rollout_ranks:
                 raise
@@ -129,8 +131,9 @@ class Layout:
                                what="warm-start micro-batches per data-parallel rank")
             check_rollout(cfg, shape, world=world, ranks_per_node=ranks_per_node)
 
+        etp = par.tp if par.etp is None else par.etp
         return cls(world=trainers, rollout_ranks=rollout_ranks, ranks_per_node=ranks_per_node, tp=par.tp,
-                   pp=par.pp, cp=par.cp, ep=par.ep, dp=dp, expert_dp=trainers // (par.tp * par.ep * par.pp),
+                   pp=par.pp, cp=par.cp, ep=par.ep, etp=etp, dp=dp, expert_dp=trainers // (etp * par.ep * par.pp),
                    vpp=vpp, micro_batches=micro_batches, rollout_tp=cfg.rollout.tp,
                    engine_nodes=engine_nodes(cfg, ranks_per_node=ranks_per_node))
 
@@ -143,12 +146,12 @@ def engine_spans(ranks: range, rollout_tp: int) -> list[range]:
 
 def check_teacher_layout(teacher: ModelShape, cfg: Config, *, world: int, vpp: int) -> None:
     """Rule 2 for the distillation teacher: it runs in the trainer's parallel state, so its heads, query
-    groups, MLP width and layers split by the same tp, pp and virtual stages (its experts by ep, when it
-    has experts; a dense teacher beside a mixture-of-experts student ignores ep)."""
+    groups, MLP width and layers split by the same tp, pp and virtual stages (its experts by ep and etp, when
+    it has experts; a dense teacher beside a mixture-of-experts student ignores them)."""
     par = cfg.parallel
     try:
         check_layout(teacher, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep if teacher.is_moe else 1,
-                     world_size=world, vpp=vpp,
+                     etp=par.etp if teacher.is_moe else None, world_size=world, vpp=vpp,
                      sequence_parallel=bool(cfg.model.megatron.get("sequence_parallel")))
     except LayoutError as e:
         raise LayoutError(f"teacher.path ({teacher.arch}, the distillation teacher, built at the trainer's layout): "
@@ -230,22 +233,33 @@ def check_schedule(micro_batches: int, megatron: dict, *, pp: int, vpp: int, wha
 
 
 def check_layout(shape: ModelShape, *, tp: int, pp: int, cp: int, world_size: int, ep: int = 1,
-                 sequence_parallel: bool = False, vpp: int = 1) -> None:
+                 etp: int | None = None, sequence_parallel: bool = False, vpp: int = 1) -> None:
     """The parallel layout must split this model and this world evenly; LayoutError says which number
     does not divide which (keys as in the recipe's `parallel:` section).
 
-    Expert parallelism splits the experts over `ep` ranks; Megatron lays those ranks out inside each
-    pipeline stage next to the expert tensor-parallel ranks (as many as tp), so tp * ep * pp must divide the
-    world as well. `vpp` is the number of virtual pipeline stages (`check_virtual_stages`).
+    Expert parallelism splits the experts over `ep` ranks and each expert's linears over `etp` (None: tp, as
+    the recipe's null parallel.etp means); Megatron lays those ranks out inside each pipeline stage, so
+    etp * ep * pp must divide the world as well. Shared experts are split like the dense MLP, over tp. `vpp` is
+    the number of virtual pipeline stages (`check_virtual_stages`).
     """
     check_virtual_stages(vpp, layers=shape.layers, pp=pp)
+    etp_key, etp = ("parallel.tp", tp) if etp is None else ("parallel.etp", etp)
     if ep > 1 and not shape.is_moe:
         raise LayoutError(f"parallel.ep = {ep} needs a mixture-of-experts model; {shape.arch} has no experts")
+    if etp != tp and not shape.is_moe:
+        raise LayoutError(f"parallel.etp = {etp} needs a mixture-of-experts model; {shape.arch} has no experts")
     if shape.is_moe and tp > 1 and not sequence_parallel:
         # Megatron refuses to train MoE layers under tensor parallelism without it (its MoE layer checks
         # at the first training step); on CPU too, where megarl's RMSNorm carries sequence parallelism
         raise LayoutError(f"parallel.tp = {tp} with a mixture-of-experts model ({shape.arch}) needs "
                           f"model.megatron.sequence_parallel: true")
+    if shape.is_moe and etp != tp and ep == 1:
+        # Megatron's expert linears reduce their gradients over the expert data-parallel ranks only with ep > 1
+        # (they are `allreduce` weights otherwise, reduced over the data-parallel ranks); with ep = 1 and
+        # etp != tp those are other ranks, and the experts' gradients would come out wrong
+        raise LayoutError(f"parallel.etp = {etp} differs from parallel.tp = {tp} with parallel.ep = 1: Megatron "
+                          "reduces the experts' gradients over their own data-parallel ranks only under expert "
+                          "parallelism; set parallel.ep > 1, or leave parallel.etp unset")
     checks = [
         (world_size, tp * pp * cp, f"world size {world_size}",
          f"parallel.tp * parallel.pp * parallel.cp = {tp * pp * cp}"),
@@ -257,9 +271,9 @@ def check_layout(shape: ModelShape, *, tp: int, pp: int, cp: int, world_size: in
     if shape.is_moe:
         checks += [
             (shape.experts, ep, f"experts {shape.experts}", f"parallel.ep = {ep}"),
-            (world_size, tp * ep * pp, f"world size {world_size}",
-             f"parallel.tp * parallel.ep * parallel.pp = {tp * ep * pp}"),
-            (shape.moe_ffn, tp, f"expert MLP width {shape.moe_ffn}", f"parallel.tp = {tp}"),
+            (world_size, etp * ep * pp, f"world size {world_size}",
+             f"{etp_key} * parallel.ep * parallel.pp = {etp * ep * pp}"),
+            (shape.moe_ffn, etp, f"expert MLP width {shape.moe_ffn}", f"{etp_key} = {etp}"),
             (shape.shared_ffn, tp, f"shared expert MLP width {shape.shared_ffn}", f"parallel.tp = {tp}"),
         ]
     for number, divisor, what, by in checks:

@@ -68,7 +68,7 @@ def pytest_configure(config):
 FILE_SECONDS = {
     "test_sglang.py": 600, "test_sglang_runs.py": 600,  # the SGLang environment's command (README)
     "test_split.py": 415, "test_rl_recipes.py": 402, "test_engine_faults.py": 330, "test_tool_recipe.py": 303,
-    "test_convert.py": 182, "test_resume.py": 151, "test_router_replay.py": 136, "test_parallel.py": 122,
+    "test_convert.py": 182, "test_resume.py": 151, "test_router_replay.py": 136, "test_parallel.py": 150,
     "test_placement.py": 117, "test_cli.py": 112, "test_device_check.py": 105, "test_sft.py": 69, "test_choreography.py": 55,
     "test_stop.py": 55, "test_distill.py": 160, "test_rlhf.py": 100, "test_process_groups.py": 48, "test_dpo.py": 47,
     "test_rm.py": 42, "test_handover.py": 29, "test_sandbox_attacks.py": 130, "test_packing.py": 27,

@@ -25,11 +25,12 @@ def case_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
     return parser
 
 
 def run_case(args: argparse.Namespace) -> None:
-    groups = init_parallel(tp=args.tp, pp=args.pp, ep=args.ep)
+    groups = init_parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
     engine = TrainEngine(model_dir=f"{args.ckpt}/hf", shape=read_shape(f"{args.ckpt}/hf"), dtype="float32", megatron={}, groups=groups, load_weights=False)
     engine.load_checkpoint(f"{args.ckpt}/actor")
     tensors = {name: t.clone() for name, t in engine.pipeline_hf_tensors()}

@@ -79,6 +79,7 @@ def layout_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
     parser.add_argument("--cp", type=int, default=1)
     return parser
 
@@ -216,9 +217,24 @@ def shared_prompt_check(actor, critic, groups, args, *, moe_engines: Callable | 
             "values_max": float(values[ok].abs().max())}
 
 
+def rank_holding(actor, groups) -> dict:
+    """What this rank holds of the actor: its parameters (the routers' expert bias included, as the HF checkpoint
+    has it) and, where its stage has MoE layers, the routed experts of its first one: how many, and the rows of
+    one's fc1 (gate and up, as split over the expert tensor-parallel ranks)."""
+    named = dict(actor.stage.named_parameters())
+    fc1 = {}
+    for name, param in named.items():
+        if ".local_experts." in name and name.endswith("linear_fc1.weight"):
+            _, layer, _ = actor.stage.names.lookup(name)
+            fc1.setdefault(layer, []).append(param)
+    first = fc1[min(fc1)] if fc1 else None
+    return {"pp_rank": groups.pp_rank, "params": sum(p.numel() for p in named.values()),
+            "experts": first and {"count": len(first), "fc1_rows": first[0].shape[0]}}
+
+
 def run_case(args: argparse.Namespace) -> None:
     """One layout's run, in Megatron's parallel state for that layout (made here, torn down by the caller)."""
-    groups = init_parallel(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, seed=0)
+    groups = init_parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, cp=args.cp, seed=0)
     optim = OptimConfig(lr=1e-3, grad_clip=1.0, distributed=True)
     megatron = {"virtual_pipeline_model_parallel_size": args.vpp} if args.vpp > 1 else {}
     if args.sequence_parallel:
@@ -276,6 +292,8 @@ def run_case(args: argparse.Namespace) -> None:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (groups.dp_rank, groups.tp_rank, groups.pp_rank, logprobs0.tolist(),
                                       trained_rows))
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, rank_holding(actor, groups))
     tensors = dict(actor.pipeline_hf_tensors()) if groups.dp_rank == 0 or groups.ep_size > 1 else {}
     tensors = {k: v.clone() for k, v in tensors.items()}
     started = time.perf_counter()
@@ -307,6 +325,7 @@ def run_case(args: argparse.Namespace) -> None:
                                                      "lengths": lengths_of(batch["response_mask"]).tolist(),
                                                      "trained_rows": [rows_by_dp[dp] for dp in sorted(rows_by_dp)],
                                                      "handoff_exact_on_every_rank": all(all_exact),
+                                                     "ranks": ranks,
                                                      "resumed_step": resumed.get("step"),
                                                      "shared_prompts": shared}))
         torch.save({k: v.clone() for k, v in tensors.items()}, out / "weights.pt")

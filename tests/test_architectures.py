@@ -102,11 +102,15 @@ def test_what_megarl_does_not_train_is_refused_naming_the_key(arch, key, value, 
     ("deepseek_v3", "model: {lora: {rank: 4, targets: [qkv, fc1]}}\n", "multi-latent attention .deepseek_v3. has no"),
     ("gpt_oss", "model: {lora: {rank: 4, targets: [qkv, fc1]}}\n", "experts are stacked in one HF tensor"),
     ("gpt_oss", "parallel: {tp: 2}\nmodel: {megatron: {sequence_parallel: true}}\n",
-     "takes biased experts at expert tensor-parallel size 1 only"),
-], ids=["mla-shared-prompts", "mla-cp", "mla-lora-qkv", "gpt_oss-expert-lora", "gpt_oss-tp"])
+     r"parallel.tp = 2 \(parallel.etp unset: the experts split over the TP ranks\) with a gpt_oss model: Megatron "
+     "takes biased experts at expert tensor-parallel size 1 only; set parallel.etp: 1"),
+    ("gpt_oss", "parallel: {tp: 2, etp: 2}\nmodel: {megatron: {sequence_parallel: true}}\n",
+     "parallel.etp = 2 with a gpt_oss model: Megatron takes biased experts at expert tensor-parallel size 1 only"),
+], ids=["mla-shared-prompts", "mla-cp", "mla-lora-qkv", "gpt_oss-expert-lora", "gpt_oss-tp", "gpt_oss-etp2"])
 def test_what_a_layout_or_option_cannot_train_is_refused_at_launch(arch, recipe, message, arch_dir, tmp_path):
     """Refused by the Job before any work, naming the recipe key: options whose math megarl does not keep for
-    the architecture (its attention's own RoPE, stacked expert tensors, biased experts split over TP)."""
+    the architecture (its attention's own RoPE, stacked expert tensors, biased experts split over TP: parallel.etp
+    1 keeps them whole under parallel.tp 2, test_parallel's gpt_oss-tp2etp1ep2sp)."""
     import yaml
 
     from megarl.config import RecipeError, load_config
@@ -120,3 +124,19 @@ def test_what_a_layout_or_option_cannot_train_is_refused_at_launch(arch, recipe,
     world = sections.get("parallel", {}).get("cp", 1) * sections.get("parallel", {}).get("tp", 1)
     with pytest.raises(RecipeError, match=message):
         Job.of(load_config(path, check_paths=False), world=world, ranks_per_node=world)
+
+
+def test_biased_experts_take_tensor_parallelism_with_each_expert_whole(arch_dir, tmp_path):
+    """gpt-oss at parallel.tp 2 with parallel.etp 1: the Job resolves it (test_parallel's gpt_oss-tp2etp1ep2sp trains
+    it against one rank), each expert whole on one of the EP=2 ranks."""
+    import yaml
+
+    from megarl.config import load_config
+    from megarl.job import Job
+
+    path = tmp_path / "recipe.yaml"
+    model = {"path": str(arch_dir("gpt_oss")), "megatron": {"sequence_parallel": True}}
+    path.write_text(yaml.safe_dump({"model": model, "data": {"train_path": "unused.jsonl"},
+                                    "parallel": {"tp": 2, "etp": 1, "ep": 2}}))
+    layout = Job.of(load_config(path, check_paths=False), world=2, ranks_per_node=2).layout
+    assert (layout.tp, layout.etp, layout.ep, layout.dp, layout.expert_dp) == (2, 1, 2, 1, 1)

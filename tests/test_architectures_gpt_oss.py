@@ -5,8 +5,8 @@ the activations reach) against transformers, in fp32 on one rank.
 
 What the other suites cover for it through their architecture lists: test_engine (parity at 1e-4, one name rule
 per parameter, the bit-exact HF tensors, the weight push), test_convert (HF -> Megatron -> HF bit-exact) and
-test_parallel (PP=2, EP=2 and EP=2 packed against one rank; no TP: Megatron takes biased experts at expert TP 1
-only, which megarl's layout does not build, and a recipe with parallel.tp > 1 is refused). Here: parity at
+test_parallel (PP=2, EP=2 and EP=2 packed against one rank, and TP=2 with each expert whole (parallel.etp 1) over
+EP=2: Megatron takes biased experts at expert TP 1 only, and test_architectures refuses a larger one). Here: parity at
 1e-5 on sequences five times the window, padded and packed; each of gpt-oss's departures from the Llama layer
 shown to matter; the stacked-expert layout both ways; routing replay; the conversion at EP=2; a 2-step GRPO run
 of the quickstart recipe; and the refusals of what is not supported.

@@ -104,6 +104,21 @@ def test_impossible_values_name_the_field(recipe):
     assert error_of(path, ["parallel.tp=0"]).endswith("parallel.tp: must be >= 1, got 0")
 
 
+def test_expert_tensor_parallel_size_has_one_key(recipe):
+    """parallel.etp sets the expert tensor-parallel size (null: parallel.tp); Megatron's own spelling of it, and of
+    every other parallel size, in model.megatron is refused naming the key to use, so the parallel state and the
+    TransformerConfig can never disagree."""
+    path = recipe()
+    assert load_config(path).parallel.etp is None
+    assert load_config(path, ["parallel.etp=1"]).parallel.etp == 1
+    assert error_of(path, ["parallel.etp=0"]) == f"{path}: override 'parallel.etp=0': parallel.etp: must be >= 1, got 0"
+    assert error_of(path, ["model.megatron.expert_tensor_parallel_size=1"]) == (
+        f"{path}: override 'model.megatron.expert_tensor_parallel_size=1': model.megatron: "
+        "expert_tensor_parallel_size is the parallel layout's: set parallel.etp instead")
+    assert error_of(path, ["model.megatron.tensor_model_parallel_size=2"]).endswith(
+        "tensor_model_parallel_size is the parallel layout's: set parallel.tp instead")
+
+
 def test_cross_section_check_names_the_keys_and_numbers(recipe):
     path = recipe("rollout:\n  n_samples: 3\n")
     assert error_of(path, ["data.prompts_per_step=6", "train.micro_batch_size=4"]) == (

@@ -1,6 +1,7 @@
 """The conversion tools: HF -> Megatron distributed checkpoint -> HF is bit-exact for every architecture and
-across layouts (written at TP=2 or EP=2, read back on one rank), and bad input stops with an error naming
-what is wrong without overwriting anything. Also: no torch.load in megarl unpickles arbitrary objects.
+across layouts (written at TP=2, EP=2 or TP=2 with each expert whole (ETP=1) over EP=2, read back on one rank;
+written on one rank, loaded split two ways), and bad input stops with an error naming what is wrong without
+overwriting anything. Also: no torch.load in megarl unpickles arbitrary objects.
 """
 
 from __future__ import annotations
@@ -84,8 +85,9 @@ def test_round_trip_is_bit_exact(arch, arch_dir, round_trip):
     assert_bit_exact(round_trip(arch), arch_dir(arch))
 
 
-@pytest.mark.parametrize("arch, nproc, layout", [("qwen2", 2, {"tp": 2}), ("mixtral", 2, {"ep": 2})],
-                         ids=["qwen2-tp2", "mixtral-ep2"])
+@pytest.mark.parametrize("arch, nproc, layout", [("qwen2", 2, {"tp": 2}), ("mixtral", 2, {"ep": 2}),
+                                                  ("qwen3_moe", 2, {"tp": 2, "etp": 1, "ep": 2})],
+                         ids=["qwen2-tp2", "mixtral-ep2", "qwen3_moe-tp2etp1ep2"])
 def test_a_checkpoint_written_at_one_layout_reads_at_another(arch, nproc, layout, arch_dir, tmp_path):
     result = to_megatron(arch_dir(arch), tmp_path / "megatron", nproc=nproc, **layout)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -96,8 +98,10 @@ def test_a_checkpoint_written_at_one_layout_reads_at_another(arch, nproc, layout
     assert_bit_exact(tmp_path / "hf", arch_dir(arch))
 
 
+# qwen3_moe and gpt_oss: attention split over TP=2, each expert whole (ETP=1) on one of the EP=2 ranks
 LOAD_LAYOUTS = {"qwen2": {"tp": 2}, "llama": {"pp": 2}, "mixtral": {"ep": 2}, "glm4_moe": {"ep": 2},
-                "deepseek_v3": {"tp": 2}}
+                "deepseek_v3": {"tp": 2}, "qwen3_moe": {"tp": 2, "etp": 1, "ep": 2},
+                "gpt_oss": {"tp": 2, "etp": 1, "ep": 2}}
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +120,7 @@ def loaded_at_layouts(converted, tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("arch", LOAD_LAYOUTS, ids=["qwen2-tp2", "llama-pp2", "mixtral-ep2", "glm4_moe-ep2",
-                                                   "deepseek_v3-tp2"])
+                                                   "deepseek_v3-tp2", "qwen3_moe-tp2etp1ep2", "gpt_oss-tp2etp1ep2"])
 def test_a_converted_checkpoint_loads_bit_exact_at_another_layout(arch, arch_dir, loaded_at_layouts):
     """Written by one process (the streaming writer), read by a TrainEngine split two ways."""
     got, want = load_file(str(loaded_at_layouts / f"{arch}.safetensors")), hf_weights(arch_dir(arch))

@@ -81,9 +81,10 @@ def _te_experts_worker(rank: int, world: int, model_dir: str, out_dir: str) -> N
 
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world)
     own = [dist.new_group([r]) for r in range(world)][rank]  # every one-rank axis
-    groups = ParallelGroups(tp=dist.group.WORLD, pp=own, dp=own, mp=dist.group.WORLD, ep=own, cp=own,
-                            tp_rank=rank, tp_size=world, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1,
-                            ep_rank=0, ep_size=1, cp_rank=0, cp_size=1, pp_last_global_rank=world - 1,
+    groups = ParallelGroups(tp=dist.group.WORLD, pp=own, dp=own, mp=dist.group.WORLD, ep=own,
+                            etp=dist.group.WORLD, cp=own, tp_rank=rank, tp_size=world, pp_rank=0, pp_size=1,
+                            dp_rank=0, dp_size=1, ep_rank=0, ep_size=1, etp_rank=rank, etp_size=world, cp_rank=0,
+                            cp_size=1, pp_last_global_rank=world - 1,
                             mp_src_global_rank=0, timeout=timedelta(seconds=60))
     shape = read_shape(model_dir)
     stage = StageModel(shape=shape, config=None, groups=groups, chunks=[_te_grouped_experts(shape, tp=world)],

@@ -207,6 +207,15 @@ def test_layout_that_does_not_divide_names_both_numbers(qwen2_dir, layout, messa
      "world size 4 is not divisible by parallel.tp * parallel.ep * parallel.pp = 8"),
     (dict(tp=2, pp=1, cp=1, ep=1, world_size=2),
      "parallel.tp = 2 with a mixture-of-experts model (mixtral) needs model.megatron.sequence_parallel: true"),
+    # expert tensor parallelism (parallel.etp) apart from TP: the expert grid is etp * ep * pp, the expert width
+    # splits by etp
+    (dict(tp=1, pp=1, cp=1, ep=2, etp=2, world_size=2),
+     "world size 2 is not divisible by parallel.etp * parallel.ep * parallel.pp = 4"),
+    (dict(tp=1, pp=1, cp=1, ep=2, etp=3, world_size=6), "expert MLP width 128 is not divisible by parallel.etp = 3"),
+    (dict(tp=2, pp=1, cp=1, ep=1, etp=1, world_size=2, sequence_parallel=True),
+     "parallel.etp = 1 differs from parallel.tp = 2 with parallel.ep = 1: Megatron reduces the experts' gradients "
+     "over their own data-parallel ranks only under expert parallelism; set parallel.ep > 1, or leave parallel.etp "
+     "unset"),
 ])
 def test_expert_layout_that_does_not_divide_names_both_numbers(arch_dir, layout, message):
     from megarl.layout import check_layout
@@ -221,6 +230,19 @@ def test_expert_parallel_needs_experts(qwen2_dir):
 
     with pytest.raises(ValueError, match="parallel.ep = 2 needs a mixture-of-experts model; qwen2 has no experts"):
         check_layout(read_shape(qwen2_dir), tp=1, pp=1, cp=1, ep=2, world_size=2)
+    with pytest.raises(ValueError, match="parallel.etp = 1 needs a mixture-of-experts model; qwen2 has no experts"):
+        check_layout(read_shape(qwen2_dir), tp=2, pp=1, cp=1, etp=1, world_size=2)
+    check_layout(read_shape(qwen2_dir), tp=2, pp=1, cp=1, etp=2, world_size=2)  # etp = tp: Megatron's default
+
+
+def test_expert_tensor_parallel_layouts_that_divide_pass(arch_dir):
+    """Each expert whole (etp 1) while attention splits over TP, the experts over EP on the same or more ranks;
+    and each expert split over more ranks than attention (etp 2 under tp 1)."""
+    from megarl.layout import check_layout
+
+    shape = read_shape(arch_dir("mixtral"))
+    for tp, pp, ep, etp, world in [(2, 1, 2, 1, 2), (2, 2, 2, 1, 4), (2, 1, 4, 1, 4), (1, 1, 2, 2, 4)]:
+        check_layout(shape, tp=tp, pp=pp, cp=1, ep=ep, etp=etp, world_size=world, sequence_parallel=tp > 1)
 
 
 def test_qwen_moe_with_dense_layers_is_refused_naming_the_file(arch_dir, tmp_path):

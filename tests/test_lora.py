@@ -325,8 +325,8 @@ def test_what_cannot_take_adapters_is_refused_naming_the_key(arch_dir):
     check_lora(LORA, moe, te=False)  # experts at expert tensor parallelism 1 (any expert parallelism): fine
     with pytest.raises(ValueError, match=r"model\.lora\.targets.*experts' linears \(fc1, fc2\).*expert tensor "
                                           r"parallelism 1 only \(here 2"):
-        check_lora(LORA, moe, te=False, expert_tp=2)
-    check_lora(LoraConfig(targets=["qkv", "proj"]), moe, te=False, expert_tp=2)  # attention alone: fine
+        check_lora(LORA, moe, te=False, etp=2)
+    check_lora(LoraConfig(targets=["qkv", "proj"]), moe, te=False, etp=2)  # attention alone: fine
     with pytest.raises(ValueError, match=r"model\.lora.*Transformer Engine"):
         check_lora(LORA, dense, te=True)
     with pytest.raises(ValueError, match=r"model\.lora.*critic"):

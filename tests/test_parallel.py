@@ -1,6 +1,7 @@
 """Every parallel layout gives the numbers of one rank: TP=2, PP=2, DP=2, TP2xPP2, DP2xTP2, virtual pipeline
-stages PP2xVPP2, context parallel CP=2 and DP2xCP2, sequence parallel TP=2, and expert parallel EP=2, EP2xPP2
-and EP2xTP2 (with sequence parallelism) on MoE models, on gloo ranks; and prompts held once per group
+stages PP2xVPP2, context parallel CP=2 and DP2xCP2, sequence parallel TP=2, expert parallel EP=2, EP2xPP2
+and EP2xTP2 (with sequence parallelism) on MoE models, and expert tensor parallelism apart from TP (ETP=1 under
+TP=2, ETP=2 under TP=1), on gloo ranks; and prompts held once per group
 (train.share_prompts) against the unshared computation at TP=2 (with and without sequence parallelism),
 PP=2, PP2xVPP2, DP=2, TP2xPP2 and DP2xTP2.
 
@@ -24,8 +25,10 @@ LAYOUT_TIMEOUT_S = 300  # 4 gloo ranks on 2 cores take ~30 s a layout; a hang fa
 pytestmark = pytest.mark.timeout(7 * LAYOUT_TIMEOUT_S)  # a test may wait for the one-rank job and its own
 
 
-def layout(*, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
-    return ("--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--cp", str(cp), *extra)
+def layout(*, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, cp: int = 1,
+           extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    expert_tp = ("--etp", str(etp)) if etp is not None else ()
+    return ("--tp", str(tp), "--pp", str(pp), "--ep", str(ep), *expert_tp, "--cp", str(cp), *extra)
 
 
 # Every run of the worker: name -> (model, processes, worker arguments). A checkpoint path is named relative to
@@ -80,11 +83,22 @@ CASES = {
     "qwen2_moe-lora-ep2": ("qwen2_moe", 2, layout(ep=2, extra=("--lora", "--save", "{runs}/ckpt_lora_ep2"))),
     "qwen2_moe-lora-ep2dp2": ("qwen2_moe", 4, layout(ep=2, extra=("--lora", "--resume-from",
                                                                   "{runs}/ckpt_lora_ep2"))),
-    # gpt-oss (biased experts: Megatron takes them at expert TP 1 only, so no TP layout): a sliding-window stage and
-    # a full-attention stage; 2 of each layer's 4 stacked experts per rank, in padded and in packed rows
+    # gpt-oss (biased experts: Megatron takes them at expert TP 1 only): a sliding-window stage and a full-attention
+    # stage; 2 of each layer's 4 stacked experts per rank, in padded and in packed rows
     "gpt_oss-pp2": ("gpt_oss", 2, layout(pp=2)),
     "gpt_oss-ep2": ("gpt_oss", 2, layout(ep=2)),
     "gpt_oss-ep2-packed": ("gpt_oss", 2, layout(ep=2, extra=("--micro-batch-tokens", "24"))),
+    # Expert tensor parallelism apart from TP (parallel.etp). ETP=1 under TP=2: attention (and shared experts) split
+    # over the two ranks, each routed expert whole on one of them, the experts spread over EP=2 on the same ranks;
+    # with gpt-oss's biased experts, LoRA on the experts, and multi-latent attention (DeepSeek-V3). On 4 ranks:
+    # TP2xPP2 with the MoE stage's experts over EP=2 (GLM-4.5), EP=4 over both data-parallel replicas (one expert
+    # per rank), and ETP=2 under TP=1: each expert split over two ranks of different replicas, which share tokens.
+    **{f"{arch}-tp2etp1ep2sp": (arch, 2, layout(tp=2, etp=1, ep=2, extra=("--sequence-parallel",)))
+       for arch in ("qwen2_moe", "glm4_moe", "deepseek_v3", "gpt_oss")},
+    "qwen2_moe-lora-tp2etp1ep2sp": ("qwen2_moe", 2, layout(tp=2, etp=1, ep=2, extra=("--lora", "--sequence-parallel"))),
+    "glm4_moe-tp2pp2etp1ep2sp": ("glm4_moe", 4, layout(tp=2, pp=2, etp=1, ep=2, extra=("--sequence-parallel",))),
+    "qwen2_moe-tp2etp1ep4sp": ("qwen2_moe", 4, layout(tp=2, etp=1, ep=4, extra=("--sequence-parallel",))),
+    "mixtral-etp2ep2": ("mixtral", 4, layout(etp=2, ep=2)),
     # Gemma 3: a local (sliding-window of 8, sequences of 12) layer then a global one, post-attention and post-MLP
     # norms; PP=2 puts one kind on each stage
     "gemma3-tp2": ("gemma3", 2, layout(tp=2)),
@@ -176,6 +190,39 @@ def test_sigmoid_routers_keep_their_expert_bias_while_the_experts_train(runs, ar
                                checkpoint["model.layers.1.mlp.experts.5.up_proj.weight"])
 
 
+# Expert tensor parallelism (parallel.etp) apart from TP. Megatron's expert layers communicate over their own groups
+# (the dispatcher over the expert tensor and expert parallel ranks, the experts' gradients over the expert
+# data-parallel ones), so the numbers are the single rank's at the tolerances of every layout above; and the
+# logprobs before training are transformers' within 1e-5 (measured: up to 9.5e-7; fp32 reordering of sharded sums,
+# where a routing or split error moves them by more than 1e-3). Each rank holds experts / ep experts, each split
+# over etp, as the plan counts them (megarl.plan.stage_params).
+ETP = [name for name in CASES if "etp" in name and "lora" not in name]
+
+
+@pytest.mark.parametrize("name", ETP)
+def test_expert_tensor_parallel_layout_matches_single_rank_and_transformers(name, runs, arch_dir):
+    from megarl.models.arch import read_shape
+    from megarl.plan import stage_params
+    from test_engine import hf_logits, token_logprobs
+
+    arch, args = CASES[name][0], CASES[name][2]
+    result = runs(name)
+    assert_same_numbers(result, runs(f"single-{arch}"))
+    tokens = torch.tensor(result["tokens"])
+    reference = token_logprobs(hf_logits(arch_dir(arch), tokens), tokens)
+    assert (torch.tensor(result["logprobs"]) - reference).abs().max() <= 1e-5
+
+    size = {key: int(args[args.index(f"--{key}") + 1]) for key in ("tp", "pp", "ep", "etp")}
+    shape = read_shape(arch_dir(arch))
+    for rank in result["ranks"]:
+        experts = rank["experts"]
+        if experts is not None:  # a pipeline stage without MoE layers holds none
+            assert experts["count"] == shape.experts // size["ep"]
+            assert experts["fc1_rows"] == 2 * shape.moe_ffn // size["etp"]  # gate and up
+        assert rank["params"] == stage_params(shape, tp=size["tp"], pp=size["pp"], ep=size["ep"], etp=size["etp"],
+                                              stage=rank["pp_rank"]).total
+
+
 # LoRA: A replicated and B split on a column-parallel linear's output, A split and B replicated on a row-parallel
 # one's input, the replicated factor's gradient summed over TP under sequence parallelism. Two steps (A gets a
 # gradient from the second, once B has left zero); the trained weights compared are the merged ones the push sends.
@@ -200,12 +247,14 @@ def lora_run_matches(result: dict, reference: dict, *, base_dir: Path) -> set[st
     return {n for n, w in reference["weights"].items() if not torch.equal(w, base[n])}
 
 
-@pytest.mark.parametrize("name", ["qwen2_moe-lora-ep2", "qwen2_moe-lora-ep2dp2"])
+@pytest.mark.parametrize("name", ["qwen2_moe-lora-ep2", "qwen2_moe-lora-ep2dp2", "qwen2_moe-lora-tp2etp1ep2sp"])
 def test_expert_lora_under_expert_parallelism_matches_single_rank(name, runs, arch_dir):
-    """Adapters on the experts at EP=2 (and EP=2 with the experts' data parallelism 2 on 4 ranks): the steps'
-    loss and gradient norm and the merged weights are the single rank's (the tolerances of every layout above:
-    the expert adapters' gradients are reduced over the ranks holding the same experts, not over all); every
-    expert's and the shared expert's projections moved. The EP=2 checkpoint loads on 4 ranks bit for bit."""
+    """Adapters on the experts at EP=2 (and EP=2 with the experts' data parallelism 2 on 4 ranks, and EP=2 at
+    ETP=1 under TP=2, the shared expert's adapters split over TP with sequence parallelism): the steps' loss and
+    gradient norm and the merged weights are the single rank's (the tolerances of every layout above: the expert
+    adapters' gradients are reduced over the ranks holding the same experts, not over all, and the norm counts
+    each expert's replicated factor once per expert, not once per TP group); every expert's and the shared
+    expert's projections moved. The EP=2 checkpoint loads on 4 ranks bit for bit."""
     from safetensors.torch import load_file
 
     moved = lora_run_matches(runs(name), runs("single-qwen2_moe-lora"), base_dir=arch_dir("qwen2_moe"))

@@ -34,6 +34,7 @@ train:
 """
 SPLIT = ("placement.mode=split", "placement.rollout_ranks=2", "data.prompts_per_step=48")  # 6 ranks train: dp 3
 MOE_EP = ("parallel.tp=1", "parallel.ep=8")
+MOE_ETP = ("parallel.tp=2", "parallel.etp=1", "model.megatron.sequence_parallel=true")
 DP = "(world size 8 / (parallel.tp * parallel.pp * parallel.cp))"
 SPLIT_DP = ("(training world size 6 / (parallel.tp * parallel.pp * parallel.cp); placement.rollout_ranks 2 of the 8 "
             "ranks only generate)")
@@ -86,6 +87,13 @@ LAYOUTS = [
      "world size 16 is not divisible by parallel.tp * parallel.ep * parallel.pp = 32"),
     (MOE, 2, 8, ["parallel.ep=8"], "parallel.tp = 2 with a mixture-of-experts model (qwen3_moe) needs "
                                    "model.megatron.sequence_parallel: true"),
+    # each expert whole (parallel.etp 1) while attention splits over TP 2: the expert grid is etp * ep * pp
+    (MOE, 2, 8, [*MOE_ETP, "parallel.ep=16"], None),
+    (MOE, 2, 8, [*MOE_ETP, "parallel.ep=32"],
+     "world size 16 is not divisible by parallel.etp * parallel.ep * parallel.pp = 32"),
+    (MOE, 2, 8, [*MOE_ETP, "parallel.ep=1"], "parallel.etp = 1 differs from parallel.tp = 2 with parallel.ep = 1: "
+     "Megatron reduces the experts' gradients over their own data-parallel ranks only under expert parallelism; set "
+     "parallel.ep > 1, or leave parallel.etp unset"),
     # placement split: the job's last placement.rollout_ranks ranks generate, the others train
     (DENSE, 1, 8, [*SPLIT], None),
     (DENSE, 1, 8, [*SPLIT, "placement.rollout_ranks=8"],

@@ -365,6 +365,32 @@ def test_pipeline_and_expert_sharding_divide_the_model_state():
     assert first.total + last.total == full.total  # the same tensors, split in two
 
 
+def test_expert_tensor_parallelism_splits_the_experts_by_etp_and_their_state_by_expert_dp(capsys):
+    """parallel.etp 1 under TP 4: attention and the shared parts split over TP as before, each expert whole, so a
+    GPU at the same ep holds 4 times the expert parameters; over 4 times the ranks (ep 128) it holds the same, and
+    the expert data-parallel size is world / (etp * ep * pp) either way, which divides the experts' optimizer
+    state (the test of the count against a real engine at ETP 1 is test_parallel's)."""
+    from megarl.plan import read_model, stage_params
+
+    shape = read_model(CONFIGS / "qwen3-235b-a22b" / "config.json")
+    by_tp = stage_params(shape, tp=4, pp=1, ep=32, stage=0)
+    whole = stage_params(shape, tp=4, pp=1, ep=32, etp=1, stage=0)
+    assert whole.dense == by_tp.dense and whole.expert == 4 * by_tp.expert
+    assert stage_params(shape, tp=4, pp=1, ep=128, etp=1, stage=0) == by_tp
+    layouts = {}
+    for overrides in ([], ["parallel.etp=1"], ["parallel.etp=1", "parallel.ep=128"]):
+        code, out, err = megarl(plan_args(*MOE235, *overrides, "--json", gpu_mem_gb=140), capsys)
+        assert code in (0, 1), out + err
+        result = json.loads(out)
+        layouts[tuple(overrides)] = (result["layout"]["etp"], result["layout"]["expert_dp"],
+                                     result["models"][0]["optim"])
+    (etp4, dp4, optim4), (etp1, dp1, optim1), (etp1_ep128, dp1_ep128, optim_ep128) = layouts.values()
+    assert (etp4, dp4) == (4, 1) and (etp1, dp1) == (1, 4) and (etp1_ep128, dp1_ep128) == (1, 1)
+    assert optim1 == optim4 and optim_ep128 == optim4  # 4x the experts over 4x the ranks; the same experts
+    code, out, _ = megarl(plan_args(*MOE235, "parallel.etp=1", gpu_mem_gb=140), capsys)
+    assert "experts: etp 1 x ep 32 x pp 1 x expert-dp 4" in out
+
+
 # ---- the estimate against a real TrainEngine -------------------------------------------------------------------
 def measured_state(engine) -> dict[str, int]:
     """Bytes a built, once-stepped TrainEngine really holds: parameters, DDP gradient buffers, and the

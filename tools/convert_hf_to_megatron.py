@@ -1,12 +1,12 @@
 """Convert a HuggingFace checkpoint into a Megatron distributed checkpoint that megarl loads at any layout.
 
-    python tools/convert_hf_to_megatron.py --hf DIR --out DIR [--tp N] [--pp N] [--ep N] [--dtype bfloat16]
+    python tools/convert_hf_to_megatron.py --hf DIR --out DIR [--tp N] [--pp N] [--ep N] [--etp N] [--dtype bfloat16]
     torchrun --nproc_per_node=N tools/convert_hf_to_megatron.py --hf DIR --out DIR --tp N ...
 
 OUT gets `actor/` (the distributed checkpoint) and `hf/` (config and tokenizer files, so the checkpoint
 describes itself). The model is never built: its Megatron skeleton lives on the meta device, and each
 tensor is read from the safetensors files (memory-mapped) when the writer reaches it and dropped once
-written, so memory holds about one tensor whatever the model size. The result loads at any TP/PP/EP
+written, so memory holds about one tensor whatever the model size. The result loads at any TP/PP/EP/ETP
 layout. The layout only splits the writing: under torchrun each process writes its own shard of the
 checkpoint, reading from the safetensors files just the tensors that shard needs. OUT must not exist:
 nothing is overwritten; the output is published with one rename.
@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: --tp)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     args = parser.parse_args()
 
@@ -47,7 +48,8 @@ def main() -> None:
     from megarl.models.arch import read_shape
 
     try:
-        engine = meta_engine(args.hf, shape=read_shape(args.hf), dtype=args.dtype, tp=args.tp, pp=args.pp, ep=args.ep)
+        engine = meta_engine(args.hf, shape=read_shape(args.hf), dtype=args.dtype, tp=args.tp, pp=args.pp, ep=args.ep,
+                             etp=args.etp)
     except ValueError as e:
         sys.exit(f"convert: {e}")
     rank0 = dist.get_rank() == 0
@@ -56,7 +58,8 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         shape = engine.shape
         print(f"convert: {shape.arch}, {shape.layers} layers, hidden {shape.hidden}, from {args.hf} "
-              f"at tp={args.tp} pp={args.pp} ep={args.ep} on {dist.get_world_size()} process(es)", flush=True)
+              f"at tp={args.tp} pp={args.pp} ep={args.ep} etp={engine.stage.groups.etp_size} "
+              f"on {dist.get_world_size()} process(es)", flush=True)
     dist.barrier()
     start = time.perf_counter()
     bar = tqdm(desc="convert", unit="tensor", disable=not rank0)

@@ -1,6 +1,9 @@
 """HF checkpoints in and out of a Megatron model: each rank's shards cut from safetensors files on load, and
 full HF-named tensors gathered from the shards (tensor, expert and pipeline parallel) for the weight
 handoff and the HF export, one tensor at a time.
+
+A routed expert's linears are split over the expert tensor-parallel ranks (parallel.etp), every other split
+tensor over the tensor-parallel ranks (parallel.tp): the two groups differ unless etp = tp.
 """
 
 from __future__ import annotations
@@ -45,15 +48,15 @@ def hf_shard(stage: StageModel, source: SafetensorsDir, name: str, param: Tensor
         return source.get(_HF_SCORE).reshape(param.shape) if _HF_SCORE in source else None
     if name == "output_layer.weight" and stage.shape.tied_embeddings:
         hf_names = ("model.embed_tokens.weight",)  # last pipeline stage's copy of tied weights
-        rule_fuse = None
+        rule_fuse, expert = None, None
     else:
-        rule, _, _ = stage.names.lookup(name)
+        rule, _, expert = stage.names.lookup(name)
         hf_names, rule_fuse = stage.names.hf_names(name, expert_offset=stage.expert_offset), rule.fuse
     full = _fuse(stage.shape, _hf_parts(stage, source, name, hf_names, rule_fuse), rule_fuse)
     if name in VOCAB_PARAMS:
         full = _pad_rows(full, param.shape[0] * stage.groups.tp_size)
-    shard = layout.shard(full, dim=tp_split(name, param), rank=stage.groups.tp_rank,
-                         size=stage.groups.tp_size, gate_up=rule_fuse in _GATE_UP)
+    _, rank, size = _split_axis(stage, expert=expert is not None)
+    shard = layout.shard(full, dim=tp_split(name, param), rank=rank, size=size, gate_up=rule_fuse in _GATE_UP)
     if shard.shape != param.shape:
         raise ValueError(f"{source.model_dir}: {hf_names} gives shape {tuple(shard.shape)} for {name}, "
                          f"expected {tuple(param.shape)}")
@@ -87,8 +90,8 @@ def _fuse(shape: ModelShape, parts: list[Tensor], fuse: str | None) -> Tensor:
 
 def hf_tensors(stage: StageModel, params: Iterator[tuple[str, Tensor, Tensor]] | None = None, *,
                classifier: bool = False) -> Iterator[tuple[str, Tensor]]:
-    """Full HF-named tensors of this model, one at a time (TP shards all-gathered, experts gathered
-    over the expert-parallel group with their global indices).
+    """Full HF-named tensors of this model, one at a time (TP shards all-gathered, a routed expert's over the
+    expert tensor-parallel group, experts gathered over the expert-parallel group with their global indices).
 
     Every rank of a pipeline stage takes part in the gathers; every rank yields the full tensors of
     its own stage's layers, every expert included, so the rank that feeds a rollout engine must also
@@ -118,7 +121,8 @@ def hf_tensors(stage: StageModel, params: Iterator[tuple[str, Tensor, Tensor]] |
         if name == "output_layer.weight" and stage.shape.tied_embeddings:
             continue
         rule, _, expert = stage.names.lookup(name)
-        data = _gather_tp(stage, data, dim=tp_split(name, param), gate_up=rule.fuse in _GATE_UP)
+        data = _gather_tp(stage, data, dim=tp_split(name, param), gate_up=rule.fuse in _GATE_UP,
+                          expert=expert is not None)
         if name in VOCAB_PARAMS:
             data = data[: stage.shape.vocab_size]
         if expert is None:
@@ -160,12 +164,21 @@ class _ExpertStacks:
         return torch.stack([rows[e] for e in range(self.experts)])
 
 
-def _gather_tp(stage: StageModel, data: Tensor, *, dim: int | None, gate_up: bool) -> Tensor:
-    """The full tensor of this rank's shard `data`, split over TP on `dim` (None: every rank holds it whole)."""
-    if dim is None or stage.groups.tp_size == 1:
+def _split_axis(stage: StageModel, *, expert: bool) -> tuple[dist.ProcessGroup, int, int]:
+    """(group, this rank's index in it, its size) of the ranks a tensor is split over: a routed expert's
+    (`expert`) the expert tensor-parallel ranks, any other the tensor-parallel ranks."""
+    groups = stage.groups
+    return (groups.etp, groups.etp_rank, groups.etp_size) if expert else (groups.tp, groups.tp_rank, groups.tp_size)
+
+
+def _gather_tp(stage: StageModel, data: Tensor, *, dim: int | None, gate_up: bool, expert: bool) -> Tensor:
+    """The full tensor of this rank's shard `data`, split on `dim` (None: every rank holds it whole) over the
+    tensor-parallel ranks, or a routed expert's (`expert`) over the expert tensor-parallel ones."""
+    group, _, size = _split_axis(stage, expert=expert)
+    if dim is None or size == 1:
         return data
-    shards = [torch.empty_like(data) for _ in range(stage.groups.tp_size)]
-    dist.all_gather(shards, data.contiguous(), group=stage.groups.tp)
+    shards = [torch.empty_like(data) for _ in range(size)]
+    dist.all_gather(shards, data.contiguous(), group=group)
     return layout.unshard(shards, dim=dim, gate_up=gate_up)
 
 
@@ -175,10 +188,11 @@ def hf_adapter_tensors(stage: StageModel) -> Iterator[tuple[str, Tensor]]:
     for its HF projections: each gets a copy, and its rows of B, which is the same update (B_q A, B_k A, ...)."""
     for layer_name, layer in stage.adapted_layers():
         name = f"{layer_name}.weight"
-        rule, _, _ = stage.names.lookup(name)
-        gate_up = rule.fuse in _GATE_UP
-        a = _gather_tp(stage, layer.lora_a.detach(), dim=tp_split(name, layer.lora_a), gate_up=False)
-        b = _gather_tp(stage, layer.lora_b.detach(), dim=tp_split(name, layer.lora_b), gate_up=gate_up)
+        rule, _, expert = stage.names.lookup(name)
+        gate_up, expert = rule.fuse in _GATE_UP, expert is not None
+        a = _gather_tp(stage, layer.lora_a.detach(), dim=tp_split(name, layer.lora_a), gate_up=False, expert=expert)
+        b = _gather_tp(stage, layer.lora_b.detach(), dim=tp_split(name, layer.lora_b), gate_up=gate_up,
+                       expert=expert)
         for hf_name, b_rows in zip(stage.names.hf_names(name), _split(stage.shape, b, rule.fuse), strict=True):
             module = "base_model.model." + hf_name.removesuffix(".weight")
             yield f"{module}.lora_A.weight", a

@@ -7,6 +7,12 @@ marks as a view of a custom Function's output and refuses to change in place whi
 returns its own tensor there; under TP or EP the layer skips that reduce (the MoE dispatcher communicates) and
 its output is already its own.
 
+Its bias is not a sequence-parallel weight: Megatron tags a RowParallelLinear's bias `sequence_parallel`, and its
+finalize_model_grads then sums the tagged gradients over the tensor-parallel ranks, which is right for a layer whose
+input is this rank's slice of the sequence, but an expert's input comes whole from the dispatcher, and with expert
+tensor-parallel size 1 under TP > 1 the other TP ranks hold other experts: their biases' gradients would be added
+into this one's.
+
 Imported only by megarl.engine.model.build_gpt, with Megatron.
 """
 
@@ -16,7 +22,13 @@ from megatron.core.tensor_parallel import RowParallelLinear
 
 
 class ExpertBiasRowParallelLinear(RowParallelLinear):
-    """RowParallelLinear whose output may be changed in place by the expert MLP that calls it."""
+    """RowParallelLinear whose output may be changed in place by the expert MLP that calls it, and whose bias's
+    gradient is its own tokens' (not summed over the tensor-parallel ranks)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.bias is not None:
+            self.bias.sequence_parallel = False
 
     def forward(self, input_, **kwargs):
         output, bias = super().forward(input_, **kwargs)

@@ -73,23 +73,31 @@ def freeze_base(chunks: list) -> int:
 
 
 def init_adapters(layers: Iterator[tuple[str, torch.nn.Module]], *, seed: int, tp_rank: int, tp_size: int,
-                  expert_offset: int = 0) -> None:
+                  etp_rank: int = 0, etp_size: int = 1, expert_offset: int = 0) -> None:
     """A of every adapted layer (global module name, layer) drawn whole from U(-1/sqrt(in), 1/sqrt(in)) (PEFT's and
     torch's default for a linear of that fan-in) with a generator seeded by `seed` and the name, then cut to this
-    rank's shard (row-parallel layers split A on its input dim); B zero. An expert's name carries its global
+    rank's shard (row-parallel layers split A on its input dim: over the tensor-parallel ranks, a routed expert's
+    over the expert tensor-parallel ones, `etp_rank` of `etp_size`); B zero. An expert's name carries its global
     index (`expert_offset`: this rank's first expert), so every expert-parallel layout draws the same A."""
     with torch.no_grad():
         for name, layer in layers:
+            expert = _is_expert(name)
+            rank, size = (etp_rank, etp_size) if expert else (tp_rank, tp_size)
             name = _global_expert(name, expert_offset)
             split = getattr(layer.lora_a, "partition_dim", None) if getattr(layer.lora_a, "tensor_model_parallel",
                                                                              False) else None
-            rank, fan_in = layer.lora_a.shape
-            fan_in *= tp_size if split == 1 else 1
+            adapter_rank, fan_in = layer.lora_a.shape
+            fan_in *= size if split == 1 else 1
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             bound = 1 / math.sqrt(fan_in)
-            full = torch.empty(rank, fan_in).uniform_(-bound, bound, generator=gen)
-            layer.lora_a.copy_(layout.shard(full, dim=split, rank=tp_rank, size=tp_size))
+            full = torch.empty(adapter_rank, fan_in).uniform_(-bound, bound, generator=gen)
+            layer.lora_a.copy_(layout.shard(full, dim=split, rank=rank, size=size))
             layer.lora_b.zero_()
+
+
+def _is_expert(name: str) -> bool:
+    """Whether module `name` is one of a routed expert's linears (`...mlp.experts.local_experts.{i}...`)."""
+    return "local_experts" in name.split(".")
 
 
 def _global_expert(name: str, offset: int) -> str:

@@ -70,7 +70,7 @@ class TrainEngine:
             if optim is None:
                 raise ValueError("LoRA adapters are trained: a TrainEngine with `lora` needs `optim`")
             adapters.init_adapters(self.stage.adapted_layers(), seed=seed, tp_rank=groups.tp_rank,
-                                   tp_size=groups.tp_size,
+                                   tp_size=groups.tp_size, etp_rank=groups.etp_rank, etp_size=groups.etp_size,
                                    expert_offset=groups.ep_rank * (self.shape.experts // groups.ep_size))
             adapters.freeze_base(self.chunks)
         self.optim = optim
@@ -161,6 +161,7 @@ class TrainEngine:
             # megatron-core compares torch's version as a string ('2.14' < '2.3') and warns wrongly
             warnings.filterwarnings("ignore", message="CPU offload is recommended for PyTorch >= 2.3.0")
             optimizer = get_megatron_optimizer(opt_config, ddps)
+        count_expert_copies_once(optimizer, etp_group=self.stage.groups.etp)
         fuse_torch_adam(optimizer)
         # The schedule multiplies each loss (and the MoE aux loss) by the optimizer's loss scale, which the
         # optimizer divides out of the gradients again: 1 except in fp16, where it keeps them representable.
@@ -353,17 +354,33 @@ def fuse_torch_adam(optimizer) -> None:
                     adam.state[param]["step"] = step.to(param.device, torch.float32)
 
 
+def count_expert_copies_once(optimizer, *, etp_group) -> None:
+    """Megatron hands every optimizer of its chain the tensor-parallel group, and the gradient norm counts a tensor
+    that is not split over it (no `tensor_model_parallel` tag) on TP rank 0 only, as a copy held by every TP rank.
+    An expert's unsplit tensors (gpt-oss's fc2 bias, the replicated factor of an expert's adapter) are copies over
+    the expert tensor-parallel ranks instead; with etp != tp the TP filter would drop the different experts of the
+    other TP ranks from the norm (measured at TP = 2, ETP = 1: a norm 24% low). The expert optimizer (the one of
+    the expert-parallel parameter groups) gets the expert tensor-parallel group (`etp_group`)."""
+    for each in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if any(group.get("is_expert_parallel") for group in each.param_groups):
+            each.tp_group = etp_group
+
+
 def meta_engine(model_dir: str | Path, *, shape: ModelShape, dtype: str, tp: int = 1, pp: int = 1,
-                ep: int = 1) -> TrainEngine:
+                ep: int = 1, etp: int | None = None) -> TrainEngine:
     """A frozen TrainEngine whose model lives on the meta device: Megatron's names, shapes and sharding at
-    this layout, no weights, for the conversion tools to stream tensors through (`save_checkpoint(hf_dir=)`,
-    `hf_tensors(checkpoint=)`). ValueError, naming the numbers, when the layout does not split the model
-    or the torchrun world."""
-    check_layout(shape, tp=tp, pp=pp, cp=1, ep=ep, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    this layout (`etp`: the expert tensor-parallel size, None: tp), no weights, for the conversion tools to
+    stream tensors through (`save_checkpoint(hf_dir=)`, `hf_tensors(checkpoint=)`). ValueError, naming the
+    numbers, when the layout does not split the model or the torchrun world."""
+    import warnings
+
+    # sequence_parallel: a conversion never trains, so the MoE-under-TP rule of training does not apply
+    check_layout(shape, tp=tp, pp=pp, cp=1, ep=ep, etp=etp, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                 sequence_parallel=True)
     # Without GPU-only Apex / Transformer Engine megatron warns at import about its fallbacks, which are the
     # intended code on CPU; a conversion's output is its progress.
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
-    groups = init_parallel(tp=tp, pp=pp, ep=ep)
+    groups = init_parallel(tp=tp, pp=pp, ep=ep, etp=etp)
     with torch.device("meta"):
         return TrainEngine(model_dir=str(model_dir), shape=shape, dtype=dtype, megatron={}, groups=groups,
                            load_weights=False)

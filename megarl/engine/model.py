@@ -29,9 +29,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megatron: dict, ep: int = 1,
-                       cp: int = 1, te_layers: bool | None = None):
+                       etp: int | None = None, cp: int = 1, te_layers: bool | None = None):
     """Megatron TransformerConfig for an HF architecture; `megatron` holds extra fields from the recipe.
-    `te_layers`: the layers are Transformer Engine's (None: wherever it is usable, `uses_transformer_engine`)."""
+    `etp`: the expert tensor-parallel size (None: tp). `te_layers`: the layers are Transformer Engine's (None:
+    wherever it is usable, `uses_transformer_engine`)."""
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     te = uses_transformer_engine() if te_layers is None else te_layers
@@ -50,7 +51,7 @@ def transformer_config(shape: ModelShape, *, dtype: str, tp: int, pp: int, megat
         activation_func=F.silu, add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
         qk_layernorm=shape.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-        context_parallel_size=cp,
+        expert_tensor_parallel_size=etp, context_parallel_size=cp,
         params_dtype=torch_dtype, pipeline_dtype=torch_dtype,
         bf16=torch_dtype == torch.bfloat16, fp16=torch_dtype == torch.float16,
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
@@ -337,7 +338,7 @@ def global_name(local_name: str, layer_offset: int) -> str:
     return ".".join(parts)
 
 
-# Transformer Engine's grouped expert linears (TEGroupedLinear: `mlp.experts.linear_fc2.weight{e}`). With tp > 1
+# Transformer Engine's grouped expert linears (TEGroupedLinear: `mlp.experts.linear_fc2.weight{e}`). With etp > 1
 # or ep > 1 Megatron builds them without a TE parallel mode (its MoE dispatcher does the communication), and TE
 # then tags every weight{e} with partition_dim 0, the row-parallel fc2's too. fc2 is split on its input dim 1,
 # as Megatron's own checkpoint sharding of TERowParallelGroupedLinear says.
@@ -345,8 +346,8 @@ _GROUPED_FC2 = re.compile(r"(^|\.)mlp\.experts\.linear_fc2\.weight\d+$")
 
 
 def tp_split(name: str, param: Tensor) -> int | None:
-    """The dim along which parameter `name` is split over the tensor-parallel ranks; None if every rank holds it
-    whole."""
+    """The dim along which parameter `name` is split over the tensor-parallel ranks (a routed expert's: the expert
+    tensor-parallel ranks); None if every rank holds it whole."""
     if not getattr(param, "tensor_model_parallel", False):
         return None
     return 1 if _GROUPED_FC2.search(name) else param.partition_dim
@@ -452,12 +453,11 @@ def build_stage_model(shape: ModelShape, *, dtype: str, megatron: dict, groups: 
     if value_head:
         shape = dataclasses.replace(shape, tied_embeddings=False)
     config = transformer_config(shape, dtype=dtype, tp=groups.tp_size, pp=groups.pp_size, ep=groups.ep_size,
-                                cp=groups.cp_size, megatron=megatron, te_layers=te)
+                                etp=groups.etp_size, cp=groups.cp_size, megatron=megatron, te_layers=te)
     vpp = config.virtual_pipeline_model_parallel_size
     stages = [None] if vpp is None else list(range(vpp))
     if lora is not None:
-        check_lora(lora, shape, te=te, value_head=value_head,
-                            expert_tp=config.expert_tensor_parallel_size or groups.tp_size)
+        check_lora(lora, shape, te=te, value_head=value_head, etp=groups.etp_size)
     chunks = [build_gpt(shape, config, groups=groups, vp_stage=v, lora=lora, te_layers=te) for v in stages]
     if value_head and groups.is_pp_last:
         sp_group = groups.tp if config.sequence_parallel else None

@@ -25,6 +25,7 @@ class ParallelGroups:
     dp: dist.ProcessGroup
     mp: dist.ProcessGroup          # tensor x context x pipeline: the ranks of one data-parallel replica
     ep: dist.ProcessGroup          # expert parallel: the ranks that split one layer's experts between them
+    etp: dist.ProcessGroup         # expert tensor parallel: the ranks that split each routed expert's linears
     cp: dist.ProcessGroup          # context parallel: the ranks that split every sequence between them
     tp_rank: int
     tp_size: int
@@ -34,6 +35,8 @@ class ParallelGroups:
     dp_size: int
     ep_rank: int
     ep_size: int
+    etp_rank: int
+    etp_size: int
     cp_rank: int
     cp_size: int
     pp_last_global_rank: int       # global rank of the last pipeline stage of this rank's pipeline
@@ -53,10 +56,11 @@ def world_backend(cuda: bool) -> str:
     return "cpu:gloo,cuda:nccl" if cuda else "gloo"
 
 
-def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0,
+def init_parallel(*, tp: int, pp: int, ep: int = 1, etp: int | None = None, cp: int = 1, seed: int = 0,
                   timeout: timedelta = timedelta(minutes=60),
                   trainer_store: tuple[dist.Store, int, int] | None = None) -> ParallelGroups:
     """Initialize torch.distributed (torchrun env, else a one-process group) and Megatron's parallel state.
+    `etp`: the expert tensor-parallel size (parallel.etp; None: tp, Megatron's default).
     Every process group waits `timeout` in a collective before it fails (parallel.timeout_minutes).
     `trainer_store` (store, rank, world size): the world meets through that store instead of torchrun's env://
     (megarl.loops.launch.start_parallel: keys of this start's own; placement split: the training ranks of a
@@ -86,22 +90,22 @@ def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0,
     cpu_compat.patch_mla_without_te()
     cpu_compat.patch_optimizer_config_without_te()
     world = dist.get_world_size()
+    etp = tp if etp is None else etp
     if world % (tp * pp * cp) != 0:
         raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
+    if world % (etp * ep * pp) != 0:
+        raise ValueError(f"world size {world} is not divisible by etp*ep*pp = {etp}*{ep}*{pp}")
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                      context_parallel_size=cp, expert_model_parallel_size=ep,
+                                     expert_tensor_parallel_size=etp,
                                      distributed_timeout_minutes=timeout.total_seconds() / 60)
     current = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-               ps.get_expert_model_parallel_world_size(), ps.get_context_parallel_world_size())
-    if current != (tp, pp, ep, cp):
-        raise RuntimeError(f"Megatron's parallel state is already initialized with tp, pp, ep, cp = {current}, "
-                           f"not the requested {(tp, pp, ep, cp)}")
-    tp_ranks = dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
-    # Experts are split over Megatron's expert tensor-parallel group (default size tp); its rank generator
-    # also puts tp innermost, so it holds the TP group's ranks and the weight gathers can use groups.tp.
-    if dist.get_process_group_ranks(ps.get_expert_tensor_parallel_group()) != tp_ranks:
-        raise RuntimeError("Megatron's expert tensor-parallel group differs from the tensor-parallel group")
+               ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size(),
+               ps.get_context_parallel_world_size())
+    if current != (tp, pp, ep, etp, cp):
+        raise RuntimeError(f"Megatron's parallel state is already initialized with tp, pp, ep, etp, cp = "
+                           f"{current}, not the requested {(tp, pp, ep, etp, cp)}")
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     pp_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
@@ -120,11 +124,13 @@ def init_parallel(*, tp: int, pp: int, ep: int = 1, cp: int = 1, seed: int = 0,
     return ParallelGroups(
         tp=ps.get_tensor_model_parallel_group(), pp=ps.get_pipeline_model_parallel_group(),
         dp=ps.get_data_parallel_group(), mp=replica,
-        ep=ps.get_expert_model_parallel_group(), cp=ps.get_context_parallel_group(),
+        ep=ps.get_expert_model_parallel_group(), etp=ps.get_expert_tensor_parallel_group(),
+        cp=ps.get_context_parallel_group(),
         tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
         pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp,
         dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
         ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep,
+        etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=etp,
         cp_rank=ps.get_context_parallel_rank(), cp_size=cp,
         pp_last_global_rank=pp_ranks[-1], mp_src_global_rank=min(dist.get_process_group_ranks(replica)),
         timeout=timeout,

@@ -89,7 +89,7 @@ def start_parallel(job: Job) -> ParallelGroups:
     check_run_dir(cfg.run_dir)
     par = cfg.parallel
     try:
-        groups = init_parallel(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, seed=cfg.seed,
+        groups = init_parallel(tp=par.tp, pp=par.pp, ep=par.ep, etp=par.etp, cp=par.cp, seed=cfg.seed,
                                timeout=timedelta(minutes=par.timeout_minutes), trainer_store=trainer_store)
     except ValueError as e:
         raise RecipeError(f"parallel: {e}") from None

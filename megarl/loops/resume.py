@@ -126,7 +126,7 @@ def already_finished(cfg: Config, path: Path | None, step: int, steps: int) -> b
 def _layout(state: RunState) -> dict[str, int]:
     groups = state.groups
     return {"world": dist.get_world_size(), "tp": groups.tp_size, "pp": groups.pp_size, "ep": groups.ep_size,
-            "dp": groups.dp_size, "engines": state.rollout_engines}
+            "etp": groups.etp_size, "dp": groups.dp_size, "engines": state.rollout_engines}
 
 
 @dataclass
@@ -236,6 +236,7 @@ def restore_checkpoint(path: Path, state: RunState) -> int:
         engine.load_checkpoint(path / key)
         engine.step = saved_state["engine_steps"][key]
     saved, now = saved_state["layout"], _layout(state)
+    saved = {"etp": saved["tp"], **saved}  # a layout saved without etp split its experts over tp
     if saved["dp"] == now["dp"]:
         mine = torch.load(path / f"dp{groups.dp_rank:05d}.pt", weights_only=True)
         state.sampler.load_state_dict(mine["sampler"])

@@ -173,7 +173,7 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
         models, largest_buffer = [], 0
         for role in trainer_models(job):
             name, trainable, value_head = role.name, role.trainable, role.value_head
-            counts = stage_params(role.shape, tp=layout.tp, pp=layout.pp, ep=layout.ep, stage=stage,
+            counts = stage_params(role.shape, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp, stage=stage,
                                   value_head=value_head)
             adapters = 0
             if role.lora is not None:
@@ -190,8 +190,8 @@ def plan(cfg: Config, shape: ModelShape, cluster: Cluster, *, recipe: str = "",
         stages.append(models)  # what the offload moves to the host
         buffers.append(largest_buffer)
         scorers = [ModelMemory(f"reward_model ({role.key.removesuffix('.path')})",
-                               stage_params(role.shape, tp=layout.tp, pp=layout.pp, ep=layout.ep, stage=stage,
-                                            value_head=True).total * dtype_bytes, 0, 0, 0)
+                               stage_params(role.shape, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp,
+                                            stage=stage, value_head=True).total * dtype_bytes, 0, 0, 0)
                    for role in judges(job)]
         resident = sum(m.params for m in scorers)  # in every phase
         states = sum(m.state for m in models)

@@ -3,8 +3,8 @@
 The estimate follows the code it models, so its assumptions are those of megarl's engines:
 - Parameters: exactly the tensors Megatron's GPTModel creates on the most-loaded GPU of a pipeline stage
   (vocabulary padded as `padded_vocab_size` pads it, embedding on the first stage, output layer on the last
-  unless tied and pp = 1, norms replicated over TP, experts split over ep and over tp as Megatron's default
-  expert-tensor-parallel size equals tp). Stored in `model.dtype`.
+  unless tied and pp = 1, norms replicated over TP, routed experts split over ep and each over etp, shared
+  experts over tp). Stored in `model.dtype`.
 - Gradients: fp32 (the engine sets `grad_reduce_in_fp32`), 4 bytes per trainable parameter.
 - Optimizer: Adam's two fp32 moments (8 bytes) plus an fp32 master copy (4 bytes) when parameters are not fp32,
   sharded over dp*cp ranks (over the expert data-parallel ranks for experts) with `optim.distributed`.
@@ -116,13 +116,15 @@ class ParamCounts:
         return self.dense + self.expert
 
 
-def stage_params(shape: ModelShape, *, tp: int, pp: int, ep: int, stage: int,
+def stage_params(shape: ModelShape, *, tp: int, pp: int, ep: int, stage: int, etp: int | None = None,
                  value_head: bool = False, padded_vocab: int | None = None) -> ParamCounts:
     """Parameters one GPU of pipeline stage `stage` holds, tensor by tensor as GPTModel builds them
     (local or Transformer Engine spec: TE fuses the norms into the linears without changing the count).
 
+    `etp` splits each routed expert's linears (None: tp, Megatron's default).
     `value_head` is megarl's critic: untied, a [1, h] head in place of the output layer.
     `padded_vocab` defaults to Megatron's padding for `tp`."""
+    etp = tp if etp is None else etp
     h = shape.hidden
     vocab = padded_vocab if padded_vocab is not None else padded_vocab_size(shape.vocab_size, tp=tp)
     norms = 2 * h + (2 * h if shape.post_norms else 0)  # input and pre-MLP norms (+ Gemma 3's output norms)
@@ -131,7 +133,8 @@ def stage_params(shape: ModelShape, *, tp: int, pp: int, ep: int, stage: int,
     moe_dense = shape.experts * h + (shape.experts if shape.linear_bias or shape.expert_bias else 0)
     if shape.shared_ffn:
         moe_dense += 3 * h * shape.shared_ffn // tp + (h if shape.shared_gate else 0)
-    per_expert = 3 * h * shape.moe_ffn // tp + ((2 * shape.moe_ffn // tp + h) if shape.linear_bias else 0)
+    # fc1 [gate; up] and fc2 split over etp; gpt-oss's biases: fc1's split, fc2's whole
+    per_expert = 3 * h * shape.moe_ffn // etp + ((2 * shape.moe_ffn // etp + h) if shape.linear_bias else 0)
     dense = expert = 0
     for layer in range(stage * shape.layers // pp, (stage + 1) * shape.layers // pp):
         if shape.is_moe_layer(layer):
@@ -204,8 +207,8 @@ class ModelMemory:
 def lora_params(shape: ModelShape, lora: LoraConfig, *, tp: int, pp: int, ep: int = 1) -> int:
     """Adapter parameters one GPU of a pipeline stage holds: per layer and target, A [r, in] and B [out, r], the
     factor on the split side of the wrapped linear divided by tp (column-parallel: B; row-parallel: A). A MoE
-    model's fc1 and fc2 are those of this rank's experts (experts / ep, unsplit: expert tensor parallelism 1)
-    and of its shared expert."""
+    model's fc1 and fc2 are those of this rank's experts (experts / ep, unsplit: adapters on experts need
+    parallel.etp 1) and of its shared expert (split over tp)."""
     h, r = shape.hidden, lora.rank
     qkv_out, attn_in = (shape.heads + 2 * shape.kv_heads) * shape.head_dim, shape.heads * shape.head_dim
 

@@ -9,7 +9,7 @@ from megarl.plan.estimate import Plan, gib, rank_range
 from megarl.plan.memory import GIB, HOST_RESERVE_GIB, RESERVE_GIB
 
 # the layout's fields in the JSON; then the sequence length and the ranks of the SGLang engines
-LAYOUT_KEYS = ("world", "rollout_ranks", "tp", "pp", "cp", "ep", "dp", "expert_dp", "vpp", "micro_batches")
+LAYOUT_KEYS = ("world", "rollout_ranks", "tp", "pp", "cp", "ep", "etp", "dp", "expert_dp", "vpp", "micro_batches")
 
 def render_table(p: Plan) -> str:
     """The plan as `megarl plan` prints it: cluster, model, layout, each model's bytes, each phase's verdict, the
@@ -33,7 +33,7 @@ def render_table(p: Plan) -> str:
         f"model: {m['arch']}, {m['params'] / 1e9:.2f}B parameters, {m['layers']} layers, hidden {m['hidden']}, "
         f"{m['heads']} heads / {m['kv_heads']} query groups{experts}",
         f"layout: {world} = tp {lay.tp} x pp {lay.pp} x cp {lay.cp} x dp {lay.dp}"
-        + (f"; experts: tp {lay.tp} x ep {lay.ep} x pp {lay.pp} x expert-dp {lay.expert_dp}" if m["experts"] else "")
+        + (f"; experts: etp {lay.etp} x ep {lay.ep} x pp {lay.pp} x expert-dp {lay.expert_dp}" if m["experts"] else "")
         + (f"; {lay.vpp} virtual stages" if lay.vpp > 1 else "")
         + (f" ({trainers}); placement split: {generators} of world {c.world} only generate" if split else ""),
         f"batch: {lay.micro_batches} micro-batches per data-parallel rank, {p.seq_len} tokens per sequence",
