@@ -87,9 +87,9 @@ def cpu_checks(args) -> dict:
     result["logprob_lens_match"] = all(len(a) == len(b) for a, b in zip(gen.response_ids, gen.logprobs))
     result["weight_version"] = engine.weight_version
     result["stamped_versions"] = sorted({v for versions in gen.versions for v in versions})  # SGLang's own
-    # SGLang's Qwen2 class has no get_weights_by_name: a check of every tensor compares none, and says so
-    result["qwen2_verified"] = push_weights(engine, trainer.hf_tensors(), bucket_bytes=1 << 20, version=1,
-                                            verify=lambda index: True)["verified"]
+    # SGLang's Qwen2 class cannot read a tensor back; megarl's loader checks every one in the scheduler
+    checked = push_weights(engine, trainer.hf_tensors(), bucket_bytes=1 << 20, version=1, verify=lambda index: True)
+    result["qwen2_verified"], result["qwen2_tensors"] = checked["verified"], checked["tensors"]
 
     # Push the other model's own tensors back: the engine reproduces that model again.
     other = TrainEngine(model_dir=args.other_model, shape=read_shape(args.other_model), dtype="float32", megatron={}, groups=groups)
@@ -171,8 +171,8 @@ def gpu_checks(args) -> dict:
 
 
 def readback_checks(args) -> dict:
-    """SGLang's read-back (get_weights_by_name) of a model class that has one: every pushed tensor compares
-    equal to the trainer's, and a push that silently skips one is caught, naming it."""
+    """Every pushed tensor checked in SGLang's scheduler equal to the trainer's, and a push that silently skips
+    one (the engine is handed its old value) is caught, naming it."""
     from safetensors.torch import load_file
 
     from faulty_engines import SkippingEngine

@@ -117,12 +117,73 @@ def test_every_rank_of_an_engines_group_serializes_its_own_copy_for_the_tp_rank_
     assert "ok 0" in proc.stdout and "ok 1" in proc.stdout
 
 
+TP_CHECKS_WORKER = """
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megarl.handoff import WeightMismatch, push_weights
+from megarl.models.arch import read_shape
+from megarl.models.safetensors_dir import SafetensorsDir
+from megarl.rollout.sglang_engine import SGLangEngine
+from megarl.rollout.sglang_transfer import SGLangPeer
+
+
+def main(model_dir, out):
+    dist.init_process_group("gloo")
+    rank, group = dist.get_rank(), dist.new_group([0, 1])
+    checkpoint = SafetensorsDir(model_dir)
+    pushes = [[(name, checkpoint.get(name) * (1 + p / 10)) for name in sorted(checkpoint.names())] for p in (1, 2)]
+    if rank == 1:  # this rank's copy of one tensor differs in the second push (a trainer rank out of step)
+        pushes[1] = [(name, t + 1 if name == "model.norm.weight" else t) for name, t in pushes[1]]
+    every = dict(bucket_bytes=1 << 16, verify=lambda index: True)
+    if rank == 0:
+        engine = SGLangEngine(model_dir, shape=read_shape(model_dir), tp_size=2, group=group)
+        result = {"tensors": len(pushes[0]), "verified": push_weights(engine, pushes[0], version=1, **every)["verified"]}
+        try:
+            push_weights(engine, pushes[1], version=2, **every)
+            result["mismatch"] = None
+        except WeightMismatch as e:
+            result["mismatch"] = str(e)
+        engine.shutdown()
+        with open(out, "w") as f:
+            json.dump(result, f)
+    else:
+        peer = SGLangPeer(group)
+        for push in pushes:
+            peer.push(push, bucket_bytes=every["bucket_bytes"])
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
+"""
+
+
+@pytest.mark.timeout(SGLANG_TIMEOUT_S)
+def test_a_push_at_rollout_tp_2_is_checked_on_both_tp_ranks_and_names_the_rank_that_differs(qwen2_dir, tmp_path):
+    """An SGLang engine of two TP ranks on two trainer ranks (each hands the scheduler on its device its own copy):
+    every tensor of a push is checked on both TP ranks (SGLang itself reads none of Qwen2's back), and when rank 1's
+    copy of one tensor differs from the host's, the push fails naming the tensor and TP rank 1."""
+    script, out = tmp_path / "tp_checks.py", tmp_path / "tp_checks.json"
+    script.write_text(TP_CHECKS_WORKER)
+    proc = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+                       str(qwen2_dir), str(out)], timeout_s=SGLANG_TIMEOUT_S - 60)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["verified"] == 2 * result["tensors"]
+    assert result["mismatch"] is not None
+    assert "SGLang TP rank 1 holds other weights than the trainer pushed: 'model.norm.weight' arrived" in \
+        result["mismatch"], result["mismatch"]
+
+
 def test_the_scheduler_side_check_records_where_each_piece_of_a_pushed_tensor_lands():
     """megarl.rollout.sglang_checks.load_bucket on a model whose loader shards as SGLang's do (narrow to this
     rank's rows and copy, chunk a fused tensor and assign, cast to the parameter's dtype): every verified tensor is
     found where it was loaded; a tensor the loader skips, one overwritten by a later tensor, and one that arrived
     with other bytes than the header's fingerprint are each named."""
-    from megarl.handoff import flatten
+    from megarl.handoff import fingerprint, flatten
     from megarl.rollout import sglang_checks
 
     class ShardedModel:
@@ -145,7 +206,7 @@ def test_the_scheduler_side_check_records_where_each_piece_of_a_pushed_tensor_la
 
     def push(bucket, *, corrupt: str | None = None):
         flat, slots = flatten(bucket)
-        expected = {name: sglang_checks.fingerprint_of(t) for name, t in bucket}
+        expected = {name: fingerprint(t) for name, t in bucket}
         if corrupt is not None:
             name, _, _, start, end = next(slot for slot in slots if slot[0] == corrupt)
             flat[start] ^= 1  # one bit of the buffer, after the trainer's fingerprint
@@ -240,17 +301,20 @@ def test_engines_stop_at_eos(push_result, engine):
 
 
 @pytest.mark.timeout(SGLANG_TIMEOUT_S)
-def test_sglang_reads_back_what_a_push_loaded_and_names_a_skipped_tensor(llama_dir, push_result, tmp_path):
-    """SGLang 0.5.23 reads tensors back (get_weights_by_name) for its Llama class, not for Qwen2: there a check
-    compares nothing (the run relies on the weight versions and the drift gate, with a warning)."""
+def test_sglang_checks_what_a_push_loaded_and_names_a_skipped_tensor(llama_dir, push_result, tmp_path):
+    """SGLang 0.5.23 reads tensors back only for a few model classes (its Llama, not Qwen2); megarl's loader checks
+    every verified tensor in the scheduler for any class: Llama's and Qwen2's pushes are checked whole, and a push
+    handing the engine a tensor's old value is caught naming it."""
     out = tmp_path / "readback.json"
     proc = run_python([str(REPO / "tests" / "sglang_worker.py"), "readback", "--trainer-model", str(llama_dir),
                        "--out", str(out)], timeout_s=SGLANG_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
-    assert result["verified"] == result["tensors"]  # every pushed tensor read back equal
-    assert result["mismatch"] is not None and f"holds another {result['skipped']!r}" in result["mismatch"]
-    assert push_result["qwen2_verified"] == 0
+    assert result["verified"] == result["tensors"]  # every pushed tensor found as pushed (one TP rank)
+    assert result["mismatch"] is not None
+    assert (f"SGLang TP rank 0 holds other weights than the trainer pushed: {result['skipped']!r} arrived with other "
+            "bytes than the trainer pushed") in result["mismatch"]
+    assert push_result["qwen2_verified"] == push_result["qwen2_tensors"] > 0
 
 
 @pytest.mark.timeout(SGLANG_TIMEOUT_S)

@@ -6,8 +6,9 @@ Python lists, and only TP rank 0's shard. So megarl loads its pushes through a l
 scheduler runs on the bucket it opened:
 
 1. The bucket arrives as a header (each tensor's slot in the byte buffer, and the trainer's Fingerprint of those
-   the push verifies) and this rank's own buffer (a `LocalSerializedTensor` holding one per TP rank). Each tensor
-   the push verifies is fingerprinted as it arrived and compared with the trainer's.
+   the push verifies, megarl.handoff's) and this rank's own buffer (a `LocalSerializedTensor` holding one per TP
+   rank, each made by the trainer rank on that device). Each tensor the push verifies is fingerprinted as it
+   arrived and compared with the trainer's.
 2. The model's own `load_weights` loads the bucket, as SGLang's default path does, with each verified tensor
    wrapped so that every copy of a piece of it into a parameter is recorded (the destination view, and the
    Fingerprint of the piece as the parameter's dtype holds it).
@@ -37,10 +38,12 @@ _patched = False
 
 def header(slots: list, expected: dict) -> Tensor:
     """A bucket's header as a uint8 tensor: its slots (name, shape, dtype, first byte, end byte) and, for the
-    tensors the push verifies, the trainer's Fingerprint (words, rows)."""
+    tensors the push verifies, the trainer's Fingerprint (words, rows, and the dtype it was taken in: the engine's,
+    which a tensor pushed in another dtype is rounded to first)."""
     text = json.dumps({"slots": [(name, list(shape), str(dtype).removeprefix("torch."), start, end)
                                  for name, shape, dtype, start, end in slots],
-                       "expect": {name: [fp.words, fp.rows] for name, fp in expected.items()}})
+                       "expect": {name: [fp.words, fp.rows, str(fp.dtype).removeprefix("torch.")]
+                                  for name, fp in expected.items()}})
     return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
 
 
@@ -57,7 +60,9 @@ def load_bucket(model, named_tensors: list[tuple[str, Tensor]]) -> None:
     for name, shape, dtype, start, end in meta["slots"]:
         tensor = flat[start:end].view(getattr(torch, dtype)).view(shape)
         if name in expect:
-            if _fingerprint(tensor) != expect[name]:
+            *want, dtype_taken = expect[name]
+            rounded = getattr(torch, dtype_taken)
+            if _fingerprint(tensor if tensor.dtype == rounded else tensor.to(rounded)) != want:
                 wrong.add(name)
                 _failures.append(f"{name!r} arrived with other bytes than the trainer pushed")
             tensor = _Arrived.of(tensor, name, copies)
@@ -110,15 +115,10 @@ def _patch_report() -> None:
     _patched = True
 
 
-def fingerprint_of(tensor: Tensor):
-    """megarl.handoff's Fingerprint of `tensor` (what the trainer sends in a header)."""
+def _fingerprint(tensor: Tensor) -> list[int]:
     from megarl.handoff import fingerprint
 
-    return fingerprint(tensor)
-
-
-def _fingerprint(tensor: Tensor) -> list[int]:
-    got = fingerprint_of(tensor)
+    got = fingerprint(tensor)
     return [got.words, got.rows]
 
 

@@ -46,7 +46,7 @@ from torch import Tensor
 from megarl.checkpoint import peft_adapter_config
 from megarl.config import LoraConfig
 from megarl.device import host_barrier, load_cuda_driver_stand_in, on_gpu
-from megarl.handoff import WeightMismatch, buckets, fingerprint, flatten
+from megarl.handoff import WeightMismatch, buckets, flatten
 from megarl.models.arch import ModelShape
 from megarl.models.safetensors_dir import SafetensorsDir
 from megarl.plan.memory import DTYPE_BYTES, kv_bytes_per_token
@@ -317,8 +317,8 @@ class SGLangEngine:
             raise ValueError(f"{what} missed tensors: {sorted(missing)[:5]}")
 
     def _send(self, bucket: list[tuple[str, Tensor]], *, group: dist.ProcessGroup | None, verify: dict) -> None:
-        """One bucket to every TP scheduler: a header (the slots of the bucket's byte buffer, and this rank's
-        Fingerprint of each tensor `verify` names) and, for TP rank k, the buffer the trainer rank on its device
+        """One bucket to every TP scheduler: a header (the slots of the bucket's byte buffer, and the trainer's
+        Fingerprint of each tensor `verify` holds) and, for TP rank k, the buffer the trainer rank on its device
         made (`gather_payloads`), or with no `group` a handle to this rank's for each."""
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
@@ -330,7 +330,7 @@ class SGLangEngine:
             # to zero after every bucket
             flat, slots = flatten(bucket, share_memory=True)
             per_rank = [MultiprocessingSerializer.serialize(flat) for _ in range(self.tp_size)]
-        expected = {name: fingerprint(tensor) for name, tensor in bucket if name in verify}
+        expected = {name: verify[name] for name, _ in bucket if name in verify}
         payload = [("megarl.header", header(slots, expected)), ("megarl.flat", LocalSerializedTensor(values=per_rank))]
         _check(self._bounded("update_weights_from_tensor", self.engine.update_weights_from_tensor, payload,
                              load_format=LOADER, flush_cache=False), "update_weights_from_tensor")
