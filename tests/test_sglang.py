@@ -495,8 +495,8 @@ def test_split_placement_with_an_sglang_rollout_rank(qwen2_dir, arithmetic_dir, 
 @pytest.mark.timeout(SGLANG_TIMEOUT_S)
 def test_the_engine_check_passes_on_the_installed_sglang(tmp_path):
     """tools/check_engine.py, what a user runs after upgrading SGLang, on its own tiny Qwen2: every check passes
-    but those this machine cannot run (release and resume, routes: GPU only) and the read-back (SGLang has none
-    for its Qwen2 class). Its timeout check stops the engine's processes (SIGSTOP): generate fails within 5 s
+    but those this machine cannot run (release and resume, routes: GPU only); the push's check covers every tensor
+    in SGLang's scheduler (SGLang itself reads none of its Qwen2 class back). Its timeout check stops the engine's processes (SIGSTOP): generate fails within 5 s
     of no progress naming its phase; then abandon kills them and a new engine in the same process takes a push
     and generates."""
     out = tmp_path / "report.json"
@@ -505,7 +505,8 @@ def test_the_engine_check_passes_on_the_installed_sglang(tmp_path):
     rows = {r["check"]: r for r in json.loads(out.read_text())}
     assert [*rows] == ["api", "push", "version", "verify", "parity", "flush", "memory", "routes", "timeout",
                        "restart"]
-    assert {name for name, r in rows.items() if r["status"] == "SKIP"} == {"verify", "memory", "routes"}, rows
+    assert {name for name, r in rows.items() if r["status"] == "SKIP"} == {"memory", "routes"}, rows
+    assert rows["verify"]["verified"] == rows["push"]["tensors"], rows
     assert rows["parity"]["max_diff"] <= 1e-4 and rows["push"]["buckets"] >= 2, rows
     assert "generate failed after" in rows["timeout"]["detail"] and rows["timeout"]["elapsed_s"] >= 5.0, rows
 
@@ -629,8 +630,8 @@ def info_log(*args, **kwargs):
 
 engine_args, sglang_engine.engine_args = sglang_engine.engine_args, info_log
 
-def start_engine(rollout_cfg, model_dir, *, shape, dtype, seed, capture_routes, group, lora):
-    assert not capture_routes and group is None and lora is None  # a dense model; rollout.tp = 1; no LoRA
+def start_engine(rollout_cfg, model_dir, *, shape, dtype, seed, capture_routes, group, lora, nodes, init_addr):
+    assert not capture_routes and group is None and lora is None and nodes == 1  # a dense model; rollout.tp = 1; no LoRA
     result["built"].append("rollout")
     # the host to this process while it reads the free memory and SGLang sizes its pool (tests/conftest.py)
     locks = os.environ.get(HOST_LOCKS_ENV)

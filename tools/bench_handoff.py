@@ -6,7 +6,8 @@
 
 Writes a checkpoint with Qwen2.5-0.5B's config and tensor shapes (random values, nothing downloaded),
 starts the rollout engine on it, and pushes a second copy of every tensor through megarl.handoff
-(byte-bounded buckets; into SGLang: flattened buckets over shared memory on CPU, CUDA IPC on GPU).
+(byte-bounded buckets; into SGLang: one byte buffer per bucket and a header, checked in each TP scheduler; over
+shared memory on CPU, CUDA IPC on GPU).
 The reference is a plain `copy_` of the same tensors into preallocated ones of the same shapes, timed in
 the same run: the ratio says what the handoff costs over moving the bytes. Peak extra memory is this
 process's growth during the last push (resident set size on CPU, sampled every 2 ms; the allocator's peak
