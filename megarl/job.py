@@ -60,9 +60,19 @@ def model_shape(path: str | Path, *, key: str | None = None) -> ModelShape:
     """The architecture of the HF checkpoint at `path` (its config.json); RecipeError (naming the recipe `key`,
     when given, and the file) when it is not one megarl supports or cannot be read."""
     try:
-        return read_shape(path)
+        shape = read_shape(path)
     except ValueError as e:
         raise RecipeError(f"{key}: {e}" if key else str(e)) from None
+    refuse_vision(shape, key=key, where=str(path))
+    return shape
+
+
+def refuse_vision(shape: ModelShape, *, key: str | None, where: str) -> None:
+    """RecipeError for a vision-language checkpoint: megarl reads their shape (megarl.models.arch.VisionShape) but
+    builds, generates and trains text models only."""
+    if shape.vision is not None:
+        raise RecipeError(f"{key + ': ' if key else ''}{where} is a vision-language model ({shape.arch}): "
+                          "vision-language training is not available yet; point it at a text-only checkpoint")
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,7 @@ class Job:
         Transformer Engine's layers are usable here (launch asks megarl.engine.model.uses_transformer_engine).
         RecipeError (LayoutError for the layout) names the keys."""
         shape = shape or model_shape(cfg.model.path, key="model.path")
+        refuse_vision(shape, key="model.path", where=str(cfg.model.path))
 
         def shape_of(path: str | None, key: str) -> ModelShape:
             if path is None or planning and not (Path(path) / "config.json").is_file():

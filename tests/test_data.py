@@ -1,5 +1,6 @@
-"""Prompt data: arithmetic splits, JSONL loading with errors that name file and line, and the sampler's
-determinism, epoch rollover, data-parallel slices and resume."""
+"""Prompt data: arithmetic splits, coloured-square pictures whose answers are recounted from their pixels, JSONL
+loading with errors that name file and line, and the sampler's determinism, epoch rollover, data-parallel slices
+and resume."""
 
 from __future__ import annotations
 
@@ -94,6 +95,80 @@ def test_copying_refuses_more_rows_than_its_strings_can_give(tmp_path):
 
     with pytest.raises(ValueError, match="too few"):
         make_copying_splits(tmp_path, digits=2, train_size=45, heldout_size=10)
+
+
+# ---- coloured squares ----------------------------------------------------------------------------------------
+def squares_in(image_path) -> list[tuple[int, str]]:
+    """(side, colour word) of every square in a picture, found from its pixels alone: each 4-connected region of
+    one non-background colour, which must fill its bounding square exactly and be a palette colour."""
+    import numpy as np
+    from PIL import Image
+
+    from megarl.data.shapes import BACKGROUND, PALETTE
+
+    pixels = np.asarray(Image.open(image_path).convert("RGB"))
+    names = {rgb: name for name, rgb in PALETTE.items()}
+    height, width, _ = pixels.shape
+    seen = np.all(pixels == BACKGROUND, axis=-1)
+    found = []
+    for y, x in zip(*np.nonzero(~seen)):
+        if seen[y, x]:
+            continue
+        colour = tuple(int(c) for c in pixels[y, x])
+        assert colour in names, f"{image_path}: pixel ({y}, {x}) is {colour}, neither background nor a palette colour"
+        region, stack, seen[y, x] = [], [(y, x)], True
+        while stack:
+            cy, cx = stack.pop()
+            region.append((cy, cx))
+            for ny, nx in ((cy - 1, cx), (cy + 1, cx), (cy, cx - 1), (cy, cx + 1)):
+                if 0 <= ny < height and 0 <= nx < width and not seen[ny, nx] and \
+                        tuple(int(c) for c in pixels[ny, nx]) == colour:
+                    seen[ny, nx] = True
+                    stack.append((ny, nx))
+        ys, xs = [r[0] for r in region], [r[1] for r in region]
+        side = max(ys) - min(ys) + 1
+        assert max(xs) - min(xs) + 1 == side and len(region) == side * side, \
+            f"{image_path}: the {names[colour]} region at ({y}, {x}) is not a filled square"
+        found.append((side, names[colour]))
+    return found
+
+
+def test_shapes_answers_are_what_the_pictures_show(tmp_path):
+    from megarl.data.shapes import LARGEST_MARGIN, QUESTIONS, make_shapes_splits
+
+    paths = make_shapes_splits(tmp_path, seed=2, train_size=150, heldout_size=30, size=48)
+    kinds = {question: kind for kind, question in QUESTIONS.items()}
+    asked, pictures = {"count": 0, "largest": 0}, set()
+    for path in paths:
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            image, = row["images"]
+            pictures.add((path.parent / image).read_bytes())
+            squares = sorted(squares_in(path.parent / image), reverse=True)
+            assert 1 <= len(squares) <= 5
+            kind = kinds[row["prompt"]]
+            asked[kind] += 1
+            if kind == "count":
+                assert row["answer"] == str(len(squares))
+            else:
+                assert row["answer"] == squares[0][1]
+                assert all(squares[0][0] >= LARGEST_MARGIN * side for side, _ in squares[1:]), "largest ambiguous"
+    assert len(pictures) == 180  # every picture differs from every other, across the splits
+    assert min(asked.values()) > 50  # both questions asked, about evenly (180 rows, odds 1/2 each)
+
+
+def test_shapes_are_the_same_bytes_for_a_seed_and_load_as_prompt_rows(tmp_path):
+    from megarl.data.shapes import main
+
+    for name, seed in (("a", 5), ("b", 5), ("c", 6)):
+        main(["--out", str(tmp_path / name), "--train", "20", "--heldout", "4", "--seed", str(seed), "--size", "40"])
+    files = {name: {p.relative_to(tmp_path / name): p.read_bytes() for p in sorted((tmp_path / name).rglob("*"))
+                    if p.is_file()} for name in "abc"}
+    assert len(files["a"]) == 2 + 24 and files["a"] == files["b"] and files["a"] != files["c"]
+    rows = load_prompts(tmp_path / "a" / "train.jsonl", metadata_key=None)
+    assert len(rows) == 20 and rows[0].metadata["images"] == ["images/train_00000.png"]
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "d"), "--size", "16"])
 
 
 # ---- load_prompts ------------------------------------------------------------------------------------------

@@ -31,6 +31,16 @@ gemma3 is Gemma 3's text model (model_type gemma3_text): layers alternate local 
 tokens (shorter than the test sequences) and global attention with linear RoPE scaling, the attention scale is
 set by a query_pre_attn_scalar other than the head dim, and the final logits are softcapped at 2 (small enough
 to change a tiny model's logits measurably).
+
+qwen2_5_vl and qwen3_vl are vision-language models (Qwen2_5_VLForConditionalGeneration,
+Qwen3VLForConditionalGeneration): the text model of the sizes above under a vision tower of depth 2, width 32 and
+2 heads whose 2 x 2 merged patches (14 px for qwen2_5_vl, 16 px for qwen3_vl, as released) become one image token
+each. qwen2_5_vl's tower attends within windows of 2 x 2 merged patches in its first block and over the whole image
+in its second (as Qwen2.5-VL's windowed and full blocks); qwen3_vl's has learned position embeddings and feeds
+its first block's merged features into the first text layer (DeepStack). The tokenizer adds <|vision_start|>,
+<|vision_end|>, <|image_pad|> and <|video_pad|>, its chat template renders a content part {"type": "image"} as
+<|vision_start|><|image_pad|><|vision_end|>, and preprocessor_config.json configures the Qwen2-VL image processor
+(transformers' PIL one loads without torchvision), resizing images to 4..16 image tokens.
 """
 
 from __future__ import annotations
@@ -47,6 +57,18 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+# Qwen-VL's image markup: an image is <|vision_start|>, one <|image_pad|> per merged patch, <|vision_end|>.
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+# The chat template with images: a message's content is text, or a list of {"type": "text", "text": ...} and
+# {"type": "image"} parts in order, each image rendered as Qwen2.5-VL renders it (one <|image_pad|>, which the
+# processor expands to the image's token count).
+VISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 # Qwen2.5's rendering of tool results: consecutive tool messages share one user turn, each in its own
 # <tool_response> block. The tools' schemas are not listed in a system turn (Qwen2.5 does): a tiny model
 # learns its one tool from demonstrations, and the prompt stays short.
@@ -70,12 +92,13 @@ def byte_symbols() -> dict[int, str]:
     return table
 
 
-def build_tokenizer(*, tool_chat: bool = False):
+def build_tokenizer(*, tool_chat: bool = False, vision: bool = False):
     """A byte-level BPE tokenizer with no merges: every character of CHAR_BYTES is one token.
 
     Byte-level BPE is what Qwen2 and Llama 3 ship, so `AutoTokenizer` (which re-creates Qwen2 tokenizers
     from their vocabulary) and SGLang read it the same way. Id 0 is <|endoftext|>: EOS and padding; with
-    `tool_chat`, EOS is <|im_end|> and the tool markup tokens follow the characters (see the module docstring).
+    `tool_chat`, EOS is <|im_end|> and the tool markup tokens follow the characters (see the module docstring);
+    with `vision`, the special VISION_TOKENS follow the characters and the chat template renders images.
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -85,17 +108,17 @@ def build_tokenizer(*, tool_chat: bool = False):
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     core.decoder = decoders.ByteLevel()
-    core.add_special_tokens(SPECIAL_TOKENS)
+    core.add_special_tokens(SPECIAL_TOKENS + (VISION_TOKENS if vision else []))
     if tool_chat:
         core.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
         eos_token=SPECIAL_TOKENS[2] if tool_chat else SPECIAL_TOKENS[0],
         pad_token=SPECIAL_TOKENS[0],
-        additional_special_tokens=SPECIAL_TOKENS[1:],
+        additional_special_tokens=SPECIAL_TOKENS[1:] + (VISION_TOKENS if vision else []),
         clean_up_tokenization_spaces=False,
     )
-    tok.chat_template = TOOL_CHAT_TEMPLATE if tool_chat else CHAT_TEMPLATE
+    tok.chat_template = TOOL_CHAT_TEMPLATE if tool_chat else VISION_CHAT_TEMPLATE if vision else CHAT_TEMPLATE
     return tok
 
 
@@ -104,6 +127,8 @@ ARCHS = ("qwen2", "llama", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_mo
 # Sigmoid-routed in 2 groups of experts, top-1 group: 8 experts make 4 a group, so the group choice and the top-2
 # inside it both matter.
 GROUPED_ARCHS = ("glm4_moe", "deepseek_v3")
+# Vision-language models: a vision tower whose image features replace the prompt's <|image_pad|> tokens.
+VLM_ARCHS = ("qwen2_5_vl", "qwen3_vl")
 
 
 def build_config(arch: str, *, vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int,
@@ -196,30 +221,87 @@ def build_config(arch: str, *, vocab_size: int, hidden: int, layers: int, heads:
     raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
 
 
+def build_vlm_config(arch: str, *, vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int,
+                     token_ids: dict[str, int]):
+    """The config of a tiny vision-language model (see the module docstring); `token_ids` maps each of
+    VISION_TOKENS to its id."""
+    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
+
+    half = hidden // heads // 2  # rotary frequencies per head, split between time, height and width (mRoPE)
+    # The released models' proportions: Qwen2.5-VL [16, 24, 24] and Qwen3-VL [24, 20, 20] of 64 frequencies.
+    spatial = half * 3 // 8 if arch == "qwen2_5_vl" else half * 5 // 16
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [half - 2 * spatial, spatial, spatial]}
+    text = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0, pad_token_id=0, dtype="float32")
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=hidden)
+    ids = dict(image_token_id=token_ids["<|image_pad|>"], video_token_id=token_ids["<|video_pad|>"],
+               vision_start_token_id=token_ids["<|vision_start|>"], vision_end_token_id=token_ids["<|vision_end|>"])
+    if arch == "qwen2_5_vl":
+        # Untied, as Qwen2.5-VL-7B; windows of 56 px (2 x 2 merged patches) in block 0, the whole image in block 1.
+        return Qwen2_5_VLConfig(
+            text_config=text | dict(rope_parameters=rope, tie_word_embeddings=False, use_sliding_window=False),
+            vision_config=vision | dict(patch_size=14, window_size=56, fullatt_block_indexes=[1], hidden_act="silu",
+                                        tokens_per_second=2),
+            tie_word_embeddings=False, **ids)
+    if arch == "qwen3_vl":
+        # Tied, as Qwen3-VL-4B; learned positions on an 8 x 8 grid (interpolated to each image's); block 0's
+        # merged features added to the output of text layer 0.
+        return Qwen3VLConfig(
+            text_config=text | dict(rope_parameters=rope | {"mrope_interleaved": True}, head_dim=hidden // heads,
+                                    tie_word_embeddings=True),
+            vision_config=vision | dict(patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0],
+                                        hidden_act="gelu_pytorch_tanh"),
+            tie_word_embeddings=True, **ids)
+    raise ValueError(f"--arch must be one of {', '.join(VLM_ARCHS)} for a vision-language model, got {arch!r}")
+
+
+def build_image_processor(arch: str):
+    """The Qwen2-VL image processor as the released model configures it (Qwen3-VL: 16 px patches, mean and std
+    0.5), with pixel bounds that make an image 4 to 16 image tokens (2 x 2 to 4 x 4 merged patches). Saved, it
+    loads as transformers' PIL image processor wherever torchvision is not installed."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    patch = 14 if arch == "qwen2_5_vl" else 16
+    merged = (patch * 2) ** 2  # pixels of one image token
+    norm = {} if arch == "qwen2_5_vl" else dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    return Qwen2VLImageProcessorPil(patch_size=patch, merge_size=2, temporal_patch_size=2,
+                                    size={"shortest_edge": 4 * merged, "longest_edge": 16 * merged}, **norm)
+
+
 def make_tiny_model(out: str | Path, *, arch: str = "qwen2", seed: int = 0, hidden: int = 64, layers: int = 2,
                     heads: int = 4, kv_heads: int = 2, ffn: int = 128, experts: int | None = None, topk: int = 2,
                     moe_ffn: int = 32, shared_ffn: int = 48, init_std: float = 0.02, tool_chat: bool = False) -> Path:
     """Create the checkpoint directory `out` and return its path. Same seed, same bytes. `experts`: 8 for the
     group-routed architectures, else 4, unless given."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     experts = experts or (8 if arch in GROUPED_ARCHS else 4)
     out = Path(out)
-    tok = build_tokenizer(tool_chat=tool_chat)
+    vlm = arch in VLM_ARCHS
+    tok = build_tokenizer(tool_chat=tool_chat, vision=vlm)
     # Round the vocabulary up to a multiple of 64 so it divides any tensor-parallel size up to 64.
     vocab_size = -(-len(tok) // 64) * 64
-    config = build_config(arch, vocab_size=vocab_size, hidden=hidden, layers=layers, heads=heads,
-                          kv_heads=kv_heads, ffn=ffn, experts=experts, topk=topk, moe_ffn=moe_ffn,
-                          shared_ffn=shared_ffn)
+    if vlm:
+        token_ids = dict(zip(VISION_TOKENS, tok.convert_tokens_to_ids(VISION_TOKENS)))
+        config = build_vlm_config(arch, vocab_size=vocab_size, hidden=hidden, layers=layers, heads=heads,
+                                  kv_heads=kv_heads, ffn=ffn, token_ids=token_ids)
+    else:
+        config = build_config(arch, vocab_size=vocab_size, hidden=hidden, layers=layers, heads=heads,
+                              kv_heads=kv_heads, ffn=ffn, experts=experts, topk=topk, moe_ffn=moe_ffn,
+                              shared_ffn=shared_ffn)
     config.initializer_range = init_std
+    if vlm:  # each part of a vision-language model initialises from its own config
+        config.text_config.initializer_range = config.vision_config.initializer_range = init_std
     if arch == "deepseek_v3":
         # keys DeepSeek-V3's own config.json has and SGLang's model reads, which transformers' config class drops
         config.moe_layer_freq, config.topk_method, config.scoring_func = 1, "noaux_tc", "sigmoid"
     if tool_chat:
         config.eos_token_id = tok.eos_token_id  # generation ends with the assistant turn
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             # HF initialises biases to zero, norms to one and the Qwen MoE routers to zero (every token would
@@ -227,7 +309,8 @@ def make_tiny_model(out: str | Path, *, arch: str = "qwen2", seed: int = 0, hidd
             # qwen2 and llama keep their original bytes (only qwen2's qkv bias is drawn), so seeds stay stable.
             if name.endswith("bias"):
                 param.normal_(0.0, init_std)
-            elif arch not in ("qwen2", "llama") and name.endswith("norm.weight"):
+            elif arch not in ("qwen2", "llama") and name.endswith(("norm.weight", "norm1.weight", "norm2.weight",
+                                                                   "ln_q.weight")):  # the last three: vision towers
                 param.normal_(1.0, 0.1)
             elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 param.normal_(0.0, 0.1)
@@ -239,6 +322,8 @@ def make_tiny_model(out: str | Path, *, arch: str = "qwen2", seed: int = 0, hidd
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
+    if vlm:
+        build_image_processor(arch).save_pretrained(out)
     (out / "megarl_tiny.json").write_text(json.dumps({"arch": arch, "seed": seed}) + "\n")
     return out
 
@@ -246,7 +331,7 @@ def make_tiny_model(out: str | Path, *, arch: str = "qwen2", seed: int = 0, hidd
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--arch", default="qwen2", choices=ARCHS)
+    parser.add_argument("--arch", default="qwen2", choices=ARCHS + VLM_ARCHS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)

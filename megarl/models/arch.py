@@ -26,6 +26,9 @@ MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "gp
 SUPPORTED_ARCHS = DENSE_ARCHS + MOE_ARCHS
 # Routed by sigmoid scores with a load-balancing bias on the choice, in groups, after dense first layers.
 SIGMOID_MOE_ARCHS = ("glm4_moe", "deepseek_v3")
+# Vision-language models: a vision tower whose merged patch features replace the prompt's image tokens, under a
+# Qwen2 (Qwen2.5-VL) or Qwen3 (Qwen3-VL) text model with multimodal RoPE. Read, not yet trained (ModelShape.vision).
+VLM_ARCHS = ("qwen2_5_vl", "qwen3_vl")
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,38 @@ class YarnRope:
     truncate: bool = True           # the correction band's bounds rounded to whole dimensions
     mscale: float | None = None
     mscale_all_dim: float | None = None
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """The vision side of a Qwen2.5-VL or Qwen3-VL checkpoint (config.json's `vision_config` and token ids).
+
+    An image of H x W pixels is cut into `patch` x `patch` patches (`temporal_patch` frames deep: a still image is
+    repeated), embedded by a Conv3d, run through `depth` ViT blocks, and each `spatial_merge` x `spatial_merge`
+    group of neighbouring patches is merged by an MLP into one `out_hidden`-wide feature that replaces one
+    `image_token_id` in the prompt, in order. Text positions are multimodal RoPE: each head's rotary frequencies
+    are split into `mrope_section` (time, height, width) parts, each rotated by its own position index."""
+
+    depth: int                 # ViT blocks
+    hidden: int                # ViT width
+    heads: int                 # ViT attention heads
+    ffn: int                   # ViT MLP width
+    patch: int                 # patch side in pixels
+    temporal_patch: int        # frames per patch (images are repeated to fill them)
+    spatial_merge: int         # merged patches per side: one image token per spatial_merge ** 2 patches
+    out_hidden: int            # width of a merged feature: the text model's hidden size
+    image_token_id: int        # <|image_pad|>: one per merged patch
+    video_token_id: int        # <|video_pad|>
+    vision_start_id: int       # <|vision_start|>, before an image's tokens
+    vision_end_id: int         # <|vision_end|>, after them
+    mrope_section: tuple[int, int, int]  # rotary frequencies per head given to (time, height, width) positions
+    mrope_interleaved: bool    # Qwen3-VL: height and width frequencies interleaved with time's; else contiguous
+    act: str                   # ViT MLP activation (Qwen2.5-VL: silu, gated; Qwen3-VL: gelu_pytorch_tanh, not)
+    window: int = 0            # Qwen2.5-VL: attention windows of this many pixels a side outside `full_blocks`
+    full_blocks: tuple[int, ...] = ()  # Qwen2.5-VL: blocks that attend over the whole image
+    position_embeddings: int = 0  # Qwen3-VL: learned positions on a square grid of this many, interpolated
+    deepstack_blocks: tuple[int, ...] = ()  # Qwen3-VL: the i-th listed block's merged output is added to the
+    # image tokens' hidden states after text layer i (DeepStack)
 
 
 @dataclass(frozen=True)
@@ -98,6 +133,7 @@ class ModelShape:
     local_rope_theta: float | None = None  # RoPE base of the local layers (rope_theta: the global ones')
     rope_linear_factor: float | None = None  # global layers' linear RoPE scaling: positions divided by it
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    vision: VisionShape | None = None  # a vision-language model's vision tower; None for a text model
 
     @property
     def is_moe(self) -> bool:
@@ -150,6 +186,12 @@ def _parse_shape(path: Path, resolved: Path, mtime_ns: int, size: int) -> ModelS
         raise ValueError(f"{path}: model_type 'gemma3' is Gemma 3 with its vision tower "
                          "(Gemma3ForConditionalGeneration), which is not supported; the text model alone (model_type "
                          "'gemma3_text', Gemma3ForCausalLM) is")
+    if arch in VLM_ARCHS:
+        return _vlm_shape(cfg, path)
+    if "vision_config" in cfg:
+        names = ", ".join(cfg.get("architectures") or []) or "no architectures given"
+        raise ValueError(f"{path}: model_type {arch!r} ({names}) has a vision tower (vision_config): of the "
+                         f"vision-language architectures only {', '.join(VLM_ARCHS)} are read")
     if arch == "gemma3_text":
         return _gemma3_shape(cfg, path)
     if arch not in SUPPORTED_ARCHS:
@@ -383,6 +425,65 @@ def _gemma3_shape(cfg: dict, path: Path) -> ModelShape:
         local_rope_theta=float(local.get("rope_theta", 10_000.0)),
         rope_linear_factor=float(full["factor"]) if linear else None,
         final_logit_softcap=cfg.get("final_logit_softcapping") or None,
+    )
+
+
+def _vlm_shape(cfg: dict, path: Path) -> ModelShape:
+    """Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration) and Qwen3-VL (Qwen3VLForConditionalGeneration): the text
+    model's fields from `text_config` (released Qwen2.5-VL configs keep them at the top level, with `rope_scaling`
+    of type "mrope"), the tower's from `vision_config`. What their transformers classes do not compute is refused by
+    key."""
+    arch = cfg["model_type"]
+    text = cfg.get("text_config") or cfg
+    vis = cfg.get("vision_config")
+    if not isinstance(vis, dict):
+        raise ValueError(f"{path}: model_type {arch!r} needs a vision_config mapping")
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "mrope"):
+        raise ValueError(f"{path}: text_config.rope_parameters.rope_type {rope_type!r} is not supported for {arch} "
+                         "(default: multimodal RoPE over mrope_section)")
+    heads = text["num_attention_heads"]
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    section = tuple(rope.get("mrope_section") or ())
+    if len(section) != 3 or sum(section) != head_dim // 2:
+        raise ValueError(f"{path}: text_config.rope_parameters.mrope_section {list(section)} must be 3 sizes (time, "
+                         f"height, width) summing to half the head dim, {head_dim // 2}")
+    if text.get("use_sliding_window"):
+        raise ValueError(f"{path}: text_config.use_sliding_window true is not supported for {arch}")
+    patch, temporal = vis.get("patch_size", 14), vis.get("temporal_patch_size", 2)
+    if not isinstance(patch, int) or not isinstance(temporal, int):
+        raise ValueError(f"{path}: vision_config.patch_size {patch!r} and temporal_patch_size {temporal!r} must be "
+                         "whole numbers (square patches)")
+    qwen3 = arch == "qwen3_vl"
+    deepstack = tuple(vis.get("deepstack_visual_indexes", (8, 16, 24))) if qwen3 else ()
+    if len(deepstack) > text["num_hidden_layers"] or any(not 0 <= i < vis["depth"] for i in deepstack):
+        raise ValueError(f"{path}: vision_config.deepstack_visual_indexes {list(deepstack)} must name at most "
+                         f"{text['num_hidden_layers']} (text layers) of the {vis['depth']} vision blocks")
+    vision = VisionShape(
+        depth=vis["depth"], hidden=vis["hidden_size"], heads=vis["num_heads"], ffn=vis["intermediate_size"],
+        patch=patch, temporal_patch=temporal, spatial_merge=vis.get("spatial_merge_size", 2),
+        out_hidden=vis.get("out_hidden_size", text["hidden_size"]),
+        image_token_id=cfg.get("image_token_id", 151655), video_token_id=cfg.get("video_token_id", 151656),
+        vision_start_id=cfg.get("vision_start_token_id", 151652), vision_end_id=cfg.get("vision_end_token_id", 151653),
+        mrope_section=section, mrope_interleaved=qwen3,
+        act=vis.get("hidden_act", "gelu_pytorch_tanh" if qwen3 else "silu"),
+        window=0 if qwen3 else vis.get("window_size", 112),
+        full_blocks=() if qwen3 else tuple(vis.get("fullatt_block_indexes", (7, 15, 23, 31))),
+        position_embeddings=vis.get("num_position_embeddings", 2304) if qwen3 else 0, deepstack_blocks=deepstack,
+    )
+    if vision.out_hidden != text["hidden_size"]:
+        raise ValueError(f"{path}: vision_config.out_hidden_size {vision.out_hidden} must equal the text model's "
+                         f"hidden_size {text['hidden_size']} (merged features replace token embeddings)")
+    return ModelShape(
+        arch=arch, vocab_size=text["vocab_size"], hidden=text["hidden_size"], layers=text["num_hidden_layers"],
+        heads=heads, kv_heads=text.get("num_key_value_heads") or heads, head_dim=head_dim,
+        ffn=text["intermediate_size"], norm_eps=text.get("rms_norm_eps", 1e-6),
+        rope_theta=float(text.get("rope_theta", rope.get("rope_theta", 5e5 if qwen3 else 1e6))),
+        max_position=text.get("max_position_embeddings", 128000 if qwen3 else 32768),
+        # transformers ties when either the model's or (Qwen2.5-VL) the text model's config says so
+        tied_embeddings=bool(cfg.get("tie_word_embeddings") or text.get("tie_word_embeddings")),
+        qkv_bias=not qwen3 or bool(text.get("attention_bias", False)), qk_norm=qwen3, vision=vision,
     )
 
 
