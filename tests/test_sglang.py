@@ -211,8 +211,7 @@ def test_the_scheduler_side_check_records_where_each_piece_of_a_pushed_tensor_la
             name, _, _, start, end = next(slot for slot in slots if slot[0] == corrupt)
             flat[start] ^= 1  # one bit of the buffer, after the trainer's fingerprint
         model = ShardedModel()
-        sglang_checks.load_bucket(model, [("megarl.header", sglang_checks.header(slots, expected)),
-                                          ("megarl.flat", flat)])
+        sglang_checks.load_bucket(model, [(sglang_checks.header(slots, expected), flat)])
         checked, failures = sglang_checks._checked, list(sglang_checks._failures)
         sglang_checks._checked, sglang_checks._failures[:] = 0, []
         return model, checked, failures

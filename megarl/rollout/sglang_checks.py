@@ -5,9 +5,9 @@ Python lists, and only TP rank 0's shard. So megarl loads its pushes through a l
 (`load_bucket`, named in the engine's `custom_weight_loader` and in each push's `load_format`), which every TP
 scheduler runs on the bucket it opened:
 
-1. The bucket arrives as a header (each tensor's slot in the byte buffer, and the trainer's Fingerprint of those
-   the push verifies, megarl.handoff's) and this rank's own buffer (a `LocalSerializedTensor` holding one per TP
-   rank, each made by the trainer rank on that device). Each tensor the push verifies is fingerprinted as it
+1. The bucket arrives as one entry: this rank's own byte buffer (a `LocalSerializedTensor` holding one per TP
+   rank, each made by the trainer rank on that device) under a name that holds the header (each tensor's slot in
+   the buffer, and the trainer's Fingerprint of those the push verifies, megarl.handoff's). Each tensor the push verifies is fingerprinted as it
    arrived and compared with the trainer's.
 2. The model's own `load_weights` loads the bucket, as SGLang's default path does, with each verified tensor
    wrapped so that every copy of a piece of it into a parameter is recorded (the destination view, and the
@@ -30,21 +30,22 @@ from torch import Tensor
 
 REPORT_NAME = "megarl.weight_report"  # the `get_weights_by_name` name that asks for the report
 LOADER = f"{__name__}.load_bucket"
+HEADER = "megarl.bucket:"  # the name a bucket's buffer travels under begins so; the header follows
 
 _checked = 0  # verified tensors this rank loaded and found as pushed since the last report
 _failures: list[str] = []  # what differed on this rank since the last report, in push order
 _patched = False
 
 
-def header(slots: list, expected: dict) -> Tensor:
-    """A bucket's header as a uint8 tensor: its slots (name, shape, dtype, first byte, end byte) and, for the
-    tensors the push verifies, the trainer's Fingerprint (words, rows, and the dtype it was taken in: the engine's,
-    which a tensor pushed in another dtype is rounded to first)."""
-    text = json.dumps({"slots": [(name, list(shape), str(dtype).removeprefix("torch."), start, end)
+def header(slots: list, expected: dict) -> str:
+    """A bucket's header, the name its buffer travels under: its slots (name, shape, dtype, first byte, end byte)
+    and, for the tensors the push verifies, the trainer's Fingerprint (words, rows, and the dtype it was taken in: the
+    engine's, which a tensor pushed in another dtype is rounded to first). A string, pickled by value: a host tensor
+    would travel as a handle to this process's memory, which a scheduler on another node cannot open."""
+    return HEADER + json.dumps({"slots": [(name, list(shape), str(dtype).removeprefix("torch."), start, end)
                                  for name, shape, dtype, start, end in slots],
                        "expect": {name: [fp.words, fp.rows, str(fp.dtype).removeprefix("torch.")]
                                   for name, fp in expected.items()}})
-    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
 
 
 def load_bucket(model, named_tensors: list[tuple[str, Tensor]]) -> None:
@@ -52,9 +53,8 @@ def load_bucket(model, named_tensors: list[tuple[str, Tensor]]) -> None:
     checked as they arrive, loaded by the model's own `load_weights`, and the loaded pieces checked."""
     global _checked
     _patch_report()
-    tensors = dict(named_tensors)
-    meta = json.loads(bytes(tensors["megarl.header"].cpu().tolist()).decode())
-    flat = tensors["megarl.flat"]
+    (name, flat), = named_tensors
+    meta = json.loads(name.removeprefix(HEADER))
     expect = meta["expect"]
     stream, copies, wrong = [], [], set()
     for name, shape, dtype, start, end in meta["slots"]:

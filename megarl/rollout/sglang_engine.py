@@ -317,9 +317,9 @@ class SGLangEngine:
             raise ValueError(f"{what} missed tensors: {sorted(missing)[:5]}")
 
     def _send(self, bucket: list[tuple[str, Tensor]], *, group: dist.ProcessGroup | None, verify: dict) -> None:
-        """One bucket to every TP scheduler: a header (the slots of the bucket's byte buffer, and the trainer's
-        Fingerprint of each tensor `verify` holds) and, for TP rank k, the buffer the trainer rank on its device
-        made (`gather_payloads`), or with no `group` a handle to this rank's for each."""
+        """One bucket to every TP scheduler, under a name that is its header (the slots of the bucket's byte
+        buffer, and the trainer's Fingerprint of each tensor `verify` holds): for TP rank k, the buffer the trainer
+        rank on its device made (`gather_payloads`), or with no `group` a handle to this rank's for each."""
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
 
@@ -331,7 +331,7 @@ class SGLangEngine:
             flat, slots = flatten(bucket, share_memory=True)
             per_rank = [MultiprocessingSerializer.serialize(flat) for _ in range(self.tp_size)]
         expected = {name: verify[name] for name, _ in bucket if name in verify}
-        payload = [("megarl.header", header(slots, expected)), ("megarl.flat", LocalSerializedTensor(values=per_rank))]
+        payload = [(header(slots, expected), LocalSerializedTensor(values=per_rank))]
         _check(self._bounded("update_weights_from_tensor", self.engine.update_weights_from_tensor, payload,
                              load_format=LOADER, flush_cache=False), "update_weights_from_tensor")
         # Dropping the references is safe once the call returned: torch keeps an exported CUDA block out of the
