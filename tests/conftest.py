@@ -75,7 +75,7 @@ FILE_SECONDS = {
     "test_convert_memory.py": 27, "test_shared_prompts.py": 25, "test_trackers.py": 22, "test_rewards_scorer.py": 22,
     "test_extending.py": 35, "test_fault_matrix.py": 200, "test_architectures.py": 45,
     "test_architectures_gpt_oss.py": 45, "test_architectures_gemma3.py": 35, "test_optimizer_offload.py": 50,
-    "test_architectures_vlm.py": 10,
+    "test_architectures_vlm.py": 10, "test_data_images.py": 15,
 }
 
 
