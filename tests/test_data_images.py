@@ -100,3 +100,33 @@ def test_a_bad_row_is_named_with_its_file_row_and_image(vlm_dir, tmp_path):
     with pytest.raises(DataError, match=r"train.jsonl: row 3: the prompt holds 2 image tokens for 1 images"):
         encoder.encode(f"what is {typed}?", [an_image(30, 30)], chat=True, where=WHERE)
 
+
+
+def test_mrope_positions_are_get_rope_indexs_alone_and_packed(vlm_dir):
+    """Each sample's positions equal transformers' get_rope_index for it (one image, two, none before the text's
+    end, a response after); a packed row of the three is each one's positions, from 0 each."""
+    from transformers import AutoModelForImageTextToText
+
+    from megarl.models.mrope import mrope_positions, packed_mrope_positions
+
+    encoder = encoder_of(vlm_dir)
+    model = AutoModelForImageTextToText.from_pretrained(vlm_dir)
+    response = encoder.tokenizer("12 squares", add_special_tokens=False)["input_ids"]
+    samples = [encoder.encode("How many?", [an_image(61, 90)], chat=True, where=WHERE),
+               encoder.encode("<image> or <image>?", [an_image(40, 40), an_image(100, 30)], chat=True, where=WHERE),
+               encoder.encode("<image>", [an_image(30, 120)], chat=False, where=WHERE)]
+    packed = []
+    for sample in samples:
+        ids = sample.input_ids + response
+        types = sample.mm_token_type_ids + [0] * len(response)
+        want, _ = model.model.get_rope_index(torch.tensor([ids]), torch.tensor([types]),
+                                             image_grid_thw=sample.image_grid_thw)
+        got = mrope_positions(types, sample.image_grid_thw, spatial_merge=encoder.vision.spatial_merge)
+        assert torch.equal(got, want[:, 0]), (got, want[:, 0])
+        packed.append((types, sample.image_grid_thw))
+    row = packed_mrope_positions(packed, spatial_merge=encoder.vision.spatial_merge)
+    lengths = [len(types) for types, _ in packed]
+    for piece, (types, grids) in zip(row.split(lengths, dim=1), packed):
+        assert torch.equal(piece, mrope_positions(types, grids, spatial_merge=encoder.vision.spatial_merge))
+    with pytest.raises(ValueError, match="a run of 3 image tokens for an image of 1 x"):
+        mrope_positions([0, 1, 1, 1, 0], samples[0].image_grid_thw, spatial_merge=encoder.vision.spatial_merge)
