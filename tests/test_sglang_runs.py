@@ -1,6 +1,7 @@
 """Whole runs (`megarl train`) with SGLang rollouts: the RL loop with truncated importance weights, a MoE
 policy replaying SGLang's routes, the quickstart through a killed scheduler, multi-turn trajectories, a LoRA
-policy whose adapters alone reach SGLang, and (on a CUDA machine) bf16 GRPO steps. The engine-level checks are in test_sglang.py; both files
+policy whose adapters alone reach SGLang, an engine over two torchrun nodes, and (on a CUDA machine) bf16 GRPO
+steps. The engine-level checks are in test_sglang.py; both files
 run in the SGLang environment (README "Tests", the SGLang command; docs/testing.md)."""
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import sys
 
 import pytest
 
-from conftest import REPO, _tiny_model_tool, from_warm_start, needs_cuda, reward_first_last, run_python, subprocess_env
+from conftest import (REPO, _tiny_model_tool, free_port, from_warm_start, needs_cuda, reward_first_last, run_python,
+                      subprocess_env)
 
 pytest.importorskip("sglang", reason="SGLang environment not installed (README: SGLang tests)")
 
@@ -240,3 +242,40 @@ log: {{progress: false}}
     for m in read_metrics(run_dir):
         assert 1 < m["env/turns_mean"] <= 3, m
         assert m["rollout/logprob_diff_max"] <= 1e-4
+
+
+@pytest.mark.timeout(SGLANG_TIMEOUT_S)
+def test_an_sglang_engine_over_two_nodes_takes_every_update_and_restarts_on_both(qwen2_dir, arithmetic_dir,
+                                                                                  tmp_path):
+    """Two torchrun nodes of one rank each on this machine, rollout.tp = 2: one SGLang engine spans both nodes
+    (nnodes 2), its host starting node 0 and rank 1 SGLang's part on node 1, whose scheduler holds TP rank 1's
+    shard and opens the payload rank 1 serializes. On a CPU the weights resumed before each push are NaN, so a
+    push that missed node 1's shard would leave NaN logprobs; an entropy bonus moves the weights every step. In
+    step 2 node 1's scheduler is killed: the host's generate call fails, and the engine starts again on both nodes
+    (at a new meeting address), takes the current weights and generates the step's samples."""
+    port = free_port()
+    run_dir = tmp_path / "run"
+    args = ["-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{port}", "-m", "megarl", "train", str(REPO / "recipes" / "quickstart.yaml"),
+            f"run_dir={run_dir}", f"model.path={qwen2_dir}", f"data.train_path={arithmetic_dir / 'train.jsonl'}",
+            "data.eval_path=null", "data.prompts_per_step=4", "rollout.n_samples=4", "rollout.max_new_tokens=4",
+            "rollout.engine=sglang", "rollout.tp=2", "warmup.sft_steps=0", "algo.entropy_coef=0.1",
+            "optim.lr=1.0e-3", "train.micro_batch_size=8", "train.steps=3", "checkpoint.save_final=false",
+            "log.progress=false", 'faults=[{"kind": "engine_kill", "step": 2, "rank": 1}]']
+    nodes = [subprocess.Popen([sys.executable, args[0], args[1], *args[2:4], f"--node_rank={node}", *args[4:]],
+                              cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for node in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=SGLANG_TIMEOUT_S - 60)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(out[-3000:] for out in outputs)
+    assert "restarting (restart 1 of at most 3)" in outputs[0], outputs[0][-3000:]
+    lines = read_metrics(run_dir)
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    assert [m["rollout/engine_restarts"] for m in lines] == [0, 1, 1]
+    for m in lines:
+        assert m["rollout/engines"] == 1, m
+        assert m["rollout/logprob_diff_max"] <= 1e-4, m  # NaN fails this too
+        assert m["grad_norm"] > 0, m
