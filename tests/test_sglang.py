@@ -178,7 +178,8 @@ def test_a_push_at_rollout_tp_2_is_checked_on_both_tp_ranks_and_names_the_rank_t
 
 def test_the_scheduler_side_check_records_where_each_piece_of_a_pushed_tensor_lands():
     """megarl.rollout.sglang_checks.load_bucket on a model whose loader shards as SGLang's do (narrow to this
-    rank's rows and copy, chunk a fused tensor and assign, cast to the parameter's dtype): every verified tensor is
+    rank's rows and copy, chunk a fused tensor and assign, cast to the parameter's dtype, concatenate two tensors
+    into one parameter as DeepSeek's fused q/kv-a projection is): every verified tensor is
     found where it was loaded; a tensor the loader skips, one overwritten by a later tensor, and one that arrived
     with other bytes than the header's fingerprint are each named."""
     from megarl.handoff import fingerprint, flatten
@@ -189,9 +190,16 @@ def test_the_scheduler_side_check_records_where_each_piece_of_a_pushed_tensor_la
             self.qkv = torch.zeros(4, 3)             # this rank's rows of q and of k, fused
             self.norm = torch.zeros(3, dtype=torch.bfloat16)
             self.head = torch.zeros(2, 3)
+            self.fused = torch.zeros(3, 3)           # two tensors concatenated, as a fused q/kv projection is
+            self.cached = None
 
         def load_weights(self, stream):
             for name, w in stream:
+                if name in ("a", "b"):                   # the first waits for the second, then both go in at once
+                    if self.cached is None:
+                        self.cached = w
+                    else:
+                        self.fused.copy_(torch.cat([self.cached, w]))
                 if name == "q":
                     self.qkv[0:2].copy_(w.narrow(0, 2, 2))   # rank 1 of 2: rows 2..3
                 elif name == "k":
@@ -214,10 +222,11 @@ def test_the_scheduler_side_check_records_where_each_piece_of_a_pushed_tensor_la
         sglang_checks._checked, sglang_checks._failures[:] = 0, []
         return model, checked, failures
 
-    q, k, norm = torch.randn(4, 3), torch.randn(4, 3), torch.randn(3)
-    model, checked, failures = push([("q", q), ("k", k), ("norm", norm)])
-    assert (checked, failures) == (3, [])
+    q, k, norm, a, b = torch.randn(4, 3), torch.randn(4, 3), torch.randn(3), torch.randn(1, 3), torch.randn(2, 3)
+    model, checked, failures = push([("q", q), ("k", k), ("norm", norm), ("a", a), ("b", b)])
+    assert (checked, failures) == (5, [])
     assert torch.equal(model.qkv, torch.cat([q[2:], k[2:]])) and torch.equal(model.norm, norm.bfloat16())
+    assert torch.equal(model.fused, torch.cat([a, b]))
     _, checked, failures = push([("q", q), ("k", k), ("skipped", torch.randn(2)), ("clobber", torch.randn(3))])
     assert checked == 2 and len(failures) == 2  # k, clobber; q was overwritten, skipped never loaded
     assert "'q': a piece loaded into a parameter is not there after the bucket" in failures[0]

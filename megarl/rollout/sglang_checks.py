@@ -65,16 +65,17 @@ def load_bucket(model, named_tensors: list[tuple[str, Tensor]]) -> None:
             if _fingerprint(tensor if tensor.dtype == rounded else tensor.to(rounded)) != want:
                 wrong.add(name)
                 _failures.append(f"{name!r} arrived with other bytes than the trainer pushed")
-            tensor = _Arrived.of(tensor, name, copies)
+            tensor = _Arrived.of(tensor, (name,), copies)
         stream.append((name, tensor))
     model.load_weights(stream)
     loaded = set()
-    for name, destination, piece in copies:
-        loaded.add(name)
-        if _fingerprint(destination) != piece and name not in wrong:
-            wrong.add(name)
-            _failures.append(f"{name!r}: a piece loaded into a parameter is not there after the bucket "
-                             "(another tensor overwrote it, or the loader wrote elsewhere)")
+    for names, destination, piece in copies:
+        loaded.update(names)
+        if _fingerprint(destination) != piece:
+            for name in (n for n in names if n not in wrong):
+                wrong.add(name)
+                _failures.append(f"{name!r}: a piece loaded into a parameter is not there after the bucket "
+                                 "(another tensor overwrote it, or the loader wrote elsewhere)")
     _failures.extend(f"{name!r} was not loaded into any parameter (the model skipped its name)"
                      for name in expect if name not in loaded)
     _checked += len(loaded - wrong)
@@ -123,44 +124,64 @@ def _fingerprint(tensor: Tensor) -> list[int]:
 
 
 class _Arrived(Tensor):
-    """A verified tensor inside the model's `load_weights`: the views and casts the loader takes of it stay of
-    this kind, and each copy of one into a parameter is recorded in `copies` as (name, destination, Fingerprint of
-    the piece as the destination's dtype holds it)."""
+    """A verified tensor inside the model's `load_weights`: what the loader makes of it (views, casts, pieces, and
+    concatenations with other verified tensors: a fused q/kv projection) stays of this kind, carrying the names of
+    the tensors it holds, and each copy of one into a parameter is recorded in `copies` as (names, destination,
+    Fingerprint of the piece as the destination's dtype holds it)."""
 
-    _megarl_name: str
+    _megarl_names: tuple[str, ...]
     _megarl_copies: list
 
     @classmethod
-    def of(cls, tensor: Tensor, name: str, copies: list) -> _Arrived:
+    def of(cls, tensor: Tensor, names: tuple[str, ...], copies: list) -> _Arrived:
         arrived = tensor.as_subclass(cls)
-        arrived._megarl_name, arrived._megarl_copies = name, copies
+        arrived._megarl_names, arrived._megarl_copies = names, copies
         return arrived
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        source = next((a for a in args if isinstance(a, _Arrived)), None)
-        plain = [a.as_subclass(Tensor) if isinstance(a, _Arrived) else a for a in args]
+        sources = [a for a in _flat(args) + _flat(list(kwargs.values())) if isinstance(a, _Arrived)]
+        plain, plain_kwargs = _plain(args), _plain(kwargs)
         with torch._C.DisableTorchFunctionSubclass():
+            out = func(*plain, **plain_kwargs)
             if func is Tensor.copy_ and not isinstance(args[0], _Arrived):
-                out = func(*plain, **kwargs)
-                _record(source, plain[0], plain[1])
+                _record(sources, plain[0], plain[1])
                 return out
             if func is Tensor.__setitem__ and not isinstance(args[0], _Arrived) and isinstance(args[2], _Arrived):
-                out = func(*plain, **kwargs)
-                _record(source, plain[0][plain[1]], plain[2])
+                _record(sources, plain[0][plain[1]], plain[2])
                 return out
-            out = func(*plain, **kwargs)
-        if source is None:
+        if not sources:
             return out
+        names = tuple(dict.fromkeys(name for a in sources for name in a._megarl_names))
+        copies = sources[0]._megarl_copies
         if isinstance(out, (tuple, list)):  # chunk, split, unbind: each piece stays recorded
-            return type(out)(cls.of(t, source._megarl_name, source._megarl_copies) if isinstance(t, Tensor) else t
-                             for t in out)
+            return type(out)(cls.of(t, names, copies) if isinstance(t, Tensor) else t for t in out)
         if isinstance(out, Tensor) and not isinstance(out, _Arrived):
-            return cls.of(out, source._megarl_name, source._megarl_copies)
+            return cls.of(out, names, copies)
         return out
 
 
-def _record(source: _Arrived, destination: Tensor, piece: Tensor) -> None:
+def _flat(items) -> list:
+    """The tensors among `items`, one level of lists and tuples opened (torch.cat's list of pieces)."""
+    out = []
+    for item in items:
+        out += list(item) if isinstance(item, (list, tuple)) else [item]
+    return out
+
+
+def _plain(value):
+    """`value` with every _Arrived in it (one level of lists, tuples and dicts opened) as a plain tensor."""
+    if isinstance(value, _Arrived):
+        return value.as_subclass(Tensor)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) if isinstance(v, (_Arrived, list, tuple)) else v for v in value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _record(sources: list[_Arrived], destination: Tensor, piece: Tensor) -> None:
     held = piece.to(destination.dtype) if piece.dtype != destination.dtype else piece
-    source._megarl_copies.append((source._megarl_name, destination, _fingerprint(held.expand_as(destination))))
+    names = tuple(dict.fromkeys(name for a in sources for name in a._megarl_names))
+    sources[0]._megarl_copies.append((names, destination, _fingerprint(held.expand_as(destination))))
