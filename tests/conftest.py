@@ -13,7 +13,6 @@ import contextlib
 import fcntl
 import importlib.util
 import os
-import socket
 import shutil
 import subprocess
 import sys
@@ -173,13 +172,6 @@ def subprocess_env() -> dict[str, str]:
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)  # a child must start its own one-process group, not join ours
     return env
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now (for a rendezvous the test starts)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_python(args: list[str], *, cwd: Path | str | None = None, timeout_s: float = SUBPROCESS_TIMEOUT_S,

@@ -13,10 +13,11 @@ import sys
 
 import pytest
 
-from conftest import (REPO, _tiny_model_tool, free_port, from_warm_start, needs_cuda, reward_first_last, run_python,
-                      subprocess_env)
+from conftest import REPO, _tiny_model_tool, from_warm_start, needs_cuda, reward_first_last, run_python, subprocess_env
 
 pytest.importorskip("sglang", reason="SGLang environment not installed (README: SGLang tests)")
+
+from megarl.rollout.placement import free_port  # noqa: E402
 
 from test_sglang import SGLANG_TIMEOUT_S, read_metrics  # noqa: E402
 

@@ -123,6 +123,8 @@ def reachable_address() -> str:
 
 
 def free_port() -> int:
+    """A TCP port free on this machine now (SGLang binds it moments later: a port taken in between fails the start,
+    which the engine's restart answers)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]

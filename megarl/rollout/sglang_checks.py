@@ -7,8 +7,8 @@ scheduler runs on the bucket it opened:
 
 1. The bucket arrives as one entry: this rank's own byte buffer (a `LocalSerializedTensor` holding one per TP
    rank, each made by the trainer rank on that device) under a name that holds the header (each tensor's slot in
-   the buffer, and the trainer's Fingerprint of those the push verifies, megarl.handoff's). Each tensor the push verifies is fingerprinted as it
-   arrived and compared with the trainer's.
+   the buffer, and the trainer's Fingerprint of those the push verifies, megarl.handoff's). Each tensor the push
+   verifies is fingerprinted as it arrived and compared with the trainer's.
 2. The model's own `load_weights` loads the bucket, as SGLang's default path does, with each verified tensor
    wrapped so that every copy of a piece of it into a parameter is recorded (the destination view, and the
    Fingerprint of the piece as the parameter's dtype holds it).
@@ -39,13 +39,15 @@ _patched = False
 
 def header(slots: list, expected: dict) -> str:
     """A bucket's header, the name its buffer travels under: its slots (name, shape, dtype, first byte, end byte)
-    and, for the tensors the push verifies, the trainer's Fingerprint (words, rows, and the dtype it was taken in: the
-    engine's, which a tensor pushed in another dtype is rounded to first). A string, pickled by value: a host tensor
-    would travel as a handle to this process's memory, which a scheduler on another node cannot open."""
-    return HEADER + json.dumps({"slots": [(name, list(shape), str(dtype).removeprefix("torch."), start, end)
-                                 for name, shape, dtype, start, end in slots],
-                       "expect": {name: [fp.words, fp.rows, str(fp.dtype).removeprefix("torch.")]
-                                  for name, fp in expected.items()}})
+    and, for the tensors the push verifies, the trainer's Fingerprint (words, rows, and the dtype it was taken in:
+    the engine's, which a tensor pushed in another dtype is rounded to first). A string, pickled by value: a host
+    tensor would travel as a handle to this process's memory, which a scheduler on another node cannot open."""
+    def dtype_name(dtype: torch.dtype) -> str:
+        return str(dtype).removeprefix("torch.")
+
+    slot_list = [(name, list(shape), dtype_name(dtype), start, end) for name, shape, dtype, start, end in slots]
+    expect = {name: [fp.words, fp.rows, dtype_name(fp.dtype)] for name, fp in expected.items()}
+    return HEADER + json.dumps({"slots": slot_list, "expect": expect})
 
 
 def load_bucket(model, named_tensors: list[tuple[str, Tensor]]) -> None:
@@ -153,8 +155,7 @@ class _Arrived(Tensor):
                 return out
         if not sources:
             return out
-        names = tuple(dict.fromkeys(name for a in sources for name in a._megarl_names))
-        copies = sources[0]._megarl_copies
+        names, copies = _names(sources), sources[0]._megarl_copies
         if isinstance(out, (tuple, list)):  # chunk, split, unbind: each piece stays recorded
             return type(out)(cls.of(t, names, copies) if isinstance(t, Tensor) else t for t in out)
         if isinstance(out, Tensor) and not isinstance(out, _Arrived):
@@ -181,7 +182,11 @@ def _plain(value):
     return value
 
 
+def _names(sources: list[_Arrived]) -> tuple[str, ...]:
+    """The pushed tensors `sources` hold pieces of, each once, in order."""
+    return tuple(dict.fromkeys(name for a in sources for name in a._megarl_names))
+
+
 def _record(sources: list[_Arrived], destination: Tensor, piece: Tensor) -> None:
     held = piece.to(destination.dtype) if piece.dtype != destination.dtype else piece
-    names = tuple(dict.fromkeys(name for a in sources for name in a._megarl_names))
-    sources[0]._megarl_copies.append((names, destination, _fingerprint(held.expand_as(destination))))
+    sources[0]._megarl_copies.append((_names(sources), destination, _fingerprint(held.expand_as(destination))))

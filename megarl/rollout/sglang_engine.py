@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import signal
 import sys
 import threading
@@ -45,15 +44,15 @@ from torch import Tensor
 
 from megarl.checkpoint import peft_adapter_config
 from megarl.config import LoraConfig
-from megarl.device import host_barrier, load_cuda_driver_stand_in, on_gpu
+from megarl.device import host_barrier, on_gpu
 from megarl.handoff import WeightMismatch, buckets, flatten
 from megarl.models.arch import ModelShape
 from megarl.models.safetensors_dir import SafetensorsDir
 from megarl.plan.memory import DTYPE_BYTES, kv_bytes_per_token
 from megarl.rollout.engine import EngineError, Generation, ResponseCallback, released_weights
 from megarl.rollout import sglang_plugin
-from megarl.rollout.sglang_launch import (CPU_POOL_TOKENS, engine_args, kill_processes, launch_env, on_sigquit,
-                                          sigquit_to)
+from megarl.rollout.sglang_launch import (CPU_POOL_TOKENS, cpu_mode, engine_args, kill_processes, on_sigquit,
+                                          start_engine)
 from megarl.rollout.sglang_checks import LOADER, REPORT_NAME, header
 from megarl.rollout.sglang_transfer import decode_routes, gather_payloads, ipc_exportable
 
@@ -89,14 +88,11 @@ class SGLangEngine:
             raise ValueError(f"the engine's group has {group.size()} ranks for an SGLang engine of tp_size {tp_size}")
         self.group = group
         if not self.on_gpu:
-            # SGLang's CPU mode, for this process and the scheduler processes it spawns.
-            os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-            load_cuda_driver_stand_in()
+            cpu_mode()
             if nnodes > 1:
                 # the schedulers of the other nodes are not this process's children: a host tensor travels to
                 # them by name (a shared-memory file), as SGLangPeer's do, not as a descriptor only children take
                 torch.multiprocessing.set_sharing_strategy("file_system")
-        from sglang.srt.entrypoints.engine import Engine
 
         self.capture_routes = capture_routes
         if capture_routes:
@@ -131,11 +127,7 @@ class SGLangEngine:
         self.timeout_s = timeout_s
         self.dead: str | None = None  # why SGLang can no longer answer, once it cannot
         self._watch: _CallWatch | None = None  # the call in flight
-        # while it starts, SGLang calls this handler on SIGQUIT from its processes (in the main thread); the
-        # server arguments travel to its processes, so it is a module function (pickled by name)
-        args["custom_sigquit_handler"] = sigquit_to(self)
-        with launch_env(self.on_gpu, tp_size=tp_size, nnodes=nnodes):
-            self.engine = Engine(**args)
+        self.engine = start_engine(args, owner=self, on_gpu=self.on_gpu, tp_size=tp_size, nnodes=nnodes)
         self._take_over_sigquit()
         if self.on_gpu:
             from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions

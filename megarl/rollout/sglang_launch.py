@@ -77,18 +77,14 @@ class SGLangNodePart:
                  lora: LoraConfig | None = None):
         self.on_gpu = on_gpu()
         if not self.on_gpu:
-            os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-            load_cuda_driver_stand_in()
-        from sglang.srt.entrypoints.engine import Engine
-
+            cpu_mode()
         args = engine_args(model_dir, on_gpu=self.on_gpu, dtype=dtype, seed=seed, tp_size=tp_size,
                            mem_fraction=mem_fraction, base_gpu_id=base_gpu_id, cpu_pool_tokens=cpu_pool_tokens,
                            capture_routes=capture_routes, lora=lora, nnodes=nnodes, node_rank=node_rank,
                            dist_init_addr=dist_init_addr)
         self.dead: str | None = None  # why this node's schedulers stopped, once one did
-        args["custom_sigquit_handler"] = sigquit_to(self)
-        with launch_env(self.on_gpu, tp_size=tp_size, nnodes=nnodes, node_rank=node_rank):
-            self.engine = Engine(**args)
+        self.engine = start_engine(args, owner=self, on_gpu=self.on_gpu, tp_size=tp_size, nnodes=nnodes,
+                                   node_rank=node_rank)
 
     def _process_failed(self, *_) -> None:
         self.dead = "an SGLang scheduler of this node exited (SIGQUIT from SGLang: it died or raised)"
@@ -100,6 +96,23 @@ class SGLangNodePart:
     def abandon(self) -> None:
         self.dead = self.dead or "abandoned after a failure"
         kill_processes(self.engine)
+
+
+def cpu_mode() -> None:
+    """SGLang's CPU mode, for this process and the scheduler processes it spawns."""
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    load_cuda_driver_stand_in()
+
+
+def start_engine(args: dict, *, owner, on_gpu: bool, tp_size: int, nnodes: int = 1, node_rank: int = 0):
+    """`sglang.Engine(**args)` for node `node_rank` of an engine of `tp_size` TP ranks over `nnodes` nodes, in
+    `launch_env`, SGLang's SIGQUIT going to `owner._process_failed` while it starts (the server arguments travel
+    to its processes, so the handler is a module function, pickled by name)."""
+    from sglang.srt.entrypoints.engine import Engine
+
+    args["custom_sigquit_handler"] = sigquit_to(owner)
+    with launch_env(on_gpu, tp_size=tp_size, nnodes=nnodes, node_rank=node_rank):
+        return Engine(**args)
 
 
 def kill_processes(engine) -> None:
