@@ -172,7 +172,7 @@ def node_part(node) -> None:
     """The step's first round of generation on the first rank of node k >= 1 of an engine over whole nodes
     (megarl.rollout.sglang_launch.SGLangNodePart): an armed `engine_kill` SIGKILLs the node's first scheduler,
     which the engine's host meets in its generate call (a dead TP rank)."""
-    if _armed and _take("engine_kill"):
+    if _take("engine_kill"):
         kill_scheduler(node)
 
 

@@ -39,7 +39,7 @@ def make_rollout_engine(cfg: RolloutConfig, model_dir: str, *, shape: ModelShape
 def make_rollout_node_part(cfg: RolloutConfig, model_dir: str, *, dtype: str, seed: int, nodes: int, node_rank: int,
                            init_addr: str, capture_routes: bool = False, lora: LoraConfig | None = None):
     """Node `node_rank` (>= 1) of an SGLang engine over `nodes` whole nodes, on the node's first rank, started
-    while the engine's host starts node 0 with the same arguments (megarl.rollout.sglang_engine.SGLangNodePart)."""
+    while the engine's host starts node 0 with the same arguments (megarl.rollout.sglang_launch.SGLangNodePart)."""
     if cfg.engine != "sglang":
         raise RecipeError(f"rollout.engine: a {cfg.engine} engine does not span nodes")
     from megarl.rollout.sglang_launch import SGLangNodePart
